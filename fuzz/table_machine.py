@@ -1,0 +1,345 @@
+"""Conformance machine: ``vtoken.TokenTable`` and ``vtoken.spec.SpecTokenTable`` side by side.
+
+A tiny scheduler drives both over one small :class:`~vtoken.BlockAllocator` (few blocks,
+small S, so exhaustion, full blocks and block boundaries are common). Every rule applies
+the same operation to both tables; afterwards the observable states, slot mappings and
+waste ratios must be equal, and the invariant checkers must pass. Bad operations must fail
+in both with the same error code and leave both unchanged.
+
+The machine also plays the scheduler's part of the ownership contract: blocks it allocated
+for a request are freed when the table says the request no longer references them
+(moves' emptied sources, released empty blocks, finished requests).
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import event, note
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from vtoken.allocator import BlockAllocator
+from vtoken.errors import AllocatorError, VTokenError
+from vtoken.spec import SpecError, SpecTokenTable
+from vtoken.table import TokenTable
+from vtoken.invariants.table_checks import check_block_accounting, check_conservation, check_unique_mapping
+
+
+def both(impl_call, spec_call):
+    """Run one operation on both sides; return (impl_result, spec_result) or the shared error code."""
+    try:
+        a = impl_call()
+        ea = None
+    except VTokenError as e:
+        a, ea = None, e.code
+    try:
+        b = spec_call()
+        eb = None
+    except SpecError as e:
+        b, eb = None, e.code
+    assert ea == eb, f"implementation raised {ea!r}, reference raised {eb!r}"
+    return a, b, ea
+
+
+class TableMachine(RuleBasedStateMachine):
+    """Stateful conformance test of the token table (see module docstring)."""
+
+    ops = 0  # operations checked, summed over all runs in this process (campaign counter)
+
+    @initialize(S=st.sampled_from([1, 2, 3, 4]), nb=st.integers(4, 14))
+    def setup(self, S, nb):
+        self.S = S
+        self.impl = TokenTable(S, nb)
+        self.spec = SpecTokenTable(S, nb)
+        self.alloc = BlockAllocator(nb)
+        self.pos: dict[int, list[int]] = {}  # positional block list, as a scheduler holds it
+        self.held: dict[int, list[int]] = {}  # allocator references held per request
+        self.next_id = 0
+        note(f"S={S} num_blocks={nb}")
+
+    # ------------------------------------------------------------------ helpers
+    def _alloc(self, n):
+        try:
+            return self.alloc.allocate(n)
+        except AllocatorError:
+            event("hard: allocator exhausted")
+            return None
+
+    def _check_unchanged(self, before_i, before_s):
+        assert self.impl.export_state() == before_i, "a failed operation changed the implementation"
+        assert self.spec.export_state() == before_s, "a failed operation changed the reference"
+
+    def _free_blocks(self, rid, blocks):
+        for b in blocks:
+            self.held[rid].remove(b)
+            self.alloc.free([b])
+            self.pos[rid] = [0 if x == b else x for x in self.pos[rid]]  # null substitution
+
+    def _sync(self, rid, total):
+        TableMachine.ops += 1
+        a, b, err = both(lambda: self.impl.sync_new_tokens(rid, self.pos[rid], total),
+                         lambda: self.spec.sync_new_tokens(rid, self.pos[rid], total))
+        if err is None:
+            assert list(a) == b
+            for p in range(total - len(a), total):
+                if p % self.S == self.S - 1:
+                    event("hard: block exactly full")
+        return err
+
+    def rids(self):
+        return sorted(self.pos)
+
+    # ------------------------------------------------------------------ rules
+    @rule(nblocks=st.integers(1, 3), data=st.data())
+    def add_request(self, nblocks, data):
+        blocks = self._alloc(nblocks)
+        if blocks is None:
+            return
+        rid = self.next_id
+        self.next_id += 1
+        self.pos[rid], self.held[rid] = list(blocks), list(blocks)
+        total = data.draw(st.integers(0, nblocks * self.S), label="total_len")
+        err = self._sync(rid, total)
+        assert err is None, err
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def add_shared_request(self, data):
+        """A prefix-cache hit: share the parent's leading full blocks, then grow privately."""
+        parent = data.draw(st.sampled_from(self.rids()), label="parent")
+        plen = self.impl.length(parent) // self.S
+        k = data.draw(st.integers(0, plen), label="shared_blocks")
+        prefix = self.pos[parent][:k]
+        if 0 in prefix:
+            return  # a freed position: nothing to share
+        extra = self._alloc(data.draw(st.integers(0, 1), label="private_blocks"))
+        if extra is None:
+            return
+        self.alloc.incref(prefix)
+        rid = self.next_id
+        self.next_id += 1
+        self.pos[rid], self.held[rid] = prefix + extra, prefix + extra
+        total = data.draw(st.integers(0, (k + len(extra)) * self.S), label="total_len")
+        err = self._sync(rid, total)
+        if err is not None:  # e.g. a parent token moved into its own vacated prefix slot
+            event(f"shared sync refused: {err}")
+            self.free_request_id(rid, expect_ok=True)
+        elif k:
+            event("shared prefix")
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def grow(self, data):
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        n = self.impl.length(rid)
+        k = data.draw(st.integers(1, 3 * self.S), label="new_tokens")
+        need = -(-(n + k) // self.S) - len(self.pos[rid])
+        if need > 0:
+            blocks = self._alloc(need)
+            if blocks is None:
+                return
+            self.pos[rid] += blocks
+            self.held[rid] += blocks
+        self._sync(rid, n + k)  # may fail (slot_conflict after moves into the tail): both must agree
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data(), kind=st.sampled_from(["shrink", "short", "null", "range", "repeat"]))
+    def grow_bad(self, data, kind):
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        n = self.impl.length(rid)
+        bl = list(self.pos[rid])
+        total = n + 1
+        if kind == "shrink":
+            if n == 0:
+                return
+            total = n - 1
+        elif kind == "short":
+            total = len(bl) * self.S + 1
+        else:
+            j = n // self.S
+            bl = bl[:j] + [{"null": 0, "range": 10**6, "repeat": (bl[0] if bl else 0)}[kind]]
+        before = self.impl.export_state(), self.spec.export_state()
+        TableMachine.ops += 1
+        _, _, err = both(lambda: self.impl.sync_new_tokens(rid, bl, total),
+                         lambda: self.spec.sync_new_tokens(rid, bl, total))
+        if err is not None:
+            self._check_unchanged(*before)
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def evict(self, data):
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        n = self.impl.length(rid)
+        ids = data.draw(st.lists(st.integers(-1, n), max_size=6), label="evict_ids")
+        before = self.impl.export_state(), self.spec.export_state()
+        TableMachine.ops += 1
+        _, _, err = both(lambda: self.impl.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))
+        if err is not None:
+            self._check_unchanged(*before)
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def evict_live(self, data):
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        live = self.spec.live_tokens(rid)
+        if not live:
+            return
+        ids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4), label="victims")
+        TableMachine.ops += 1
+        _, _, err = both(lambda: self.impl.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))
+        assert err is None, err
+
+    def _valid_moves(self, rid, data, min_moves=1):
+        """A small valid move list: live tokens out of private blocks into free slots of
+        the request's own private blocks or of fresh blocks (compaction destinations)."""
+        st_ = self.spec.export_state()
+        r = st_["requests"][rid]
+        private = {b for b in r["blocks"] if st_["blocks"][b]["refs"] == 1}
+        movable = [t for t in r["live"] if r["loc"][t][0] in private]
+        if not movable:
+            return None, []
+        fresh = self._alloc(data.draw(st.integers(0, 2), label="fresh_blocks")) or []
+        occupied = {tuple(v) for v in r["loc"].values()}
+        free_slots = [(b, o) for b in sorted(private) + fresh for o in range(self.S) if (b, o) not in occupied]
+        if not free_slots:
+            self.alloc.free(fresh)
+            return None, []
+        most = min(len(movable), len(free_slots))
+        k = data.draw(st.integers(min(min_moves, most), most), label="n_moves")
+        toks = data.draw(st.permutations(movable), label="tokens")[:k]
+        dsts = data.draw(st.permutations(free_slots), label="dsts")[:k]
+        moves = [(t, *r["loc"][t], *d) for t, d in zip(toks, dsts)]
+        return moves, fresh
+
+    def _commit_fresh(self, rid, fresh):
+        used = set(self.impl.blocks_of(rid))
+        for b in fresh:
+            if b in used:
+                self.held[rid].append(b)
+            else:
+                self.alloc.free([b])
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def apply_valid_moves(self, data):
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        moves, fresh = self._valid_moves(rid, data)
+        if moves is None:
+            return
+        pre = self.spec.export_state()
+        TableMachine.ops += 1
+        a, b, err = both(lambda: self.impl.apply_moves(rid, moves), lambda: self.spec.apply_moves(rid, moves))
+        assert err is None, f"valid moves refused: {err} {moves}"
+        assert a == b, f"emptied sources differ: {a} vs {b}"
+        check_conservation(pre, moves, self.impl.export_state(), rid)
+        self._commit_fresh(rid, fresh)
+        self._free_blocks(rid, a)
+        if a:
+            event("moves emptied a source block")
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data(), kind=st.sampled_from(
+        ["wrong_source", "dead", "unknown", "dup_token", "dup_dst", "occupied", "null", "range", "offset", "foreign"]))
+    def apply_invalid_moves(self, data, kind):
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        moves, fresh = self._valid_moves(rid, data, min_moves=2 if kind == "dup_dst" else 1)
+        if moves is None:
+            return
+        st_ = self.spec.export_state()
+        r = st_["requests"][rid]
+        i = data.draw(st.integers(0, len(moves) - 1), label="corrupt_index")
+        t, sb, so, db, do = moves[i]
+        dead = [p for p in range(r["length"]) if p not in r["loc"]]
+        others = [b for b in st_["blocks"] if b not in r["blocks"]]
+        if kind == "wrong_source":
+            moves[i] = (t, sb, (so + 1) % self.S if self.S > 1 else so, db, do) if self.S > 1 else (t, sb + 1, so, db, do)
+        elif kind == "dead" and dead:
+            moves[i] = (dead[0], sb, so, db, do)
+        elif kind == "unknown":
+            moves[i] = (r["length"], sb, so, db, do)
+        elif kind == "dup_token":
+            moves.append(moves[i])
+        elif kind == "dup_dst" and len(moves) > 1:
+            moves[(i + 1) % len(moves)] = moves[(i + 1) % len(moves)][:3] + (db, do)
+        elif kind == "occupied":
+            moves[i] = (t, sb, so, *r["loc"][r["live"][0]])
+        elif kind == "null":
+            moves[i] = (t, sb, so, 0, do)
+        elif kind == "range":
+            moves[i] = (t, sb, so, self.impl.num_blocks, do)
+        elif kind == "offset":
+            moves[i] = (t, sb, so, db, self.S)
+        elif kind == "foreign" and others:
+            moves[i] = (t, sb, so, others[0], do)
+        else:
+            self.alloc.free(fresh)
+            return
+        before = self.impl.export_state(), self.spec.export_state()
+        TableMachine.ops += 1
+        a, b, err = both(lambda: self.impl.apply_moves(rid, moves), lambda: self.spec.apply_moves(rid, moves))
+        if err is None:  # the corruption happened to stay valid (e.g. a dead slot reused)
+            assert a == b
+            self._commit_fresh(rid, fresh)
+            self._free_blocks(rid, a)
+            return
+        event(f"invalid moves refused: {err}")
+        self._check_unchanged(*before)
+        self.alloc.free(fresh)
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def release_empty(self, data):
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        st_ = self.spec.export_state()
+        r = st_["requests"][rid]
+        cand = [b for b in r["blocks"] + [0, 10**6] if data.draw(st.booleans(), label=f"pick {b}")]
+        before = self.impl.export_state(), self.spec.export_state()
+        TableMachine.ops += 1
+        a, b, err = both(lambda: self.impl.release_empty_blocks(rid, cand),
+                         lambda: self.spec.release_empty_blocks(rid, cand))
+        if err is not None:
+            self._check_unchanged(*before)
+            return
+        assert a == b
+        self._free_blocks(rid, a)
+
+    def free_request_id(self, rid, expect_ok=False):
+        TableMachine.ops += 1
+        a, b, err = both(lambda: self.impl.free_request(rid), lambda: self.spec.free_request(rid))
+        if expect_ok and err == "unknown_request":
+            a = b = []
+        elif err is not None:
+            raise AssertionError(f"free_request refused: {err}")
+        assert a == b, f"freed blocks differ: {a} vs {b}"
+        self.alloc.free(self.held.pop(rid))
+        del self.pos[rid]
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def free_request(self, data):
+        self.free_request_id(data.draw(st.sampled_from(self.rids()), label="rid"))
+
+    @rule()
+    def unknown_request(self):
+        before = self.impl.export_state(), self.spec.export_state()
+        TableMachine.ops += 1
+        _, _, err = both(lambda: self.impl.evict_tokens("nope", [0]), lambda: self.spec.evict_tokens("nope", [0]))
+        assert err == "unknown_request"
+        self._check_unchanged(*before)
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def observable_state_equal(self):
+        if not hasattr(self, "impl"):
+            return
+        si, ss = self.impl.export_state(), self.spec.export_state()
+        assert si == ss, f"state differs:\n impl={si}\n spec={ss}"
+        for rid in self.rids():
+            assert self.impl.slot_mapping(rid).tolist() == self.spec.slot_mapping(rid), f"slot mapping of {rid} differs"
+            for t in si["requests"][rid]["live"][:3]:
+                assert self.impl.location(rid, t) == self.spec.location(rid, t)
+        assert abs(self.impl.waste_ratio() - self.spec.waste_ratio()) < 1e-9
+        check_unique_mapping(si)
+        check_block_accounting(si, self.alloc.export_state())
+
+
+TestTableMachine = TableMachine.TestCase

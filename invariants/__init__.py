@@ -1,0 +1,5 @@
+"""Invariant checkers I1-I4 (installed as ``vtoken.invariants``)."""
+
+from .table_checks import InvariantViolation, check_block_accounting, check_conservation, check_unique_mapping
+
+__all__ = ["InvariantViolation", "check_block_accounting", "check_conservation", "check_unique_mapping"]

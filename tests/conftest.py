@@ -1,0 +1,3 @@
+from vtoken.fuzz.profiles import load_profile
+
+load_profile()

@@ -1,0 +1,12 @@
+"""vtoken: token-level KV-cache virtualization over a block-paged KV cache.
+
+The system lives here; the reference model is ``vtoken.spec`` (folder ``spec/``), the
+checkers ``vtoken.invariants`` (``invariants/``), the fuzzers ``vtoken.fuzz`` (``fuzz/``).
+"""
+
+from .allocator import BlockAllocator
+from .errors import AllocatorError, PlanError, SnapshotError, TableError, VTokenError
+from .table import TokenTable
+
+__all__ = ["BlockAllocator", "TokenTable", "VTokenError", "TableError", "AllocatorError", "PlanError", "SnapshotError"]
+__version__ = "0.1.0"

@@ -1,0 +1,165 @@
+"""A fixed-budget block allocator with a null block, reference counts and reservations.
+
+Modelled on vLLM's ``BlockPool`` (``vllm/v1/core/block_pool.py``) so the simulator, the
+fuzzers and the decoder exercise the same ownership rules the real pool has:
+
+- Block 0 is the *null block*. It is never handed out, never freed, and never receives a
+  token; freed positions in a request's block list may point at it.
+- Every other block is in exactly one state: FREE (in the free queue, ref 0), USED
+  (ref >= 1: one reference per request holding it; prefix sharing adds references), or
+  RESERVED (taken out of the free queue as evacuation headroom, ref 0, owned by the
+  reclamation manager and invisible to ordinary allocation).
+- ``allocate`` pops from the head of the free queue; ``free`` appends to the tail, so the
+  most recently freed block is reused last (vLLM's LRU order).
+
+Ownership: whoever called ``allocate``/``take_reserved`` holds one reference and must call
+``free`` exactly once per reference. Every call validates its whole input first; a failing
+call raises :class:`~vtoken.errors.AllocatorError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable
+
+import numpy as np
+
+from . import faults
+from .errors import AllocatorError
+
+FREE, USED, RESERVED = 0, 1, 2
+NULL_BLOCK = 0
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 2:
+            raise AllocatorError("bad_config", f"num_blocks={num_blocks}: need the null block and at least one more")
+        self.num_blocks = int(num_blocks)
+        self.ref = np.zeros(self.num_blocks, dtype=np.int32)
+        self.state = np.zeros(self.num_blocks, dtype=np.int8)
+        self.state[NULL_BLOCK] = USED  # pinned forever, never in the queue
+        self._queue: collections.deque[int] = collections.deque(range(1, self.num_blocks))
+        self._num_reserved = 0
+
+    # -- queries -----------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_reserved(self) -> int:
+        return self._num_reserved
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by requests (the null block excluded)."""
+        return self.num_blocks - 1 - self.num_free - self._num_reserved
+
+    def free_queue(self) -> list[int]:
+        return list(self._queue)
+
+    def export_state(self) -> dict:
+        """Plain-data view for the invariant checkers."""
+        return {
+            "num_blocks": self.num_blocks,
+            "free_queue": list(self._queue),
+            "reserved": [int(b) for b in np.flatnonzero(self.state == RESERVED)],
+            "ref": {int(b): int(self.ref[b]) for b in np.flatnonzero(self.ref > 0) if b != NULL_BLOCK},
+        }
+
+    # -- validation helpers ------------------------------------------------------------
+    def _check_ids(self, blocks: list[int], what: str) -> None:
+        for b in blocks:
+            if not (0 <= b < self.num_blocks):
+                raise AllocatorError("block_out_of_range", f"{what}: block {b} outside [0, {self.num_blocks})")
+            if b == NULL_BLOCK:
+                raise AllocatorError("null_block", f"{what}: the null block 0 is never allocated or freed")
+
+    # -- allocation ----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the head of the free queue; the caller holds one reference each."""
+        if n < 0:
+            raise AllocatorError("bad_count", f"allocate({n})")
+        if n > len(self._queue):
+            raise AllocatorError("out_of_blocks", f"allocate({n}) with {len(self._queue)} free")
+        out = [self._queue.popleft() for _ in range(n)]
+        for b in out:
+            self.ref[b] = 1
+            self.state[b] = USED
+        return out
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Add a reference to used blocks (a prefix-cache hit shares them)."""
+        blocks = [int(b) for b in blocks]
+        self._check_ids(blocks, "incref")
+        for b in blocks:
+            if self.state[b] != USED:
+                raise AllocatorError("not_allocated", f"incref: block {b} is not in use")
+        for b in blocks:
+            self.ref[b] += 1
+
+    def free(self, blocks: Iterable[int]) -> list[int]:
+        """Drop one reference from each block; blocks reaching zero go to the queue tail.
+
+        Returns the blocks that became free. A block named more times than it has
+        references, or a block that is free or reserved, is a double free.
+        """
+        blocks = [int(b) for b in blocks]
+        self._check_ids(blocks, "free")
+        drops = collections.Counter(blocks)
+        if not faults.on("alloc_double_free"):
+            for b, k in drops.items():
+                if self.state[b] != USED or self.ref[b] < k:
+                    raise AllocatorError(
+                        "double_free", f"free: block {b} has {int(self.ref[b])} reference(s), asked to drop {k}")
+        freed = []
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] <= 0:
+                self.ref[b] = 0
+                self.state[b] = FREE
+                self._queue.append(b)
+                freed.append(b)
+        return freed
+
+    # -- headroom reservations ---------------------------------------------------------------
+    def reserve(self, n: int) -> list[int]:
+        """Move ``n`` free blocks into the reserved state (evacuation headroom)."""
+        if n < 0:
+            raise AllocatorError("bad_count", f"reserve({n})")
+        if n > len(self._queue):
+            raise AllocatorError("out_of_blocks", f"reserve({n}) with {len(self._queue)} free")
+        out = [self._queue.popleft() for _ in range(n)]
+        for b in out:
+            self.state[b] = RESERVED
+        self._num_reserved += n
+        return out
+
+    def take_reserved(self, blocks: Iterable[int]) -> None:
+        """Hand reserved blocks to a request (compaction destinations): RESERVED -> USED, ref 1."""
+        blocks = [int(b) for b in blocks]
+        self._check_ids(blocks, "take_reserved")
+        if len(set(blocks)) != len(blocks):
+            raise AllocatorError("duplicate_block", f"take_reserved: {blocks} names a block twice")
+        for b in blocks:
+            if self.state[b] != RESERVED:
+                raise AllocatorError("not_reserved", f"take_reserved: block {b} is not reserved")
+        for b in blocks:
+            self.state[b] = USED
+            self.ref[b] = 1
+        self._num_reserved -= len(blocks)
+
+    def unreserve(self, blocks: Iterable[int]) -> None:
+        """Return reserved blocks to the free queue."""
+        blocks = [int(b) for b in blocks]
+        self._check_ids(blocks, "unreserve")
+        if len(set(blocks)) != len(blocks):
+            raise AllocatorError("duplicate_block", f"unreserve: {blocks} names a block twice")
+        for b in blocks:
+            if self.state[b] != RESERVED:
+                raise AllocatorError("not_reserved", f"unreserve: block {b} is not reserved")
+        for b in blocks:
+            self.state[b] = FREE
+            self._queue.append(b)
+        self._num_reserved -= len(blocks)

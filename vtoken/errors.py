@@ -1,0 +1,62 @@
+"""Errors raised by vtoken.
+
+Every error carries a stable ``code`` string. The codes are the contract shared with the
+reference model in ``spec/`` (which raises its own exception type with the same codes), so
+the conformance fuzzers compare *what* went wrong without either side importing the other.
+
+A failed operation never changes state: every mutating call validates its whole input
+before it writes anything.
+"""
+
+from __future__ import annotations
+
+
+class VTokenError(Exception):
+    """Base class. ``code`` names the problem; the message says where."""
+
+    code = "error"
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+
+
+class TableError(VTokenError):
+    """A token-table operation was given bad input (nothing was changed)."""
+
+
+class AllocatorError(VTokenError):
+    """A block-allocator operation was given bad input or could not be served."""
+
+
+class PlanError(VTokenError):
+    """A reclamation plan is invalid or used out of its lifecycle order."""
+
+
+class SnapshotError(VTokenError):
+    """A plan snapshot is malformed; the message names the field."""
+
+
+class RelocationCheckError(VTokenError):
+    """Hash-and-compare found a relocation that changed a token's id or K/V bytes."""
+
+
+# The codes a token table raises. Kept here as the single list both sides document.
+TABLE_CODES = (
+    "unknown_request",     # req_id not registered
+    "length_decrease",     # sync_new_tokens with total_len below the current length
+    "blocks_short",        # block_ids too short to hold total_len tokens
+    "block_out_of_range",  # a block id outside [0, num_blocks)
+    "null_block",          # a token would be placed in the null block 0
+    "slot_conflict",       # a new token's slot is held by a different token
+    "unknown_token",       # token id outside [0, length)
+    "dead_token",          # token already evicted
+    "duplicate_token",     # a token named twice in one batch
+    "bad_offset",          # an offset outside [0, block_size)
+    "wrong_source",        # move source differs from the token's current location
+    "shared_block",        # move out of or into a block referenced by several requests
+    "foreign_block",       # move destination owned by another request
+    "slot_occupied",       # move destination holds a live token
+    "duplicate_destination",  # two moves name the same destination slot
+    "bad_move",            # a move that is not five integers
+)

@@ -1,0 +1,203 @@
+"""The physical paged KV cache: one tensor, addressed by token slots.
+
+Layout
+------
+``kv`` has shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
+(index 0 of dim 1 is K, index 1 is V). Every method works through the flat view
+``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` in which a token's
+*slot* is ``block * block_size + offset`` (paper Eq. 2).
+
+Why one tensor with the slot dimension third: a token's K and V for *every* layer live
+at the same slot index, so relocating tokens (``copy_slots``) or hashing them
+(``slot_bytes``) is a single ``index_select`` / ``index_copy_`` along dim 2 that moves all
+layers at once, instead of ``2 * num_layers`` separate copies. Per-layer reads and writes
+(``gather`` / ``write``) index the same view with the layer fixed.
+
+Ownership
+---------
+``KVCache`` owns the storage only. It knows nothing about which slots are live or which
+request holds them: the token table and the block allocator own that, and they decide
+which slots may be written, read, copied or reused. Freeing a block is purely a metadata
+act elsewhere; this class never frees or zeroes anything on its own.
+
+Validation
+----------
+With ``checked=True`` (the default) every call checks that slots are 1-D int64, inside
+``[0, num_blocks * block_size)`` and, where a write target is named twice, rejects it.
+Negative slots are rejected explicitly: torch would otherwise wrap them around to the end
+of the cache (bug class 5, wrong-slot writes). The checks read values back to the host,
+so a CUDA user on a hot path may pass ``checked=False``; the CPU cost is negligible.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xxhash
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Paged K/V storage for all layers, addressed by token slot.
+
+    Args:
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the geometry.
+        dtype: storage dtype (K/V are cast to it on write; readers cast back).
+        device: where the tensor lives.
+        checked: validate slot arguments (see module docstring).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        checked: bool = True,
+    ) -> None:
+        for name, val in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                          ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                          ("head_dim", head_dim)):
+            if int(val) <= 0:
+                raise ValueError(f"{name} must be positive, got {val}")
+        self.num_layers = int(num_layers)
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.checked = checked
+        # Zero-initialised so that an unwritten slot has defined bytes (hashes are stable).
+        self.kv = torch.zeros(
+            (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+             self.head_dim),
+            dtype=dtype, device=self.device,
+        )
+        # A view, not a copy: writes through it land in ``kv``.
+        self._flat = self.kv.view(self.num_layers, 2, self.num_slots, self.num_kv_heads,
+                                  self.head_dim)
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers: ``2 * L * H * D * itemsize``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The ``[L, 2, num_slots, H, D]`` view (shares storage with ``kv``)."""
+        return self._flat
+
+    def slots_of(self, block_ids: torch.Tensor | np.ndarray | list[int],
+                 offsets: torch.Tensor | np.ndarray | list[int]) -> torch.Tensor:
+        """``block * block_size + offset`` as an int64 tensor on this cache's device."""
+        b = torch.as_tensor(block_ids, dtype=torch.int64, device=self.device)
+        o = torch.as_tensor(offsets, dtype=torch.int64, device=self.device)
+        return b * self.block_size + o
+
+    # ------------------------------------------------------------------ checks
+    def _slots(self, slots: torch.Tensor | np.ndarray | list[int], what: str,
+               unique: bool = False) -> torch.Tensor:
+        s = torch.as_tensor(slots, device=self.device)
+        if s.dtype != torch.int64:
+            if s.dtype.is_floating_point or s.dtype == torch.bool:
+                raise TypeError(f"{what}: slots must be integers, got {s.dtype}")
+            s = s.to(torch.int64)
+        if s.dim() != 1:
+            raise ValueError(f"{what}: slots must be 1-D, got shape {tuple(s.shape)}")
+        if self.checked and s.numel():
+            lo, hi = int(s.min()), int(s.max())
+            if lo < 0 or hi >= self.num_slots:
+                raise IndexError(f"{what}: slot out of range [0, {self.num_slots}): "
+                                 f"min {lo}, max {hi}")
+            if unique and s.numel() > 1 and torch.unique(s).numel() != s.numel():
+                raise ValueError(f"{what}: a destination slot is named twice")
+        return s
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+
+    # ------------------------------------------------------------------ per layer
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k[i]``, ``v[i]`` (each ``[n, H, D]``) at ``slots[i]`` of ``layer``.
+
+        The caller owns the slots (they must be allocated to the writing request). Slots
+        must be distinct: two writes to one slot in a single call have no defined winner.
+        """
+        self._check_layer(layer)
+        s = self._slots(slots, "write", unique=True)
+        shape = (s.numel(), self.num_kv_heads, self.head_dim)
+        if tuple(k.shape) != shape or tuple(v.shape) != shape:
+            raise ValueError(f"write: k/v must be {shape}, got {tuple(k.shape)}, {tuple(v.shape)}")
+        self._flat[layer, 0].index_copy_(0, s, k.to(self.dtype))
+        self._flat[layer, 1].index_copy_(0, s, v.to(self.dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` at ``slots``, in the given order, as new ``[n, H, D]`` tensors.
+
+        ``index_select`` copies the bytes exactly, so the result depends only on the bytes
+        stored at those slots and their order, never on where the slots are.
+        """
+        self._check_layer(layer)
+        s = self._slots(slots, "gather")
+        return self._flat[layer, 0].index_select(0, s), self._flat[layer, 1].index_select(0, s)
+
+    # ------------------------------------------------------------------ all layers
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy every layer's K and V from ``src_slots[i]`` to ``dst_slots[i]``.
+
+        Semantics are those of a *parallel* copy: all sources are gathered into a
+        temporary first, then scattered, so a destination that is also a source in the
+        same call receives the source's *old* bytes (overlapping lists are safe).
+        Destinations must be distinct. Sources are left untouched; freeing them is the
+        caller's decision (and, on an async backend, only after the copy completed).
+        """
+        src = self._slots(src_slots, "copy_slots src")
+        dst = self._slots(dst_slots, "copy_slots dst", unique=True)
+        if src.numel() != dst.numel():
+            raise ValueError(f"copy_slots: {src.numel()} sources but {dst.numel()} destinations")
+        if src.numel() == 0:
+            return
+        moved = self._flat.index_select(2, src)  # [L, 2, n, H, D], a fresh tensor
+        self._flat.index_copy_(2, dst, moved)
+
+    def fill_slots(self, slots: torch.Tensor, value: float) -> None:
+        """Set every layer's K and V at ``slots`` to ``value`` (sentinels in tests)."""
+        s = self._slots(slots, "fill_slots")
+        self._flat.index_fill_(2, s, value)
+
+    def slot_bytes(self, slots: torch.Tensor) -> torch.Tensor:
+        """Raw bytes of each token's K/V over all layers: uint8 ``[n, bytes_per_token]``.
+
+        Row ``i`` is the bytes of ``kv[:, :, slot_i]`` in ``(layer, k/v, head, dim)`` order.
+        The floats are reinterpreted (``view(torch.uint8)``), never converted or rounded,
+        so -0.0 vs 0.0 and NaN payloads are distinguished. Returned on this cache's device.
+        """
+        s = self._slots(slots, "slot_bytes")
+        per_tok = self._flat.index_select(2, s).permute(2, 0, 1, 3, 4).contiguous()
+        return per_tok.view(torch.uint8).reshape(s.numel(), self.bytes_per_token)
+
+    def slot_digests(self, slots: torch.Tensor) -> np.ndarray:
+        """xxh3-64 digest of each token's ``slot_bytes`` row: uint64 ``[n]`` (host side).
+
+        For hash-and-compare of I1 (token conservation): digest the live tokens before a
+        relocation, apply it, digest their new slots, compare in logical order.
+        """
+        rows = self.slot_bytes(slots).cpu().numpy()
+        return np.fromiter((xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows),
+                           dtype=np.uint64, count=rows.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"KVCache(L={self.num_layers}, blocks={self.num_blocks}, S={self.block_size}, "
+                f"H={self.num_kv_heads}, D={self.head_dim}, dtype={self.dtype}, "
+                f"device={self.device})")

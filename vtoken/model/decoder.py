@@ -1,0 +1,303 @@
+"""A small Llama-style decoder that reads and writes a paged KV cache by slot.
+
+The decoder owns its weights and a RoPE table, nothing else. It does NOT own the token
+table, the block allocator or the KV cache: callers pass the ``KVCache`` and say, per
+token, which slot to write (``write_slot(s)``) and which slots to read (``read_slots``,
+the live tokens in logical order). Which slots those are, and whether they are still
+valid, is the caller's (the engine's / token table's) responsibility.
+
+Architecture: token embedding -> L x [RMSNorm -> GQA attention with RoPE -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head (tied to the embedding or not).
+Parameter names follow Hugging Face ``LlamaForCausalLM`` (``model.layers.0.self_attn.
+q_proj.weight``, ...) so ``state_dict()`` is the safetensors naming scheme as well.
+
+Determinism contract
+--------------------
+* Placement invariance (always): a request's logits and attention statistics depend only
+  on the bytes of the K/V it reads and their order, never on which physical slots hold
+  them. ``KVCache.gather`` copies bytes exactly and every later op sees a fresh tensor of
+  the same shape, so moving tokens between blocks gives bitwise-equal results.
+* Batch invariance (``batch_invariant=True``, the default): ``decode_step`` runs each
+  request's whole forward separately, with ``[1, hidden]`` activations, so no op ever
+  sees another request's rows. Measured on this CPU, a batched GEMM row differs bitwise
+  from the same row computed alone, and torch's SiLU/exp differ between their
+  vectorised body and scalar tail, so padding or batching would change a request's bits.
+  With ``batch_invariant=False`` projections and MLP are batched across requests (faster
+  at large batch) and attention is still per request: placement invariance holds,
+  batch invariance does not.
+* Both hold for a fixed torch thread count on one machine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vtoken.kvcache import KVCache
+from vtoken.model.config import DecoderConfig
+from vtoken.model.rope import RopeTable, apply_rope
+
+__all__ = ["DecodeItem", "PagedDecoder", "greedy"]
+
+
+class DecodeItem(NamedTuple):
+    """One request's input to a decode step.
+
+    ``read_slots`` are the slots of the request's LIVE tokens in logical order, excluding
+    the new token; ``write_slot`` receives the new token's K/V (it must not be in
+    ``read_slots``). ``position`` is the new token's original position id.
+    """
+
+    token_id: int
+    position: int
+    write_slot: int
+    read_slots: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``.
+
+    sqrt then divide (both correctly rounded) instead of ``rsqrt``, whose vectorised and
+    scalar kernels may round differently.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ms = (x * x).mean(dim=-1, keepdim=True)
+        return x / torch.sqrt(ms + self.eps) * self.weight
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: DecoderConfig) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DecoderConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = _MLP(c)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, c: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+@dataclass
+class _Group:
+    """Rows ``[start, stop)`` of the step attend over K/V at ``key_slots`` (gathered
+    after this step's writes). ``causal``: row i sees keys ``[0, i]`` (prefill)."""
+
+    start: int
+    stop: int
+    key_slots: torch.Tensor
+    causal: bool
+
+
+class PagedDecoder(nn.Module):
+    """Llama-style paged decoder. See the module docstring for the contracts.
+
+    Random init (when no weights are loaded) is fixed by ``config.seed``: linear weights
+    ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms = 1. Weights are frozen (inference only).
+    """
+
+    def __init__(self, config: DecoderConfig | None = None, batch_invariant: bool = True) -> None:
+        super().__init__()
+        c = self.config = config or DecoderConfig()
+        self.batch_invariant = batch_invariant
+        # nn.Linear/nn.Embedding draw their default init from the global RNG; fork it so
+        # building a decoder never perturbs the caller's random stream (we re-init below).
+        with torch.random.fork_rng(devices=[]):
+            self.model = _Backbone(c)
+            self.lm_head = None if c.tie_word_embeddings else nn.Linear(
+                c.hidden_size, c.vocab_size, bias=False)
+        self.rope = RopeTable(c.head_dim, c.rope_theta, c.max_position_embeddings)
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self._init_weights()
+        self.requires_grad_(False)
+        self.to(c.dtype)
+
+    # ------------------------------------------------------------------ setup
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        g = torch.Generator().manual_seed(self.config.seed)
+        for name, p in self.named_parameters():  # deterministic order
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                p.fill_(1.0)
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+
+    def make_kv_cache(self, num_blocks: int, block_size: int,
+                      dtype: torch.dtype | None = None,
+                      device: str | torch.device = "cpu", checked: bool = True) -> KVCache:
+        """A ``KVCache`` with this model's geometry (the caller owns it)."""
+        c = self.config
+        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                       dtype=dtype or c.dtype, device=device, checked=checked)
+
+    def _lm_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def _check_cache(self, kv: KVCache) -> None:
+        c = self.config
+        if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (
+                c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ValueError(f"{kv!r} does not match the model geometry "
+                             f"(L={c.num_layers}, H={c.num_kv_heads}, D={c.head_dim})")
+
+    # ------------------------------------------------------------------ core
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[m, Hq, D]`` over k, v ``[T, Hkv, D]`` -> (out ``[m, Hq*D]``, stat ``[T]``).
+
+        ``stat[j]`` = probability key j received, summed over the m queries, averaged over
+        the Hq query heads. Causal: query i is the i-th of the *last* m keys.
+        """
+        c = self.config
+        m, t = q.shape[0], k.shape[0]
+        hk, g, d = c.num_kv_heads, c.group_size, c.head_dim
+        # Fold the query-group and query-row dims together so both products are plain
+        # bmm over the KV heads (no broadcast expand copying K/V per query head).
+        qh = q.reshape(m, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * m, d)
+        scores = torch.bmm(qh, k.permute(1, 2, 0)).view(hk, g, m, t) * self.scale
+        if causal:
+            qpos = torch.arange(t - m, t).unsqueeze(1)
+            scores = scores.masked_fill(torch.arange(t).unsqueeze(0) > qpos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs.view(hk, g * m, t), v.permute(1, 0, 2)).view(hk, g, m, d)
+        stat = probs.sum(dim=2).reshape(c.num_heads, t).mean(dim=0)
+        return out.permute(2, 0, 1, 3).reshape(m, c.num_heads * c.head_dim), stat
+
+    def _forward(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
+                 write_slots: torch.Tensor, groups: Sequence[_Group],
+                 rows: slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run all layers for ``m`` new tokens; return (logits of ``rows``, stats per group).
+
+        Each layer writes the new tokens' K/V (RoPE'd at their positions) to
+        ``write_slots`` first, then every group gathers its keys from the cache, so the
+        new tokens are read back exactly as later steps will read them (cache dtype).
+        """
+        cos, sin = self.rope.lookup(positions)
+        x = self.model.embed_tokens(token_ids.to(self.model.embed_tokens.weight.device))
+        stats = [torch.zeros(g.key_slots.numel(), dtype=torch.float32) for g in groups]
+        c = self.config
+        for li, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            att = layer.self_attn
+            q = apply_rope(att.q_proj(h).view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(att.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = att.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+            kv.write(li, write_slots, k, v)
+            outs = []
+            for gi, g in enumerate(groups):
+                gk, gv = kv.gather(li, g.key_slots)
+                o, s = self._attend(q[g.start:g.stop], gk.to(q.dtype), gv.to(q.dtype),
+                                    g.causal)
+                outs.append(o)
+                stats[gi] += s.float().cpu()
+            x = x + att.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.model.norm(x[rows])
+        return F.linear(h, self._lm_weight()), stats
+
+    # ------------------------------------------------------------------ public API
+    @torch.inference_mode()
+    def prefill(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
+                write_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Process one request's prompt: causal attention among its ``n`` tokens.
+
+        Writes every prompt token's K/V (all layers) to ``write_slots`` (caller-owned,
+        distinct). Returns ``(next_logits [vocab], attn_stats [n])`` where
+        ``attn_stats[j]`` = attention prompt token j received, summed over all n queries,
+        averaged over heads, summed over layers (H2O's accumulated score after prefill).
+        No previously cached tokens are attended (no chunked prefill / prefix reuse).
+        """
+        self._check_cache(kv)
+        ids = torch.as_tensor(token_ids, dtype=torch.int64)
+        pos = torch.as_tensor(positions, dtype=torch.int64)
+        ws = torch.as_tensor(write_slots, dtype=torch.int64, device=kv.device)
+        n = ids.numel()
+        if n == 0 or pos.numel() != n or ws.numel() != n:
+            raise ValueError(f"prefill: need n>0 and equal lengths, got "
+                             f"{n}, {pos.numel()}, {ws.numel()}")
+        logits, stats = self._forward(kv, ids, pos, ws, [_Group(0, n, ws, True)],
+                                      slice(n - 1, n))
+        return logits[0], stats[0]
+
+    @torch.inference_mode()
+    def decode_step(self, kv: KVCache, batch: Sequence[DecodeItem | tuple]
+                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One decode step for a batch of requests.
+
+        For each item: compute q/k/v of the new token, write its K/V to ``write_slot``,
+        attend over K/V gathered from ``read_slots`` followed by the new token (last).
+        Returns ``(logits [B, vocab], stats)`` with ``stats[i]`` a float32 tensor
+        ``[len(read_slots_i) + 1]``: the attention each attended token received from the
+        new query, averaged over heads, summed over layers (so it sums to num_layers);
+        the last entry is the new token itself.
+        """
+        self._check_cache(kv)
+        items = [DecodeItem(*it) for it in batch]
+        if not items:
+            return torch.empty(0, self.config.vocab_size, dtype=self.config.dtype), []
+        wslots = torch.tensor([it.write_slot for it in items], dtype=torch.int64,
+                              device=kv.device)
+        keys = []
+        for it in items:
+            rs = torch.as_tensor(it.read_slots, dtype=torch.int64, device=kv.device)
+            if kv.checked and bool((rs == it.write_slot).any()):
+                raise ValueError(f"decode_step: write_slot {it.write_slot} is in read_slots")
+            keys.append(torch.cat([rs, wslots.new_tensor([it.write_slot])]))
+        ids = torch.tensor([it.token_id for it in items], dtype=torch.int64)
+        pos = torch.tensor([it.position for it in items], dtype=torch.int64)
+        if self.batch_invariant:
+            logits, stats = [], []
+            for i in range(len(items)):
+                lg, st = self._forward(kv, ids[i:i + 1], pos[i:i + 1], wslots[i:i + 1],
+                                       [_Group(0, 1, keys[i], False)], slice(0, 1))
+                logits.append(lg)
+                stats.append(st[0])
+            return torch.cat(logits), stats
+        groups = [_Group(i, i + 1, keys[i], False) for i in range(len(items))]
+        return self._forward(kv, ids, pos, wslots, groups, slice(None))
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dim as int64 (shape ``logits.shape[:-1]``); ties -> lowest id.
+
+    ``torch.argmax`` documents first-occurrence on ties; it is stated here as the contract
+    (and tested). Use ``.tolist()`` for Python ints.
+    """
+    return torch.argmax(logits, dim=-1)

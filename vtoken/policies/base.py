@@ -1,0 +1,73 @@
+"""The Policy API: the only surface an eviction policy sees.
+
+A policy works on logical token ids of one request at a time and never learns about
+blocks, slots or reclamation (paper section 3.1). The engine drives it:
+
+1. after every step (prefill or decode) it calls ``observe(req_id, token_ids, attn)``
+   with the request's live token ids in logical order (the new token last) and the
+   attention each received that step (``PagedDecoder`` stats: averaged over heads,
+   summed over layers; after prefill, also summed over the prompt's queries);
+2. it calls ``select_victims(req_id, live_ids, budget)`` and evicts what comes back
+   (``TokenTable.evict``); the policy does not evict anything itself;
+3. it calls ``forget(req_id)`` when the request finishes, dropping the policy's state.
+
+Contract of ``select_victims``: returns a sorted int64 array of distinct ids drawn from
+``live_ids`` such that at most ``budget`` ids remain, never contains the newest token
+(``live_ids[-1]``), and is empty when ``len(live_ids) <= budget``. It is deterministic:
+the same calls in the same order give the same answers. ``budget < 1`` with tokens present
+is an error, since the newest token must survive.
+
+Writing a policy: subclass ``Policy`` and implement ``keep_scores`` (higher = keep longer;
+``inf`` = protected). ``select_victims`` evicts the lowest finite scores first, ties going
+to the older token; protected tokens go only when the budget cannot be met otherwise,
+oldest first. Policy state is kept per request and owned by the policy object.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import numpy as np
+
+__all__ = ["Policy", "protect_recent"]
+
+
+def protect_recent(score: np.ndarray, recent: int) -> np.ndarray:
+    """A float64 copy of ``score`` with the last ``recent`` entries set to ``inf``."""
+    out = np.array(score, dtype=np.float64, copy=True)
+    if recent > 0:
+        out[-recent:] = np.inf
+    return out
+
+
+class Policy:
+    """Base class; see the module docstring for the contract."""
+
+    name = "base"
+
+    def observe(self, req_id: Hashable, token_ids: np.ndarray, attn: np.ndarray) -> None:
+        """Record one step's attention; ``token_ids`` and ``attn`` have equal length."""
+
+    def forget(self, req_id: Hashable) -> None:
+        """Drop all state kept for ``req_id`` (unknown ids are ignored)."""
+
+    def keep_scores(self, req_id: Hashable, live_ids: np.ndarray, budget: int) -> np.ndarray:
+        """Keep-priority per live token (same length as ``live_ids``)."""
+        raise NotImplementedError
+
+    def select_victims(self, req_id: Hashable, live_ids: np.ndarray, budget: int) -> np.ndarray:
+        ids = np.asarray(live_ids, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"live_ids must be 1-D, got shape {ids.shape}")
+        n_evict = ids.size - int(budget)
+        if n_evict <= 0:
+            return np.empty(0, dtype=np.int64)
+        if budget < 1:
+            raise ValueError(f"budget {budget} < 1: the newest token must survive")
+        score = np.asarray(self.keep_scores(req_id, ids, int(budget)), dtype=np.float64)
+        if score.shape != ids.shape:
+            raise ValueError(f"{self.name}: keep_scores gave {score.shape}, want {ids.shape}")
+        score = np.where(np.isnan(score), -np.inf, score)
+        # The newest token is never a candidate; lexsort: by score, then logical order.
+        order = np.lexsort((np.arange(ids.size - 1), score[:-1]))
+        return np.sort(ids[order[:n_evict]])

@@ -1,0 +1,24 @@
+"""StreamingLLM: keep the attention sinks and a recent window, evict the middle.
+
+The sinks are the first ``sink`` tokens of the sequence (logical ids ``< sink``). The
+rest are ranked by recency, so the oldest middle token goes first and the survivors are
+the sinks plus the most recent ``budget - sink`` tokens. Attention is not used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtoken.policies.base import Policy
+
+
+class StreamingLLM(Policy):
+    name = "streaming"
+
+    def __init__(self, sink: int = 4) -> None:
+        self.sink = sink
+
+    def keep_scores(self, req_id, live_ids, budget):
+        score = np.arange(live_ids.size, dtype=np.float64)  # older = lower = evicted first
+        score[live_ids < self.sink] = np.inf
+        return score
