@@ -60,19 +60,21 @@ NULL_BLOCK = 0
 
 
 class _Req:
-    __slots__ = ("slot", "live", "n", "n_live", "blocks", "dev_slot", "dev_live", "map_cache", "map_len", "map_dirty")
+    """One request's host arrays; its device entries live in a segment of the table's pool."""
 
-    def __init__(self, device: torch.device):
-        cap = 64
-        self.slot = np.full(cap, -1, dtype=np.int64)
-        self.live = np.zeros(cap, dtype=bool)
+    __slots__ = ("slot", "live", "n", "n_live", "blocks", "base", "cap", "map_cache", "map_len", "map_src_n", "map_dirty")
+
+    def __init__(self):
+        self.slot = np.full(64, -1, dtype=np.int64)
+        self.live = np.zeros(64, dtype=bool)
         self.n = 0
         self.n_live = 0
         self.blocks: set[int] = set()
-        self.dev_slot = torch.full((cap,), -1, dtype=torch.int64, device=device)
-        self.dev_live = torch.zeros(cap, dtype=torch.bool, device=device)
-        self.map_cache = torch.empty(cap, dtype=torch.int64, device=device)
+        self.base = -1  # device segment [base, base + cap) in the pool
+        self.cap = 0
+        self.map_cache = None  # compacted live slots (device), see slot_mapping
         self.map_len = 0
+        self.map_src_n = 0  # tokens [0, map_src_n) are reflected in map_cache
         self.map_dirty = False
 
     def reserve(self, need: int) -> None:
@@ -85,14 +87,70 @@ class _Req:
         live = np.zeros(new, dtype=bool)
         live[:cap] = self.live
         self.slot, self.live = slot, live
-        dslot = torch.full((new,), -1, dtype=torch.int64, device=self.dev_slot.device)
-        dslot[:cap] = self.dev_slot
-        dlive = torch.zeros(new, dtype=torch.bool, device=self.dev_live.device)
-        dlive[:cap] = self.dev_live
-        self.dev_slot, self.dev_live = dslot, dlive
-        mc = torch.empty(new, dtype=torch.int64, device=self.map_cache.device)
-        mc[: self.map_len] = self.map_cache[: self.map_len]
-        self.map_cache = mc
+
+
+class _DevicePool:
+    """The read-side lookup cache: per-token slots and live bits of every request, on the device.
+
+    One flat pair of tensors holds all requests, each in a power-of-two segment, so the
+    updates of a whole scheduler step reach the device in one batched write (``flush``)
+    instead of several small ones per request. Mutations only queue updates; every read
+    flushes first, so no reader sees a stale entry.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slot = torch.full((1024,), -1, dtype=torch.int64, device=device)
+        self.live = torch.zeros(1024, dtype=torch.bool, device=device)
+        self.used = 0
+        self.free_segs: dict[int, list[int]] = {}
+        self.pend_idx: list = []  # global indices whose slot changed (arrays or ints)
+        self.pend_val: list = []
+        self.pend_new: list = []  # indices that became live (new tokens)
+        self.pend_dead: list = []  # indices that died
+
+    def alloc(self, cap: int) -> int:
+        lst = self.free_segs.get(cap)
+        if lst:
+            return lst.pop()
+        if self.used + cap > len(self.slot):
+            self.flush()
+            size = max(2 * len(self.slot), self.used + cap)
+            slot = torch.full((size,), -1, dtype=torch.int64, device=self.device)
+            live = torch.zeros(size, dtype=torch.bool, device=self.device)
+            slot[: self.used] = self.slot[: self.used]
+            live[: self.used] = self.live[: self.used]
+            self.slot, self.live = slot, live
+        base = self.used
+        self.used += cap
+        return base
+
+    def release(self, base: int, cap: int) -> None:
+        self.flush()  # queued writes must not land on the segment's next owner
+        self.live[base:base + cap] = False
+        self.free_segs.setdefault(cap, []).append(base)
+
+    @staticmethod
+    def _cat(parts) -> np.ndarray:
+        arrs = [p if isinstance(p, np.ndarray) else np.asarray([p], dtype=np.int64) for p in parts]
+        return np.concatenate(arrs)
+
+    def flush(self) -> None:
+        if self.pend_idx:
+            idx, val = self._cat(self.pend_idx), self._cat(self.pend_val)
+            if len(idx) > 1:  # the last write to an index wins (index_put order is unspecified)
+                ridx = idx[::-1]
+                _, last = np.unique(ridx, return_index=True)
+                idx, val = ridx[last], val[::-1][last]
+            self.slot[torch.from_numpy(idx).to(self.device)] = torch.from_numpy(val).to(self.device)
+            self.pend_idx.clear()
+            self.pend_val.clear()
+        if self.pend_new:  # births before deaths: a token born and evicted in one step stays dead
+            self.live[torch.from_numpy(self._cat(self.pend_new)).to(self.device)] = True
+            self.pend_new.clear()
+        if self.pend_dead:
+            self.live[torch.from_numpy(self._cat(self.pend_dead)).to(self.device)] = False
+            self.pend_dead.clear()
 
 
 def _as_int_array(xs, what: str) -> np.ndarray:
@@ -117,6 +175,7 @@ class TokenTable:
         self.num_blocks = int(num_blocks)
         self.device = torch.device(device)
         self._reqs: dict[object, _Req] = {}
+        self._pool = _DevicePool(self.device)
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
         self.n_b = np.zeros(self.num_blocks, dtype=np.int32)
         self.claims = np.zeros(self.num_blocks * self.S, dtype=np.int32)
@@ -191,8 +250,10 @@ class TokenTable:
         k = total_len - n
         if k == 0:
             if r is None:
-                self._reqs[req_id] = _Req(self.device)
+                self._reqs[req_id] = _Req()
             return np.empty(0, dtype=np.int64)
+        if k == 1:
+            return self._sync_one(req_id, r, block_ids, n)
         S = self.S
         j0, j1 = n // S, (total_len - 1) // S + 1
         seg = _as_int_array(block_ids[j0:j1], "block_ids")
@@ -225,8 +286,8 @@ class TokenTable:
 
         # ---- apply (nothing below can fail)
         if r is None:
-            r = self._reqs[req_id] = _Req(self.device)
-        r.reserve(total_len)
+            r = self._reqs[req_id] = _Req()
+        self._grow(r, total_len)
         for b in set(seg.tolist()):
             if b not in r.blocks:
                 self._ref_block(r, b)
@@ -235,15 +296,65 @@ class TokenTable:
         r.n, r.n_live = total_len, r.n_live + k
         self.placed[slots] = pos
         self._claim(slots)
-        dslots = torch.from_numpy(slots).to(self.device, non_blocking=True)
-        r.dev_slot[n:total_len] = dslots
-        r.dev_live[n:total_len] = True
-        if not r.map_dirty and r.map_len == r.n_live - k:
-            r.map_cache[r.map_len:r.map_len + k] = dslots  # ordinary growth: append
-            r.map_len += k
-        else:
-            r.map_dirty = True
+        gidx = np.arange(r.base + n, r.base + total_len, dtype=np.int64)
+        pool = self._pool
+        pool.pend_idx.append(gidx)
+        pool.pend_val.append(slots)
+        pool.pend_new.append(gidx)
         return slots
+
+    def _sync_one(self, req_id, r, block_ids, n) -> np.ndarray:
+        """``sync_new_tokens`` for one new token (the decode step): same checks, scalar code."""
+        S = self.S
+        try:
+            b = int(block_ids[n // S])
+        except (TypeError, ValueError):
+            raise TableError("block_out_of_range", f"request {req_id!r}: block id {block_ids[n // S]!r} is not an integer") from None
+        if not 0 <= b < self.num_blocks:
+            raise TableError("block_out_of_range", f"request {req_id!r}: token {n} -> block {b} outside [0, {self.num_blocks})")
+        if b == NULL_BLOCK:
+            raise TableError("null_block", f"request {req_id!r}: token {n} would land in the null block")
+        s = b * S + n % S
+        mine = r is not None and b in r.blocks
+        placed = int(self.placed[s])
+        if (placed != n) if (self.refs[b] - mine) > 0 else (placed != -1):
+            raise TableError("slot_conflict", f"request {req_id!r}: token {n} -> block {b} offset {n % S} is held by token {placed}")
+        if r is None:
+            r = self._reqs[req_id] = _Req()
+        if n + 1 > r.cap:
+            self._grow(r, n + 1)
+        if not mine:
+            self._ref_block(r, b)
+        r.slot[n] = s
+        r.live[n] = True
+        r.n, r.n_live = n + 1, r.n_live + 1
+        self.placed[s] = n
+        c = int(self.claims[s])
+        self.claims[s] = c + 1
+        if c == 0 or faults.on("nb_double_count"):
+            self.n_b[b] += 1
+            self._live_slots += 1
+        g = r.base + n
+        pool = self._pool
+        pool.pend_idx.append(g)
+        pool.pend_val.append(s)
+        pool.pend_new.append(g)
+        return np.array([s], dtype=np.int64)
+
+    def _grow(self, r: _Req, need: int) -> None:
+        """Make room for ``need`` tokens in the host arrays and the device segment."""
+        r.reserve(need)
+        if need <= r.cap:
+            return
+        cap = max(64, 1 << (need - 1).bit_length())
+        pool = self._pool
+        base = pool.alloc(cap)
+        if r.cap:
+            pool.flush()
+            pool.slot[base:base + r.n] = pool.slot[r.base:r.base + r.n]
+            pool.live[base:base + r.n] = pool.live[r.base:r.base + r.n]
+            pool.release(r.base, r.cap)
+        r.base, r.cap = base, cap
 
     # ------------------------------------------------------------------ eviction
     def evict_token(self, req_id, token_id: int) -> None:
@@ -255,6 +366,8 @@ class TokenTable:
         Checks per id in input order: ``unknown_token``, ``dead_token``, ``duplicate_token``.
         """
         r = self._req(req_id)
+        if isinstance(token_ids, (list, tuple)) and len(token_ids) == 1 and isinstance(token_ids[0], int):
+            return self._evict_one(req_id, r, token_ids[0])
         ids = _as_int_array(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids, "token ids")
         if ids.ndim != 1:
             raise TableError("unknown_token", f"request {req_id!r}: token ids must be a flat list")
@@ -275,7 +388,23 @@ class TokenTable:
         r.live[ids] = False
         r.n_live -= len(ids)
         self._unclaim(r.slot[ids])
-        r.dev_live[torch.from_numpy(ids).to(self.device)] = False
+        self._pool.pend_dead.append(ids + r.base)
+        r.map_dirty = True
+
+    def _evict_one(self, req_id, r: _Req, t: int) -> None:
+        if not 0 <= t < r.n:
+            raise TableError("unknown_token", f"request {req_id!r}: evict token {t} (length {r.n})")
+        if not r.live[t]:
+            raise TableError("dead_token", f"request {req_id!r}: evict token {t} (length {r.n})")
+        r.live[t] = False
+        r.n_live -= 1
+        s = int(r.slot[t])
+        c = int(self.claims[s]) - 1
+        self.claims[s] = c
+        if c == 0:
+            self.n_b[s // self.S] -= 1
+            self._live_slots -= 1
+        self._pool.pend_dead.append(r.base + t)
         r.map_dirty = True
 
     # ------------------------------------------------------------------ relocation
@@ -353,7 +482,8 @@ class TokenTable:
         r.slot[tok] = dst
         self.placed[dst] = tok
         if not faults.on("stale_slot_after_move"):
-            r.dev_slot[torch.from_numpy(tok).to(self.device)] = torch.from_numpy(dst).to(self.device)
+            self._pool.pend_idx.append(tok + r.base)
+            self._pool.pend_val.append(dst.copy())
         r.map_dirty = True
         emptied = [b for b in np.unique(cur // S).tolist() if self.n_b[b] == 0]
         for b in emptied:
@@ -394,6 +524,8 @@ class TokenTable:
         blocks = sorted(r.blocks)
         for b in blocks:
             self._unref_block(r, b)
+        if r.cap:
+            self._pool.release(r.base, r.cap)
         del self._reqs[req_id]
         return blocks
 
@@ -461,23 +593,42 @@ class TokenTable:
         return self._live_slots
 
     # ------------------------------------------------------------------ read side
+    def flush(self) -> None:
+        """Push every queued update to the device lookup cache (one batched write).
+
+        Reads flush by themselves; an engine calls this once per step so the device work
+        of the step's bookkeeping is issued together.
+        """
+        self._pool.flush()
+
     def read_view(self, req_id) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device views ``(slots[:n], live[:n])``: valid until the next mutation of ``req_id``."""
+        """Device views ``(slots[:n], live[:n])``: valid until the next mutation of the table."""
         r = self._req(req_id)
-        return r.dev_slot[: r.n], r.dev_live[: r.n]
+        self._pool.flush()
+        return self._pool.slot[r.base:r.base + r.n], self._pool.live[r.base:r.base + r.n]
 
     def slot_mapping(self, req_id) -> torch.Tensor:
         """Eq. 2 for every live token, logical order, as an int64 tensor on the table's device.
 
-        Cached: growth appends; an eviction or move marks it dirty and the next call
-        recomputes it on the device from the incrementally maintained read view.
+        Cached: ordinary growth appends the new tokens' slots; an eviction or a move marks
+        the cache dirty and the next call recomputes it on the device from the read view.
         """
-        r = self._req(req_id)
-        if r.map_dirty:
-            m = r.dev_slot[: r.n][r.dev_live[: r.n]]
+        slots, live = self.read_view(req_id)
+        r = self._reqs[req_id]
+        if r.map_cache is None or r.map_dirty:
+            m = slots[live]
+            r.map_cache = torch.empty(max(64, 2 * len(m)), dtype=torch.int64, device=self.device)
             r.map_cache[: len(m)] = m
-            r.map_len = len(m)
-            r.map_dirty = False
+            r.map_len, r.map_src_n, r.map_dirty = len(m), r.n, False
+        elif r.map_src_n < r.n:
+            tail = slots[r.map_src_n:]  # clean since the last compute: every new token is live
+            need = r.map_len + len(tail)
+            if need > len(r.map_cache):
+                grown = torch.empty(2 * need, dtype=torch.int64, device=self.device)
+                grown[: r.map_len] = r.map_cache[: r.map_len]
+                r.map_cache = grown
+            r.map_cache[r.map_len:need] = tail
+            r.map_len, r.map_src_n = need, r.n
         return r.map_cache[: r.map_len]
 
     # ------------------------------------------------------------------ observation

@@ -274,6 +274,8 @@ class PagedDecoder(nn.Module):
             return torch.empty(0, self.config.vocab_size, dtype=self.config.dtype), []
         wslots = torch.tensor([it.write_slot for it in items], dtype=torch.int64,
                               device=kv.device)
+        if kv.checked and len(set(wslots.tolist())) != len(items):
+            raise ValueError("decode_step: two requests share a write_slot")
         keys = []
         for it in items:
             rs = torch.as_tensor(it.read_slots, dtype=torch.int64, device=kv.device)

@@ -1,0 +1,24 @@
+"""Command line: ``vtoken <command>`` (also ``python -m vtoken``)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "bench": "vtoken.bench:main_bench",
+        "audit": "vtoken.audit:main_audit",
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: vtoken {" + ",".join(commands) + "} ...")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    mod, fn = commands[argv[0]].split(":")
+    import importlib
+
+    return int(getattr(importlib.import_module(mod), fn)(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Benchmarks (scripts, never timed unit tests). Each prints figures and, as its last line,
+one JSON object. Variants are compared within one run and reported as ratios, because the
+machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+from .allocator import BlockAllocator
+from .table import TokenTable
+
+
+def _steady_table_run(make_table, sync, evict, read_side, R, L, S, steps, seed, step_end=None):
+    """Drive ``R`` requests of ``L`` tracked tokens (half live) for ``steps`` scheduler steps.
+
+    Each step every request gains one token (a new block when the last is full) and evicts
+    one random live token, then the read side is brought up to date. Returns per-step
+    times (seconds) of the timed steps.
+    """
+    rng = np.random.default_rng(seed)
+    nblocks_per_req = (L + steps) // S + 2
+    alloc = BlockAllocator(R * nblocks_per_req + 1)
+    table = make_table(S, R * nblocks_per_req + 1)
+    blocks, live_sets, lengths = {}, {}, {}
+    for r in range(R):
+        blocks[r] = alloc.allocate(-(-L // S))
+        sync(table, r, blocks[r], L)
+        victims = rng.choice(L - 1, size=L // 2, replace=False)  # never the newest token
+        evict(table, r, victims.tolist())
+        live = np.ones(L + steps + 1, dtype=bool)
+        live[victims] = False
+        live_sets[r], lengths[r] = live, L
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for r in range(R):
+            n = lengths[r]
+            if n % S == 0:
+                blocks[r] += alloc.allocate(1)
+            sync(table, r, blocks[r], n + 1)
+            live = live_sets[r]
+            while True:  # a random live token, never the newest
+                v = int(rng.integers(0, n))
+                if live[v]:
+                    break
+            live[v] = False
+            evict(table, r, [v])
+            if read_side is not None:
+                read_side(table, r)
+            lengths[r] = n + 1
+        if step_end is not None:
+            step_end(table)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _impl_ops():
+    def sync(t, r, bl, n):
+        t.sync_new_tokens(r, bl, n)
+
+    def evict(t, r, ids):
+        t.evict_tokens(r, ids)
+
+    def step_end(t):
+        t.flush()  # the device-side per-token slots and live mask, current for the next step
+
+    return (lambda S, nb: TokenTable(S, nb)), sync, evict, None, step_end
+
+
+def _spec_ops():
+    from .spec import SpecTokenTable
+
+    def sync(t, r, bl, n):
+        # the reference's sync is quadratic in one call's size: feed it a block at a time
+        cur = len(t.tokens.get(r, []))
+        while cur < n:
+            cur = min(n, (cur // t.S + 1) * t.S)
+            t.sync_new_tokens(r, bl, cur)
+
+    def evict(t, r, ids):
+        t.evict_tokens(r, ids)
+
+    def read_side(t, r):
+        t.slot_mapping(r)  # the reference's read side: recomputed from the table
+
+    return (lambda S, nb: SpecTokenTable(S, nb)), sync, evict, read_side, None
+
+
+def bench_table(R=256, S=16, steps=20, spec_requests=8, seed=0, quick=False) -> dict:
+    if quick:
+        R, steps, spec_requests = 32, 6, 2
+    out = {"R": R, "block_size": S, "steps": steps}
+    make, sync, evict, read, end = _impl_ops()
+    for L, key in ((1024, "step_ms_1k"), (16384, "step_ms_16k")):
+        ts = _steady_table_run(make, sync, evict, read, R, L, S, steps, seed, end)
+        out[key] = statistics.median(ts) * 1e3
+        print(f"impl  R={R} L={L}: median step {out[key]:.2f} ms (min {min(ts)*1e3:.2f})", flush=True)
+    out["history_ratio"] = out["step_ms_16k"] / out["step_ms_1k"]
+    # The reference at R=spec_requests, scaled linearly to R. Its per-request cost also grows
+    # with R (reference counts scan every request), so linear scaling flatters the reference.
+    make, sync, evict, read, end = _spec_ops()
+    ts = _steady_table_run(make, sync, evict, read, spec_requests, 16384, S, max(3, steps // 4), seed)
+    spec_ms = statistics.median(ts) * 1e3 * R / spec_requests
+    out["spec_step_ms_16k_scaled"] = spec_ms
+    out["spec_scaling"] = f"reference run with {spec_requests} requests x 16K tokens, scaled x{R // spec_requests} (linear)"
+    out["speedup_vs_spec"] = spec_ms / out["step_ms_16k"]
+    print(f"spec  R={spec_requests} L=16384 scaled to R={R}: {spec_ms:.1f} ms", flush=True)
+    return out
+
+
+def main_bench(argv) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="vtoken bench")
+    ap.add_argument("what", choices=sorted(BENCHES))
+    ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    res = BENCHES[a.what](seed=a.seed, quick=a.quick)
+    print(json.dumps(res, sort_keys=True))
+    return 0
+
+
+BENCHES = {"table": bench_table}
