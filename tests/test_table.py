@@ -1,0 +1,132 @@
+"""Worked examples of the token table's contract (the fuzzers cover the space between them)."""
+
+import numpy as np
+import pytest
+import torch
+
+from vtoken import TableError, TokenTable
+
+S = 4
+
+
+def make(n=8, device="cpu"):
+    t = TokenTable(S, n, device=device)
+    t.sync_new_tokens("a", [1, 2], 6)  # tokens 0..3 in block 1, 4..5 in block 2
+    return t
+
+
+def test_positional_rule_and_slots():
+    t = make()
+    assert t.location("a", 5) == (2, 1)
+    assert t.slot_mapping("a").tolist() == [4, 5, 6, 7, 8, 9]
+    assert t.block_live_count(1) == 4 and t.block_live_count(2) == 2
+    assert t.waste_ratio() == pytest.approx(1 - 6 / 8)
+
+
+def test_eviction_is_metadata_only_and_rebuilds_cache():
+    t = make()
+    t.evict_tokens("a", [1, 4])
+    assert t.slot_mapping("a").tolist() == [4, 6, 7, 9]
+    assert t.blocks_of("a") == [1, 2]  # no block freed by eviction
+    assert t.block_live_count(1) == 3
+    with pytest.raises(TableError) as e:
+        t.location("a", 1)
+    assert e.value.code == "dead_token"
+
+
+def test_growth_appends_to_cached_mapping():
+    t = make()
+    first = t.slot_mapping("a")
+    assert first.tolist() == [4, 5, 6, 7, 8, 9]
+    t.sync_new_tokens("a", [1, 2], 7)
+    assert t.slot_mapping("a").tolist() == [4, 5, 6, 7, 8, 9, 10]
+    slots, live = t.read_view("a")
+    assert slots.tolist() == [4, 5, 6, 7, 8, 9, 10] and live.all()
+
+
+def test_moves_compact_and_return_emptied_sources():
+    t = make()
+    t.evict_tokens("a", [0, 1, 2])
+    # token 3 (block 1) and 4, 5 (block 2) -> fresh block 3
+    freed = t.apply_moves("a", [(3, 1, 3, 3, 0), (4, 2, 0, 3, 1), (5, 2, 1, 3, 2)])
+    assert freed == [1, 2]
+    assert t.blocks_of("a") == [3]
+    assert t.slot_mapping("a").tolist() == [12, 13, 14]
+    assert t.waste_ratio() == pytest.approx(1 - 3 / 4)
+
+
+@pytest.mark.parametrize("moves,code", [
+    ([(9, 1, 0, 3, 0)], "unknown_token"),
+    ([(0, 1, 1, 3, 0)], "wrong_source"),
+    ([(0, 1, 0, 0, 0)], "null_block"),
+    ([(0, 1, 0, 3, 4)], "bad_offset"),
+    ([(0, 1, 0, 1, 1)], "slot_occupied"),
+    ([(0, 1, 0, 3, 0), (1, 1, 1, 3, 0)], "duplicate_destination"),
+    ([(0, 1, 0, 3, 0), (0, 1, 0, 3, 1)], "duplicate_token"),
+    ([(0, 1, 0, 3, 0), (1, 1, 1, 99, 0)], "block_out_of_range"),
+    ([(0, 1, 0)], "bad_move"),
+])
+def test_bad_moves_fail_atomically(moves, code):
+    t = make()
+    before = t.export_state()
+    with pytest.raises(TableError) as e:
+        t.apply_moves("a", moves)
+    assert e.value.code == code
+    assert t.export_state() == before
+    assert t.slot_mapping("a").tolist() == [4, 5, 6, 7, 8, 9]
+
+
+def test_foreign_and_shared_blocks():
+    t = make()
+    t.sync_new_tokens("b", [5], 2)
+    with pytest.raises(TableError) as e:
+        t.apply_moves("a", [(0, 1, 0, 5, 3)])
+    assert e.value.code == "foreign_block"
+    # a prefix-cache hit: "c" shares block 1 with "a" (same token ids at the same offsets)
+    t.sync_new_tokens("c", [1, 6], 5)
+    assert t.block_refs(1) == 2 and t.block_live_count(1) == 4
+    with pytest.raises(TableError) as e:
+        t.apply_moves("a", [(0, 1, 0, 3, 0)])
+    assert e.value.code == "shared_block"
+    # a different request's private block is not a prefix: conflict
+    with pytest.raises(TableError) as e:
+        t.sync_new_tokens("d", [2], 1)
+    assert e.value.code == "slot_conflict"
+
+
+def test_null_block_never_receives_tokens():
+    t = TokenTable(S, 8)
+    with pytest.raises(TableError) as e:
+        t.sync_new_tokens("a", [0], 1)
+    assert e.value.code == "null_block"
+    assert "a" not in t
+
+
+def test_free_request_returns_blocks_and_resets():
+    t = make()
+    assert t.free_request("a") == [1, 2]
+    assert t.waste_ratio() == 0.0 and t.num_ref_blocks == 0
+    t.sync_new_tokens("a", [2], 1)  # a freed block can be taken again
+    assert t.slot_mapping("a").tolist() == [8]
+
+
+def test_long_request_grows_segments():
+    t = TokenTable(16, 400)
+    blocks = list(range(1, 300))
+    for n in range(1, 3000, 7):
+        t.sync_new_tokens("a", blocks, n)
+    t.evict_tokens("a", list(range(0, 2990, 3)))
+    ref = np.arange(16, 16 + 2997)
+    mask = np.ones(2997, bool)
+    mask[0:2990:3] = False
+    assert t.slot_mapping("a").tolist() == ref[mask].tolist()
+
+
+@pytest.mark.gpu
+def test_cuda_device_cache():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    t = make(device="cuda")
+    t.evict_tokens("a", [2])
+    m = t.slot_mapping("a")
+    assert m.device.type == "cuda" and m.tolist() == [4, 5, 7, 8, 9]
