@@ -137,6 +137,7 @@ def test_eviction_with_compaction_same_greedy_tokens(model, policy):
             out.append(int(greedy(lg)[0]))
     assert outs[0] == outs[1]
     assert len(naive.live) <= budget + 1
+    assert len(set(outs[0])) > steps // 2  # the model is not echoing one token (vacuous check)
 
 
 def test_batch_composition_does_not_change_bits(model):

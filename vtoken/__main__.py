@@ -10,6 +10,9 @@ def main(argv=None) -> int:
     commands = {
         "bench": "vtoken.bench:main_bench",
         "audit": "vtoken.audit:main_audit",
+        "decode": "vtoken.decode_cli:main_decode",
+        "simulate": "vtoken.simulate:main_simulate",
+        "fuzz": "vtoken.fuzz.campaign:main_fuzz",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: vtoken {" + ",".join(commands) + "} ...")

@@ -43,6 +43,10 @@ class DecoderConfig:
     grow the table (deterministically) rather than fail. ``seed`` and ``init_std`` drive
     the random init used when no weights are loaded. ``dtype`` is the weight and compute
     dtype (the KV cache may store a different one).
+
+    ``tie_word_embeddings`` defaults to False: with random weights a tied head echoes its
+    input (``e_t . e_t`` dominates every other logit), so greedy decoding repeats one
+    token forever and "same greedy output" checks become vacuous. Tied heads load fine.
     """
 
     vocab_size: int = 512
@@ -54,7 +58,7 @@ class DecoderConfig:
     intermediate_size: int = 344
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     seed: int = 0
     dtype: torch.dtype = torch.float32
