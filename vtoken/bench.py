@@ -127,3 +127,75 @@ def main_bench(argv) -> int:
 
 
 BENCHES = {"table": bench_table}
+
+
+def _planner_setup(R, L, S, evict, headroom, theta_f, seed, max_sources=8):
+    from .planner import PlannerConfig, ReclamationManager
+
+    rng = np.random.default_rng(seed)
+    nb = R * (-(-L // S)) + headroom + 2
+    table, alloc = TokenTable(S, nb), BlockAllocator(nb)
+    held = {}
+    for r in range(R):
+        held[r] = alloc.allocate(-(-L // S))
+        table.sync_new_tokens(r, held[r], L)
+        table.evict_tokens(r, rng.choice(L - 1, size=int(L * evict), replace=False))
+
+    def on_applied(plan):
+        held[plan.req_id] = [b for b in held[plan.req_id] if b not in plan.sources] + list(plan.dests)
+
+    cfg = PlannerConfig(theta_f=theta_f, headroom=headroom, max_sources=max_sources)
+    return table, alloc, ReclamationManager(table, alloc, config=cfg, on_applied=on_applied)
+
+
+def bench_planner(seed=0, quick=False, rounds=3) -> dict:
+    """Planning-round time vs request count, settled retained blocks vs ideal, and Z3 check time."""
+    S, L = 16, (2048 if quick else 16384)
+    counts = (16, 64) if quick else (16, 256, 1024)
+    out = {"block_size": S, "tokens_per_request": L, "eviction": "random 50%", "plan_ms": {}}
+    for R in counts:
+        # headroom for one plan per request per round: each round is a full planning pass
+        table, alloc, mgr = _planner_setup(R, L, S, 0.5, headroom=8 * R, theta_f=0.0, seed=seed)
+        ts, plans = [], 0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            launched = mgr.plan_round()
+            ts.append(time.perf_counter() - t0)
+            plans += len(launched)
+            mgr.poll(force_sync=True)
+            mgr.refill_headroom()
+        out["plan_ms"][str(R)] = statistics.median(ts) * 1e3
+        print(f"planner R={R} L={L}: median round {out['plan_ms'][str(R)]:.1f} ms, {plans / rounds:.0f} plans/round", flush=True)
+        del table, alloc, mgr
+    keys = [str(c) for c in counts]
+    out["plan_ratio_1024_256" if not quick else "plan_ratio_last_prev"] = out["plan_ms"][keys[-1]] / out["plan_ms"][keys[-2]]
+    out.update(settle_experiment(R=16 if quick else 64, L=1024 if quick else 4096, seed=seed))
+    print(f"settled: retained {out['settled_blocks']} vs ideal {out['ideal_blocks']} -> {out['settled_over_ideal']:.4f}", flush=True)
+    try:
+        from .invariants.z3_checks import z3_check_time
+    except ImportError as e:  # the Z3 checks are part of this package; say so if they are missing
+        out["z3_s"] = f"unavailable: {e}"
+    else:
+        out["z3_s"] = {str(n): statistics.median(z3_check_time(n) for _ in range(3)) for n in (256, 1024, 4096)}
+        print(f"z3 check seconds: {out['z3_s']}", flush=True)
+    return out
+
+
+def settle_experiment(R=64, L=4096, S=16, evict=0.5, headroom=64, theta_f=0.02, seed=0, max_steps=5000) -> dict:
+    """Random eviction at ``evict`` over R requests of L tokens, then reclamation until it
+    settles (a step with nothing launched and nothing in flight). Retained blocks are the
+    blocks the table references; the ideal is sum(ceil(live_r / S))."""
+    table, alloc, mgr = _planner_setup(R, L, S, evict, headroom, theta_f, seed)
+    before = table.num_ref_blocks
+    steps = 0
+    for steps in range(1, max_steps + 1):
+        launched = mgr.step()
+        if not launched and not mgr.in_flight:
+            break
+    ideal = sum(-(-table.num_live(r) // S) for r in range(R))
+    return {"settled_blocks": table.num_ref_blocks, "blocks_before": before, "ideal_blocks": ideal,
+            "settled_over_ideal": table.num_ref_blocks / ideal, "settle_steps": steps,
+            "settle_theta_f": theta_f, "settle_headroom": headroom, "settle_moves": mgr.stats["moves"]}
+
+
+BENCHES["planner"] = bench_planner
