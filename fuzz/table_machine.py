@@ -13,6 +13,8 @@ for a request are freed when the table says the request no longer references the
 
 from __future__ import annotations
 
+import os
+
 import hypothesis.strategies as st
 from hypothesis import event, note
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -22,6 +24,8 @@ from vtoken.errors import AllocatorError, VTokenError
 from vtoken.spec import SpecError, SpecTokenTable
 from vtoken.table import TokenTable
 from vtoken.invariants.table_checks import check_block_accounting, check_conservation, check_unique_mapping
+
+from .hard_states import hard
 
 
 def both(impl_call, spec_call):
@@ -48,7 +52,7 @@ class TableMachine(RuleBasedStateMachine):
     @initialize(S=st.sampled_from([1, 2, 3, 4]), nb=st.integers(4, 14))
     def setup(self, S, nb):
         self.S = S
-        self.impl = TokenTable(S, nb)
+        self.impl = TokenTable(S, nb, device=os.environ.get("VTOKEN_DEVICE", "cpu"))
         self.spec = SpecTokenTable(S, nb)
         self.alloc = BlockAllocator(nb)
         self.pos: dict[int, list[int]] = {}  # positional block list, as a scheduler holds it
@@ -61,7 +65,7 @@ class TableMachine(RuleBasedStateMachine):
         try:
             return self.alloc.allocate(n)
         except AllocatorError:
-            event("hard: allocator exhausted")
+            hard("allocator exhausted")
             return None
 
     def _check_unchanged(self, before_i, before_s):
@@ -82,7 +86,9 @@ class TableMachine(RuleBasedStateMachine):
             assert list(a) == b
             for p in range(total - len(a), total):
                 if p % self.S == self.S - 1:
-                    event("hard: block exactly full")
+                    hard("block exactly full")
+                if p % self.S == 0 and p > 0:
+                    hard("token at a block boundary")
         return err
 
     def rids(self):

@@ -1,0 +1,270 @@
+"""``vtoken fuzz``: a time-boxed campaign over every stateful machine.
+
+Workers (processes on one machine) run the machines in rotation, in batches, against one
+Hypothesis example database shared by all of them and kept between nights: a directory
+(``--db DIR``) or a Redis server (``--db redis://host:port``) so campaigns on several
+machines share what they find. Hypothesis replays the database's saved failures before it
+generates anything new, so a failure found once is retried first.
+
+Nothing found is lost to a kill: a failure is written to ``--out`` (the minimised example,
+its plan snapshot when the machine made one, and a pytest file that replays it) the moment
+the worker sees it, the database holds the example as soon as Hypothesis finds it, and the
+summary (``summary.json``) is rewritten after every batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import random
+import re
+import signal
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+MACHINES = {
+    "table": "vtoken.fuzz.table_machine:TableMachine",
+    "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
+}
+
+
+def load_machine(name: str):
+    mod, cls = MACHINES[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def available_machines() -> list[str]:
+    out = []
+    for name in MACHINES:
+        try:
+            load_machine(name)
+        except (ImportError, AttributeError):
+            continue
+        out.append(name)
+    return out
+
+
+def make_db(spec):
+    """``None`` (no database), ``redis://host:port[/db]``, or a directory path."""
+    if spec is None:
+        return None
+    spec = str(spec)
+    if spec.startswith("redis://"):
+        import redis
+        from hypothesis.extra.redis import RedisExampleDatabase
+
+        return RedisExampleDatabase(redis.Redis.from_url(spec), expire_after=__import__("datetime").timedelta(days=30))
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    return DirectoryBasedExampleDatabase(spec)
+
+
+def _replay_file(machine: str, db: str | None, text: str) -> str:
+    steps = "\n".join("#   " + line for line in text.strip().splitlines()[-60:])
+    db_line = repr(db) if db else "None"
+    return f'''"""Replay of a failure found by `vtoken fuzz` on machine {machine!r}.
+
+Run: pytest {{this file}}. With the campaign's database the saved example is replayed
+first; the minimised example as Hypothesis reported it:
+{steps}
+"""
+
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from vtoken.fuzz.campaign import load_machine, make_db
+
+
+def test_replay():
+    machine = load_machine({machine!r})
+    run_state_machine_as_test(machine, settings=settings(
+        database=make_db({db_line}), phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+        max_examples=2000, deadline=None))
+'''
+
+
+def _steps_in(text: str) -> int:
+    return len(re.findall(r"^\s*state\.(?!teardown|observable|check)\w+\(", text, flags=re.M))
+
+
+# The explain phase (which lines only failing runs reach) is skipped: it costs a campaign
+# more time than the shrink itself, and the minimised steps are what a person reads.
+PHASES = None
+
+
+def _phases():
+    from hypothesis import Phase
+
+    return [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
+
+
+def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    import hypothesis.core
+    from hypothesis import settings
+
+    from . import hard_states
+    from .profiles import load_profile
+
+    global PHASES
+    PHASES = _phases()
+    load_profile(profile)
+    hypothesis.core.threadlocal._hypothesis_global_random = random.Random(seed * 1000 + k)
+    db = make_db(db_spec)
+    machines = {n: load_machine(n) for n in names}
+    base = settings()
+    n_fail = 0
+    i = 0
+    names = list(names)
+    while time.time() < deadline and names:
+        name = names[i % len(names)]
+        i += 1
+        m = machines[name]
+        ops0, hard0 = m.ops, Counter(hard_states.COUNTS)
+        t0 = time.time()
+        try:
+            from hypothesis.stateful import run_state_machine_as_test
+
+            run_state_machine_as_test(m, settings=settings(base, database=db, max_examples=batch, print_blob=True,
+                                                           phases=PHASES))
+            failure = None
+        except Exception as e:  # a failing example: everything Hypothesis reported
+            failure = "".join(traceback.format_exception(e))
+        hard = Counter(hard_states.COUNTS)
+        hard.subtract(hard0)
+        q.put(("progress", k, name, m.ops - ops0, time.time() - t0, dict(+hard)))
+        if failure is not None:
+            n_fail += 1
+            stem = Path(out) / "failures" / f"{name}-w{k}-{n_fail}"
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            stem.with_suffix(".txt").write_text(failure)
+            if hard_states.LAST_SNAPSHOT:
+                stem.with_suffix(".snapshot.json").write_text(json.dumps(hard_states.LAST_SNAPSHOT, indent=1, default=str))
+            (stem.parent / f"test_replay_{stem.name.replace('-', '_')}.py").write_text(_replay_file(name, db_spec, failure))
+            q.put(("failure", k, name, str(stem), _steps_in(failure), failure.strip().splitlines()[-1][:300]))
+            names.remove(name)  # its database entry would replay the same failure every batch
+    q.put(("done", k))
+
+
+def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machines=None, batch=50,
+                 progress=True, profile="dev") -> dict:
+    """Run the campaign; returns (and writes ``out/summary.json``) the summary."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = machines or available_machines()
+    deadline = time.time() + minutes * 60
+    ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(k, names, deadline, seed, db, str(out), q, batch, profile), daemon=True)
+             for k in range(workers)]
+    t_start = time.time()
+    for p in procs:
+        p.start()
+    summary = {"machines": names, "workers": workers, "seed": seed, "db": db, "ops": 0, "seconds": 0.0,
+               "failures": 0, "failure_reports": [], "hard_states": {}, "interrupted": False,
+               "ops_by_machine": {}}
+    hard = Counter()
+    done = 0
+    last_print = 0.0
+
+    def write():
+        summary["seconds"] = time.time() - t_start
+        summary["ops_per_s_per_worker"] = summary["ops"] / max(summary["seconds"], 1e-9) / workers
+        from .hard_states import HARD_STATES
+
+        summary["hard_states"] = {h: hard.get(h, 0) for h in HARD_STATES}
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+    def handle(msg):
+        nonlocal done
+        if msg[0] == "progress":
+                _, k, name, ops, secs, h = msg
+                summary["ops"] += ops
+                summary["ops_by_machine"][name] = summary["ops_by_machine"].get(name, 0) + ops
+                hard.update(h)
+        elif msg[0] == "failure":
+            _, k, name, stem, nsteps, last = msg
+            summary["failures"] += 1
+            summary["failure_reports"].append({"machine": name, "worker": k, "files": stem, "steps": nsteps,
+                                               "error": last, "found_after_s": time.time() - t_start})
+            if progress:
+                print(f"\nFAILURE in {name} (worker {k}): {last}\n  -> {stem}.txt", flush=True)
+        elif msg[0] == "done":
+            done += 1
+
+    try:
+        while done < workers:
+            try:
+                msg = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            handle(msg)
+            write()
+            now = time.time()
+            if progress and now - last_print > 2:
+                last_print = now
+                el = now - t_start
+                print(f"\r[{el:6.0f}s / {minutes * 60:.0f}s] ops {summary['ops']:>9} "
+                      f"({summary['ops'] / max(el, 1e-9):7.0f}/s) failures {summary['failures']}", end="", flush=True)
+    except KeyboardInterrupt:
+        summary["interrupted"] = True
+        for p in procs:
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+    while True:  # what the workers said before they stopped
+        try:
+            handle(q.get(timeout=0.2))
+        except (queue_mod.Empty, OSError, EOFError):
+            break
+    # A worker killed between writing a failure and reporting it: the files are the record.
+    known = {r["files"] for r in summary["failure_reports"]}
+    for f in sorted((out / "failures").glob("*.txt")) if (out / "failures").exists() else []:
+        stem = str(f.with_suffix(""))
+        if stem not in known and f.stat().st_mtime >= t_start:
+            summary["failures"] += 1
+            summary["failure_reports"].append({"machine": f.name.split("-w")[0], "files": stem,
+                                               "error": f.read_text().strip().splitlines()[-1][:300],
+                                               "recovered_from_disk": True,
+                                               "found_after_s": f.stat().st_mtime - t_start})
+    write()
+    if progress:
+        print(flush=True)
+    return summary
+
+
+def main_fuzz(argv) -> int:
+    ap = argparse.ArgumentParser(prog="vtoken fuzz", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=1.0)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="device of the tables' lookup cache (cuda needs a GPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--db", default=None, help="example database: a directory or redis://host:port")
+    ap.add_argument("--out", default="reports/fuzz")
+    ap.add_argument("--machines", nargs="*", choices=sorted(MACHINES))
+    ap.add_argument("--profile", default="dev", choices=["ci", "dev", "nightly"])
+    ap.add_argument("--planted", metavar="NAME|all", help="run the checks against planted faults instead")
+    ap.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
+    a = ap.parse_args(argv)
+    os.environ["VTOKEN_DEVICE"] = a.device
+    if a.planted:
+        from .planted import main_planted
+
+        return main_planted(a)
+    s = run_campaign(a.minutes, a.workers, a.seed, a.db, a.out, a.machines, progress=True, profile=a.profile)
+    print(f"ops {s['ops']} in {s['seconds']:.0f} s: {s['ops_per_s_per_worker']:.0f} ops/s per worker, "
+          f"{s['failures']} failure(s); hard states: " + ", ".join(f"{k} {v}" for k, v in s["hard_states"].items()))
+    if a.json:
+        print(json.dumps({k: s[k] for k in ("ops", "seconds", "ops_per_s_per_worker", "failures", "hard_states",
+                                            "interrupted")}))
+    return 1 if s["failures"] or s["interrupted"] else 0

