@@ -111,6 +111,8 @@ class ReclamationManager:
         self._ids = itertools.count(1)
         self.in_flight: dict[int, Plan] = {}
         self._busy: dict[int, int] = {}  # block -> plan id, for blocks of in-flight plans
+        self._busy_mask = np.zeros(table.num_blocks, dtype=bool)  # the same, as an array
+        self._scratch = np.zeros(table.num_blocks, dtype=bool)  # all False between uses
         self.headroom: list[int] = []
         self._deferred: dict[int, list] = {}  # plan id -> blocks to free once its copy completes
         self.steps = 0
@@ -162,7 +164,7 @@ class ReclamationManager:
         if faults.on("plan_moves_tail"):
             ok = (t.refs[blocks] == 1) & (nb < S)
         if self._busy and not faults.on("plan_overlaps_inflight"):
-            ok &= np.fromiter((b not in self._busy for b in blocks.tolist()), dtype=bool, count=len(blocks))
+            ok &= ~self._busy_mask[blocks]
         cand, cnt = blocks[ok], nb[ok]
         if len(cand) == 0:
             return None
@@ -184,10 +186,11 @@ class ReclamationManager:
             if n_dest == 0:
                 return None
         dests = self.headroom[:n_dest]
-        mark = np.zeros(t.num_blocks, dtype=bool)
+        mark = self._scratch  # O(sources) to set and clear, not O(num_blocks) per plan
         mark[sources] = True
         sl, lv = r.slot[: r.n], r.live[: r.n]
         toks = np.flatnonzero(lv & mark[sl // S])  # logical order
+        mark[sources] = False
         moves = np.empty((len(toks), 5), dtype=np.int64)
         moves[:, 0] = toks
         moves[:, 1] = sl[toks] // S
@@ -233,6 +236,7 @@ class ReclamationManager:
             self.headroom.remove(b)
         for b in itertools.chain(plan.sources, plan.dests):
             self._busy[b] = plan.id
+            self._busy_mask[b] = True
         plan.state = COPYING
         self.in_flight[plan.id] = plan
         self.stats["plans"] += 1
@@ -315,6 +319,7 @@ class ReclamationManager:
         for b in itertools.chain(plan.sources, plan.dests):
             if self._busy.get(b) == plan.id:
                 del self._busy[b]
+                self._busy_mask[b] = False
 
     def finish_request(self, req_id, held_blocks) -> list[int]:
         """The request finished or was preempted: forget it and free the blocks it held.
