@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vtoken-installed
 
-.PHONY: test audit fuzz bench venv clean-venv
+.PHONY: test audit vllm venv clean-venv
 
 venv: $(STAMP)
 
@@ -21,10 +21,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-test: $(STAMP)
+# vLLM 0.33.0 for the adapter, its contract tests and the audit. On a machine without a GPU
+# it cannot come with its own dependencies (they pin CUDA builds of torch and kernels): the
+# script installs it with --no-deps plus its non-GPU requirements; where vLLM 0.33.0 is
+# already importable (a normal GPU install) it does nothing.
+VLLM_STAMP := $(VENV)/.vllm-installed
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): $(STAMP) scripts/install_vllm.sh
+	bash scripts/install_vllm.sh $(PY)
+	touch $@
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest
 
-audit: $(STAMP)
+audit: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m vtoken audit
 
 clean-venv:

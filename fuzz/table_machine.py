@@ -324,6 +324,25 @@ class TableMachine(RuleBasedStateMachine):
     def free_request(self, data):
         self.free_request_id(data.draw(st.sampled_from(self.rids()), label="rid"))
 
+    @rule(data=st.data())
+    def double_free(self, data):
+        """Freeing more references than are held must be refused and change nothing."""
+        free = self.alloc.free_queue()
+        held = [b for bl in self.held.values() for b in bl]
+        cand = free[:2] + held[:2] + [0]
+        b = data.draw(st.sampled_from(cand), label="block")
+        extra = data.draw(st.integers(0, 1), label="extra_refs")
+        times = (int(self.alloc.ref[b]) + 1 + extra) if b else 1
+        before = self.alloc.export_state()
+        TableMachine.ops += 1
+        try:
+            self.alloc.free([b] * times)
+        except AllocatorError as e:
+            assert e.code in ("double_free", "null_block"), e.code
+            assert self.alloc.export_state() == before, "a refused free changed the allocator"
+        else:
+            raise AssertionError(f"freeing block {b} {times} time(s) with {before['ref'].get(b, 0)} reference(s) was accepted")
+
     @rule()
     def unknown_request(self):
         before = self.impl.export_state(), self.spec.export_state()

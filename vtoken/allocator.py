@@ -121,6 +121,8 @@ class BlockAllocator:
                 self.state[b] = FREE
                 self._queue.append(b)
                 freed.append(b)
+            elif faults.on("alloc_queue_dup"):  # planted: a still-referenced block queued
+                self._queue.append(b)
         return freed
 
     # -- headroom reservations ---------------------------------------------------------------
@@ -131,6 +133,8 @@ class BlockAllocator:
         if n > len(self._queue):
             raise AllocatorError("out_of_blocks", f"reserve({n}) with {len(self._queue)} free")
         out = [self._queue.popleft() for _ in range(n)]
+        if faults.on("headroom_leak"):  # planted: reserved blocks stay in the free queue
+            self._queue.extend(out)
         for b in out:
             self.state[b] = RESERVED
         self._num_reserved += n

@@ -111,8 +111,6 @@ class ReclamationManager:
         self._ids = itertools.count(1)
         self.in_flight: dict[int, Plan] = {}
         self._busy: dict[int, int] = {}  # block -> plan id, for blocks of in-flight plans
-        self._busy_mask = np.zeros(table.num_blocks, dtype=bool)  # the same, as an array
-        self._scratch = np.zeros(table.num_blocks, dtype=bool)  # all False between uses
         self.headroom: list[int] = []
         self._deferred: dict[int, list] = {}  # plan id -> blocks to free once its copy completes
         self.steps = 0
@@ -153,8 +151,8 @@ class ReclamationManager:
         t = self.table
         r = t._reqs[req_id]
         S = self.S
-        if max_dests is None:
-            max_dests = len(self.headroom)
+        # never more destinations than the headroom holds (dests are taken from it)
+        max_dests = len(self.headroom) if max_dests is None else min(int(max_dests), len(self.headroom))
         blocks = np.fromiter(r.blocks, dtype=np.int64, count=len(r.blocks))
         tail = self._tail_of(req_id)
         nb = t.n_b[blocks]
@@ -164,7 +162,7 @@ class ReclamationManager:
         if faults.on("plan_moves_tail"):
             ok = (t.refs[blocks] == 1) & (nb < S)
         if self._busy and not faults.on("plan_overlaps_inflight"):
-            ok &= ~self._busy_mask[blocks]
+            ok &= np.fromiter((b not in self._busy for b in blocks.tolist()), dtype=bool, count=len(blocks))
         cand, cnt = blocks[ok], nb[ok]
         if len(cand) == 0:
             return None
@@ -186,11 +184,10 @@ class ReclamationManager:
             if n_dest == 0:
                 return None
         dests = self.headroom[:n_dest]
-        mark = self._scratch  # O(sources) to set and clear, not O(num_blocks) per plan
+        mark = np.zeros(t.num_blocks, dtype=bool)
         mark[sources] = True
         sl, lv = r.slot[: r.n], r.live[: r.n]
         toks = np.flatnonzero(lv & mark[sl // S])  # logical order
-        mark[sources] = False
         moves = np.empty((len(toks), 5), dtype=np.int64)
         moves[:, 0] = toks
         moves[:, 1] = sl[toks] // S
@@ -236,7 +233,6 @@ class ReclamationManager:
             self.headroom.remove(b)
         for b in itertools.chain(plan.sources, plan.dests):
             self._busy[b] = plan.id
-            self._busy_mask[b] = True
         plan.state = COPYING
         self.in_flight[plan.id] = plan
         self.stats["plans"] += 1
@@ -277,6 +273,10 @@ class ReclamationManager:
             self.alloc.free(self._deferred.pop(plan.id))
             plan.state = ABORTED
             return
+        if len(plan.moves):  # a token evicted while the copy was in flight stays dead where it was
+            still = self.table._reqs[plan.req_id].live[plan.moves[:, 0]]
+            if not still.all():
+                plan.moves = plan.moves[still]
         used = sorted({int(b) for b in plan.moves[:, 3]}) if len(plan.moves) else []
         self.alloc.take_reserved(used)
         unused = [b for b in plan.dests if b not in used]
@@ -319,7 +319,6 @@ class ReclamationManager:
         for b in itertools.chain(plan.sources, plan.dests):
             if self._busy.get(b) == plan.id:
                 del self._busy[b]
-                self._busy_mask[b] = False
 
     def finish_request(self, req_id, held_blocks) -> list[int]:
         """The request finished or was preempted: forget it and free the blocks it held.
@@ -351,13 +350,20 @@ class ReclamationManager:
         scored = []
         for rid in reqs:
             r = t._reqs[rid]
-            gain = len(r.blocks) - 1 - -(-r.n_live // S)  # -1: the tail stays
+            # Upper bound on the reduction (exact when every other block is eligible and
+            # neither B nor the headroom binds): the tail stays, the rest packs into
+            # ceil(live outside the tail / S) blocks. Requests at or below 0 cannot gain.
+            tail = self._tail_of(rid)
+            has_tail = tail is not None and tail in r.blocks
+            in_tail = int(t.n_b[tail]) if has_tail else 0  # >= the request's own live tokens there
+            gain = len(r.blocks) - int(has_tail) - -(-max(0, r.n_live - in_tail) // S)
             if gain > 0 and (rid not in busy_reqs or faults.on("plan_overlaps_inflight")):
                 scored.append((-gain, len(scored), rid))
         scored.sort()
         launched = []
         for _, _, rid in scored:
-            if len(launched) >= self.cfg.max_plans_per_round or not self.headroom:
+            # An empty headroom does not end the round: all-dead blocks need no destination.
+            if len(launched) >= self.cfg.max_plans_per_round:
                 break
             plan = self.plan_request(rid)
             if plan is not None:

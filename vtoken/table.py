@@ -314,7 +314,7 @@ class TokenTable:
             raise TableError("block_out_of_range", f"request {req_id!r}: token {n} -> block {b} outside [0, {self.num_blocks})")
         if b == NULL_BLOCK:
             raise TableError("null_block", f"request {req_id!r}: token {n} would land in the null block")
-        s = b * S + n % S
+        s = b * (S + faults.on("slot_formula_wrong_s")) + n % S  # planted: wrong block size
         mine = r is not None and b in r.blocks
         placed = int(self.placed[s])
         if (placed != n) if (self.refs[b] - mine) > 0 else (placed != -1):
@@ -392,6 +392,8 @@ class TokenTable:
         r.map_dirty = True
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
+        if faults.on("evict_wrong_token") and t + 1 < r.n and r.live[t + 1]:
+            t += 1  # planted: an off-by-one victim
         if not 0 <= t < r.n:
             raise TableError("unknown_token", f"request {req_id!r}: evict token {t} (length {r.n})")
         if not r.live[t]:
@@ -403,7 +405,7 @@ class TokenTable:
         self.claims[s] = c
         if c == 0:
             self.n_b[s // self.S] -= 1
-            self._live_slots -= 1
+            self._live_slots -= 1 - faults.on("waste_drift")  # planted: the total drifts
         self._pool.pend_dead.append(r.base + t)
         r.map_dirty = True
 
@@ -507,7 +509,7 @@ class TokenTable:
                 raise TableError("foreign_block", f"request {req_id!r} does not reference block {b}")
             if self.refs[b] > 1:
                 raise TableError("shared_block", f"request {req_id!r}: block {b} is shared")
-            if self.n_b[b] != 0:
+            if self.n_b[b] != 0 and not faults.on("release_nonempty"):
                 raise TableError("block_not_empty", f"request {req_id!r}: block {b} holds {int(self.n_b[b])} live token(s)")
             if b in seen:
                 raise TableError("duplicate_block", f"request {req_id!r}: block {b} named twice")
@@ -523,6 +525,8 @@ class TokenTable:
         self._unclaim(r.slot[live_ids])
         blocks = sorted(r.blocks)
         for b in blocks:
+            if faults.on("refcount_leak") and self.refs[b] > 1:
+                continue  # planted: a shared block keeps this request's reference
             self._unref_block(r, b)
         if r.cap:
             self._pool.release(r.base, r.cap)

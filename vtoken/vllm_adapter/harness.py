@@ -1,0 +1,335 @@
+"""A real vLLM scheduler on CPU, for contract tests and adapter experiments.
+
+``VllmHarness`` builds vLLM's own ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``), or
+its ``AsyncScheduler`` subclass when async scheduling is asked for, with a real
+``KVCacheManager`` / ``BlockPool`` behind it. Nothing of vLLM is mocked: the model is a
+folder holding only a ``config.json`` (``tiny_model/``, a 2-layer OPT shape), the tokenizer
+is skipped, and the worker is replaced by fake ``ModelRunnerOutput``s that sample one token
+per request whose scheduled chunk reached the end of its prompt. That is exactly what the
+scheduler sees from a real worker, minus the token values.
+
+It runs without a GPU: importing this module sets ``HF_HUB_OFFLINE=1`` and, when torch sees
+no CUDA device, ``VLLM_TARGET_DEVICE=cpu`` (neither overrides a value already set), so it
+must be imported before vLLM is (see ``ensure_cpu_env``). vLLM 0.33.0 is the version
+this was written against (``scripts/install_vllm.sh``).
+
+Typical use::
+
+    h = VllmHarness(block_size=16, num_blocks=64, prefix_caching=True)
+    h.add_request("A", list(range(40)), max_tokens=8)
+    so = h.step()                      # schedule + fake worker output + update_from_output
+    h.block_ids("A"), h.pool.get_num_free_blocks()
+    h.drain()                          # run until every request finished
+
+With ``async_scheduling=True`` the caller may keep steps in flight: ``so1 = h.schedule();
+so2 = h.schedule(); h.finish(so1); h.finish(so2)`` (outputs are applied in FIFO order, as
+the engine does).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
+VLLM_VERSION = "0.33.0"
+
+def ensure_cpu_env() -> None:
+    """Set the environment the harness needs, without overriding a caller's choice.
+
+    ``HF_HUB_OFFLINE=1`` always (the model folder is local). ``VLLM_TARGET_DEVICE=cpu`` only
+    when torch sees no CUDA device: without it vLLM cannot infer a platform on a CPU-only
+    machine, and on a GPU machine the CUDA platform must stay the process's platform for
+    whatever else runs there. vLLM resolves its platform once per process, so this must
+    run before vLLM is first imported; importing this module does it.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if "VLLM_TARGET_DEVICE" not in os.environ:
+        try:
+            import torch
+
+            has_cuda = torch.cuda.is_available()
+        except Exception:  # noqa: BLE001
+            has_cuda = False
+        if not has_cuda:
+            os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+
+
+ensure_cpu_env()
+
+
+def vllm_version() -> str | None:
+    """vLLM's version, or None when vLLM cannot be imported."""
+    ensure_cpu_env()
+    try:
+        import vllm
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return None
+    return getattr(vllm, "__version__", None)
+
+
+_HASH_READY = False
+
+
+def _init_hashing() -> Any:
+    """vLLM's block hasher needs its global NONE_HASH seeded once per process."""
+    global _HASH_READY
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    if not _HASH_READY:
+        init_none_hash(sha256)
+        _HASH_READY = True
+    return sha256
+
+
+class VllmHarness:
+    """One real vLLM scheduler + KV-cache manager with a single full-attention group."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 64,
+        prefix_caching: bool = True,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 256,
+        max_model_len: int = 1024,
+        async_scheduling: bool = False,
+        enable_chunked_prefill: bool = True,
+        log_stats: bool = False,
+    ) -> None:
+        ensure_cpu_env()
+        import torch
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.prefix_caching = prefix_caching
+        self.async_scheduling = async_scheduling
+
+        model_config = ModelConfig(
+            model=str(TINY_MODEL_DIR),
+            dtype="float16",
+            seed=42,
+            skip_tokenizer_init=True,  # the folder holds only config.json
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+        )
+        cache_config = CacheConfig(
+            block_size=block_size, enable_prefix_caching=prefix_caching
+        )
+        try:
+            self.vllm_config = VllmConfig(
+                model_config=model_config,
+                scheduler_config=scheduler_config,
+                cache_config=cache_config,
+            )
+        except RuntimeError as exc:
+            if "infer device type" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"{exc} -- vLLM picked its platform before VLLM_TARGET_DEVICE=cpu was set: "
+                "import vtoken.vllm_adapter.harness before vllm, or export "
+                "VLLM_TARGET_DEVICE=cpu"
+            ) from exc
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
+        # vLLM's CPU platform switches async scheduling off (vllm/platforms/cpu.py,
+        # check_and_update_config); put back what was asked, as on a GPU.
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"],
+                    FullAttentionSpec(
+                        block_size=block_size,
+                        num_kv_heads=1,
+                        head_size=1,
+                        dtype=torch.float32,
+                    ),
+                )
+            ],
+        )
+        cls = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = cls(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            block_size=block_size,
+            log_stats=log_stats,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+        )
+        self._hash_fn = _init_hashing()
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+        self._block_hasher = (
+            get_request_block_hasher(block_size, self._hash_fn) if prefix_caching else None
+        )
+        # Steps scheduled but whose fake worker output is not applied yet (FIFO), each
+        # with the ids of the requests that sample a token in it.
+        self._in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
+        self.steps_scheduled = 0
+        self.steps_finished = 0
+
+    # ----------------------------------------------------------------- accessors
+    @property
+    def kv_cache_manager(self):
+        """``vllm.v1.core.kv_cache_manager.KVCacheManager``."""
+        return self.scheduler.kv_cache_manager
+
+    @property
+    def pool(self):
+        """``vllm.v1.core.block_pool.BlockPool``."""
+        return self.scheduler.kv_cache_manager.block_pool
+
+    block_pool = pool
+
+    @property
+    def manager(self):
+        """The ``SingleTypeKVCacheManager`` of the only KV-cache group (full attention)."""
+        return self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+
+    @property
+    def req_to_blocks(self):
+        """Live ``req_id -> list[KVCacheBlock]`` of the manager (mutating it is visible)."""
+        return self.manager.req_to_blocks
+
+    @property
+    def num_cached_block(self):
+        """Live ``req_id -> number of prefix-cached (hashed) blocks``."""
+        return self.manager.num_cached_block
+
+    def blocks(self, req_id: str) -> list:
+        """The request's live block list (empty when it holds none)."""
+        return self.manager.req_to_blocks.get(req_id, [])
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.blocks(req_id)]
+
+    def free_count(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def free_queue_ids(self) -> list[int]:
+        """Block ids in the pool's free queue, head (next handed out) first."""
+        return [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
+
+    def request(self, req_id: str):
+        return self.scheduler.requests.get(req_id)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # ------------------------------------------------------------------ requests
+    def make_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Iterable[int],
+        *,
+        max_tokens: int = 16,
+        priority: int = 0,
+    ) -> "Request":
+        """A vLLM ``Request`` (with the block hasher when prefix caching is on)."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(ignore_eos=True, max_tokens=max_tokens)
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            pooling_params=None,
+            priority=priority,
+            block_hasher=self._block_hasher,
+        )
+
+    def add_request(self, req_id: str, prompt_token_ids: Iterable[int], **kw) -> "Request":
+        req = self.make_request(req_id, prompt_token_ids, **kw)
+        self.scheduler.add_request(req)
+        return req
+
+    def has_requests(self) -> bool:
+        return bool(self.scheduler.has_requests())
+
+    # --------------------------------------------------------------------- steps
+    def schedule(self) -> "SchedulerOutput":
+        """``Scheduler.schedule()``; the step stays in flight until ``finish``."""
+        so = self.scheduler.schedule()
+        sampling: set[str] = set()
+        for req_id in so.num_scheduled_tokens:
+            req = self.scheduler.requests[req_id]
+            is_chunk = getattr(req, "is_prefill_chunk", None)
+            if is_chunk is None:
+                is_chunk = req.num_computed_tokens < req.num_tokens + getattr(
+                    req, "num_output_placeholders", 0
+                )
+            if not is_chunk:
+                sampling.add(req_id)
+        self._in_flight.append((so, sampling))
+        self.steps_scheduled += 1
+        return so
+
+    def fake_output(self, so: "SchedulerOutput", sampling: set[str], token: int = 7):
+        """The ``ModelRunnerOutput`` a worker would return for ``so``."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        ids = list(so.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[token] if r in sampling else [] for r in ids],
+        )
+
+    def finish(self, so: "SchedulerOutput | None" = None, token: int = 7):
+        """Apply the fake worker output of the oldest in-flight step (which must be
+        ``so`` when given) through ``Scheduler.update_from_output``."""
+        if not self._in_flight:
+            raise RuntimeError("no step in flight")
+        oldest, sampling = self._in_flight.popleft()
+        if so is not None and so is not oldest:
+            raise RuntimeError("steps must be finished in the order they were scheduled")
+        result = self.scheduler.update_from_output(
+            oldest, self.fake_output(oldest, sampling, token)
+        )
+        self.steps_finished += 1
+        return result
+
+    def step(self) -> "SchedulerOutput":
+        """Schedule one step and apply its output at once (no step left in flight)."""
+        so = self.schedule()
+        while self._in_flight:
+            self.finish()
+        return so
+
+    def drain(self, max_steps: int = 10_000) -> int:
+        """Step until no request is left; returns the number of steps taken."""
+        n = 0
+        while self._in_flight:
+            self.finish()
+        while self.has_requests():
+            if n >= max_steps:
+                raise RuntimeError(f"requests still pending after {max_steps} steps")
+            self.step()
+            n += 1
+        return n
