@@ -229,8 +229,14 @@ class ReclamationManager:
         """planned -> copying: reserve the plan's blocks and issue the copy."""
         if plan.state != PLANNED:
             raise PlanError("bad_state", f"plan {plan.id} is {plan.state}, cannot launch")
-        for b in plan.dests:
-            self.headroom.remove(b)
+        k = len(plan.dests)
+        if self.headroom[:k] == plan.dests:  # the usual case: planned from the front just now
+            del self.headroom[:k]
+        else:
+            taken = set(plan.dests)
+            if not taken <= set(self.headroom):
+                raise PlanError("stale_plan", f"plan {plan.id}: destinations {plan.dests} are no longer in the headroom")
+            self.headroom = [b for b in self.headroom if b not in taken]
         for b in itertools.chain(plan.sources, plan.dests):
             self._busy[b] = plan.id
         plan.state = COPYING
