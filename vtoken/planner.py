@@ -111,6 +111,8 @@ class ReclamationManager:
         self._ids = itertools.count(1)
         self.in_flight: dict[int, Plan] = {}
         self._busy: dict[int, int] = {}  # block -> plan id, for blocks of in-flight plans
+        self._busy_mask = np.zeros(table.num_blocks, dtype=bool)  # the same, as an array
+        self._scratch = np.zeros(table.num_blocks, dtype=bool)  # all False between uses
         self.headroom: list[int] = []
         self._deferred: dict[int, list] = {}  # plan id -> blocks to free once its copy completes
         self.steps = 0
@@ -162,7 +164,7 @@ class ReclamationManager:
         if faults.on("plan_moves_tail"):
             ok = (t.refs[blocks] == 1) & (nb < S)
         if self._busy and not faults.on("plan_overlaps_inflight"):
-            ok &= np.fromiter((b not in self._busy for b in blocks.tolist()), dtype=bool, count=len(blocks))
+            ok &= ~self._busy_mask[blocks]
         cand, cnt = blocks[ok], nb[ok]
         if len(cand) == 0:
             return None
@@ -184,10 +186,11 @@ class ReclamationManager:
             if n_dest == 0:
                 return None
         dests = self.headroom[:n_dest]
-        mark = np.zeros(t.num_blocks, dtype=bool)
+        mark = self._scratch  # O(sources) to set and clear, not O(num_blocks) per plan
         mark[sources] = True
         sl, lv = r.slot[: r.n], r.live[: r.n]
         toks = np.flatnonzero(lv & mark[sl // S])  # logical order
+        mark[sources] = False
         moves = np.empty((len(toks), 5), dtype=np.int64)
         moves[:, 0] = toks
         moves[:, 1] = sl[toks] // S
@@ -239,6 +242,7 @@ class ReclamationManager:
             self.headroom = [b for b in self.headroom if b not in taken]
         for b in itertools.chain(plan.sources, plan.dests):
             self._busy[b] = plan.id
+            self._busy_mask[b] = True
         plan.state = COPYING
         self.in_flight[plan.id] = plan
         self.stats["plans"] += 1
@@ -258,7 +262,9 @@ class ReclamationManager:
         done = []
         for plan in list(self.in_flight.values()):
             status = self.engine.wait(plan.handle) if force_sync else self.engine.poll(plan.handle)
-            if status == "pending":
+            if status == "pending" and faults.on("apply_before_complete"):
+                status = "done"  # planted: the copy is taken as finished without its fence
+            elif status == "pending":
                 continue
             if status == "failed":
                 self.abort(plan)
@@ -318,13 +324,15 @@ class ReclamationManager:
             self.alloc.unreserve(plan.dests)
             self.alloc.free(self._deferred.pop(plan.id))
             return
-        self.headroom += plan.dests
+        if not faults.on("abort_leaks_dests"):
+            self.headroom += plan.dests
 
     def _release(self, plan: Plan) -> None:
         del self.in_flight[plan.id]
         for b in itertools.chain(plan.sources, plan.dests):
             if self._busy.get(b) == plan.id:
                 del self._busy[b]
+                self._busy_mask[b] = False
 
     def finish_request(self, req_id, held_blocks) -> list[int]:
         """The request finished or was preempted: forget it and free the blocks it held.
@@ -338,7 +346,7 @@ class ReclamationManager:
             self.table.free_request(req_id)
         later = set()
         for plan in self.in_flight.values():
-            if plan.req_id == req_id:
+            if plan.req_id == req_id and not faults.on("finish_frees_inflight_sources"):
                 self._deferred[plan.id] = [b for b in held_blocks if b in plan.sources]
                 later |= set(self._deferred[plan.id])
         now = [b for b in held_blocks if b not in later]
