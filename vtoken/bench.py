@@ -199,3 +199,12 @@ def settle_experiment(R=64, L=4096, S=16, evict=0.5, headroom=64, theta_f=0.02, 
 
 
 BENCHES["planner"] = bench_planner
+
+
+def _bench_decode(seed=0, quick=False):
+    from .decode_cli import bench_decode
+
+    return bench_decode(quick=quick, seed=seed)
+
+
+BENCHES["decode"] = _bench_decode

@@ -193,8 +193,8 @@ class PagedDecoder(nn.Module):
         qh = q.reshape(m, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * m, d)
         scores = torch.bmm(qh, k.permute(1, 2, 0)).view(hk, g, m, t) * self.scale
         if causal:
-            qpos = torch.arange(t - m, t).unsqueeze(1)
-            scores = scores.masked_fill(torch.arange(t).unsqueeze(0) > qpos, float("-inf"))
+            qpos = torch.arange(t - m, t, device=scores.device).unsqueeze(1)
+            scores = scores.masked_fill(torch.arange(t, device=scores.device).unsqueeze(0) > qpos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs.view(hk, g * m, t), v.permute(1, 0, 2)).view(hk, g, m, d)
         stat = probs.sum(dim=2).reshape(c.num_heads, t).mean(dim=0)

@@ -1,0 +1,402 @@
+"""The copy engine: stage 4 of the reclamation backend (paper section 3.3), with bytes.
+
+``KVCopyEngine`` implements the planner's copy-engine protocol (``launch(plan) -> handle``,
+``poll(handle)``, ``wait(handle)``; see ``vtoken.planner.NullCopyEngine``) over a
+:class:`~vtoken.kvcache.KVCache`. One plan is ONE batched gather/scatter over every layer's
+K and V (``KVCache.copy_slots`` on ``slot = block * S + offset`` from the move columns); no
+per-token Python loop anywhere.
+
+CUDA ordering (the I3 argument)
+-------------------------------
+``launch`` is called after the step's forward pass has been issued on the compute stream.
+
+1. The relocation stream first ``wait_stream``s the compute stream, so the copy reads the
+   sources only after every K/V write issued so far (the forward pass) has landed.
+2. The copy runs on the relocation stream; then an event is recorded on that stream.
+3. ``wait_before_attention()`` makes the compute stream ``wait_event`` on every pending
+   event: a device-side dependency, the host never blocks.
+4. ``poll`` answers ``done`` only once ``event.query()`` says the copy has completed, so the
+   planner hands destinations to the request and frees the sources (``apply``) only after
+   the copy out of them finished: nothing can be reallocated and overwritten under it.
+   A copy that ``poll`` reported done is no longer pending (nothing left to wait for).
+5. ``wait`` is a host ``event.synchronize()`` (the force-sync ablation).
+
+The index tensors are made on the compute stream and used on the relocation stream:
+``record_stream`` tells the caching allocator, and the handle keeps them alive until the
+copy is observed done. Temporaries of the copy itself are allocated inside the
+relocation stream's context and are therefore stream-ordered there.
+
+Ownership: the engine owns no blocks and no table state; it writes K/V into the plan's
+destination slots (headroom blocks no one reads) and reads its sources. Which blocks those
+are, and when they may be freed, is the planner's business.
+
+CPU
+---
+The copy is synchronous at ``launch`` and the same lifecycle is followed (``poll`` ->
+``done``). ``lag=k`` (tests, simulation) defers the copy itself until the k-th ``poll`` of
+its handle, the CPU stand-in for a relocation stream that is running late: it lets tests
+see what happens when something touches a plan's blocks while its copy is "in flight".
+
+Faults
+------
+``fail_next_copy = True``: the next launch copies only part of its moves and reports
+``failed`` (the planner then aborts). Planted faults (``vtoken.faults``):
+
+- ``copy_flip_byte``: flip one byte of one moved entry (last layer, K);
+- ``copy_skip_move``: skip one move;
+- ``cuda_wait_dropped``: ``wait_before_attention`` does nothing;
+- ``cuda_event_wrong_stream``: the event is recorded on the compute stream before the
+  copy is enqueued (so it completes without the copy);
+- ``cuda_release_before_event``: ``poll`` reports done without querying the event (on the
+  CPU with ``lag``: done before the deferred copy ran; it runs when its lag expires).
+
+Sentinel mode (``sentinel=True``, a test mode): before each copy the destination slots
+are filled with a sentinel (``finfo(dtype).max``) on the compute stream, and on CUDA the
+relocation stream is delayed by ``torch.cuda._sleep(sleep_cycles)`` before copying, so a
+missing or misplaced wait shows up as sentinel values in attention's inputs
+(:meth:`KVCopyEngine.contains_sentinel`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from . import faults
+from .kvcache import KVCache
+
+__all__ = ["KVCopyEngine", "CopyHandle"]
+
+PENDING, DONE, FAILED = "pending", "done", "failed"
+
+
+@dataclass
+class CopyHandle:
+    """One launched copy. ``status`` is the last status reported; the rest is bookkeeping."""
+
+    id: int
+    plan_id: int
+    n_moves: int  # moves in the plan
+    n_copied: int  # moves actually copied (fewer when failed or a fault skipped one)
+    failed: bool
+    status: str = PENDING
+    event: object = None  # torch.cuda.Event (cuda)
+    refs: tuple = ()  # tensors kept alive until the copy is observed done
+    left: int = 0  # CPU lag: polls before the deferred copy runs
+    deferred: Optional[tuple] = None  # CPU lag: (src, dst, flip) still to copy
+    released_early: bool = False  # planted release-before-event reported done already
+    timing: Optional[tuple] = None  # (start, end) timing events (cuda, ``timed=True``)
+    meta: dict = field(default_factory=dict)
+
+
+class KVCopyEngine:
+    """Copies a plan's moves for all layers, on a relocation stream on CUDA.
+
+    Args:
+        kv: the cache the moves refer to.
+        block_size: ``S`` of the plan's ``(block, offset)`` pairs (must match the cache).
+        force_sync: ``poll`` behaves like ``wait`` (host synchronisation on every copy).
+        lag: CPU only, copies run on the ``lag``-th poll (0: at launch).
+        sentinel, sleep_cycles: the I3 test mode (see the module docstring).
+        timed: on CUDA, record timing events around each copy (``copy_ms``).
+    """
+
+    def __init__(self, kv: KVCache, block_size: int, force_sync: bool = False, lag: int = 0,
+                 sentinel: bool = False, sleep_cycles: int = 200_000_000, timed: bool = False):
+        if int(block_size) != kv.block_size:
+            raise ValueError(f"block_size {block_size} != the cache's {kv.block_size}")
+        self.kv = kv
+        self.S = int(block_size)
+        self.device = kv.device
+        self.is_cuda = kv.device.type == "cuda"
+        self.force_sync = force_sync
+        self.lag = int(lag)
+        if self.lag and self.is_cuda:
+            raise ValueError("lag is a CPU simulation knob; on CUDA the stream is asynchronous already")
+        self.sentinel = sentinel
+        self.sleep_cycles = int(sleep_cycles)
+        self.timed = timed
+        self.fail_next_copy = False
+        self.stream = torch.cuda.Stream(device=kv.device) if self.is_cuda else None
+        if self.is_cuda:
+            # the cache is read and written on the relocation stream too: should it ever be
+            # freed, its memory must not be reused before that stream's queued work is done
+            kv.kv.record_stream(self.stream)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, CopyHandle] = {}  # launched, not yet observed done
+        self._orphans: dict[int, CopyHandle] = {}  # CPU: reported done early, copy still queued
+        self.stats = dict(launched=0, done=0, failed=0, moves=0, bytes=0, host_syncs=0,
+                          device_waits=0)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def sentinel_value(self) -> float:
+        return float(torch.finfo(self.kv.dtype).max)
+
+    def _slots(self, plan) -> tuple[np.ndarray, np.ndarray]:
+        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
+        S = self.S
+        return m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
+
+    def _flip_target(self, dst: np.ndarray):
+        """(slot, layer) whose K gets one byte flipped under ``copy_flip_byte``."""
+        if not faults.on("copy_flip_byte") or len(dst) == 0:
+            return None
+        return int(dst[len(dst) // 2]), self.kv.num_layers - 1
+
+    def _copy(self, src_t: torch.Tensor, dst_t: torch.Tensor, flip) -> None:
+        """The batched gather/scatter of all layers (stream-agnostic: runs on the current one)."""
+        flat = self.kv.flat
+        if src_t.numel():
+            # KVCache.copy_slots without its host-side validation (no sync on CUDA): the
+            # planner's moves are validated by construction and by apply_moves.
+            if self.kv.checked and not self.is_cuda:
+                self.kv.copy_slots(src_t, dst_t)
+            else:
+                flat.index_copy_(2, dst_t, flat.index_select(2, src_t))
+        if flip is not None:
+            slot, layer = flip
+            entry = flat[layer, 0, slot]  # [H, D], contiguous
+            b = entry.view(torch.uint8).view(-1)
+            b[:1] ^= 0xFF
+
+    # ------------------------------------------------------------------ protocol
+    def launch(self, plan) -> CopyHandle:
+        """Issue the copy of ``plan.moves`` (after the step's forward pass)."""
+        src, dst = self._slots(plan)
+        n = len(src)
+        failed = bool(self.fail_next_copy)
+        self.fail_next_copy = False
+        keep = np.ones(n, dtype=bool)
+        if failed:
+            keep[n // 2:] = False  # part-way: the first half lands, the rest never does
+        if faults.on("copy_skip_move") and n:
+            keep[n // 2] = False
+        src, dst = src[keep], dst[keep]
+        flip = self._flip_target(dst)
+        h = CopyHandle(next(self._ids), getattr(plan, "id", -1), n, int(keep.sum()), failed)
+        self.stats["launched"] += 1
+        self.stats["moves"] += len(src)
+        self.stats["bytes"] += len(src) * self.kv.bytes_per_token
+        if self.is_cuda:
+            self._launch_cuda(h, src, dst, flip)
+        else:
+            if self.sentinel and len(dst):
+                self.kv.fill_slots(torch.from_numpy(dst), self.sentinel_value)
+            if self.lag > 0:
+                h.left = self.lag
+                h.deferred = (src, dst, flip)
+            else:
+                self._copy(torch.from_numpy(src), torch.from_numpy(dst), flip)
+        self._pending[h.id] = h
+        return h
+
+    def _launch_cuda(self, h: CopyHandle, src: np.ndarray, dst: np.ndarray, flip) -> None:
+        dev = self.device
+        compute = torch.cuda.current_stream(dev)
+        side = self.stream
+        # Index tensors: made on the compute stream (pinned host -> device, async).
+        src_t = torch.from_numpy(src).pin_memory().to(dev, non_blocking=True)
+        dst_t = torch.from_numpy(dst).pin_memory().to(dev, non_blocking=True)
+        if self.sentinel and len(dst):
+            self.kv.flat.index_fill_(2, dst_t, self.sentinel_value)  # compute stream, before the copy
+        ev = torch.cuda.Event()
+        if faults.on("cuda_event_wrong_stream"):
+            ev.record(compute)  # planted: completes with the compute stream, not the copy
+        side.wait_stream(compute)  # the copy sees the finished forward writes
+        t0 = t1 = None
+        with torch.cuda.stream(side):
+            if self.sentinel and self.sleep_cycles > 0:
+                torch.cuda._sleep(self.sleep_cycles)  # a late relocation stream
+            if self.timed:
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record(side)
+            self._copy(src_t, dst_t, flip)
+            if self.timed:
+                t1.record(side)
+            if not faults.on("cuda_event_wrong_stream"):
+                ev.record(side)
+        src_t.record_stream(side)
+        dst_t.record_stream(side)
+        h.event = ev
+        h.refs = (src_t, dst_t)
+        h.timing = (t0, t1) if self.timed else None
+
+    def _finish(self, h: CopyHandle) -> str:
+        self._pending.pop(h.id, None)
+        h.refs = ()
+        h.status = FAILED if h.failed else DONE
+        self.stats["failed" if h.failed else "done"] += 1
+        return h.status
+
+    def _run_deferred(self, h: CopyHandle) -> None:
+        if h.deferred is not None:
+            src, dst, flip = h.deferred
+            h.deferred = None
+            self._copy(torch.from_numpy(src), torch.from_numpy(dst), flip)
+
+    def _progress_orphans(self) -> None:
+        """CPU: copies reported done early (planted) still run when their lag expires."""
+        for hid, h in list(self._orphans.items()):
+            h.left -= 1
+            if h.left <= 0:
+                self._run_deferred(h)
+                del self._orphans[hid]
+
+    def poll(self, handle: CopyHandle) -> str:
+        """Non-blocking: ``pending``, ``done`` or ``failed`` (this copy only)."""
+        h = handle
+        if h.status != PENDING:
+            return h.status
+        if self.force_sync:
+            return self.wait(h)
+        if faults.on("cuda_release_before_event"):
+            # planted: done without asking the device (or, on the CPU, before the lag ran out)
+            if not self.is_cuda and h.deferred is not None and h.left > 0:
+                self._orphans[h.id] = h
+            h.released_early = True
+            return self._finish(h)
+        if self.is_cuda:
+            if not h.event.query():
+                return PENDING
+            return self._finish(h)
+        if h.deferred is not None:
+            h.left -= 1
+            if h.left > 0:
+                return PENDING
+            self._run_deferred(h)
+        return self._finish(h)
+
+    def wait(self, handle: CopyHandle) -> str:
+        """Host wait for this copy (force-sync ablation): ``done`` or ``failed``."""
+        h = handle
+        if h.status != PENDING:
+            return h.status
+        self.stats["host_syncs"] += 1
+        if self.is_cuda:
+            h.event.synchronize()
+        else:
+            self._orphans.pop(h.id, None)
+            self._run_deferred(h)
+        return self._finish(h)
+
+    def wait_before_attention(self) -> list:
+        """Make the compute stream wait (device side) for every copy not yet observed done.
+
+        Called before each step's attention; returns the plan ids waited on (the engine
+        records them as fences). A no-op on the CPU (copies are synchronous, or, with
+        ``lag``, run before they are reported done), except that copies the planted
+        release-before-event fault reported early keep counting down.
+        """
+        if not self.is_cuda:
+            self._progress_orphans()
+            return []
+        if faults.on("cuda_wait_dropped"):
+            return []
+        compute = torch.cuda.current_stream(self.device)
+        waited = []
+        for h in self._pending.values():
+            compute.wait_event(h.event)
+            waited.append(h.plan_id)
+            self.stats["device_waits"] += 1
+        return waited
+
+    def synchronize(self) -> None:
+        """Wait (host) for every launched copy; for teardown and tests, never the hot path."""
+        if self.is_cuda:
+            self.stream.synchronize()
+        for h in list(self._orphans.values()):
+            self._run_deferred(h)
+        self._orphans.clear()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def copy_ms(self, handle: CopyHandle) -> Optional[float]:
+        """Device time of a timed CUDA copy (after it is done), else None."""
+        if handle.timing is None:
+            return None
+        t0, t1 = handle.timing
+        t1.synchronize()
+        return float(t0.elapsed_time(t1))
+
+    # ------------------------------------------------------------------ sentinel check
+    def contains_sentinel(self, slots: torch.Tensor) -> bool:
+        """True when any layer's K or V at ``slots`` holds the sentinel (I3 test mode).
+
+        Reads on the current (compute) stream, as attention would; forces a host sync.
+        """
+        s = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        if s.numel() == 0:
+            return False
+        vals = self.kv.flat.index_select(2, s)
+        return bool((vals == self.sentinel_value).any())
+
+
+# ---------------------------------------------------------------------------- the I3 probe (CUDA)
+class _ProbePlan:
+    def __init__(self, pid: int, moves: np.ndarray):
+        self.id, self.moves, self.req_id = pid, moves, "probe"
+
+
+def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n: int = 64,
+             sleep_cycles: int = 400_000_000, timeout_s: float = 20.0) -> dict:
+    """Check I3 directly on a CUDA cache: one sentinel copy on a late relocation stream, then
+    its destinations read on the compute stream the way attention reads them.
+
+    ``scenario``: ``"wait"`` reads right after :meth:`KVCopyEngine.wait_before_attention`
+    (the device-side dependency must hold the read back); ``"poll"`` reads as soon as
+    ``poll`` reports done, without a wait (a copy reported done must have landed).
+    ``fault``: a planted fault name to run under (``cuda_wait_dropped``,
+    ``cuda_event_wrong_stream``, ``cuda_release_before_event``). The first ``2n`` blocks'
+    worth of slots past the null block are used (sources, then destinations); their
+    contents are overwritten. Returns ``sentinel_seen`` (an I3 violation), ``bytes_equal``,
+    ``first_poll`` and the host time of the wait call (it must not block).
+    """
+    import time
+
+    if kv.device.type != "cuda":
+        raise ValueError("i3_probe needs a CUDA cache")
+    S = kv.block_size
+    nblk = -(-n // S)
+    if 1 + 2 * nblk > kv.num_blocks:
+        raise ValueError("cache too small for the probe")
+    tok = np.arange(n, dtype=np.int64)
+    src_b, dst_b = 1 + tok // S, 1 + nblk + tok // S
+    moves = np.stack([tok, src_b, tok % S, dst_b, tok % S], axis=1)
+    src = torch.from_numpy(src_b * S + tok % S).to(kv.device)
+    dst = torch.from_numpy(dst_b * S + tok % S).to(kv.device)
+    g = torch.Generator(device=kv.device).manual_seed(1234)
+    vals = torch.randn((kv.num_layers, 2, n, kv.num_kv_heads, kv.head_dim), generator=g, device=kv.device)
+    kv.flat.index_copy_(2, src, vals.to(kv.dtype))
+    want = kv.flat.index_select(2, src).clone()
+    torch.cuda.synchronize(kv.device)
+    eng = KVCopyEngine(kv, S, sentinel=True, sleep_cycles=sleep_cycles)
+    names = (fault,) if fault else ()
+    out = {"scenario": scenario, "fault": fault}
+    with faults.planted(*names):
+        h = eng.launch(_ProbePlan(1, moves))
+        out["first_poll"] = eng.poll(h) if scenario == "poll" else None
+        if scenario == "wait":
+            t0 = time.perf_counter()
+            eng.wait_before_attention()
+            out["host_wait_ms"] = (time.perf_counter() - t0) * 1e3
+        else:
+            t0 = time.perf_counter()
+            status = out["first_poll"]
+            while status == PENDING and time.perf_counter() - t0 < timeout_s:
+                status = eng.poll(h)
+            out["poll_status"] = status
+            out["host_poll_ms"] = (time.perf_counter() - t0) * 1e3
+        got = kv.flat.index_select(2, dst)  # the compute stream, as attention would read
+        seen = (got == eng.sentinel_value).any()
+        equal = torch.equal(got, want)
+        out["sentinel_seen"] = bool(seen)
+        out["bytes_equal"] = bool(equal)
+        eng.synchronize()
+    return out

@@ -1,0 +1,566 @@
+"""A greedy decode engine over the paged decoder: Native, Naive-Evict and vToken (paper section 4).
+
+``DecodeEngine`` owns one :class:`~vtoken.kvcache.KVCache`, one
+:class:`~vtoken.table.TokenTable`, one :class:`~vtoken.allocator.BlockAllocator` and, in
+``vtoken`` mode, a :class:`~vtoken.planner.ReclamationManager` driving a
+:class:`~vtoken.copy_engine.KVCopyEngine`. It runs a batch of requests to completion, one
+decode step for every active request at a time (Algorithm 1 of the paper):
+
+1. eviction (not in ``native``): keep at most ``ceil((1 - evict_ratio) * length)`` live
+   tokens, never the newest, using the policy with the attention statistics the model
+   returned so far (``select_victims`` -> ``table.evict_tokens``); blocks left with no live
+   token are released at once (both eviction modes do this, identically);
+2. (``vtoken``) ``copy_engine.wait_before_attention()``: the device-side wait on copies
+   not yet observed done;
+3. per request: read slots = ``table.slot_mapping(r).clone()`` (Eq. 2) taken BEFORE the
+   new token is synced; a block is allocated when the positional block list is full;
+   ``sync_new_tokens`` gives the new token's write slot;
+4. one ``decode_step`` for the batch, greedy next tokens, ``policy.observe``;
+5. (``vtoken``) after the forward pass: ``manager.step()`` finishes copies (applying them:
+   table updated, sources freed, ``on_applied`` puts the null block where a source was in
+   the positional list and records the destinations as held) and plans/launches new ones;
+6. finished requests give their blocks back.
+
+``native`` keeps every token and computes slots straight from the positional block list
+(no token table): the unmodified paged baseline. ``naive-evict`` and ``vtoken`` make the
+same eviction decisions (one policy instance per run, per-request seeded state, same
+statistics because the K/V bytes and their order are the same), so their greedy outputs
+must be bitwise identical: the strongest end-to-end check of the relocation machinery.
+
+Ownership: the engine holds one allocator reference on every non-null entry of a
+request's positional block list and on every applied destination it holds (``held``);
+the reclamation manager owns the headroom and frees applied plans' sources.
+
+Tokens evicted while their copy is in flight stay dead: the manager subclass here drops
+their moves before the plan is applied (``apply_moves`` would otherwise refuse a dead
+token), and the relocation checker is told about every eviction.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .allocator import NULL_BLOCK, BlockAllocator
+from .copy_engine import KVCopyEngine
+from .errors import RelocationCheckError
+from .model.decoder import DecodeItem, PagedDecoder, greedy
+from .planner import COMPLETED, PlannerConfig, ReclamationManager
+from .policies import make_policy
+from .table import TokenTable
+
+__all__ = ["DecodeEngine", "DecodeResult", "default_planner_config", "full_retention_blocks", "MODES"]
+
+MODES = ("native", "naive-evict", "vtoken")
+
+
+def default_planner_config(record_snapshots: bool = False, headroom: int = 12) -> PlannerConfig:
+    """A config that relocates often (the engine's default; stated in reports).
+
+    theta_f = 0.10 (the paper's default is 0.25): plan as soon as 10% of allocated slots
+    are dead; check_every = 2 steps; up to 8 sources per plan; ``headroom`` reserved
+    destination blocks; no low watermark (plan whenever F > theta_f).
+    """
+    return PlannerConfig(theta_f=0.10, check_every=2, max_sources=8, headroom=headroom, low_watermark=None,
+                         record_snapshots=record_snapshots)
+
+
+def full_retention_blocks(prompt_lens: Sequence[int], new_tokens: Sequence[int] | int, block_size: int,
+                          headroom: int = 0) -> int:
+    """Blocks for every request to keep every token (plus the null block and the headroom)."""
+    if isinstance(new_tokens, int):
+        new_tokens = [new_tokens] * len(prompt_lens)
+    return sum(-(-(p + n) // block_size) for p, n in zip(prompt_lens, new_tokens)) + headroom + 1
+
+
+class _Manager(ReclamationManager):
+    """The planner, plus: moves of tokens evicted while the copy flew are dropped at apply."""
+
+    def apply(self, plan) -> None:
+        if plan.state == COMPLETED and plan.id not in self._deferred and len(plan.moves) \
+                and plan.req_id in self.table:
+            live = self.table.live_mask(plan.req_id)
+            keep = live[plan.moves[:, 0]]
+            if not keep.all():
+                plan.evicted_in_flight = plan.moves[~keep, 0].tolist()
+                plan.moves = plan.moves[keep]
+                if plan.snapshot is not None:
+                    plan.snapshot["plan"]["evicted_in_flight"] = list(plan.evicted_in_flight)
+        super().apply(plan)
+
+
+@dataclass
+class _Req:
+    id: object
+    prompt_len: int
+    max_new: int
+    blocks: list  # positional block list (null where a source was reclaimed)
+    held: list = field(default_factory=list)  # applied destination blocks
+    out: list = field(default_factory=list)
+    slots: Optional[torch.Tensor] = None  # native: slots by position
+    n: int = 0  # tokens written (native)
+    done: bool = False
+
+
+@dataclass
+class DecodeResult:
+    mode: str
+    policy: str
+    evict_ratio: float
+    block_size: int
+    num_blocks: int
+    device: str
+    outputs: list  # generated tokens per request, in prompt order
+    tokens_per_s: float
+    decode_tokens_per_s: float
+    wall_s: float
+    steps: int
+    step_ms_median: float
+    step_ms_mean: float
+    step_ms: list  # per decode step
+    step_cpu_ms_median: float = 0.0  # process CPU time per step (less sensitive to other load)
+    relocations: int = 0  # applied plans
+    plans_launched: int = 0
+    plans_aborted: int = 0
+    moves: int = 0
+    blocks_freed_by_compaction: int = 0
+    hash_checks: int = 0  # comparisons passed
+    hash_failures: int = 0
+    relocation_events_checked: int = 0
+    retained_blocks_end: int = 0  # blocks held by requests after the last step
+    retained_blocks_peak: int = 0
+    retained_blocks_mean: float = 0.0
+    ideal_blocks_end: int = 0  # sum over requests of ceil(live / S)
+    waste_ratio_end: float = 0.0
+    waste_ratio_mean: float = 0.0
+    empty_blocks_released: int = 0
+    planner: Optional[dict] = None
+    copy_stats: Optional[dict] = None
+    failures: list = field(default_factory=list)
+    prefill_fallback: Optional[str] = None  # CUDA: why prefill ran token by token (see _prefill)
+
+    def to_dict(self, with_outputs: bool = True, with_steps: bool = False) -> dict:
+        d = asdict(self)
+        if not with_outputs:
+            d.pop("outputs")
+        if not with_steps:
+            d.pop("step_ms")
+        return d
+
+
+class DecodeEngine:
+    """Greedy batched decoding in one of :data:`MODES` (see the module docstring).
+
+    Args:
+        model: a :class:`PagedDecoder` (moved to ``device`` by the caller or here).
+        mode: ``native`` | ``naive-evict`` | ``vtoken``.
+        policy: eviction policy name (``vtoken.policies.POLICIES``); ``policy_kwargs`` go to it.
+        evict_ratio: fraction of each request's tokens to evict (keep ``ceil((1-r) * n)``).
+        block_size: ``S``.
+        num_blocks: the KV block budget (incl. the null block); None: sized by ``run`` for
+            full retention of its batch plus the headroom.
+        device: ``cpu`` or ``cuda``.
+        check_relocations: hash-and-compare every relocation (``invariants.relocation_hash``);
+            also records plan snapshots (events included) for failures.
+        planner_config: default :func:`default_planner_config`.
+        seed: seeds the random policy (per request: ``(seed, request id)``).
+        force_sync: host-wait every copy (the force-sync ablation).
+        copy_kwargs: extra ``KVCopyEngine`` arguments (``lag``, ``sentinel``, ...).
+        snapshot_dir: where failing plans' snapshots go.
+        sentinel_check: before each decode step, assert no read slot holds the copy
+            engine's sentinel (I3 test mode; needs ``copy_kwargs={"sentinel": True}``).
+        check_method / full_bytes: the relocation checker's digest method.
+    """
+
+    def __init__(self, model: PagedDecoder, mode: str = "vtoken", policy: str = "h2o", evict_ratio: float = 0.5,
+                 block_size: int = 16, num_blocks: Optional[int] = None, device: str = "cpu",
+                 check_relocations: bool = False, planner_config: Optional[PlannerConfig] = None, seed: int = 0,
+                 force_sync: bool = False, copy_kwargs: Optional[dict] = None, snapshot_dir=None,
+                 policy_kwargs: Optional[dict] = None, sentinel_check: bool = False,
+                 check_method: Optional[str] = None, full_bytes: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} not in {MODES}")
+        if not 0.0 <= evict_ratio < 1.0:
+            raise ValueError(f"evict_ratio {evict_ratio} outside [0, 1)")
+        self.model = model
+        self.mode = mode
+        self.policy_name = policy
+        self.evict_ratio = float(evict_ratio)
+        self.S = int(block_size)
+        self.device = torch.device(device)
+        self.check_relocations = check_relocations and mode == "vtoken"
+        cfg = planner_config or default_planner_config()
+        if self.check_relocations and not cfg.record_snapshots:
+            cfg = PlannerConfig(**{**asdict(cfg), "record_snapshots": True})
+        self.cfg = cfg
+        self.seed = seed
+        self.force_sync = force_sync
+        self.copy_kwargs = dict(copy_kwargs or {})
+        self.snapshot_dir = snapshot_dir
+        self.policy_kwargs = dict(policy_kwargs or {})
+        self.sentinel_check = sentinel_check
+        self.check_method, self.full_bytes = check_method, full_bytes
+        self.num_blocks = num_blocks
+        self._ready = False
+        if num_blocks is not None:
+            self.setup(num_blocks)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, num_blocks: int) -> None:
+        """Build the cache, table, allocator, policy and (vtoken) manager for ``num_blocks``."""
+        self.num_blocks = int(num_blocks)
+        if next(self.model.parameters()).device != self.device:
+            self.model.to(self.device)
+        on_cuda = self.device.type == "cuda"
+        self.kv = self.model.make_kv_cache(self.num_blocks, self.S, device=self.device, checked=not on_cuda)
+        self.alloc = BlockAllocator(self.num_blocks)
+        self.table = TokenTable(self.S, self.num_blocks, device=self.device) if self.mode != "native" else None
+        kw = dict(self.policy_kwargs)
+        if self.policy_name == "random":
+            kw.setdefault("seed", self.seed)
+        self.policy = make_policy(self.policy_name, **kw) if self.mode != "native" else None
+        self.copy_engine = None
+        self.manager = None
+        self.checker = None
+        if self.mode == "vtoken":
+            self.copy_engine = KVCopyEngine(self.kv, self.S, force_sync=self.force_sync, **self.copy_kwargs)
+            eng = self.copy_engine
+            if self.check_relocations:
+                from vtoken.invariants.relocation_hash import RelocationChecker
+
+                self.checker = RelocationChecker(self.kv, self.table, out_dir=self.snapshot_dir,
+                                                 method=self.check_method, full_bytes=self.full_bytes)
+                eng = self.checker.wrap(self.copy_engine)
+            self.manager = _Manager(self.table, self.alloc, eng, self.cfg, on_applied=self._on_applied)
+        self._reqs: dict[object, _Req] = {}
+        self._order: list = []
+        self._recent: list = []  # plans finished by the last manager step (watched one more step)
+        self.step_times: list[float] = []
+        self.step_cpu: list[float] = []  # process CPU time per step (robust on a shared machine)
+        self._retained: list[int] = []
+        self._waste: list[float] = []
+        self.empty_released = 0
+        self._ideal_last = 0
+        self.prefill_fallback = False
+        self._ready = True
+
+    # ------------------------------------------------------------------ blocks
+    def _allocate(self, n: int, req_id) -> list[int]:
+        if self.alloc.num_free < n and self.manager is not None:
+            # out of free blocks: give back headroom rather than fail (the refill takes it again)
+            give = min(n - self.alloc.num_free, len(self.manager.headroom))
+            if give:
+                back = [self.manager.headroom.pop() for _ in range(give)]
+                self.alloc.unreserve(back)
+        blocks = self.alloc.allocate(n)
+        self._watch_alloc(req_id, blocks)
+        return blocks
+
+    def _drop_blocks(self, r: _Req, gone) -> None:
+        """The request no longer holds ``gone`` (reclaimed sources / released empty blocks)."""
+        gone = set(gone)
+        r.blocks = [NULL_BLOCK if b in gone else b for b in r.blocks]
+        r.held = [b for b in r.held if b not in gone]
+
+    def _on_applied(self, plan) -> None:
+        snap = plan.snapshot
+        if snap is not None and snap.get("post") is not None:
+            # The request grew while the copy flew; the snapshot schema (validate) wants the
+            # post state of the same tokens as the pre state: keep the first pre-length ones.
+            key = str(plan.req_id)
+            pre_n = snap["pre"]["requests"][key]["length"]
+            post = snap["post"]["requests"].get(key)
+            if post is not None and post["length"] > pre_n:
+                post["grown_to"] = post["length"]
+                post["length"] = pre_n
+                post["tokens"] = post["tokens"][:pre_n]
+        r = self._reqs.get(plan.req_id)
+        if r is not None:
+            self._drop_blocks(r, plan.sources)
+            r.held += [int(b) for b in plan.dests]
+        if self.checker is not None:
+            self.checker.after_apply(plan)
+
+    def _release_empty(self, r: _Req, victims: np.ndarray) -> None:
+        """Give back blocks the eviction left without a live token (never one a copy uses)."""
+        t = self.table
+        cand = np.unique(t.slots(r.id)[victims] // self.S)
+        busy = self.manager._busy if self.manager is not None else {}
+        cand = [int(b) for b in cand if t.n_b[b] == 0 and t.refs[b] == 1 and int(b) not in busy]
+        if cand:
+            freed = t.release_empty_blocks(r.id, cand)
+            self.alloc.free(freed)
+            self._drop_blocks(r, freed)
+            self.empty_released += len(freed)
+
+    # ------------------------------------------------------------------ event recording (snapshots)
+    def _watched(self) -> list:
+        if self.manager is None or not self.cfg.record_snapshots:
+            return []
+        plans = [p for p in self.manager.in_flight.values() if p.snapshot is not None]
+        return plans + [p for p in self._recent if p.snapshot is not None]
+
+    def _watch_alloc(self, req_id, blocks) -> None:
+        for p in self._watched():
+            hit = sorted(set(blocks) & (set(p.sources) | set(p.dests)))
+            if hit:
+                self.manager.record(p, "alloc", request=str(req_id), blocks=hit)
+
+    def _watch_rw(self, req_id, read_ids, read_slots, write_ids, write_slots) -> None:
+        for p in self._watched():
+            blk = np.asarray(sorted(set(p.sources) | set(p.dests)), dtype=np.int64)
+            if read_slots is not None and len(read_slots):
+                m = np.isin(read_slots // self.S, blk)
+                if m.any():
+                    self.manager.record(p, "read", request=str(req_id), tokens=read_ids[m].tolist(),
+                                        slots=read_slots[m].tolist())
+            m = np.isin(write_slots // self.S, blk)
+            for t, s in zip(write_ids[m].tolist(), write_slots[m].tolist()):
+                self.manager.record(p, "write", request=str(req_id), token=int(t), slot=int(s))
+
+    # ------------------------------------------------------------------ requests
+    def admit(self, req_id, prompt_ids: Sequence[int], max_new_tokens: int, blocks: Optional[list] = None) -> None:
+        """Prefill one request (its K/V written, its first token generated).
+
+        ``blocks``: the positional block list to use (already allocated to the request, a
+        test hook); by default ``ceil(len(prompt) / S)`` blocks are allocated.
+        """
+        if not self._ready:
+            raise RuntimeError("engine not set up: pass num_blocks or call setup()")
+        if req_id in self._reqs:
+            raise ValueError(f"request {req_id!r} already admitted")
+        P = len(prompt_ids)
+        if P == 0 or max_new_tokens < 1:
+            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
+        S = self.S
+        blocks = list(blocks) if blocks is not None else self._allocate(-(-P // S), req_id)
+        r = _Req(req_id, P, int(max_new_tokens), blocks)
+        self._reqs[req_id] = r
+        self._order.append(req_id)
+        pos = np.arange(P, dtype=np.int64)
+        if self.mode == "native":
+            cap = P + max_new_tokens
+            r.slots = torch.empty(cap, dtype=torch.int64, device=self.device)
+            bl = np.asarray(blocks, dtype=np.int64)
+            slots_np = bl[pos // S] * S + pos % S
+            r.slots[:P] = torch.from_numpy(slots_np).to(self.device)
+            r.n = P
+        else:
+            slots_np = self.table.sync_new_tokens(req_id, blocks, P)
+            self.table.flush()
+            self._watch_rw(req_id, None, None, pos, slots_np)
+        if self.copy_engine is not None:
+            self.copy_engine.wait_before_attention()
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.int64)
+        logits, stats = self._prefill(ids, pos, slots_np)
+        r.out.append(int(greedy(logits)))
+        if self.policy is not None:
+            self.policy.observe(req_id, pos, stats.numpy())
+        if len(r.out) >= r.max_new:
+            self.finish(req_id)
+
+    def _prefill(self, ids: torch.Tensor, pos: np.ndarray, slots_np: np.ndarray):
+        slots_t = torch.from_numpy(np.ascontiguousarray(slots_np)).to(self.device)
+        try:
+            return self.model.prefill(self.kv, ids, torch.from_numpy(pos), slots_t)
+        except RuntimeError as e:
+            # The decoder's causal mask is built on the host; on CUDA that fails until
+            # decoder.py builds it on the scores' device. Prefill token by token instead
+            # (same in every mode, so the outputs stay comparable).
+            if self.device.type != "cuda":
+                raise
+            self.prefill_fallback = str(e).splitlines()[0][:200]
+        acc = torch.zeros(len(pos), dtype=torch.float32)
+        logits = None
+        for i in range(len(pos)):
+            lg, st = self.model.decode_step(self.kv, [DecodeItem(int(ids[i]), int(pos[i]), int(slots_np[i]),
+                                                                 slots_t[:i])])
+            acc[: i + 1] += st[0]
+            logits = lg[0]
+        return logits, acc
+
+    def finish(self, req_id) -> None:
+        """The request is done: forget it everywhere and give its blocks back."""
+        r = self._reqs[req_id]
+        if r.done:
+            return
+        r.done = True
+        held = [b for b in r.blocks if b != NULL_BLOCK] + list(r.held)
+        if self.mode == "native":
+            self.alloc.free(held)
+        elif self.mode == "naive-evict":
+            self.table.free_request(req_id)
+            self.alloc.free(held)
+        else:
+            if self.checker is not None:
+                self.checker.forget_request(req_id)
+            self.manager.finish_request(req_id, held)
+        if self.policy is not None:
+            self.policy.forget(req_id)
+
+    @property
+    def active(self) -> list:
+        return [rid for rid in self._order if not self._reqs[rid].done]
+
+    # ------------------------------------------------------------------ one step
+    def _evict(self, r: _Req) -> None:
+        t = self.table
+        n = t.length(r.id)
+        keep = max(1, math.ceil(n * (1.0 - self.evict_ratio) - 1e-9))
+        if t.num_live(r.id) <= keep:
+            return
+        live = t.live_tokens(r.id)
+        victims = self.policy.select_victims(r.id, live, keep)
+        if len(victims) == 0:
+            return
+        t.evict_tokens(r.id, victims)
+        if self.checker is not None:
+            self.checker.note_evicted(r.id, victims)
+        self._release_empty(r, victims)
+
+    def step(self) -> None:
+        """One decode step for every active request (see the module docstring)."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        active = [self._reqs[rid] for rid in self.active]
+        if not active:
+            return
+        S = self.S
+        if self.mode != "native" and self.evict_ratio > 0:
+            for r in active:
+                self._evict(r)
+        if self.copy_engine is not None:
+            waited = self.copy_engine.wait_before_attention()
+            for p in self._watched():
+                if waited and p.id in waited:
+                    self.manager.record(p, "fence", plan=p.id)
+        # Read slots of every request first (Eq. 2, taken before the new tokens are synced;
+        # one flush of the step's queued table updates), then sync every new token.
+        reads, live_ids, ns = [], [], []
+        observe = self.policy is not None and self.evict_ratio > 0
+        for r in active:
+            if self.mode == "native":
+                ns.append(r.n)
+                reads.append(r.slots[: r.n])
+            else:
+                ns.append(self.table.length(r.id))
+                reads.append(self.table.slot_mapping(r.id).clone())
+                if observe or self.cfg.record_snapshots:
+                    live_ids.append(self.table.live_tokens(r.id))
+        items = []
+        record = self.cfg.record_snapshots and self.manager is not None and (self.manager.in_flight or self._recent)
+        for i, r in enumerate(active):
+            n, read = ns[i], reads[i]
+            if n // S >= len(r.blocks):
+                r.blocks += self._allocate(1, r.id)
+            if self.mode == "native":
+                slot = r.blocks[n // S] * S + n % S
+                r.slots[n] = slot
+                r.n = n + 1
+            else:
+                slot = int(self.table.sync_new_tokens(r.id, r.blocks, n + 1)[0])
+                if record:
+                    self._watch_rw(r.id, live_ids[i], read.cpu().numpy(), np.array([n]), np.array([slot]))
+            items.append(DecodeItem(r.out[-1], n, slot, read))
+        if self.table is not None:
+            self.table.flush()
+        if self.sentinel_check and self.copy_engine is not None:
+            for r, it in zip(active, items):
+                if self.copy_engine.contains_sentinel(it.read_slots):
+                    raise RelocationCheckError(
+                        "i3_sentinel", f"request {r.id!r}: attention's inputs hold the copy sentinel "
+                                       f"(a moved entry read before its copy completed)")
+        logits, stats = self.model.decode_step(self.kv, items)
+        toks = greedy(logits).tolist()
+        finished = []
+        for i, r in enumerate(active):
+            if observe:
+                ids = np.append(live_ids[i], items[i].position)
+                self.policy.observe(r.id, ids, stats[i].numpy())
+            r.out.append(int(toks[i]))
+            if len(r.out) >= r.max_new:
+                finished.append(r.id)
+        if self.manager is not None:
+            before = dict(self.manager.in_flight)
+            self.manager.step(force_sync=self.force_sync)
+            self._recent = [p for pid, p in before.items() if pid not in self.manager.in_flight]
+        self._measure()
+        for rid in finished:
+            self.finish(rid)
+        self.step_times.append(time.perf_counter() - t0)
+        self.step_cpu.append(time.process_time() - c0)
+
+    def _measure(self) -> None:
+        self._retained.append(self.alloc.num_used)
+        self._ideal_last = self.ideal_blocks()
+        if self.table is not None:
+            self._waste.append(self.table.waste_ratio())
+        else:
+            toks = sum(r.n for r in self._reqs.values() if not r.done)
+            nb = self.alloc.num_used
+            self._waste.append(1.0 - toks / (nb * self.S) if nb else 0.0)
+
+    def ideal_blocks(self) -> int:
+        if self.table is None:
+            return sum(-(-r.n // self.S) for r in self._reqs.values() if not r.done)
+        return sum(-(-self.table.num_live(rid) // self.S) for rid in self.active)
+
+    # ------------------------------------------------------------------ a whole batch
+    def run(self, prompts: Sequence[Sequence[int]], new_tokens: int | Sequence[int]) -> DecodeResult:
+        """Decode every prompt greedily to ``new_tokens`` generated tokens; see :class:`DecodeResult`.
+
+        Request ids are the prompts' indices. ``new_tokens`` counts generated tokens
+        (the first comes from the prefill), per request or for all.
+        """
+        news = [int(new_tokens)] * len(prompts) if isinstance(new_tokens, int) else [int(x) for x in new_tokens]
+        if not self._ready:
+            head = self.cfg.headroom if self.mode == "vtoken" else 0
+            self.setup(full_retention_blocks([len(p) for p in prompts], news, self.S, head) + 2)
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            self.admit(i, p, news[i])
+        t_pre = time.perf_counter()
+        while self.active:
+            self.step()
+        if self.copy_engine is not None:
+            self.copy_engine.synchronize()
+        wall = time.perf_counter() - t0
+        dec = time.perf_counter() - t_pre
+        outs = [self._reqs[i].out for i in range(len(prompts))]
+        total = sum(len(o) for o in outs)
+        dec_tokens = sum(max(0, len(o) - 1) for o in outs)
+        st_ms = [s * 1e3 for s in self.step_times]
+        res = DecodeResult(
+            mode=self.mode, policy=self.policy_name if self.mode != "native" else "none",
+            evict_ratio=self.evict_ratio if self.mode != "native" else 0.0, block_size=self.S,
+            num_blocks=self.num_blocks, device=str(self.device), outputs=outs,
+            tokens_per_s=total / wall if wall > 0 else 0.0,
+            decode_tokens_per_s=dec_tokens / dec if dec > 0 else 0.0, wall_s=wall, steps=len(st_ms),
+            step_ms_median=statistics.median(st_ms) if st_ms else 0.0,
+            step_ms_mean=statistics.fmean(st_ms) if st_ms else 0.0, step_ms=st_ms,
+            step_cpu_ms_median=statistics.median(self.step_cpu) * 1e3 if self.step_cpu else 0.0,
+            retained_blocks_end=self._retained[-1] if self._retained else 0,
+            retained_blocks_peak=max(self._retained) if self._retained else 0,
+            retained_blocks_mean=statistics.fmean(self._retained) if self._retained else 0.0,
+            ideal_blocks_end=self._ideal_last,
+            waste_ratio_end=self._waste[-1] if self._waste else 0.0,
+            waste_ratio_mean=statistics.fmean(self._waste) if self._waste else 0.0,
+            empty_blocks_released=self.empty_released,
+            prefill_fallback=self.prefill_fallback or None,
+        )
+        if self.manager is not None:
+            st = self.manager.stats
+            res.relocations, res.plans_launched, res.plans_aborted = st["applied"], st["plans"], st["aborted"]
+            res.moves, res.blocks_freed_by_compaction = st["moves"], st["blocks_freed"]
+            res.planner = {k: v for k, v in asdict(self.cfg).items()}
+            res.copy_stats = dict(self.copy_engine.stats)
+        if self.checker is not None:
+            res.hash_checks, res.hash_failures = self.checker.passed, self.checker.failed
+            res.relocation_events_checked = self.checker.events
+            res.failures = list(self.checker.failures)
+        return res
