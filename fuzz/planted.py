@@ -129,11 +129,30 @@ def _detect_placement(budget_s: float) -> dict:
 
 
 def _detect_decode(budget_s: float) -> dict:
-    from vtoken.decode_cli import detect_with_decode
+    """A small decode in vtoken mode with hash-and-compare, against naive-evict's outputs."""
+    from vtoken.engine import DecodeEngine, default_planner_config
+    from vtoken.errors import RelocationCheckError
+    from vtoken.model import PagedDecoder
+
+    import numpy as np
 
     t0 = time.perf_counter()
-    res = detect_with_decode(seed=0)
-    return {"detected": res["detected"], "seconds": time.perf_counter() - t0, "steps": 0, "error": res["detail"][:240]}
+    model = PagedDecoder()
+    prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(4, 32)).tolist()
+    outs, detail = {}, ""
+    for mode in ("vtoken", "naive-evict"):  # vtoken first: hash-and-compare stops at the first bad relocation
+        eng = DecodeEngine(model, mode=mode, policy="random", evict_ratio=0.5, block_size=4,
+                           check_relocations=(mode == "vtoken"), planner_config=default_planner_config(), seed=0)
+        try:
+            res = eng.run(prompts, 40)
+        except RelocationCheckError as e:
+            return {"detected": True, "seconds": time.perf_counter() - t0, "steps": 0, "error": f"hash-and-compare: {e}"[:240]}
+        outs[mode] = res.outputs
+        if res.hash_failures:
+            detail = f"{res.hash_failures} hash check(s) failed"
+    if outs["vtoken"] != outs["naive-evict"]:
+        detail = (detail + "; " if detail else "") + "outputs differ from naive-evict"
+    return {"detected": bool(detail), "seconds": time.perf_counter() - t0, "steps": 0, "error": detail or "not detected"}
 
 
 def run_one(name: str, budget_s: float = 120.0) -> dict:
