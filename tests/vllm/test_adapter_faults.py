@@ -1,0 +1,196 @@
+"""Planted adapter faults: each makes the audit runs fail with a detail naming the broken
+assumption, and the runtime checks that catch them do not depend on the fault flags
+(the same violations, made by hand, are caught too)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vtoken import faults
+from vtoken.vllm_adapter import harness
+
+pytestmark = pytest.mark.vllm
+
+# fault -> (check name, the assumption's words, a detail pattern)
+PLANTED = {
+    "adapter_free_before_fence": ("fence", "sources freed only after the fence",
+                                  r"block \d+ \(source of plan \d+, request '[^']+'\) freed at step \d+ .*fence \d+"),
+    "adapter_stale_prefix_hash": ("prefix_hash", "no relocated block keeps a stale prefix-cache hash",
+                                  r"block \d+ \(destination of request '[^']+'\) carries a prefix-cache hash"),
+    "adapter_pop_not_null": ("null_substitution", "null-substituted in req_to_blocks, list length kept",
+                             r"block list has \d+ entries, the scheduler outputs gave it \d+"),
+    "adapter_headroom_to_allocate": ("reservation", "never handed to allocate_slots",
+                                     r"headroom block \d+ is in request '[^']+''s block list"),
+}
+
+
+def require_vllm() -> None:
+    if harness.vllm_version() is None:
+        pytest.fail("vLLM not installed: run scripts/install_vllm.sh", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    require_vllm()
+    import torch
+
+    from vtoken.model import DecoderConfig, PagedDecoder
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield PagedDecoder(DecoderConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                                     intermediate_size=128))
+    torch.set_num_threads(old)
+
+
+def assert_names(detail: str, check: str, words: str, pattern: str) -> None:
+    assert detail.startswith("assumption broken: "), detail
+    assert f"[{check}]" in detail and words in detail, detail
+    import re
+
+    assert re.search(pattern, detail), detail
+
+
+@pytest.mark.parametrize("fault", list(PLANTED))
+def test_planted_fault_fails_audit_decode(fault):
+    require_vllm()
+    from vtoken.vllm_adapter.audit_run import audit_decode
+
+    check, words, pattern = PLANTED[fault]
+    with faults.planted(fault):
+        res = audit_decode(quick=True, seed=0)
+    assert res["passed"] is False
+    assert_names(res["detail"], check, words, pattern)
+
+
+@pytest.mark.parametrize("fault", list(PLANTED))
+def test_planted_fault_fails_sharing_table(fault):
+    require_vllm()
+    from vtoken.vllm_adapter.audit_run import sharing_table
+
+    check, words, pattern = PLANTED[fault]
+    with faults.planted(fault):
+        res = sharing_table(quick=True, seed=0)
+    assert res["passed"] is False
+    assert_names(res["detail"], check, words, pattern)
+
+
+@pytest.mark.parametrize("fault", list(PLANTED))
+def test_planted_fault_is_reported_by_check_assumptions(fault):
+    require_vllm()
+    from vtoken.vllm_adapter.audit_run import check_assumptions
+
+    check, words, pattern = PLANTED[fault]
+    with faults.planted(fault):
+        rows = {r["name"]: r for r in check_assumptions()}
+    assert rows[check]["passed"] is False
+    assert_names(rows[check]["detail"], check, words, pattern)
+    assert all(r["passed"] is not True for r in rows.values())  # nothing claims to hold past the break
+
+
+def test_corrupted_copy_fails_hash_and_compare():
+    """A relocation that flips a byte (the copy engine's planted fault) is caught by the
+    hash-and-compare the worker runs on every relocation."""
+    require_vllm()
+    from vtoken.vllm_adapter.audit_run import audit_decode
+
+    with faults.planted("copy_flip_byte"):
+        res = audit_decode(quick=True, seed=0)
+    assert res["passed"] is False
+    assert "[hash_and_compare]" in res["detail"] and "relocation_mismatch" in res["detail"], res["detail"]
+
+
+# ---------------------------------------------------------------------------- the checks are real
+def _adapter(model, **kw):
+    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
+    from vtoken.vllm_adapter.worker import VTokenWorker
+
+    S, N = 8, 64
+    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=kw.get("async_", True),
+                       planner_config=default_adapter_planner_config(headroom=4), max_model_len=512)
+    w = VTokenWorker(model, ad.table, N, S, policy="random", evict_ratio=0.5, seed=0, copy_lag=kw.get("lag", 0))
+    d = AdapterDriver(ad, w)
+    for i in range(3):
+        rng = np.random.default_rng([i])
+        ad.add_request(f"q{i}", rng.integers(1, 500, size=40 + 5 * i).tolist(), max_tokens=30)
+    return ad, w, d
+
+
+def _until(d, cond, n=300):
+    for _ in range(n):
+        d.step()
+        if cond():
+            return
+    raise AssertionError("condition never reached")
+
+
+def test_headroom_block_in_a_request_list_is_caught(model):
+    from vtoken.vllm_adapter.adapter import AdapterAssumptionError
+
+    ad, w, d = _adapter(model)
+    d.step()
+    r = next(iter(ad.req_to_blocks))
+    ad.req_to_blocks[r].append(ad.headroom[0])  # as if allocate_slots had handed it out
+    with pytest.raises(AdapterAssumptionError, match=r"\[reservation\].*headroom block \d+ is in request"):
+        ad.check_all()
+
+
+def test_popped_list_entry_is_caught(model):
+    from vtoken.vllm_adapter.adapter import AdapterAssumptionError
+
+    ad, w, d = _adapter(model)
+    d.step()
+    r = next(iter(ad.req_to_blocks))
+    ad.req_to_blocks[r].pop(0)
+    with pytest.raises(AdapterAssumptionError, match=r"\[null_substitution\].*entries, the scheduler outputs"):
+        ad.check_all()
+
+
+def test_hashed_destination_is_caught(model):
+    from vtoken.vllm_adapter.adapter import AdapterAssumptionError
+
+    ad, w, d = _adapter(model)
+    _until(d, lambda: any(ad.held.values()))
+    r, dests = next((r, v) for r, v in ad.held.items() if v)
+    hashed = next(b for lst in ad.req_to_blocks.values() for b in lst if b.block_hash is not None)
+    ad.pool.move_block_hashes(hashed, dests[0])
+    with pytest.raises(AdapterAssumptionError, match=r"\[prefix_hash\].*destination of request"):
+        ad.check_all()
+
+
+def test_source_freed_through_vllms_deferred_path_too_early_is_caught(model):
+    """Even through vLLM's own fenced path, a fence too early (the plan's step not yet
+    processed, the copy still running) is a broken fence."""
+    from vtoken.vllm_adapter.adapter import AdapterAssumptionError
+
+    ad, w, d = _adapter(model, lag=3)
+    _until(d, lambda: bool(ad.plans))
+    plan = next(iter(ad.plans.values()))
+    with pytest.raises(AdapterAssumptionError, match=r"\[fence\].*freed at step \d+ .*fence \d+.*copy completed: no"):
+        ad._free_sources(plan, copy_done=False)
+
+
+def test_shared_source_at_copy_time_is_caught(model):
+    """A plan whose source became shared before its copy (the worker sees another request
+    referencing it) is refused by the worker and reported as a broken assumption."""
+    from vtoken.vllm_adapter.adapter import AdapterAssumptionError
+
+    ad, w, d = _adapter(model, async_=False)
+    orig = ad._launch
+    state = {}
+
+    def spy(meta, r, p):
+        orig(meta, r, p)
+        plan = meta.plans[-1]
+        if not state:  # make another request reference the first source in the token table
+            other = next(x for x in ad.table.requests() if x != r)
+            src = plan.source_ids[0]
+            t = ad.table
+            t._ref_block(t._reqs[other], src)
+            state["done"] = (other, src)
+
+    ad._launch = spy
+    with pytest.raises(AdapterAssumptionError, match=r"\[shared_never_moved\].*referenced by another request"):
+        for _ in range(300):
+            d.step()

@@ -1,0 +1,403 @@
+"""The worker side of the vLLM adapter: this project's decoder fed by vLLM's scheduler outputs.
+
+``VTokenWorker.execute(scheduler_output)`` plays the part of vLLM's model runner for the
+adapter (``adapter.VTokenAdapter``). It owns the K/V (a :class:`~vtoken.kvcache.KVCache` of
+real tensors) and runs :class:`~vtoken.model.PagedDecoder`; the token table it writes is the
+adapter's (the scheduler side only reads it to plan). Per output, in order:
+
+1. ``finished_req_ids`` / ``preempted_req_ids``: the request's token table is reset
+   (``TokenTable.free_request``; a preempted request is recomputed from its token ids);
+2. the pre-attention hook: ``KVCopyEngine.wait_before_attention()`` and copies launched in
+   earlier steps that have completed are applied (``poll``);
+3. releases decided by the scheduler side (blocks whose tokens were all evicted) leave the
+   table (``release_empty_blocks``);
+4. block ids: ``scheduled_new_reqs.block_ids``, then ``scheduled_cached_reqs.new_block_ids``
+   appended (append-only), replaced for ``resumed_req_ids``: the positional list the new
+   tokens' slots come from (``TokenTable.sync_new_tokens``); a prefix-cache hit
+   (``num_computed_tokens > 0`` on a new or resumed request) is synced without compute;
+5. compute, in the output's request order (a prefix hit on a block written this step is
+   read after it is written): a decode step evicts first (``policy.select_victims`` keeps
+   ``ceil((1 - evict_ratio) * n)`` tokens, never the newest), reads the live tokens through
+   ``TokenTable.slot_mapping`` (Eq. 2) and writes the new token's K/V at its slot; a
+   prefill chunk attends causally over the live tokens before it plus itself. A request
+   whose chunk reaches its last known token samples one token (greedy);
+6. stage 4: the step's plans (``so.vtoken.plans``) are copied after the forward
+   (``KVCopyEngine``, wrapped by ``RelocationChecker`` for hash-and-compare of every
+   relocation) and applied (``TokenTable.apply_moves``) once the copy is observed done;
+   tokens evicted meanwhile stay dead where they were (their moves are dropped).
+
+It returns a ``vllm.v1.outputs.ModelRunnerOutput`` with the sampled tokens, carrying a
+:class:`WorkerReport` as ``vtoken_report``: per plan finished in this step, its status, the
+destinations used, whether the copy completed, whether hashed sources' bytes were left
+untouched, and, per request, how many leading tokens were computed with full context.
+
+Determinism: ``PagedDecoder(batch_invariant=True)`` runs each request's forward alone, and
+attention reads only bytes in logical order, so with the same eviction decisions a run with
+reclamation and one without give the same tokens (for the same prefill chunking).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import xxhash
+
+from ..kvcache import KVCache
+from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
+from ..policies import make_policy
+from ..table import TokenTable
+
+__all__ = ["PlanResult", "VTokenWorker", "WorkerReport"]
+
+
+@dataclass
+class PlanResult:
+    status: str  # "applied" | "aborted"
+    used_dests: list = field(default_factory=list)
+    moved: int = 0
+    copy_done: bool = True  # the copy out of the sources has completed (or never ran)
+    table_kept: bool = False  # aborted with the request still reading its sources
+    untouched: dict = field(default_factory=dict)  # hashed source id -> bytes unchanged by the relocation
+    shared_sources: list = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass
+class WorkerReport:
+    plans: dict = field(default_factory=dict)  # plan id -> PlanResult (plans finished now)
+    faithful: dict = field(default_factory=dict)  # req -> leading tokens computed with full context
+
+
+@dataclass
+class _WPlan:
+    """The plan object the copy engine and the relocation checker see."""
+
+    id: int
+    req_id: str
+    sources: list
+    dests: list
+    moves: np.ndarray
+    snapshot: Optional[dict] = None
+
+
+@dataclass
+class _WReq:
+    prompt: list
+    outputs: list
+    blocks: list  # positional block ids (append-only, replaced on resume)
+    gen: int = 0  # table incarnation (bumped on preemption)
+    evicting: bool = False
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.outputs
+
+
+class _SyncCopyEngine:
+    """Fallback when ``vtoken.copy_engine`` is unavailable: synchronous ``KVCache.copy_slots``."""
+
+    def __init__(self, kv: KVCache, S: int):
+        self.kv, self.S = kv, S
+        self.stats = dict(launched=0, done=0, moves=0)
+
+    def launch(self, plan):
+        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
+        if len(m):
+            self.kv.copy_slots(torch.from_numpy(m[:, 1] * self.S + m[:, 2]),
+                               torch.from_numpy(m[:, 3] * self.S + m[:, 4]))
+        self.stats["launched"] += 1
+        self.stats["moves"] += len(m)
+        return {"plan": plan.id}
+
+    def poll(self, handle):
+        return "done"
+
+    wait = poll
+
+    def wait_before_attention(self):
+        return []
+
+    def synchronize(self):
+        pass
+
+
+def _block_digest(kv: KVCache, block: int) -> int:
+    S = kv.block_size
+    slots = torch.arange(block * S, (block + 1) * S, dtype=torch.int64)
+    return xxhash.xxh3_64_intdigest(kv.slot_bytes(slots).cpu().numpy().tobytes())
+
+
+class VTokenWorker:
+    """Executes the adapter's ``SchedulerOutput``s with a real decoder and K/V cache.
+
+    Args:
+        model: the ``PagedDecoder`` (its config fixes the K/V geometry).
+        table: the adapter's ``TokenTable`` (the worker is its only writer).
+        num_blocks, block_size: vLLM's pool geometry (block ids index the cache directly).
+        policy, policy_kwargs, evict_ratio, seed: eviction (``vtoken.policies``).
+        check_relocations: hash-and-compare every relocation (``RelocationChecker``).
+        snapshot_dir: where a failing relocation's snapshot goes.
+        copy_lag: CPU stand-in for a late relocation stream (``KVCopyEngine(lag=...)``):
+            a copy completes on its ``copy_lag``-th poll, i.e. steps later.
+    """
+
+    def __init__(self, model: PagedDecoder, table: TokenTable, num_blocks: int, block_size: int, *,
+                 policy: str = "h2o", policy_kwargs: dict | None = None, evict_ratio: float = 0.5,
+                 seed: int = 0, check_relocations: bool = True, snapshot_dir=None, copy_lag: int = 0,
+                 device: str = "cpu"):
+        self.model = model
+        self.table = table
+        self.S = int(block_size)
+        self.kv = model.make_kv_cache(num_blocks, block_size, device=device)
+        try:
+            from ..copy_engine import KVCopyEngine
+
+            self.copy_engine = KVCopyEngine(self.kv, self.S, lag=copy_lag)
+        except ImportError:  # pragma: no cover - the copy engine ships with vtoken now
+            self.copy_engine = _SyncCopyEngine(self.kv, self.S)
+        self.checker = None
+        engine = self.copy_engine
+        if check_relocations:
+            from ..invariants.relocation_hash import RelocationChecker
+
+            self.checker = RelocationChecker(self.kv, table, out_dir=snapshot_dir)
+            engine = self.checker.wrap(self.copy_engine)
+        self.engine = engine
+        kw = dict(policy_kwargs or {})
+        if policy == "random":
+            kw.setdefault("seed", seed)
+        self.policy_name = policy
+        self.policy = make_policy(policy, **kw)
+        self.evict_ratio = float(evict_ratio)
+        self.reqs: dict[str, _WReq] = {}
+        self.pending: dict[int, tuple] = {}  # plan id -> (_WPlan, handle, AdapterPlan, gen, digests)
+        self.faithful: dict[str, int] = {}
+        self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
+                          relocations=0, moves=0, aborted=0, releases=0)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def hash_checks(self) -> int:
+        return self.checker.passed if self.checker is not None else 0
+
+    @property
+    def hash_failures(self) -> int:
+        return self.checker.failed if self.checker is not None else 0
+
+    def _drop(self, r: str, forget: bool) -> None:
+        if r in self.table:
+            self.table.free_request(r)
+        self.policy.forget(r)
+        if self.checker is not None:
+            self.checker.forget_request(r)
+        self.faithful.pop(r, None)
+        w = self.reqs.get(r)
+        if w is not None:
+            w.gen += 1
+            w.evicting = False
+            w.blocks = []
+        if forget:
+            self.reqs.pop(r, None)
+
+    # ------------------------------------------------------------------ the step
+    def execute(self, so):
+        """Run one ``SchedulerOutput``; returns a ``ModelRunnerOutput`` (with ``vtoken_report``)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        meta = getattr(so, "vtoken", None)
+        rep = WorkerReport()
+        t = self.table
+        self.stats["steps"] += 1
+        # 1. requests that left
+        for r in so.finished_req_ids:
+            self._drop(r, forget=True)
+        for r in so.preempted_req_ids or ():
+            self._drop(r, forget=False)
+        # 2. pre-attention hook: device wait on copies not yet observed done; apply finished ones
+        self.engine.wait_before_attention()
+        self._poll_pending(rep, force=False)
+        # 3. releases
+        if meta is not None:
+            for r, blocks in meta.releases.items():
+                if r in t:
+                    t.release_empty_blocks(r, blocks)
+                    self.stats["releases"] += len(blocks)
+        # 4. block lists (and token ids of new / resumed requests)
+        starts: dict[str, int] = {}
+        for d in so.scheduled_new_reqs:
+            self.reqs[d.req_id] = _WReq(list(d.prompt_token_ids), [], list(d.block_ids[0]))
+            starts[d.req_id] = d.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        for i, r in enumerate(c.req_ids):
+            w = self.reqs[r]
+            nb = c.new_block_ids[i]
+            ids = list(nb[0]) if nb else []
+            n_out = c.num_output_tokens[i]
+            if r in c.resumed_req_ids:
+                if r in t:
+                    self._drop(r, forget=False)
+                w.blocks = ids
+                if n_out > 0 and r in c.all_token_ids:
+                    w.outputs = list(c.all_token_ids[r][-n_out:])
+            else:
+                w.blocks += ids
+                if n_out < len(w.outputs):
+                    del w.outputs[n_out:]
+            starts[r] = c.num_computed_tokens[i]
+        # 5. compute, in the output's request order
+        sampled: dict[str, list[int]] = {}
+        for r, k in so.num_scheduled_tokens.items():
+            tok = self._run_request(r, starts[r], int(k), rep)
+            sampled[r] = [tok] if tok is not None else []
+        t.flush()
+        # 6. stage 4: this step's plans, after the forward
+        if meta is not None:
+            for ap in meta.plans:
+                self._launch(ap, rep)
+        rep.faithful = dict(self.faithful)
+        ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=[sampled[r] for r in ids])
+        out.vtoken_report = rep
+        return out
+
+    def _run_request(self, r: str, start: int, k: int, rep: WorkerReport) -> Optional[int]:
+        t, S = self.table, self.S
+        w = self.reqs[r]
+        toks = w.tokens
+        if r not in t:
+            t.sync_new_tokens(r, w.blocks, 0)  # creates the (empty) entry
+        n = t.length(r)
+        if n < start:  # a prefix-cache hit: these tokens' K/V is in cached blocks already
+            t.sync_new_tokens(r, w.blocks, start)
+            self.stats["cached_tokens"] += start - n
+            n = start
+        if n != start:
+            raise RuntimeError(f"worker: request {r!r} has {n} tokens in its table, the scheduler says the "
+                               f"chunk starts at {start}")
+        if start + k > len(toks):
+            raise RuntimeError(f"worker: request {r!r}: chunk [{start}, {start + k}) beyond its "
+                               f"{len(toks)} known tokens")
+        decode = k == 1 and start >= len(w.prompt) and start > 0
+        if decode and self.evict_ratio > 0:
+            self._evict(r, n)
+        read = t.slot_mapping(r).clone()
+        live_before = t.live_tokens(r)
+        write = t.sync_new_tokens(r, w.blocks, start + k)
+        t.flush()
+        model, kv = self.model, self.kv
+        if decode:
+            logits, stats = model.decode_step(kv, [DecodeItem(int(toks[start]), start, int(write[0]), read)])
+            lg, st = logits[0], stats[0]
+            self.stats["decode_tokens"] += 1
+        else:
+            ids = torch.as_tensor(toks[start:start + k], dtype=torch.int64)
+            pos = torch.arange(start, start + k, dtype=torch.int64)
+            ws = torch.from_numpy(np.ascontiguousarray(write)).to(kv.device)
+            keys = torch.cat([read.to(kv.device), ws])
+            with torch.inference_mode():
+                logits, stats = model._forward(kv, ids, pos, ws, [_Group(0, k, keys, True)], slice(k - 1, k))
+            lg, st = logits[0], stats[0]
+            self.stats["prefill_tokens"] += k
+        obs_ids = np.concatenate([live_before, np.arange(start, start + k, dtype=np.int64)])
+        self.policy.observe(r, obs_ids, st.numpy())
+        if start + k >= len(toks):
+            nxt = int(greedy(lg))
+            w.outputs.append(nxt)
+            return nxt
+        return None
+
+    def _evict(self, r: str, n: int) -> None:
+        t = self.table
+        keep = max(1, math.ceil(n * (1.0 - self.evict_ratio) - 1e-9))
+        if t.num_live(r) <= keep:
+            return
+        victims = self.policy.select_victims(r, t.live_tokens(r), keep)
+        if len(victims) == 0:
+            return
+        if r not in self.faithful:
+            self.faithful[r] = n  # tokens [0, n) were computed before any eviction
+        t.evict_tokens(r, victims)
+        self.stats["evicted"] += len(victims)
+        if self.checker is not None:
+            self.checker.note_evicted(r, victims)
+
+    # ------------------------------------------------------------------ relocation (stage 4)
+    def _launch(self, ap, rep: WorkerReport) -> None:
+        t = self.table
+        r = ap.req_id
+        w = self.reqs.get(r)
+        srcs = list(ap.source_ids)
+        if r not in t or w is None:
+            rep.plans[ap.id] = PlanResult("aborted", copy_done=True, reason="request gone before the copy")
+            self.stats["aborted"] += 1
+            return
+        mine = set(t.blocks_of(r))
+        shared = [b for b in srcs if t.block_refs(b) != 1 or b not in mine]
+        if shared:
+            rep.plans[ap.id] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
+                                          reason="source shared or not the request's")
+            self.stats["aborted"] += 1
+            return
+        m = np.asarray(ap.moves, dtype=np.int64).reshape(-1, 5)
+        if len(m):
+            m = m[t.live_mask(r)[m[:, 0]]]  # tokens evicted since planning stay dead where they were
+        wp = _WPlan(ap.id, r, srcs, list(ap.dest_ids), m)
+        digests = {b: _block_digest(self.kv, b) for b in ap.hashed}
+        handle = self.engine.launch(wp)
+        self.pending[ap.id] = (wp, handle, ap, w.gen, digests)
+        self._poll_one(ap.id, rep, force=False)
+
+    def _poll_pending(self, rep: WorkerReport, force: bool) -> None:
+        for pid in list(self.pending):
+            self._poll_one(pid, rep, force)
+
+    def _poll_one(self, pid: int, rep: WorkerReport, force: bool) -> None:
+        wp, handle, ap, gen, digests = self.pending[pid]
+        status = self.engine.wait(handle) if force else self.engine.poll(handle)
+        if status == "pending":
+            return
+        del self.pending[pid]
+        r = wp.req_id
+        w = self.reqs.get(r)
+        t = self.table
+        if w is None or w.gen != gen or r not in t:
+            rep.plans[pid] = PlanResult("aborted", copy_done=True, reason="request left while the copy flew")
+            self.stats["aborted"] += 1
+            return
+        if status == "failed":
+            rep.plans[pid] = PlanResult("aborted", copy_done=True, table_kept=True, reason="copy failed")
+            self.stats["aborted"] += 1
+            return
+        m = wp.moves
+        if len(m):
+            keep = t.live_mask(r)[m[:, 0]]
+            if not keep.all():
+                m = m[keep]
+                wp.moves = m
+        emptied = t.apply_moves(r, m) if len(m) else []
+        rest = sorted(set(wp.sources) - set(emptied))
+        if rest:
+            emptied = sorted(list(emptied) + t.release_empty_blocks(r, rest))
+        if sorted(emptied) != sorted(wp.sources):
+            raise RuntimeError(f"worker: plan {pid} emptied {emptied}, its sources are {sorted(wp.sources)}")
+        if self.checker is not None:
+            self.checker.after_apply(wp)
+        used = sorted({int(b) for b in m[:, 3]}) if len(m) else []
+        untouched = {b: _block_digest(self.kv, b) == d for b, d in digests.items()}
+        rep.plans[pid] = PlanResult("applied", used_dests=used, moved=len(m), copy_done=True, untouched=untouched)
+        self.stats["relocations"] += 1
+        self.stats["moves"] += len(m)
+
+    def synchronize(self) -> WorkerReport:
+        """Host-wait every copy still in flight and apply it (idle / teardown)."""
+        rep = WorkerReport()
+        self._poll_pending(rep, force=True)
+        if hasattr(self.copy_engine, "synchronize"):
+            self.copy_engine.synchronize()
+        rep.faithful = dict(self.faithful)
+        return rep
