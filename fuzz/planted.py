@@ -12,6 +12,7 @@ Detectors:
 - ``z3``: plans made by the real planner, checked by the Z3 I1-I4 encoding on their snapshots;
 - ``placement``: the bounded Z3 proof of the placement rule;
 - ``decode``: a small decode with relocations, hash-and-compare and output comparison;
+- ``vllm``: the audit's decode through the vLLM adapter (needs vLLM installed);
 - ``gpu``: the CUDA ordering tests (only where a GPU is present).
 """
 
@@ -61,6 +62,11 @@ CATALOGUE = [
     Fault("placement_off_by_one", "5 wrong-slot placement", "the k-th moved token goes to slot k+1", "placement"),
     Fault("copy_flip_byte", "I1 corrupted relocation", "one byte of one moved K/V entry flips", "decode"),
     Fault("copy_skip_move", "I1 skipped move", "one move of a plan is not copied", "decode"),
+    Fault("adapter_free_before_fence", "8 source freed before its fence (vLLM async scheduling)",
+          "the vLLM adapter frees a relocation source before the step that copies it is processed", "vllm"),
+    Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning", "a relocated block keeps a prefix-cache hash", "vllm"),
+    Fault("adapter_pop_not_null", "positional block list broken", "a source is popped from vLLM's block list instead of null-substituted", "vllm"),
+    Fault("adapter_headroom_to_allocate", "3 reservation leak", "headroom blocks are handed back to vLLM's allocate_slots", "vllm"),
 ]
 
 GPU_FAULTS = ["cuda_wait_dropped", "cuda_event_wrong_stream", "cuda_release_before_event"]
@@ -155,6 +161,14 @@ def _detect_decode(budget_s: float) -> dict:
     return {"detected": bool(detail), "seconds": time.perf_counter() - t0, "steps": 0, "error": detail or "not detected"}
 
 
+def _detect_vllm(budget_s: float) -> dict:
+    from vtoken.vllm_adapter.audit_run import audit_decode
+
+    t0 = time.perf_counter()
+    res = audit_decode(quick=True, seed=0, snapshot_dir=None)
+    return {"detected": not res["passed"], "seconds": time.perf_counter() - t0, "steps": 0, "error": res["detail"][:240]}
+
+
 def run_one(name: str, budget_s: float = 120.0) -> dict:
     """Run the detector of fault ``name`` with the fault planted (call in a fresh process)."""
     from vtoken import faults
@@ -167,6 +181,8 @@ def run_one(name: str, budget_s: float = 120.0) -> dict:
             res = _detect_placement(budget_s)
         elif fault.detector == "decode":
             res = _detect_decode(budget_s)
+        elif fault.detector == "vllm":
+            res = _detect_vllm(budget_s)
         else:
             raise ValueError(f"unknown detector {fault.detector}")
     return {"fault": name, "bug_class": fault.bug_class, "detector": fault.detector, **res}
