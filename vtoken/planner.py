@@ -19,7 +19,10 @@ token order (``vtoken.placement.place``).
 
 Lifecycle: ``planned -> copying -> completed -> applied`` (or ``aborted``). The copy engine
 copies the K/V; only once its completion is observed are destination blocks handed to the
-request, the table updated, and the source blocks freed -- never at planning time.
+request, the table updated, and the source blocks freed -- never at planning time. Tokens
+evicted while their copy was in flight are left dead where they were (a destination no
+live token landed in goes back to the headroom); a plan one of whose sources became
+shared meanwhile (a prefix-cache hit) is aborted, since shared blocks never move.
 
 Ownership: the manager owns the headroom reservation and, once a plan is applied, frees
 its sources (the request's references on them) to the allocator. The owner of a request's
@@ -149,7 +152,12 @@ class ReclamationManager:
 
     # ------------------------------------------------------------------ stage 3
     def plan_request(self, req_id, max_dests: Optional[int] = None) -> Optional[Plan]:
-        """Plan one request's compaction, or None when no positive reduction fits."""
+        """Plan one request's compaction, or None when no positive reduction fits.
+
+        At most ``max_dests`` destinations (default, and never more than, the headroom).
+        Planning changes nothing; launch the plan at once or drop it (its destinations
+        leave the headroom only at launch). The contract is ``vtoken.spec.planner``.
+        """
         t = self.table
         r = t._reqs[req_id]
         S = self.S
@@ -279,6 +287,15 @@ class ReclamationManager:
         """completed -> applied: destinations to the request, table updated, sources freed."""
         if plan.state != COMPLETED:
             raise PlanError("bad_state", f"plan {plan.id} is {plan.state}: apply only after the copy completed")
+        shared = [b for b in plan.sources if self.table.refs[b] > 1]
+        if shared and plan.id not in self._deferred and all(self.alloc.ref[b] >= self.table.refs[b] for b in shared):
+            # A source became shared while the copy was in flight (a prefix-cache hit on it,
+            # each sharer holding its own reference): shared blocks never move (I4), so the
+            # plan is dropped as if its copy had failed, before any state is touched. (A
+            # share without those references -- a block reused after an early free -- is
+            # corruption, and is left to the table's own check to refuse.)
+            self.abort(plan)
+            return
         self._release(plan)
         if plan.id in self._deferred:  # the request finished while the copy was in flight
             self.alloc.unreserve(plan.dests)

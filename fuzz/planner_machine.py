@@ -1,0 +1,494 @@
+"""Planner machine: the real ``TokenTable`` + ``BlockAllocator`` + ``ReclamationManager``
+driven through a plan's whole lifecycle, every plan checked against ``vtoken.spec.planner``.
+
+The machine plays the scheduler. It keeps, per request, the positional block list
+(``pos``: token ``p`` was written to ``pos[p // S]``; a freed position holds the null
+block) and the blocks it holds a reference on (``held``). ``on_applied`` tells it which
+sources became null positions and which destinations became the request's. A
+``SpecTokenTable`` is kept in step as an independent model of every token's location, so
+each applied plan is also checked for conservation (I1) and unique mapping (I2).
+
+Checks:
+
+- every plan (from the ``plan`` rules and from ``step()`` rounds, through a wrapper around
+  ``plan_request``): ``plan_errors(view, plan) == []`` and ``plan.reduction ==
+  best_reduction(view, max_dests)``; ``None`` only when ``best_reduction`` is 0; planning
+  changes nothing;
+- after a planning round in ``step()``: no request without an in-flight plan is left with
+  a positive ``best_reduction`` over the headroom that remains (the round's one allowed
+  deferral: a request with a plan in flight waits for it);
+- a plan is applied only after the copy engine reported its copy complete (I3);
+- a copy failing part-way aborts: table and allocator exactly as before the plan,
+  destinations back in the headroom; so does a plan one of whose sources became shared
+  (a prefix-cache hit) while its copy was in flight; tokens evicted while their copy was
+  in flight stay dead where they were, and the rest of the plan applies;
+- a request finishing while its copy is in flight: its other blocks are freed at once, the
+  sources only once the copy has completed;
+- after every step: implementation and reference tables agree; I2 and block accounting
+  (``invariants.table_checks``); headroom blocks RESERVED and owned by nobody; in-flight
+  sources still allocated and in-flight destinations still reserved (nothing freed or
+  reused under a copy); allocator references equal exactly what the scheduler holds plus
+  what finished requests' in-flight copies still read (nothing leaked); the tail never
+  moved.
+
+The scheduler obligation the machine keeps (the manager's documented contract): a plan is
+launched right after it is made, or dropped (headroom blocks are taken at launch, so two
+unlaunched plans may name the same destinations).
+
+Hard states are counted with ``event("hard: ...")`` (``--hypothesis-show-statistics``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import hypothesis.strategies as st
+from hypothesis import event, note
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from vtoken.allocator import RESERVED, USED, BlockAllocator
+from vtoken.errors import AllocatorError
+from vtoken.fuzz.table_machine import both
+from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
+from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager
+from vtoken.spec import SpecTokenTable
+from vtoken.spec.planner import best_reduction, plan_errors
+from vtoken.table import TokenTable
+
+
+def plan_as_data(plan) -> dict:
+    return {"sources": [int(b) for b in plan.sources], "dests": [int(b) for b in plan.dests],
+            "moves": [[int(x) for x in mv] for mv in plan.moves.tolist()]}
+
+
+class _Flight:
+    """The machine's own record of a launched plan (the plan object is mutated on apply)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.rid = plan.req_id
+        self.sources = [int(b) for b in plan.sources]
+        self.dests = [int(b) for b in plan.dests]
+        self.moves = [[int(x) for x in mv] for mv in plan.moves.tolist()]
+
+
+class RecordingEngine(NullCopyEngine):
+    """``NullCopyEngine`` that remembers which copies it reported complete (I3: a plan may
+    be applied only after its copy completed)."""
+
+    def __init__(self, latency: int = 0):
+        super().__init__(latency)
+        self.completed: set[int] = set()
+
+    def poll(self, handle) -> str:
+        status = super().poll(handle)  # wait() polls too
+        if status == "done":
+            self.completed.add(id(handle))
+        return status
+
+
+class PlannerMachine(RuleBasedStateMachine):
+    """Stateful conformance test of the reclamation planner (see module docstring)."""
+
+    ops = 0  # operations checked, summed over all runs in this process (campaign counter)
+
+    @initialize(S=st.sampled_from([1, 2, 2, 4, 4]), nb=st.integers(6, 16), headroom=st.integers(0, 3),
+                max_sources=st.integers(1, 4), latency=st.integers(0, 3), check_every=st.sampled_from([1, 1, 2]),
+                data=st.data())
+    def setup(self, S, nb, headroom, max_sources, latency, check_every, data):
+        self.S = S
+        self.table = TokenTable(S, nb)
+        self.spec = SpecTokenTable(S, nb)
+        self.alloc = BlockAllocator(nb)
+        self.engine = RecordingEngine(latency=latency)
+        self.cfg = PlannerConfig(theta_f=0.0, check_every=check_every, max_sources=max_sources,
+                                 headroom=headroom, low_watermark=None)
+        self.mgr = ReclamationManager(self.table, self.alloc, self.engine, self.cfg, on_applied=self._on_applied)
+        # Every plan the manager makes, including inside step(), goes through the checks;
+        # every launch is recorded before the copy is issued.
+        self._plan_request = self.mgr.plan_request
+        self._launch = self.mgr.launch
+        self.mgr.plan_request = self._checked_plan_request
+        self.mgr.launch = self._recorded_launch
+        self.pos: dict[int, list[int]] = {}
+        self.held: dict[int, list[int]] = {}
+        self.flying: dict[int, _Flight] = {}  # plan id -> record, until the plan is applied or aborted
+        self.deferred: dict[int, list[int]] = {}  # plan id -> blocks of a finished request it still reads
+        self.next_id = 0
+        note(f"S={S} num_blocks={nb} headroom={headroom} B={max_sources} latency={latency} K={check_every}")
+        # a few requests to start from, so most runs reach fragmentation and planning
+        for _ in range(data.draw(st.integers(1, 2), label="initial_requests")):
+            self.add_request(data.draw(st.integers(2, 4), label="nblocks"), data)
+
+    # ------------------------------------------------------------------ helpers
+    def rids(self):
+        return sorted(self.pos)
+
+    def _alloc(self, n):
+        try:
+            return self.alloc.allocate(n)
+        except AllocatorError:
+            event("hard: allocator exhausted")
+            return None
+
+    def _sync(self, rid, total):
+        PlannerMachine.ops += 1
+        a, b, err = both(lambda: self.table.sync_new_tokens(rid, self.pos[rid], total),
+                         lambda: self.spec.sync_new_tokens(rid, self.pos[rid], total))
+        if err is None:
+            assert list(a) == b
+            for p in range(total - len(a), total):
+                if p % self.S == self.S - 1:
+                    event("hard: block exactly full")
+        return err
+
+    def _pick(self, data, prefer):
+        """A request id; mostly among those ``prefer`` picks (when there are any),
+        so the interesting states (reducible, copying) are reached often."""
+        rids = self.rids()
+        good = [r for r in rids if prefer(r)]
+        if good and data.draw(st.sampled_from([True, True, False]), label="prefer"):
+            rids = good
+        return data.draw(st.sampled_from(rids), label="rid")
+
+    def _reducible(self, rid):
+        return best_reduction(self._view(rid), 1 << 30) > 0
+
+    def _copying_plans(self):
+        """Plans whose copy has not finished (``flying`` is reconciled only after a rule, and
+        ``step()`` applies plans before it plans new ones)."""
+        return [f for f in self.flying.values() if f.plan.state == COPYING]
+
+    def _copying(self, rid):
+        return any(f.rid == rid for f in self._copying_plans())
+
+    def _tail(self, rid):
+        n = len(self.spec.tokens[rid])
+        return self.pos[rid][(n - 1) // self.S] if n else None
+
+    def _view(self, rid) -> dict:
+        blocks = sorted(self.spec.blocks[rid])
+        return {
+            "S": self.S, "num_blocks": self.table.num_blocks, "max_sources": self.cfg.max_sources,
+            "tokens": [[t["block"], t["offset"], t["live"]] for t in self.spec.tokens[rid]],
+            "blocks": blocks,
+            "refs": {b: self.spec.refs(b) for b in blocks},
+            "tail": self._tail(rid),
+            "in_flight": sorted({b for f in self._copying_plans() for b in f.sources + f.dests}),
+            "headroom": list(self.mgr.headroom),
+        }
+
+    def _observable(self):
+        return (self.table.export_state(), self.alloc.export_state(), list(self.mgr.headroom),
+                sorted(self.mgr.in_flight))
+
+    def _checked_plan_request(self, rid, max_dests=None):
+        PlannerMachine.ops += 1
+        view = self._view(rid)
+        limit = len(view["headroom"]) if max_dests is None else min(max_dests, len(view["headroom"]))
+        if self._copying(rid):
+            event("hard: plan overlapping an in-flight one")
+        if not view["headroom"]:
+            event("hard: headroom exhausted")
+        before = self._observable()
+        plan = self._plan_request(rid, max_dests)
+        assert self._observable() == before, "planning changed the table, the allocator or the headroom"
+        best = best_reduction(view, limit)
+        if best_reduction(view, 1 << 30) > best:
+            event("plan shrunk or deferred by the headroom")
+        if plan is None:
+            assert best == 0, f"no plan, but a valid plan reduces by {best}: view={view} max_dests={limit}"
+            return None
+        data = plan_as_data(plan)
+        errs = plan_errors(view, data)
+        assert errs == [], f"plan breaks the contract: {errs}\n plan={data}\n view={view}"
+        assert plan.reduction == best, f"plan reduces by {plan.reduction}, best is {best}: plan={data} view={view}"
+        k = len(data["moves"])
+        if k and k % self.S == 0:
+            event("hard: block exactly full")  # the last destination is filled exactly
+        if k > self.S:
+            event("hard: token at a block boundary")  # the fill crosses into the next destination
+        event(f"plan: {len(data['sources'])} sources -> {len(data['dests'])} dests")
+        return plan
+
+    def _recorded_launch(self, plan):
+        self.flying[plan.id] = _Flight(plan)
+        self._launch(plan)
+
+    def _on_applied(self, plan):
+        """The scheduler's side of an applied plan, and the reference table kept in step."""
+        f = self.flying[plan.id]
+        rid = f.rid
+        assert id(plan.handle) in self.engine.completed, \
+            f"plan {plan.id} applied before the engine reported its copy complete"
+        live = set(self.spec.live_tokens(rid))
+        moves = [mv for mv in f.moves if mv[0] in live]  # tokens evicted during the copy stay dead
+        if len(moves) < len(f.moves):
+            event("eviction during the copy")
+        emptied = self.spec.apply_moves(rid, moves)
+        self.spec.release_empty_blocks(rid, sorted(set(f.sources) - set(emptied)))
+        used = [int(b) for b in plan.dests]
+        assert set(used) <= set(f.dests), f"plan {plan.id} applied destinations {used} it was not given {f.dests}"
+        assert set(used) == {mv[3] for mv in moves}, f"plan {plan.id}: destinations {used} but moves into {sorted({mv[3] for mv in moves})}"
+        src = set(f.sources)
+        self.pos[rid] = [0 if b in src else b for b in self.pos[rid]]
+        self.held[rid] = [b for b in self.held[rid] if b not in src] + used
+
+    def _reconcile(self):
+        """Forget plans that finished (applied or aborted), whoever polled them."""
+        for pid, f in list(self.flying.items()):
+            if f.plan.state in (APPLIED, ABORTED):
+                del self.flying[pid]
+                self.deferred.pop(pid, None)
+                if f.plan.state == ABORTED and f.rid in self.pos:
+                    for b in f.dests:
+                        assert b in self.mgr.headroom, f"aborted plan {pid}: destination {b} not back in the headroom"
+
+    # ------------------------------------------------------------------ rules: the workload
+    # At most MAX_REQUESTS at once: the pool is small, and a few longer requests (several
+    # private blocks besides the tail) are what compaction needs.
+    MAX_REQUESTS = 3
+
+    @precondition(lambda self: len(self.pos) < self.MAX_REQUESTS)
+    @rule(nblocks=st.integers(1, 4), data=st.data())
+    def add_request(self, nblocks, data):
+        blocks = self._alloc(nblocks)
+        if blocks is None:
+            return
+        rid = self.next_id
+        self.next_id += 1
+        self.pos[rid], self.held[rid] = list(blocks), list(blocks)
+        cap = nblocks * self.S
+        total = data.draw(st.one_of(st.just(cap), st.integers(max(0, cap - self.S), cap), st.integers(0, cap)),
+                          label="total_len")
+        err = self._sync(rid, total)
+        assert err is None, err
+
+    @precondition(lambda self: self.pos and len(self.pos) < self.MAX_REQUESTS)
+    @rule(data=st.data())
+    def add_shared_request(self, data):
+        """A prefix-cache hit: share the parent's leading full blocks, then grow privately."""
+        parent = data.draw(st.sampled_from(self.rids()), label="parent")
+        plen = len(self.spec.tokens[parent]) // self.S
+        k = data.draw(st.integers(0, min(plen, 2)), label="shared_blocks")
+        prefix = self.pos[parent][:k]
+        if 0 in prefix:
+            return  # a freed position: nothing to share
+        if {b for f in self._copying_plans() for b in f.sources} & set(prefix):
+            event("hard: prefix hit on a block being compacted")  # its plan must abort on completion
+        extra = self._alloc(data.draw(st.integers(0, 3), label="private_blocks"))
+        if extra is None:
+            return
+        self.alloc.incref(prefix)
+        rid = self.next_id
+        self.next_id += 1
+        self.pos[rid], self.held[rid] = prefix + extra, prefix + extra
+        # a prefix hit covers the shared blocks whole (only full blocks are cached)
+        total = data.draw(st.integers(k * self.S, (k + len(extra)) * self.S), label="total_len")
+        err = self._sync(rid, total)
+        assert err is None, f"shared sync refused: {err}"
+        if k:
+            event("shared prefix")
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def grow(self, data):
+        rid = self._pick(data, lambda r: len(self.spec.blocks[r]) >= 2)
+        n = len(self.spec.tokens[rid])
+        k = data.draw(st.integers(1, 2 * self.S), label="new_tokens")
+        need = -(-(n + k) // self.S) - len(self.pos[rid])
+        if need > 0:
+            blocks = self._alloc(need)
+            if blocks is None:
+                return
+            self.pos[rid] += blocks
+            self.held[rid] += blocks
+        if n and n % self.S == 0:
+            event("hard: token at a block boundary")  # the first new token opens a new block
+        err = self._sync(rid, n + k)
+        assert err is None, f"growth refused: {err}"
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def evict(self, data):
+        rid = self._pick(data, lambda r: len(self.spec.blocks[r]) >= 3)
+        live = self.spec.live_tokens(rid)
+        if not live:
+            return
+        if data.draw(st.booleans(), label="scatter"):  # each live token dies with probability 1/2
+            ids = [t for t, dies in zip(live, data.draw(st.lists(st.booleans(), min_size=len(live),
+                                                                  max_size=len(live)), label="dies")) if dies]
+            if not ids:
+                return
+        else:
+            ids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4), label="victims")
+        PlannerMachine.ops += 1
+        _, _, err = both(lambda: self.table.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))
+        assert err is None, err
+
+    def _moving_plans(self):
+        return sorted((f for f in self._copying_plans() if f.rid in self.pos), key=lambda f: f.plan.id)
+
+    @precondition(lambda self: self._moving_plans())
+    @rule(data=st.data())
+    def evict_moving(self, data):
+        """A policy evicts tokens that an in-flight copy is moving."""
+        f = data.draw(st.sampled_from(self._moving_plans()), label="plan")
+        moving = [mv[0] for mv in f.moves if self.spec.tokens[f.rid][mv[0]]["live"]]
+        if not moving:
+            return
+        ids = data.draw(st.lists(st.sampled_from(moving), unique=True, min_size=1, max_size=len(moving)), label="victims")
+        PlannerMachine.ops += 1
+        _, _, err = both(lambda: self.table.evict_tokens(f.rid, ids), lambda: self.spec.evict_tokens(f.rid, ids))
+        assert err is None, err
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def fragment(self, data):
+        """Heavy eviction that leaves the request's full blocks partly live (what a policy
+        such as H2O does to old blocks): the states where plans need destinations."""
+        rid = self._pick(data, lambda r: len(self.spec.blocks[r]) >= 3)
+        by_block = {}
+        for t, tok in enumerate(self.spec.tokens[rid]):
+            if tok["live"]:
+                by_block.setdefault(tok["block"], []).append(t)
+        ids = []
+        for b in sorted(by_block):
+            toks = by_block[b]
+            if len(toks) < self.S:
+                continue  # already fragmented: leave it to the planner
+            half = max(1, len(toks) // 2)  # mostly partly live; sometimes all dead
+            keep = data.draw(st.sampled_from([half, half, 1, 0]), label=f"keep in {b}")
+            ids += data.draw(st.permutations(toks), label=f"order in {b}")[keep:]
+        if not ids:
+            return
+        victims = {rid: ids}
+        if data.draw(st.booleans(), label="sharers too"):
+            # the same policy evicts the same prefix positions in the requests sharing them,
+            # so shared blocks get dead slots too (what a planner must still leave alone)
+            mine = self.spec.blocks[rid]
+            for other in self.rids():
+                toks = self.spec.tokens[other]
+                same = [t for t in ids if other != rid and t < len(toks) and toks[t]["live"]
+                        and toks[t]["block"] in mine and self.spec.refs(toks[t]["block"]) > 1]
+                if same:
+                    victims[other] = same
+                    event("shared slots evicted in every sharer")
+        for r, vs in victims.items():
+            PlannerMachine.ops += 1
+            _, _, err = both(lambda: self.table.evict_tokens(r, vs), lambda: self.spec.evict_tokens(r, vs))
+            assert err is None, err
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def finish(self, data):
+        """The request finishes or is preempted, possibly while its copy is in flight."""
+        rid = self._pick(data, self._copying)
+        mine = [f for f in self.flying.values() if f.rid == rid]
+        if mine:
+            event("hard: finish while a copy is in flight")
+        held = list(self.held[rid])
+        PlannerMachine.ops += 1
+        self.spec.free_request(rid)
+        freed = self.mgr.finish_request(rid, held)
+        for f in mine:
+            early = set(freed) & set(f.sources)
+            assert not early, f"finish freed {sorted(early)}, sources of plan {f.plan.id} still copying"
+            self.deferred[f.plan.id] = [b for b in held if b in f.sources]
+        assert sorted(freed) == sorted(b for b in held if not any(b in f.sources for f in mine))
+        del self.pos[rid], self.held[rid]
+
+    # ------------------------------------------------------------------ rules: the planner
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data(), launch=st.sampled_from([True, True, True, False]), limit=st.booleans())
+    def plan(self, data, launch, limit):
+        rid = self._pick(data, self._reducible)
+        md = data.draw(st.integers(0, len(self.mgr.headroom) + 1), label="max_dests") if limit else None
+        plan = self.mgr.plan_request(rid, md)
+        if plan is not None and launch:
+            self.mgr.launch(plan)
+        # else: a plan that is not launched is dropped; planning changed nothing
+
+    @precondition(lambda self: self.flying)
+    @rule()
+    def poll(self):
+        PlannerMachine.ops += 1
+        self.mgr.poll()
+        self._reconcile()
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def fail_copy(self, data):
+        """A copy fails part-way: the plan aborts and nothing else changes."""
+        rid = self._pick(data, self._reducible)
+        before = self.table.export_state(), self.alloc.export_state(), sorted(self.mgr.headroom)
+        plan = self.mgr.plan_request(rid)
+        if plan is None:
+            return
+        event("hard: copy failing part-way")
+        self.engine.fail_next = True
+        self.mgr.launch(plan)
+        PlannerMachine.ops += 1
+        done = self.mgr.poll()
+        assert plan in done and plan.state == ABORTED, f"failed copy ended {plan.state}"
+        self._reconcile()
+        if done == [plan]:
+            after = self.table.export_state(), self.alloc.export_state(), sorted(self.mgr.headroom)
+            assert after == before, f"an aborted plan changed state:\n before={before}\n after={after}"
+
+    @rule(force_sync=st.sampled_from([False, False, False, True]))
+    def step(self, force_sync):
+        PlannerMachine.ops += 1
+        self.mgr.step(force_sync=force_sync)
+        self._reconcile()
+        ran = self.mgr.steps % self.cfg.check_every == 0 and self.spec.waste_ratio() > self.cfg.theta_f
+        if force_sync or not ran:
+            return
+        left = len(self.mgr.headroom)
+        busy = {f.rid for f in self.flying.values()}
+        for rid in self.rids():
+            if rid in busy:
+                continue
+            best = best_reduction(self._view(rid), left)
+            assert best == 0, f"the planning round left request {rid} reducible by {best} (headroom {left})"
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "mgr"):
+            return
+        si, ss = self.table.export_state(), self.spec.export_state()
+        assert si == ss, f"state differs:\n impl={si}\n spec={ss}"
+        a = self.alloc.export_state()
+        head = list(self.mgr.headroom)
+        fly_src = {b for f in self.flying.values() for b in f.sources}
+        fly_dst = {b for f in self.flying.values() for b in f.dests}
+        for f in self.flying.values():
+            for b in f.sources:
+                assert self.alloc.state[b] == USED and self.alloc.ref[b] >= 1, \
+                    f"source {b} of in-flight plan {f.plan.id} was freed before its copy completed"
+            for b in f.dests:
+                assert self.alloc.state[b] == RESERVED and b not in head, \
+                    f"destination {b} of in-flight plan {f.plan.id} is not reserved for it"
+        assert len(set(head)) == len(head), f"headroom names a block twice: {head}"
+        owned = {b for bl in self.held.values() for b in bl}
+        for b in head:
+            assert self.alloc.state[b] == RESERVED, f"headroom block {b} is not reserved"
+            assert b not in owned and b not in si["blocks"], f"headroom block {b} is also owned"
+        assert set(a["reserved"]) == set(head) | fly_dst, \
+            f"reserved {a['reserved']} != headroom {head} + in-flight destinations {sorted(fly_dst)}"
+        want = Counter(b for bl in self.held.values() for b in bl) + Counter(b for bl in self.deferred.values() for b in bl)
+        assert a["ref"] == dict(want), f"allocator references {a['ref']} != held {dict(want)} (leak or early free)"
+        assert not fly_src & set(a["free_queue"])
+        for rid in self.rids():
+            n = self.table.length(rid)
+            if n:
+                assert int(self.table.slots(rid)[n - 1]) // self.S == self.pos[rid][(n - 1) // self.S], \
+                    f"request {rid}: its last position moved out of the tail block"
+        check_unique_mapping(si)
+        check_block_accounting(si, a)
+        if self.alloc.num_free == 0:
+            event("hard: allocator exhausted")
+
+
+TestPlannerMachine = PlannerMachine.TestCase

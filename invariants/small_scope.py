@@ -1,0 +1,226 @@
+"""Exhaustive small-scope checking of the real planner against the Z3 invariant checks.
+
+Every state up to a bound is built with the real ``TokenTable``, ``BlockAllocator`` and
+``ReclamationManager`` (``record_snapshots=True``, ``NullCopyEngine``): a block size
+``S <= max_S``, up to ``max_requests`` requests holding up to ``max_blocks`` blocks in all,
+every length and every liveness pattern, and -- for the requests after the first -- with
+or without a shared prefix (the first block of request 0, when it is full). For each state
+the planner plans and launches (the copies stay in flight for one poll), plans again while
+they are in flight, completes and applies them, then plans and applies a third round on
+the compacted state. Each plan's snapshot is checked with :func:`check_snapshot` right
+after launch (``post`` null, with an attention read through the table's slot mapping
+recorded while the copy is in flight) and again after apply (``post`` filled, with a read
+after apply). The table and allocator are also checked with the plain-Python checkers
+(``table_checks``) after each apply.
+
+Symmetry reductions (each obviously sound):
+
+1. Block ids are never enumerated: blocks are handed out by the allocator in its canonical
+   order. The checks are invariant under renaming blocks, so other labelings add nothing.
+2. Requests after the first are enumerated as a multiset (their specs in non-decreasing
+   order). The headroom is sized so a round never runs short (a round needs fewer
+   destinations than it has sources, at most ``max_blocks``); then planning one request
+   never depends on another except through the block ids it receives, i.e. a relabeling
+   (1). Request 0 is kept apart because it owns the shared prefix.
+3. A request's block count is determined by its length (``ceil(L / S)`` blocks, the tail
+   partially filled or full): lengths, not block lists, are enumerated.
+
+Nothing else is reduced: every liveness pattern of every token is enumerated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterator
+
+from vtoken.allocator import BlockAllocator
+from vtoken.planner import NullCopyEngine, PlannerConfig, ReclamationManager
+from vtoken.table import TokenTable
+
+from .table_checks import InvariantViolation, check_block_accounting, check_unique_mapping
+from .z3_checks import check_snapshot
+
+DEFAULT_BOUND = dict(max_S=3, max_blocks=3, max_requests=2)
+
+
+def _request_specs(S: int, max_blocks: int, can_share: bool) -> Iterator[tuple]:
+    """(length, live bits, shares_prefix) for one request using at most ``max_blocks`` new blocks."""
+    for L in range(1, (max_blocks + (1 if can_share else 0)) * S + 1):
+        nb = -(-L // S)
+        for share in ((False, True) if can_share else (False,)):
+            new_blocks = nb - 1 if share else nb
+            if new_blocks > max_blocks or (share and nb < 1):
+                continue
+            for bits in itertools.product((False, True), repeat=L):
+                yield (L, bits, share)
+
+
+def _new_blocks(S: int, spec) -> int:
+    L, _bits, share = spec
+    return -(-L // S) - (1 if share else 0)
+
+
+def enumerate_states(max_S: int, max_blocks: int, max_requests: int) -> Iterator[tuple]:
+    """Every ``(S, [spec, ...])`` within the bound, after the symmetry reductions."""
+    for S in range(1, max_S + 1):
+        for R in range(1, max_requests + 1):
+            for first in _request_specs(S, max_blocks, can_share=False):
+                left = max_blocks - _new_blocks(S, first)
+                full_prefix = first[0] >= S
+                yield from _rest(S, [first], R - 1, left, full_prefix, None)
+
+
+def _rest(S, specs, k, left, full_prefix, prev) -> Iterator[tuple]:
+    if k == 0:
+        yield (S, list(specs))
+        return
+    for spec in _request_specs(S, left + (1 if full_prefix else 0), can_share=full_prefix):
+        nbn = _new_blocks(S, spec)
+        if nbn > left or nbn < 0:
+            continue
+        if prev is not None and spec < prev:  # multiset: non-decreasing specs
+            continue
+        specs.append(spec)
+        yield from _rest(S, specs, k - 1, left - nbn, full_prefix, spec)
+        specs.pop()
+
+
+def build_state(S: int, specs: list, max_blocks: int):
+    """The real table, allocator and manager for one enumerated state."""
+    headroom = max_blocks + 1
+    nblocks = 1 + max_blocks + headroom + 1
+    table, alloc = TokenTable(S, nblocks), BlockAllocator(nblocks)
+    held = {}
+    prefix = None
+    for r, (L, bits, share) in enumerate(specs):
+        nb = -(-L // S)
+        if share:
+            alloc.incref([prefix])
+            blocks = [prefix] + alloc.allocate(nb - 1)
+        else:
+            blocks = alloc.allocate(nb)
+        if r == 0:
+            prefix = blocks[0]
+        table.sync_new_tokens(r, blocks, L)
+        dead = [i for i, b in enumerate(bits) if not b]
+        if dead:
+            table.evict_tokens(r, dead)
+        held[r] = list(blocks)
+
+    def on_applied(plan):
+        held[plan.req_id] = [b for b in held[plan.req_id] if b not in plan.sources] + list(plan.dests)
+
+    cfg = PlannerConfig(theta_f=-1.0, headroom=headroom, record_snapshots=True)
+    mgr = ReclamationManager(table, alloc, engine=NullCopyEngine(0), config=cfg, on_applied=on_applied)
+    return table, alloc, mgr
+
+
+def _read(mgr, plan) -> None:
+    """Record an attention read of the plan's request through the table's slot mapping."""
+    t = mgr.table
+    rid = plan.req_id
+    if rid in t:
+        mgr.record(plan, "read", request=str(rid), tokens=[int(x) for x in t.live_tokens(rid)],
+                   slots=[int(x) for x in t.slot_mapping(rid).tolist()])
+
+
+def check_state(S: int, specs: list, max_blocks: int) -> tuple[int, list[str]]:
+    """Plan, launch, apply; check every snapshot. Returns (snapshots checked, violations).
+
+    Round 1 plans and launches (the copy engine needs one poll to finish, so the plans are
+    in flight); a second planning pass runs while they are (it should plan nothing on those
+    requests); then the copies complete and are applied; round 3 plans again on the
+    compacted state and applies at once.
+    """
+    found, checked = [], 0
+    try:
+        table, alloc, mgr = build_state(S, specs, max_blocks)
+    except Exception as e:  # the table/allocator refused a state the enumerator thinks valid
+        return 0, [f"build: {type(e).__name__}: {e}"]
+    mgr.engine.latency = 1
+    everything = []
+
+    def plan(tag):
+        nonlocal checked
+        launched = mgr.plan_round()
+        for p in launched:
+            _read(mgr, p)
+            checked += 1
+            found.extend(f"plan {p.id} ({tag}, in flight): {v}" for v in check_snapshot(p.snapshot))
+        everything.extend(launched)
+        return launched
+
+    def complete(plans, tag):
+        nonlocal checked
+        mgr.poll(force_sync=True)
+        for p in plans:
+            if p.snapshot is not None and p.snapshot.get("post") is not None:
+                _read(mgr, p)
+                checked += 1
+                found.extend(f"plan {p.id} ({tag}, applied): {v}" for v in check_snapshot(p.snapshot))
+        st = table.export_state()
+        check_unique_mapping(st)
+        check_block_accounting(st, alloc.export_state())
+        mgr.refill_headroom()
+
+    step = "plan_round"
+    try:
+        first = plan("round 1")
+        if first:
+            step = "plan_round while in flight"
+            second = plan("round 2")
+            step = "apply"
+            complete(first + second, "rounds 1-2")
+            mgr.engine.latency = 0
+            step = "plan_round"
+            third = plan("round 3")
+            if third:
+                step = "apply"
+                complete(third, "round 3")
+    except InvariantViolation as e:
+        found.append(f"table: {e}")
+    except Exception as e:  # the real code raised: the state or the plan was bad
+        found.append(f"{step}: {type(e).__name__}: {e}")
+    return checked, found
+
+
+def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAULT_BOUND["max_blocks"],
+                    max_requests: int = DEFAULT_BOUND["max_requests"], time_budget_s: float = 60.0) -> dict:
+    """Check every state within the bound (or as many as ``time_budget_s`` allows).
+
+    Returns ``states`` (states built), ``plans`` (snapshots checked), ``violations`` (count),
+    ``examples`` (the first few, as text), ``seconds`` and ``bound_reached`` (True when every
+    state within the bound was checked).
+    """
+    t0 = time.perf_counter()
+    states = plans = 0
+    violations: list[str] = []
+    reached = True
+    for S, specs in enumerate_states(max_S, max_blocks, max_requests):
+        if time.perf_counter() - t0 > time_budget_s:
+            reached = False
+            break
+        states += 1
+        n, found = check_state(S, specs, max_blocks)
+        plans += n
+        for f in found:
+            violations.append(f"S={S} specs={[(L, ''.join('1' if b else '0' for b in bits), sh) for L, bits, sh in specs]}: {f}")
+    return {"states": states, "plans": plans, "violations": len(violations), "examples": violations[:10],
+            "seconds": time.perf_counter() - t0, "bound_reached": reached,
+            "bound": {"max_S": max_S, "max_blocks": max_blocks, "max_requests": max_requests}}
+
+
+def count_states(max_S: int, max_blocks: int, max_requests: int) -> int:
+    return sum(1 for _ in enumerate_states(max_S, max_blocks, max_requests))
+
+
+if __name__ == "__main__":  # python -m vtoken.invariants.small_scope [max_S max_blocks max_requests budget]
+    import json
+    import sys
+
+    a = [float(x) for x in sys.argv[1:]]
+    kw = dict(zip(("max_S", "max_blocks", "max_requests"), (int(x) for x in a[:3])))
+    if len(a) > 3:
+        kw["time_budget_s"] = a[3]
+    print(json.dumps(run_small_scope(**kw), indent=1))

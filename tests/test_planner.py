@@ -1,0 +1,343 @@
+"""Worked examples of the reclamation planner's contract (stages 1-3 and the plan lifecycle).
+
+Every plan made here is also checked against the written contract, ``vtoken.spec.planner``;
+the planner machine (``fuzz/planner_machine.py``) covers the space between the examples.
+"""
+
+import pytest
+
+from vtoken import BlockAllocator, TokenTable
+from vtoken.allocator import FREE, RESERVED, USED
+from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager
+from vtoken.spec.planner import best_reduction, plan_errors
+
+pytestmark = pytest.mark.invariants
+
+S = 4
+
+
+def make(nb=16, headroom=2, latency=0, **cfg):
+    table, alloc = TokenTable(S, nb), BlockAllocator(nb)
+    applied = []
+    cfg.setdefault("theta_f", 0.0)
+    mgr = ReclamationManager(table, alloc, NullCopyEngine(latency), PlannerConfig(headroom=headroom, **cfg),
+                             on_applied=applied.append)
+    return table, alloc, mgr, applied
+
+
+def add(table, alloc, rid, nblocks, total=None):
+    blocks = alloc.allocate(nblocks)
+    table.sync_new_tokens(rid, blocks, nblocks * S if total is None else total)
+    return blocks
+
+
+def view(table, mgr, rid):
+    """The plain-data view the contract takes, read from the table and the manager."""
+    slots, live = table.slots(rid), table.live_mask(rid)
+    blocks = table.blocks_of(rid)
+    n = len(slots)
+    return {"S": S, "num_blocks": table.num_blocks, "max_sources": mgr.cfg.max_sources,
+            "tokens": [[int(s) // S, int(s) % S, bool(l)] for s, l in zip(slots.tolist(), live.tolist())],
+            "blocks": blocks, "refs": {b: table.block_refs(b) for b in blocks},
+            "tail": int(slots[n - 1]) // S if n else None,
+            "in_flight": sorted({b for p in mgr.in_flight.values() for b in p.sources + p.dests}),
+            "headroom": list(mgr.headroom)}
+
+
+def data(plan):
+    return {"sources": list(plan.sources), "dests": list(plan.dests), "moves": plan.moves.tolist()}
+
+
+def plan_checked(table, mgr, rid, max_dests=None):
+    """plan_request, with the plan checked against the contract (valid and best)."""
+    v = view(table, mgr, rid)
+    limit = len(v["headroom"]) if max_dests is None else min(max_dests, len(v["headroom"]))
+    plan = mgr.plan_request(rid, max_dests)
+    best = best_reduction(v, limit)
+    if plan is None:
+        assert best == 0
+    else:
+        assert plan_errors(v, data(plan)) == []
+        assert plan.reduction == best
+    return plan
+
+
+def half_empty(table, alloc):
+    """Request "a": five blocks; the first four keep offsets 1 and 3 live; the fifth (the tail) is full."""
+    blocks = add(table, alloc, "a", 5)
+    table.evict_tokens("a", [0, 2, 4, 6, 8, 10, 12, 14])
+    return blocks
+
+
+# ---------------------------------------------------------------------- stage 3: planning
+def test_four_half_empty_blocks_compact_into_two_fresh_blocks_in_logical_order():
+    table, alloc, mgr, applied = make(headroom=2)
+    assert mgr.headroom == [1, 2]
+    assert half_empty(table, alloc) == [3, 4, 5, 6, 7]
+    plan = plan_checked(table, mgr, "a")
+    assert plan.sources == [3, 4, 5, 6] and plan.dests == [1, 2] and plan.reduction == 2
+    assert plan.moves.tolist() == [
+        [1, 3, 1, 1, 0], [3, 3, 3, 1, 1], [5, 4, 1, 1, 2], [7, 4, 3, 1, 3],
+        [9, 5, 1, 2, 0], [11, 5, 3, 2, 1], [13, 6, 1, 2, 2], [15, 6, 3, 2, 3]]
+    mgr.launch(plan)
+    assert mgr.poll() == [plan] and plan.state == APPLIED and applied == [plan]
+    assert table.blocks_of("a") == [1, 2, 7]
+    assert table.slot_mapping("a").tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 28, 29, 30, 31]
+    assert [table.location("a", t) for t in (1, 15, 16)] == [(1, 0), (2, 3), (7, 0)]
+    assert alloc.free_queue()[-4:] == [3, 4, 5, 6]
+    assert [int(alloc.ref[b]) for b in (1, 2)] == [1, 1]
+    assert mgr.stats["blocks_freed"] == 2
+
+
+def test_shared_and_tail_blocks_are_never_sources():
+    table, alloc, mgr, _ = make(headroom=2)
+    p = add(table, alloc, "p", 3)  # [3, 4, 5]
+    alloc.incref(p[:2])  # "c" is a prefix-cache hit on the first two blocks
+    c = p[:2] + alloc.allocate(1)
+    table.sync_new_tokens("c", c, 12)
+    table.evict_tokens("p", [0, 1, 2, 4, 5, 6, 8, 9, 10])  # 1 live in each of p's blocks
+    table.evict_tokens("c", [0, 1, 2, 4, 5, 6])  # shared slots stay live through "p"
+    assert plan_checked(table, mgr, "p") is None  # 3, 4 shared; 5 is the tail
+    table.evict_tokens("c", [8, 9, 10])
+    assert plan_checked(table, mgr, "c") is None  # 3, 4 shared; 6 is the tail
+    alloc.free(table.free_request("c"))
+    plan = plan_checked(table, mgr, "p")  # now 3 and 4 are private
+    assert plan.sources == [3, 4] and plan.dests == [1]
+
+
+def test_no_plan_when_the_reduction_would_not_be_positive():
+    table, alloc, mgr, _ = make(headroom=2)
+    add(table, alloc, "a", 3)  # [3, 4, 5]
+    table.evict_tokens("a", [0, 4])  # 3 + 3 live: packing them still needs two blocks
+    assert plan_checked(table, mgr, "a") is None
+    assert mgr.stats["deferred"] == 0  # not worth doing at all, so not a deferral
+    table.evict_tokens("a", [1, 2, 3, 8, 9, 10])  # block 3 empty, 5 (the tail) nearly: only 3 is free
+    plan = plan_checked(table, mgr, "a")
+    assert plan.sources == [3] and plan.dests == [] and len(plan.moves) == 0
+
+
+def test_plans_shrink_to_the_headroom():
+    table, alloc, mgr, _ = make(headroom=1)
+    half_empty(table, alloc)  # first blocks are [2, 3, 4, 5] here: the headroom is block 1
+    plan = plan_checked(table, mgr, "a")  # two destinations would free two blocks; one frees one
+    assert len(plan.sources) == 2 and plan.dests == [1] and plan.reduction == 1
+    assert plan_checked(table, mgr, "a", max_dests=5).reduction == 1  # never more than the headroom
+    assert plan_checked(table, mgr, "a", max_dests=0) is None
+    assert mgr.stats["deferred"] == 1  # worthwhile, but the headroom is short
+
+
+def test_max_sources_bounds_a_plan():
+    table, alloc, mgr, _ = make(headroom=2, max_sources=2)
+    half_empty(table, alloc)
+    plan = plan_checked(table, mgr, "a")
+    assert plan.sources == [3, 4] and plan.dests == [1] and plan.reduction == 1
+
+
+def test_a_request_with_a_copy_in_flight_plans_only_around_it():
+    table, alloc, mgr, _ = make(headroom=3, latency=1, max_sources=2)
+    half_empty(table, alloc)
+    first = plan_checked(table, mgr, "a")
+    mgr.launch(first)
+    second = plan_checked(table, mgr, "a")  # disjoint from the in-flight plan's blocks
+    assert not set(second.sources) & set(first.sources) and not set(second.dests) & set(first.dests)
+    assert mgr.plan_round() == []  # a round leaves a request with a copy in flight alone
+
+
+# ---------------------------------------------------------------------- lifecycle
+def test_sources_are_freed_only_after_the_copy_completes():
+    table, alloc, mgr, applied = make(headroom=2, latency=2)
+    half_empty(table, alloc)
+    before = table.export_state()
+    plan = plan_checked(table, mgr, "a")
+    mgr.launch(plan)
+    for _ in range(2):  # two polls see the copy pending
+        assert plan.state == COPYING
+        assert all(alloc.state[b] == USED and alloc.ref[b] == 1 for b in plan.sources)
+        assert all(alloc.state[b] == RESERVED for b in plan.dests) and mgr.headroom == []
+        assert table.export_state() == before  # the table still points at the sources
+        assert mgr.backpressure
+        assert mgr.poll() == []
+    assert mgr.poll() == [plan] and plan.state == APPLIED and applied == [plan]
+    assert all(alloc.state[b] == FREE for b in plan.sources)
+    assert all(alloc.state[b] == USED for b in plan.dests)
+
+
+def test_copy_failure_aborts_cleanly():
+    table, alloc, mgr, applied = make(headroom=2, latency=1)
+    half_empty(table, alloc)
+    before = table.export_state(), alloc.export_state(), sorted(mgr.headroom)
+    plan = plan_checked(table, mgr, "a")
+    mgr.engine.fail_next = True
+    mgr.launch(plan)
+    assert mgr.poll() == [plan] and plan.state == ABORTED and applied == []
+    assert (table.export_state(), alloc.export_state(), sorted(mgr.headroom)) == before
+    assert mgr.in_flight == {} and mgr.stats["aborted"] == 1
+    again = plan_checked(table, mgr, "a")  # the headroom serves the next plan
+    mgr.launch(again)
+    mgr.poll(force_sync=True)
+    assert again.state == APPLIED
+
+
+def test_finish_during_copy_defers_the_frees():
+    table, alloc, mgr, applied = make(headroom=2, latency=1)
+    blocks = half_empty(table, alloc)
+    plan = plan_checked(table, mgr, "a")
+    mgr.launch(plan)
+    freed = mgr.finish_request("a", blocks)
+    assert freed == [7]  # only the block no copy reads
+    assert "a" not in table
+    assert all(alloc.state[b] == USED for b in plan.sources)  # still being read
+    assert all(alloc.state[b] == RESERVED for b in plan.dests)
+    assert mgr.poll() == []
+    assert mgr.poll() == [plan] and plan.state == ABORTED and applied == []
+    assert all(alloc.state[b] == FREE for b in plan.sources + plan.dests)
+    assert alloc.num_used == 0 and alloc.num_reserved == 0
+    mgr.refill_headroom()
+    assert len(mgr.headroom) == 2
+
+
+def test_a_source_shared_during_the_copy_aborts_the_plan():
+    table, alloc, mgr, applied = make(headroom=2, latency=1)
+    blocks = half_empty(table, alloc)
+    plan = plan_checked(table, mgr, "a")
+    mgr.launch(plan)
+    before = table.export_state()["requests"]["a"]
+    alloc.incref([blocks[0]])  # a prefix-cache hit on a block the copy is emptying
+    table.sync_new_tokens("c", [blocks[0]], S)
+    mgr.poll(force_sync=True)
+    assert plan.state == ABORTED and applied == []  # shared blocks never move (I4)
+    assert table.export_state()["requests"]["a"] == before
+    assert sorted(mgr.headroom) == [1, 2] and alloc.num_reserved == 2
+    assert alloc.ref[blocks[0]] == 2 and all(alloc.ref[b] == 1 for b in blocks[1:])
+
+
+def test_eviction_during_the_copy_is_applied_cleanly():
+    table, alloc, mgr, applied = make(headroom=2, latency=1)
+    half_empty(table, alloc)
+    plan = plan_checked(table, mgr, "a")
+    mgr.launch(plan)
+    table.evict_tokens("a", [1, 9, 11, 13, 15])  # one token bound for block 1, all bound for block 2
+    mgr.poll(force_sync=True)
+    assert plan.state == APPLIED
+    assert plan.dests == [1] and mgr.headroom == [2]  # the unused destination goes back
+    assert table.blocks_of("a") == [1, 7]
+    assert [table.location("a", t) for t in (3, 5, 7)] == [(1, 1), (1, 2), (1, 3)]
+    assert all(alloc.state[b] == FREE for b in plan.sources)
+
+
+def test_backpressure_while_the_headroom_is_short():
+    table, alloc, mgr, _ = make(nb=8, headroom=3, latency=1)
+    assert not mgr.backpressure and mgr.headroom == [1, 2, 3]
+    add(table, alloc, "a", 4)  # the rest of the pool: [4, 5, 6, 7]
+    assert alloc.num_free == 0
+    table.evict_tokens("a", [0, 1, 2, 4, 5, 6])
+    plan = plan_checked(table, mgr, "a")
+    mgr.launch(plan)
+    assert mgr.backpressure  # a destination left the headroom
+    mgr.step()  # the copy is still pending; nothing free to refill from
+    assert mgr.backpressure
+    mgr.step()  # applied: two sources freed, the headroom refilled from them
+    assert plan.state == APPLIED and not mgr.backpressure
+    short = make(nb=4, headroom=5)[2]
+    assert len(short.headroom) == 3 and short.backpressure  # the pool cannot hold the reservation
+
+
+# ---------------------------------------------------------------------- stages 1 and 2: when to plan
+def test_waste_ratio_threshold():
+    table, alloc, mgr, _ = make(headroom=2, theta_f=0.5)
+    add(table, alloc, "a", 3)
+    table.evict_tokens("a", [0, 1, 2])  # F = 3/12
+    assert not mgr.eligible() and mgr.step() == []
+    table.evict_tokens("a", [4, 5, 6, 8])  # F = 7/12
+    assert mgr.eligible()
+    assert [p.sources for p in mgr.step()] == [[3, 4]]
+
+
+def test_low_watermark():
+    table, alloc, mgr, _ = make(nb=8, headroom=1, low_watermark=0)
+    add(table, alloc, "a", 3)
+    table.evict_tokens("a", [0, 1, 2, 3])
+    assert alloc.num_free == 3 and not mgr.eligible()  # F is high, but memory is not short
+    add(table, alloc, "b", 3)
+    assert alloc.num_free == 0 and mgr.eligible()
+
+
+def test_check_every_amortises_the_checks():
+    table, alloc, mgr, _ = make(headroom=2, check_every=3)
+    add(table, alloc, "a", 3)
+    table.evict_tokens("a", [0, 1, 2, 3])
+    assert mgr.step() == [] and mgr.step() == []
+    assert [p.sources for p in mgr.step()] == [[3]]
+
+
+# ---------------------------------------------------------------------- planning rounds
+def test_round_with_empty_headroom_still_frees_all_dead_blocks():
+    table, alloc, mgr, _ = make(headroom=0)
+    add(table, alloc, "a", 3)  # [1, 2, 3]
+    table.evict_tokens("a", [0, 1, 2, 3, 4])
+    (plan,) = mgr.step(force_sync=True)
+    assert plan.sources == [1] and plan.dests == [] and plan.state == APPLIED
+    assert table.blocks_of("a") == [2, 3]
+
+
+def test_round_does_not_skip_a_request_whose_full_blocks_hide_the_gain():
+    # 1 + 1 live in two blocks, then a full block and a full tail: 10 live tokens in four
+    # blocks looks packed (ceil(10 / 4) = 3, minus the tail), but the two sparse blocks fit in one.
+    table, alloc, mgr, _ = make(headroom=2)
+    add(table, alloc, "a", 4)  # [3, 4, 5, 6]
+    table.evict_tokens("a", [0, 1, 2, 4, 5, 6])
+    (plan,) = mgr.step(force_sync=True)
+    assert plan.sources == [3, 4] and len(plan.dests) == 1 and plan.state == APPLIED
+
+
+# ---------------------------------------------------------------------- the contract itself
+def _view_two_sparse():
+    # S = 4; blocks 3, 4 hold tokens 0-3 and 4-7, two live each; 5 is the full tail; 6 is shared
+    toks = [[3, o, o % 2 == 1] for o in range(4)] + [[4, o, o % 2 == 1] for o in range(4)]
+    toks += [[5, o, True] for o in range(4)] + [[6, o, True] for o in range(4)]
+    return {"S": 4, "num_blocks": 10, "max_sources": 4, "tokens": toks, "blocks": [3, 4, 5, 6],
+            "refs": {3: 1, 4: 1, 5: 1, 6: 2}, "tail": 5, "in_flight": [7], "headroom": [1, 2]}
+
+
+GOOD = {"sources": [3, 4], "dests": [1], "moves": [[1, 3, 1, 1, 0], [3, 3, 3, 1, 1], [5, 4, 1, 1, 2], [7, 4, 3, 1, 3]]}
+
+
+def _with(**kw):
+    p = {k: [list(m) for m in v] if k == "moves" else list(v) for k, v in GOOD.items()}
+    p.update(kw)
+    return p
+
+
+@pytest.mark.parametrize("plan,code", [
+    (_with(moves=[[0, 3, 0, 1, 0]] + GOOD["moves"][1:]), "dead_token"),
+    (_with(moves=GOOD["moves"] + [GOOD["moves"][0]]), "duplicate_token"),
+    (_with(moves=[[1, 3, 2, 1, 0]] + GOOD["moves"][1:]), "wrong_source"),
+    (_with(sources=[3, 4, 6], moves=GOOD["moves"] + [[12, 6, 0, 1, 0]]), "source_shared"),
+    (_with(sources=[3, 4, 5]), "source_tail"),
+    (_with(sources=[3, 4, 7]), "source_in_flight"),
+    (_with(moves=GOOD["moves"][:3]), "source_not_emptied"),
+    (_with(dests=[8], moves=[m[:3] + [8, m[4]] for m in GOOD["moves"]]), "dest_not_headroom"),
+    (_with(dests=[0], moves=[m[:3] + [0, m[4]] for m in GOOD["moves"]]), "null_dest"),
+    (_with(moves=GOOD["moves"][:3] + [[7, 4, 3, 1, 2]]), "duplicate_slot"),
+    (_with(moves=[GOOD["moves"][1][:3] + [1, 0], GOOD["moves"][0][:3] + [1, 1]] + GOOD["moves"][2:]), "fill_order"),
+    (_with(dests=[1, 2]), "dest_count"),
+    (_with(sources=[3, 4], dests=[1, 2], moves=[m[:3] + [1 + i // 2, i % 2] for i, m in enumerate(GOOD["moves"])]),
+     "not_reducing"),
+])
+def test_contract_names_the_broken_rule(plan, code):
+    v = _view_two_sparse()
+    assert plan_errors(v, GOOD) == []
+    assert code in {e.split(":")[0] for e in plan_errors(v, plan)}
+
+
+def test_best_reduction_brute_force():
+    v = _view_two_sparse()
+    assert best_reduction(v, 2) == 1  # 3 and 4 into one destination
+    assert best_reduction(v, 0) == 0
+    v["tokens"][1][2] = v["tokens"][3][2] = False  # block 3 now all dead: free with no destination
+    assert best_reduction(v, 0) == 1 and best_reduction(v, 1) == 1
+    v["max_sources"] = 1
+    assert best_reduction(v, 1) == 1
+    v["tokens"][5][2] = v["tokens"][7][2] = False
+    v["max_sources"] = 4
+    assert best_reduction(v, 0) == 2
