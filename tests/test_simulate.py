@@ -1,0 +1,172 @@
+"""The simulator (``vtoken simulate``) in quick mode: every experiment runs and writes its
+files, the quick frontier keeps native <= naive_evict <= vtoken, and the CLI's JSON
+last-line contract holds. Also small checks of the pieces the experiments stand on."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vtoken.planner import PlannerConfig
+from vtoken.sim import run_retained, run_scaling, run_sweeps, run_waste
+from vtoken.sim.attention import AttentionModel
+from vtoken.sim.engine import Replay
+from vtoken.sim.schedule import fixed_budget, make_schedule, ratio_budget
+from vtoken.sim.traces import frontier_request_shape, make_trace
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _files_ok(res: dict, name: str, out: Path):
+    files = res["files"]
+    for kind in ("md", "json", "png"):
+        p = Path(files[kind])
+        assert p.exists() and p.stat().st_size > 0, (name, kind)
+        assert p.parent == out
+    assert Path(files["md"]).name == f"{name}.md"
+    data = json.loads(Path(files["json"]).read_text())
+    assert data["experiment"] == name and data["quick"] is True
+    md = Path(files["md"]).read_text()
+    assert f"![{name}]({name}.png)" in md
+    return data, md
+
+
+# ------------------------------------------------------------------------- pieces
+def test_frontier_request_shape_is_the_papers():
+    P, O = frontier_request_shape(1020, 16, 12288)
+    assert (P, O) == (4032, 12288) and math.ceil((P + O) / 16) == 1020
+    assert math.ceil(8192 / 16) == 512
+
+
+def test_schedule_keeps_the_budget_and_never_evicts_the_newest():
+    for pol in ("h2o", "scissorhands", "random"):
+        s = make_schedule(300, 200, pol, ratio_budget(0.5, 16), seed=3, req_key=1, window=8)
+        assert len(np.unique(s.victims)) == len(s.victims)
+        for step in range(s.steps):
+            n = s.prompt + step
+            v = s.at(step)
+            assert (v < n - 1).all()  # never the newest token
+            assert s.live_after(step) <= max(16, math.ceil(0.5 * n))
+        f = make_schedule(64, 100, pol, fixed_budget(96), seed=0, req_key=2, window=4)
+        assert f.live_after(f.steps - 1) == 96
+
+
+def test_schedules_are_deterministic():
+    a = make_schedule(200, 50, "h2o", ratio_budget(0.5, 16), seed=1, req_key=7, window=8)
+    b = make_schedule(200, 50, "h2o", ratio_budget(0.5, 16), seed=1, req_key=7, window=8)
+    assert np.array_equal(a.victims, b.victims) and np.array_equal(a.offsets, b.offsets)
+
+
+def test_attention_window_is_normalised_and_heavy_tailed():
+    m = AttentionModel()
+    rng = np.random.default_rng(0)
+    w = m.importance(4000, rng)
+    assert (w > 0).all() and np.percentile(w, 99) / np.median(w) > 10
+    ids = np.arange(0, 4000, 3)
+    a = m.window(w, ids, 3990, 4000, rng)
+    assert a.shape == ids.shape and abs(a.sum() - 10) < 1e-6
+
+
+def test_traces_are_seeded_and_clipped():
+    t1, t2 = make_trace("longbench", 20, 4), make_trace("longbench", 20, 4)
+    assert t1 == t2
+    assert all(1024 <= r.prompt <= 16384 and 16 <= r.output <= 512 for r in t1)
+
+
+def test_replay_paired_systems():
+    """Same schedules: Naive-Evict holds at least what vToken holds; the ideal is a floor."""
+    scheds = [make_schedule(400, 120, "random", ratio_budget(0.5, 16), seed=0, req_key=i, window=8)
+              for i in range(6)]
+    out = {}
+    for mode in ("naive_evict", "vtoken"):
+        rp = Replay(scheds, mode, 16, 400, planner=PlannerConfig(theta_f=0.1, headroom=16, max_sources=32),
+                    latency=1, max_batch=3, sample_every=4)
+        res = rp.run()
+        assert res["feasible"] and res["finished"] == 6
+        a = rp.sample_array()
+        out[mode] = a[:, 6].mean()
+        assert (a[:, 6] >= a[:, 7]).all()  # held >= ideal packed
+        assert rp.alloc.num_used == 0  # everything returned at the end
+    assert out["vtoken"] < out["naive_evict"]
+
+
+def test_replay_preemption_is_infeasible():
+    scheds = [make_schedule(64, 64, "h2o", fixed_budget(64), seed=0, req_key=i, window=4) for i in range(4)]
+    res = Replay(scheds, "native", 16, 1 + 4 * 7, sample_every=0).run()
+    assert not res["feasible"] and res["preempted_at"] is not None
+    res = Replay(scheds, "native", 16, 1 + 4 * 8, sample_every=0).run()
+    assert res["feasible"] and res["peak_demand"] == 32
+
+
+# ------------------------------------------------------------------------- experiments, quick
+def test_waste_quick(tmp_path):
+    res = run_waste(quick=True, seeds=1, out=tmp_path)
+    data, md = _files_ok(res, "waste", tmp_path)
+    for w in ("sharegpt", "longbench"):
+        for p in ("h2o", "scissorhands", "random"):
+            v = data["table"][w][p]
+            assert 0 < v["frac_le_half"]["median"] <= 1 and 0 < v["F"]["median"] < 1
+    assert "Where the attention comes from" in md and "lognormal" in md
+
+
+def test_retained_quick(tmp_path):
+    res = run_retained(quick=True, seeds=1, out=tmp_path)
+    data, _ = _files_ok(res, "retained", tmp_path)
+    for ps in data["table"].values():
+        for v in ps.values():
+            assert v["vtoken"]["median"] < v["naive_evict"]["median"]
+            assert v["ideal"]["median"] <= v["vtoken"]["median"]
+            assert v["reduction"]["median"] < 0
+
+
+def test_sweeps_quick(tmp_path):
+    res = run_sweeps(quick=True, seeds=1, out=tmp_path)
+    data, _ = _files_ok(res, "sweeps", tmp_path)
+    th = data["theta"]
+    assert th["0.9"]["ratio_to_ideal"]["median"] >= th["0.05"]["ratio_to_ideal"]["median"]
+    assert set(data["block_size"]) == {"16", "32"} and len(data["eviction_ratio"]) == 3
+
+
+def test_scaling_quick(tmp_path):
+    res = run_scaling(quick=True, seeds=1, out=tmp_path)
+    data, _ = _files_ok(res, "scaling", tmp_path)
+    assert set(data["table"]) == {"16", "64", "256", "1024"}
+    assert data["per_request_ratio_1024_over_64"]["median"] > 0
+    for v in data["table"].values():
+        assert set(v["phases"]) == {"sync", "evict", "plan", "slot_map", "flush"}
+
+
+@pytest.fixture(scope="module")
+def frontier_cli(tmp_path_factory):
+    out = tmp_path_factory.mktemp("frontier")
+    p = subprocess.run([sys.executable, "-m", "vtoken", "simulate", "frontier", "--quick", "--seeds", "1", "--json",
+                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out, p.stdout
+
+
+def test_frontier_cli_json_last_line(frontier_cli):
+    out, stdout = frontier_cli
+    last = stdout.strip().splitlines()[-1]
+    obj = json.loads(last)
+    assert set(obj["frontier"]) == {"5427", "11519"}
+    for b, d in obj["frontier"].items():
+        assert set(d) >= {"native", "naive_evict", "vtoken"}
+        assert all(isinstance(v, int) for v in d.values())
+        assert b in obj["ideal"]
+    assert Path(obj["files"]["png"]).exists()
+
+
+def test_frontier_quick_ordering_and_files(frontier_cli):
+    out, stdout = frontier_cli
+    data = json.loads((out / "frontier.json").read_text())
+    for b, d in data["frontier"].items():
+        assert d["native"] <= d["naive_evict"] <= d["vtoken"] <= data["ideal"][b], (b, d)
+        assert d["vtoken"] > d["native"]
+    assert (out / "frontier.md").exists() and (out / "frontier.png").exists()

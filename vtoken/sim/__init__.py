@@ -1,0 +1,93 @@
+"""The paper's experiments through the real TokenTable, BlockAllocator and ReclamationManager
+(no K/V bytes), on generated request traces. Entry points return plain dicts and write
+``<name>.md``, ``<name>.json`` and ``<name>.png`` under ``out`` (default
+``reports/simulate-<timestamp>/``):
+
+- :func:`run_waste` (paper Fig. 1), :func:`run_retained` (Fig. 7b),
+- :func:`run_frontier` (Fig. 9/10), :func:`run_sweeps` (section 4.5),
+- :func:`run_scaling` (scheduler-side cost against concurrency),
+- :func:`run_all`.
+
+Every one takes ``quick=True`` for a small, fast run (tests), ``seeds`` and ``jobs``.
+"""
+
+from .frontier import run_frontier
+from .scaling import run_scaling
+from .workloads import run_retained, run_sweeps, run_waste
+
+__all__ = ["run_waste", "run_retained", "run_frontier", "run_sweeps", "run_scaling", "run_all", "EXPERIMENTS"]
+
+EXPERIMENTS = {
+    "waste": run_waste,
+    "retained": run_retained,
+    "frontier": run_frontier,
+    "sweeps": run_sweeps,
+    "scaling": run_scaling,
+}
+
+
+def run_all(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
+            progress=None) -> dict:
+    """Every experiment into one folder, plus ``README.md`` / ``all.json`` with the timings."""
+    import json
+    import time
+
+    from . import report as rep
+
+    d = rep.out_dir(out)
+    t0 = time.perf_counter()
+    results, timings = {}, {}
+    for name, fn in EXPERIMENTS.items():
+        t = time.perf_counter()
+        results[name] = fn(quick=quick, seeds=seeds, out=d, jobs=jobs)
+        timings[name] = time.perf_counter() - t
+        if progress:
+            progress(f"{name}: {timings[name]:.1f} s")
+    total = time.perf_counter() - t0
+    summary = dict(total_s=total, timings_s=timings, quick=quick, out=str(d), headline=headline(results),
+                   code=code_state())
+    lines = [f"# vtoken simulate all\n", f"Total wall time: {total:.1f} s ({'quick' if quick else 'full'} mode).\n",
+             f"Code: {summary['code']}\n",
+             rep.md_table(["experiment", "seconds", "report"],
+                          [[k, f"{v:.1f}", f"[{k}.md]({k}.md)"] for k, v in timings.items()]), "",
+             "```json", json.dumps(summary["headline"], indent=1), "```"]
+    with open(d / "README.md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(d / "all.json", "w") as f:
+        json.dump(rep._jsonable(summary), f, indent=1)
+    summary["results"] = results
+    return summary
+
+
+def code_state() -> dict:
+    """The commit the run used and whether the substrate files differed from it (others edit them)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "vtoken/table.py", "vtoken/planner.py",
+                                "vtoken/allocator.py", "vtoken/policies"], cwd=root, capture_output=True, text=True,
+                               timeout=10).stdout.split()
+        return dict(head=head, modified=[x for x in dirty if x not in ("M", "??", "A", "D")])
+    except Exception as e:  # noqa: BLE001
+        return dict(error=str(e))
+
+
+def headline(results: dict) -> dict:
+    """The few numbers each experiment is about."""
+    h = {}
+    if "waste" in results:
+        h["waste_frac_le_half"] = {w: {p: round(v["frac_le_half"]["median"], 3) for p, v in ps.items()}
+                                   for w, ps in results["waste"]["table"].items()}
+    if "retained" in results:
+        h["retained_reduction_range"] = [round(x, 3) for x in results["retained"]["reduction_range"]]
+    if "frontier" in results:
+        h["frontier"] = results["frontier"]["frontier"]
+        h["frontier_ideal"] = results["frontier"]["ideal"]
+    if "scaling" in results:
+        r = results["scaling"]["per_request_ratio_1024_over_64"]
+        h["scaling_per_request_ratio_1024_over_64"] = round(r["median"], 3) if r else None
+    return h

@@ -1,0 +1,86 @@
+"""The synthetic attention model that drives H2O and Scissorhands in the simulator.
+
+No model weights can be downloaded here, so the attention each token receives is drawn
+from a stated, seeded model instead of being measured on Llama-3.1-8B:
+
+- **Intrinsic importance.** Token ``i`` has ``w_i = exp(sigma * z_i)``: lognormal, i.e.
+  heavy-tailed (``sigma = 1.5``: the top 1% of tokens are ~30x the median). ``z`` is a
+  unit-variance Gaussian sequence smoothed with an exponential kernel (neighbour
+  correlation ``rho = 0.3``), so importance is mildly clustered the way phrases are.
+  The first ``n_sink = 4`` tokens are attention sinks (``w x 50``).
+- **Recency.** A query at position ``q`` gives token ``i <= q`` the weight
+  ``w_i * (1 + (q - i) / tau) ** -alpha`` (``tau = 32``, ``alpha = 1``): a power-law decay
+  with distance, so the latest tokens get most of the attention and old heavy hitters
+  keep receiving a slowly shrinking share.
+- **Noise.** Each token's share in each observation window is multiplied by an
+  independent lognormal factor (``noise = 0.5``).
+- **Normalisation.** Every query spends one unit of attention over the live tokens (a
+  softmax row), so a window of ``k`` queries hands out ``k`` units in total.
+
+Policies observe attention once per window of ``E`` decode steps (the simulator's
+``window``), summed over the window's queries -- exact for H2O (a running sum), an
+approximation for Scissorhands (its "important at a step" test is applied per window).
+The sum over a window uses the continuous approximation of
+``sum_q (1 + (q - i)/tau) ** -alpha`` and one normalisation per window. Everything is
+drawn from a ``numpy.random.Generator`` the caller seeds, so a run is a pure function of
+its seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AttentionModel:
+    sigma: float = 1.5
+    rho: float = 0.3
+    n_sink: int = 4
+    sink_boost: float = 50.0
+    tau: float = 32.0
+    alpha: float = 1.0
+    noise: float = 0.5
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+    # ---------------------------------------------------------------- importance
+    def importance(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Intrinsic importance ``w`` of ``n`` tokens (float64, all > 0)."""
+        e = rng.standard_normal(n + 32)
+        if self.rho > 0:
+            k = self.rho ** np.arange(32)
+            z = np.convolve(e, k)[31:31 + n] / np.sqrt(np.sum(k * k))
+        else:
+            z = e[:n]
+        w = np.exp(self.sigma * z)
+        w[: min(self.n_sink, n)] *= self.sink_boost
+        return w
+
+    # ---------------------------------------------------------------- attention
+    def _cum(self, d: np.ndarray) -> np.ndarray:
+        """Continuous ``sum_{x < d} (1 + x/tau)^-alpha`` for ``d >= 0``."""
+        d = np.maximum(d, 0.0)
+        if abs(self.alpha - 1.0) < 1e-12:
+            return self.tau * np.log1p(d / self.tau)
+        a = 1.0 - self.alpha
+        return self.tau / a * ((1.0 + d / self.tau) ** a - 1.0)
+
+    def window(self, w: np.ndarray, ids: np.ndarray, q0: int, q1: int,
+               rng: np.random.Generator) -> np.ndarray:
+        """Attention received by live tokens ``ids`` from the queries at positions
+        ``[q0, q1)`` (a query at ``q`` sees tokens ``<= q``), summed over the queries,
+        normalised so the total is ``q1 - q0``."""
+        if q1 <= q0 or len(ids) == 0:
+            return np.zeros(len(ids))
+        idf = ids.astype(np.float64)
+        g = self._cum(q1 - idf) - self._cum(np.maximum(q0, idf) - idf)
+        a = w[ids] * g
+        if self.noise > 0:  # lognormal(0, noise), drawn in float32 (the hot path of the schedules)
+            a *= np.exp(self.noise * rng.standard_normal(len(ids), dtype=np.float32))
+        tot = a.sum()
+        if tot > 0:
+            a *= (q1 - q0) / tot
+        return a

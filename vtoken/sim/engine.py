@@ -1,0 +1,370 @@
+"""The replay engine: eviction schedules through the real TokenTable, BlockAllocator and
+ReclamationManager, with no K/V bytes.
+
+One scheduler step, for every running request in admission order:
+
+1. growth: a new block from the allocator when the request's last block is full (no
+   free block = **preemption**: the run is infeasible), then ``sync_new_tokens`` (the
+   prefill registers the prompt, in doubling chunks);
+2. eviction: the schedule's victims for the step, through ``evict_tokens``; a block left
+   with no live token is released at once (``release_empty_blocks`` + ``free``) in every
+   system -- Naive-Evict only lacks *compaction* of partially live blocks;
+3. a finished request frees everything it holds;
+
+then, for vToken, ``ReclamationManager.step()`` (poll copies -> apply -> free sources,
+refill the headroom, plan when eligible). The copy engine is ``NullCopyEngine(latency)``:
+with ``latency = 1`` a plan launched at step ``t`` is still pending at step ``t + 1`` and is
+applied (sources freed) at step ``t + 2``; sources are never freed before that.
+
+A victim whose block is a source of an in-flight plan is *deferred*: the table learns of
+it right after the plan applies (the policy's decision and the logical state are
+unchanged; the table is told one or two steps late). Reason: ``apply_moves`` rejects a
+move of a token that died after planning (``dead_token``), and whether
+``ReclamationManager.apply`` drops such moves first has changed back and forth in the
+tree; deferring keeps the simulation valid either way. ``defer_inflight_victims=False``
+evicts at once (only safe with a planner that filters dead moves). Blocks of in-flight
+plans are never released by the engine: the plan frees them.
+
+Demand is ``used + reserved`` blocks (headroom is carved out of the same budget).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vtoken.allocator import BlockAllocator
+from vtoken.planner import NullCopyEngine, PlannerConfig, ReclamationManager
+from vtoken.table import TokenTable
+
+from .schedule import Schedule
+
+MODES = ("native", "naive_evict", "vtoken")
+
+
+@dataclass
+class _R:
+    id: int
+    sched: Schedule
+    s: int = 0  # next local step
+    n: int = 0
+    held: set = field(default_factory=set)
+    pos: list = field(default_factory=list)  # positional block list (null entries never read)
+    deferred: list = field(default_factory=list)
+    start: int = 0
+    peak_held: int = 0
+
+
+class Preempted(Exception):
+    pass
+
+
+def _chunks(P: int):
+    """Prefill sync lengths that double from 64. (A single large sync leaves the table's
+    host arrays exactly full while its device segment is a power of two; the next
+    one-token sync then writes past the host array -- see the report.)"""
+    n = 0
+    while n < P:
+        n = min(P, max(64, 2 * n))
+        yield n
+
+
+class Replay:
+    def __init__(self, schedules: list[Schedule], mode: str, block_size: int, num_blocks: int,
+                 planner: PlannerConfig | None = None, latency: int = 1, max_batch: int | None = None,
+                 sample_every: int = 16, flush_every: int = 64, stop_on_preempt: bool = True,
+                 timeline: bool = False, phase_timing: bool = False, slot_mapping: bool = False,
+                 force_sync: bool = False, req_timeline: bool = False, timeline_every: int = 1,
+                 defer_inflight_victims: bool = True):
+        if mode not in MODES:
+            raise ValueError(mode)
+        self.mode, self.S, self.num_blocks = mode, int(block_size), int(num_blocks)
+        self.table = TokenTable(self.S, self.num_blocks)
+        self.alloc = BlockAllocator(self.num_blocks)
+        self.queue = list(enumerate(schedules))
+        self.max_batch = max_batch or len(schedules)
+        self.sample_every, self.flush_every = sample_every, flush_every
+        self.stop_on_preempt = stop_on_preempt
+        self.timeline = timeline
+        self.timeline_every = max(1, int(timeline_every))
+        self.req_tl: list | None = [] if req_timeline else None
+        self.phase_timing, self.want_slot_mapping, self.force_sync = phase_timing, slot_mapping, force_sync
+        self.active: list[_R] = []
+        self.busy: dict[int, int] = {}  # source block -> plan id (in-flight plans)
+        self.plan_req: dict[int, int] = {}
+        self.mgr = None
+        if mode == "vtoken":
+            self.mgr = ReclamationManager(self.table, self.alloc, NullCopyEngine(latency),
+                                          planner or PlannerConfig(), on_applied=self._on_applied)
+        self.reqs: dict[int, _R] = {}
+        self.evicts = mode != "native"
+        self.defer = bool(defer_inflight_victims)
+        self.step_no = 0
+        self.preempted_at = None
+        self.inflight_victims = 0  # victims that sat in a source block of an in-flight plan
+        self.finished = 0
+        self.usable = self.num_blocks - 1
+        # metrics
+        self.peak = -1
+        self.peak_info: dict = {}
+        self.samples: list = []
+        self.demand_tl: list = []
+        self.phase = dict(sync=0.0, evict=0.0, plan=0.0, slot_map=0.0, flush=0.0)
+        self.phase_steps = 0
+
+    # -------------------------------------------------------------- planner hooks
+    def _on_applied(self, plan) -> None:
+        r = self.reqs.get(plan.req_id)
+        for b in plan.sources:
+            if self.busy.get(b) == plan.id:
+                del self.busy[b]
+        self.plan_req.pop(plan.id, None)
+        if r is None:
+            return
+        r.held.difference_update(plan.sources)
+        r.held.update(plan.dests)
+
+    # -------------------------------------------------------------- helpers
+    def _alloc1(self, r: _R) -> int:
+        if self.alloc.num_free == 0:
+            raise Preempted(r.id)
+        b = self.alloc.allocate(1)[0]
+        r.held.add(b)
+        r.pos.append(b)
+        return b
+
+    def _release_if_empty(self, r: _R, blocks) -> None:
+        t = self.table
+        tail = r.pos[-1] if r.pos else -1
+        for b in blocks:
+            if t.n_b[b] == 0 and b != tail and b in r.held and b not in self.busy and t.refs[b] == 1:
+                t.release_empty_blocks(r.id, [b])
+                self.alloc.free([b])
+                r.held.discard(b)
+
+    def _evict(self, r: _R, v: np.ndarray) -> None:
+        t = self.table
+        if r.deferred:
+            v = np.concatenate([np.asarray(r.deferred, dtype=np.int64), v])
+            r.deferred = []
+        if len(v) == 0:
+            return
+        if len(v) <= 4:
+            ok, blocks = [], []
+            for x in v.tolist():
+                b = t.location(r.id, x)[0]
+                if b in self.busy:
+                    self.inflight_victims += 1
+                if self.defer and b in self.busy:
+                    r.deferred.append(x)
+                else:
+                    ok.append(x)
+                    blocks.append(b)
+            if not ok:
+                return
+            t.evict_tokens(r.id, ok if len(ok) == 1 else np.asarray(ok, dtype=np.int64))
+            self._release_if_empty(r, blocks)
+            return
+        blk = t.slots(r.id)[v] // self.S
+        if self.busy:
+            bz = np.fromiter((b in self.busy for b in blk.tolist()), dtype=bool, count=len(blk))
+            self.inflight_victims += int(bz.sum())
+            if self.defer and bz.any():
+                r.deferred.extend(v[bz].tolist())
+                v, blk = v[~bz], blk[~bz]
+        if len(v):
+            t.evict_tokens(r.id, v)
+            self._release_if_empty(r, np.unique(blk).tolist())
+
+    def _admit(self) -> None:
+        while self.queue and len(self.active) < self.max_batch:
+            if self.mgr is not None and self.mgr.backpressure and self.active:
+                break
+            i, sch = self.queue[0]
+            need = -(-sch.prompt // self.S)
+            if need > self.alloc.num_free:
+                if self.active:
+                    break  # wait for memory (continuous batching)
+                raise Preempted(i)
+            self.queue.pop(0)
+            r = _R(i, sch, start=self.step_no)
+            self.reqs[i] = r
+            self.active.append(r)
+
+    def _prefill(self, r: _R) -> None:
+        P = r.sched.prompt
+        blocks = self.alloc.allocate(-(-P // self.S))
+        r.pos = list(blocks)
+        r.held = set(blocks)
+        for n in _chunks(P):
+            self.table.sync_new_tokens(r.id, r.pos, n)
+        r.n = P
+
+    def _finish(self, r: _R) -> None:
+        if self.mgr is not None:
+            for pid, rid in list(self.plan_req.items()):
+                if rid == r.id:
+                    for b in [b for b, p in self.busy.items() if p == pid]:
+                        del self.busy[b]
+                    del self.plan_req[pid]
+            self.mgr.finish_request(r.id, sorted(r.held))
+        else:
+            self.table.free_request(r.id)
+            self.alloc.free(sorted(r.held))
+        r.held = set()
+        self.finished += 1
+
+    # -------------------------------------------------------------- the step
+    def step(self) -> None:
+        self._admit()
+        S, t, pt = self.S, self.table, self.phase_timing
+        clock = time.perf_counter
+        done = []
+        t_sync = t_ev = 0.0
+        for r in self.active:
+            sch = r.sched
+            s = r.s
+            c0 = clock() if pt else 0.0
+            if s == 0:
+                self._prefill(r)
+            else:
+                n = r.n
+                if n % S == 0:
+                    self._alloc1(r)
+                t.sync_new_tokens(r.id, r.pos, n + 1)
+                r.n = n + 1
+            c1 = clock() if pt else 0.0
+            o0, o1 = sch.offsets[s], sch.offsets[s + 1]
+            if (o1 > o0 or r.deferred) and self.evicts:
+                self._evict(r, sch.victims[o0:o1])
+            if pt:
+                c2 = clock()
+                t_sync += c1 - c0
+                t_ev += c2 - c1
+            r.s = s + 1
+            if r.s > sch.output:
+                done.append(r)
+        if self.want_slot_mapping:
+            c0 = clock()
+            for r in self.active:
+                t.slot_mapping(r.id)
+            self.phase["slot_map"] += clock() - c0
+        self._observe_peak()
+        for r in done:
+            self._finish(r)
+            self.active.remove(r)
+        if self.mgr is not None:
+            c0 = clock() if pt else 0.0
+            self.mgr.step(force_sync=self.force_sync)
+            for p in self.mgr.in_flight.values():
+                if p.id not in self.plan_req:
+                    self.plan_req[p.id] = p.req_id
+                    for b in p.sources:
+                        self.busy[b] = p.id
+            if pt:
+                self.phase["plan"] += clock() - c0
+            if self.defer and (self.busy or any(r.deferred for r in self.active)):
+                for r in self.active:
+                    if r.deferred:
+                        self._evict(r, np.empty(0, dtype=np.int64))
+            self._observe_peak()
+        if pt:
+            self.phase["sync"] += t_sync
+            self.phase["evict"] += t_ev
+        if self.want_slot_mapping or (self.flush_every and self.step_no % self.flush_every == 0):
+            c0 = clock() if pt else 0.0
+            t.flush()
+            if pt:
+                self.phase["flush"] += clock() - c0
+        if pt:
+            self.phase_steps += 1
+        if self.sample_every and self.step_no % self.sample_every == 0 and self.active:
+            self._sample()
+        self.step_no += 1
+
+    # -------------------------------------------------------------- metrics
+    def demand(self) -> int:
+        return self.usable - self.alloc.num_free
+
+    def _observe_peak(self) -> None:
+        d = self.demand()
+        if self.step_no % self.timeline_every == 0:
+            if self.timeline:
+                self.demand_tl.append((self.step_no, d))
+            if self.req_tl is not None:
+                self.req_tl.append([len(r.held) for r in self.active])
+        if d > self.peak:
+            self.peak = d
+            self.peak_info = self._breakdown()
+
+    def _breakdown(self) -> dict:
+        t, S = self.table, self.S
+        ideal = 0
+        partial_tails = 0
+        held = 0
+        for r in self.active:
+            if r.id not in t:
+                continue
+            nl = t.num_live(r.id)
+            ideal += -(-nl // S)
+            held += len(r.held)
+            if r.n % S:
+                partial_tails += 1
+        reserved = self.alloc.num_reserved
+        inflight_src = sum(len(p.sources) for p in self.mgr.in_flight.values()) if self.mgr else 0
+        inflight_dst = sum(len(p.dests) for p in self.mgr.in_flight.values()) if self.mgr else 0
+        return dict(step=self.step_no, demand=self.demand(), used=self.alloc.num_used, reserved=reserved,
+                    headroom_idle=len(self.mgr.headroom) if self.mgr else 0,
+                    inflight_sources=inflight_src, inflight_dests=inflight_dst,
+                    held=held, ideal_packed=ideal, partial_tails=partial_tails,
+                    fragmentation=held - ideal, active=len(self.active),
+                    live_tokens=int(t.num_live_slots))
+
+    def _sample(self) -> None:
+        t, S = self.table, self.S
+        ref = t.refs > 0
+        nref = int(np.count_nonzero(ref))
+        le_half = int(np.count_nonzero(ref & (t.n_b <= S // 2)))
+        held = sum(len(r.held) for r in self.active)
+        ideal = sum(-(-t.num_live(r.id) // S) for r in self.active if r.id in t)
+        self.samples.append((self.step_no, len(self.active), self.demand(), nref, le_half,
+                             t.waste_ratio(), held, ideal))
+
+    # -------------------------------------------------------------- run
+    def run(self, max_steps: int | None = None) -> dict:
+        t0 = time.perf_counter()
+        feasible = True
+        try:
+            while self.queue or self.active:
+                self.step()
+                if max_steps is not None and self.step_no >= max_steps:
+                    break
+        except Preempted as e:
+            feasible = False
+            self.preempted_at = dict(step=self.step_no, request=int(e.args[0]))
+            if not self.stop_on_preempt:
+                raise
+        wall = time.perf_counter() - t0
+        out = dict(mode=self.mode, feasible=feasible, preempted_at=self.preempted_at, steps=self.step_no,
+                   finished=self.finished, peak_demand=self.peak, usable=self.usable,
+                   peak_norm=self.peak / self.usable, peak_info=self.peak_info, wall_s=wall,
+                   inflight_victims=self.inflight_victims)
+        if self.mgr is not None:
+            out["planner"] = dict(self.mgr.stats)
+        return out
+
+    def sample_array(self) -> np.ndarray:
+        """Columns: step, active, demand, ref_blocks, ref_blocks_le_half, F, held, ideal."""
+        return np.asarray(self.samples, dtype=np.float64).reshape(-1, 8)
+
+
+def replay(schedules, mode, block_size, num_blocks, **kw) -> tuple[dict, Replay]:
+    rp = Replay(schedules, mode, block_size, num_blocks, **kw)
+    return rp.run(), rp
+
+
+def ideal_blocks(live: int, S: int) -> int:
+    return math.ceil(live / S)

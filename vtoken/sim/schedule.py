@@ -1,0 +1,139 @@
+"""Eviction schedules: which tokens a real policy evicts at which step of a request.
+
+A request's eviction decisions depend only on its own attention and its own policy
+state, never on memory or on the other requests, so they are computed once per
+request (with the real ``vtoken.policies`` classes fed by the synthetic attention model)
+and then replayed by every system variant -- Naive-Evict and vToken see *identical*
+eviction decisions by construction, which is exactly the paper's paired ablation.
+
+Step numbering of one request: step 0 is the prefill (``prompt`` tokens appear), step
+``s >= 1`` appends token ``prompt + s - 1``; the request is done after step ``output``
+(length ``prompt + output``). ``victims[offsets[s]:offsets[s + 1]]`` are evicted at step
+``s`` right after its tokens are registered.
+
+Policies run once per window of ``window`` decode steps (default 16): they observe the
+window's attention (summed over its queries), then ``select_victims`` picks every token
+the window will need to evict, and those are evicted step by step as the budget
+requires -- so the live count never exceeds the budget, and the policy's scores are at
+most ``window`` steps stale. The victim order within a window is logical order.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from vtoken.policies import make_policy
+
+from .attention import AttentionModel
+
+
+@dataclass
+class Schedule:
+    prompt: int
+    output: int
+    victims: np.ndarray  # int64, concatenated per step
+    offsets: np.ndarray  # int64, len output + 2
+    policy: str = ""
+
+    @property
+    def steps(self) -> int:
+        return self.output + 1
+
+    def at(self, s: int) -> np.ndarray:
+        return self.victims[self.offsets[s]:self.offsets[s + 1]]
+
+    def live_after(self, s: int) -> int:
+        """Live tokens after step ``s`` (no deferral)."""
+        return self.prompt + s - int(self.offsets[s + 1])
+
+
+def ratio_budget(keep: float, min_keep: int = 64) -> Callable[[int], int]:
+    """Keep ``ceil(keep * length)`` tokens (at least ``min_keep``)."""
+    return lambda n: max(min_keep, int(math.ceil(keep * n)))
+
+
+def fixed_budget(b: int) -> Callable[[int], int]:
+    return lambda n: b
+
+
+def policy_kwargs(name: str, seed: int, req_key: int, recent: int | None = None) -> dict:
+    if name == "random":
+        return {"seed": int(zlib.crc32(f"{seed}/{req_key}".encode()))}
+    if name == "h2o" and recent is not None:
+        return {"recent": recent}
+    return {}
+
+
+def make_schedule(prompt: int, output: int, policy: str, budget: Callable[[int], int], seed: int,
+                  req_key: int, model: AttentionModel | None = None, window: int = 16,
+                  recent: int | None = None) -> Schedule:
+    """Run one request's policy against the synthetic attention and record its victims."""
+    model = model or AttentionModel()
+    rng = np.random.default_rng([seed, req_key, 0xA77])
+    total = prompt + output
+    w = model.importance(total, rng)
+    pol = make_policy(policy, **policy_kwargs(policy, seed, req_key, recent))
+    uses_attn = policy in ("h2o", "scissorhands")
+    live = np.zeros(total, dtype=bool)
+    counts = np.zeros(output + 1, dtype=np.int64)
+    chunks: list[np.ndarray] = []
+    rid = req_key
+
+    # step 0: prefill
+    live[:prompt] = True
+    n, n_live, last_q = prompt, prompt, prompt
+    ids = np.arange(prompt)
+    if uses_attn:
+        pol.observe(rid, ids, model.window(w, ids, 0, prompt, rng))
+    b = budget(n)
+    if n_live > b:
+        v = pol.select_victims(rid, ids, b)
+        live[v] = False
+        n_live -= len(v)
+        chunks.append(v)
+        counts[0] = len(v)
+
+    pending = np.empty(0, dtype=np.int64)
+    pi = 0
+    cum_due = []  # per step of the current window: victims due by that step
+    for s in range(1, output + 1):
+        n += 1
+        live[n - 1] = True
+        n_live += 1
+        if (s - 1) % window == 0:
+            ids = np.flatnonzero(live[:n])
+            if uses_attn:
+                pol.observe(rid, ids, model.window(w, ids, last_q, n, rng))
+                last_q = n
+            # victims the next `window` steps need, all chosen now from the present tokens
+            s_end = min(output, s + window - 1)
+            c, cum_due = 0, []
+            for j in range(s, s_end + 1):
+                c = max(c, n_live + (j - s) - budget(prompt + j))
+                cum_due.append(c)
+            need = min(c, n_live - 1)
+            pending = pol.select_victims(rid, ids, n_live - need) if need > 0 else np.empty(0, dtype=np.int64)
+            pi = 0
+        due = min(cum_due[(s - 1) % window], len(pending))
+        if due > pi:
+            v = pending[pi:due]
+            pi = due
+            live[v] = False
+            n_live -= len(v)
+            chunks.append(v)
+            counts[s] = len(v)
+    if uses_attn or hasattr(pol, "forget"):
+        pol.forget(rid)
+    victims = np.concatenate(chunks).astype(np.int64) if chunks else np.empty(0, dtype=np.int64)
+    offsets = np.zeros(output + 2, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return Schedule(prompt, output, victims, offsets, policy)
+
+
+def no_eviction(prompt: int, output: int) -> Schedule:
+    return Schedule(prompt, output, np.empty(0, dtype=np.int64), np.zeros(output + 2, dtype=np.int64), "none")

@@ -1,0 +1,77 @@
+"""``vtoken simulate EXPERIMENT [--seeds N] [--json] [--out DIR] [--quick] [--jobs N]``.
+
+Runs the paper's experiments through the real token table, planner and allocator (see
+:mod:`vtoken.sim`). EXPERIMENT is one of ``waste``, ``retained``, ``frontier``, ``sweeps``,
+``scaling`` or ``all``. Each writes ``EXPERIMENT.md``, ``.json`` and ``.png`` into
+``--out`` (default ``reports/simulate-<timestamp>/``). With ``--json`` the last line
+printed is one JSON object (for ``frontier``: ``{"frontier": {"5427": {"native": C,
+"naive_evict": C, "vtoken": C}, "11519": {...}}, "ideal": {...}, ...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .sim import EXPERIMENTS, run_all
+from .sim.report import _jsonable
+
+__all__ = ["main_simulate", "run_waste", "run_retained", "run_frontier", "run_sweeps", "run_scaling", "run_all"]
+
+from .sim import run_frontier, run_retained, run_scaling, run_sweeps, run_waste  # noqa: E402
+
+
+def _line(name: str, res: dict) -> dict:
+    """The JSON object printed last: the experiment's headline numbers (never the raw runs)."""
+    base = dict(experiment=name, quick=res.get("quick"), seeds=res.get("seeds"), wall_s=res.get("wall_s"),
+                files=res.get("files"))
+    if name == "frontier":
+        base.update(frontier=res["frontier"], ideal=res["ideal"], paper=res["paper"], budgets=res["budgets"],
+                    spread={b: {m: {k: v[k] for k in ("median", "min", "max")} for m, v in d.items()}
+                            for b, d in res["spread"].items()})
+    elif name == "waste":
+        base.update(table=res["table"], paper=res["paper"])
+    elif name == "retained":
+        base.update(reduction_range=res["reduction_range"], paper=res["paper"],
+                    reduction={w: {p: v["reduction"] for p, v in ps.items()} for w, ps in res["table"].items()})
+    elif name == "sweeps":
+        base.update(theta={k: v["ratio_to_ideal"] for k, v in res["theta"].items()})
+    elif name == "scaling":
+        base.update(per_request_ratio_1024_over_64=res["per_request_ratio_1024_over_64"],
+                    loglog_slope=res["loglog_slope"])
+    return base
+
+
+def main_simulate(argv) -> int:
+    ap = argparse.ArgumentParser(prog="vtoken simulate", description=__doc__.split("\n\n")[1])
+    ap.add_argument("experiment", choices=sorted(EXPERIMENTS) + ["all"])
+    ap.add_argument("--seeds", type=int, default=None, help="seeds per figure (default 5; quick 2)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--out", default=None, help="output folder (default reports/simulate-<timestamp>)")
+    ap.add_argument("--quick", action="store_true", help="small, fast settings (tests, smoke runs)")
+    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default 2; quick 1)")
+    a = ap.parse_args(argv)
+    if a.seeds is not None and a.seeds < 1:
+        ap.error("--seeds must be >= 1")
+    t0 = time.perf_counter()
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if a.json else (lambda m: print(m, flush=True))
+    if a.experiment == "all":
+        res = run_all(quick=a.quick, seeds=a.seeds, out=a.out, jobs=a.jobs, progress=log)
+        line = dict(experiment="all", quick=a.quick, total_s=res["total_s"], timings_s=res["timings_s"],
+                    out=res["out"], headline=res["headline"])
+    else:
+        res = EXPERIMENTS[a.experiment](quick=a.quick, seeds=a.seeds, out=a.out, jobs=a.jobs)
+        line = _line(a.experiment, res)
+        log(f"{a.experiment}: {time.perf_counter() - t0:.1f} s -> {res['files']['md']}")
+        if not a.json:
+            with open(res["files"]["md"]) as f:
+                print(f.read().split("\n## Method")[0])
+    if a.json:
+        print(json.dumps(_jsonable(line), sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_simulate(sys.argv[1:]))
