@@ -135,22 +135,28 @@ def check_sharing(ctx) -> CheckResult:
 
 
 def check_waste(ctx) -> CheckResult:
+    """Waste under Naive-Evict and retained blocks Naive-Evict vs vToken (quick simulation)."""
     from .simulate import run_retained, run_waste
 
     w = run_waste(quick=True, out=ctx["out"] / "simulate")
     r = run_retained(quick=True, out=ctx["out"] / "simulate")
-    figs = [(t, Path(p).read_bytes()) for t, p in (("waste (no reclamation)", w.get("png")),
-                                                  ("retained blocks per request", r.get("png"))) if p]
-    ok = bool(w.get("passed", True)) and bool(r.get("passed", True))
-    return CheckResult("waste-and-retained", ok, f"{w.get('summary', '')}; {r.get('summary', '')}",
-                       metrics={"waste": w, "retained": r}, figures=figs)
+    figs = [(t, Path(f["png"]).read_bytes()) for t, f in (("waste under Naive-Evict", w["files"]),
+                                                         ("retained blocks per request", r["files"])) if f.get("png")]
+    waste = ", ".join(f"{wl}/{p} {c['frac_le_half']['median'] * 100:.0f}%" for wl, row in w["table"].items()
+                      for p, c in row.items())
+    reds = [c["reduction"]["median"] for row in r["table"].values() for c in row.values()]
+    ok = bool(reds) and all(x < 0 for x in reds)  # reclamation must retain fewer blocks, every policy
+    detail = (f"blocks at <= 50% utilisation without reclamation: {waste}; retained blocks vToken vs "
+              f"Naive-Evict: {min(reds) * 100:.0f}% to {max(reds) * 100:.0f}% (quick simulation)")
+    return CheckResult("waste-and-retained", ok, detail, metrics={"waste": w["table"], "retained": r["table"]},
+                       figures=figs)
 
 
 def check_table_bench(ctx) -> CheckResult:
     from .bench import bench_table
 
     res = bench_table(quick=True)
-    ok = res["history_ratio"] <= 1.5
+    ok = res["history_ratio"] <= 2.0  # a smoke alarm on a shared box; the target (1.3) is `vtoken bench table`
     return CheckResult("table-step-cost", ok,
                        f"host step cost at 16K vs 1K tracked tokens: x{res['history_ratio']:.2f} "
                        f"(must not grow with history), {res['speedup_vs_spec']:.0f}x the reference model", metrics=res)

@@ -93,7 +93,7 @@ def _spec_ops():
 
 def bench_table(R=256, S=16, steps=20, spec_requests=8, seed=0, quick=False) -> dict:
     if quick:
-        R, steps, spec_requests = 32, 6, 2
+        R, steps, spec_requests = 64, 10, 2
     out = {"R": R, "block_size": S, "steps": steps}
     make, sync, evict, read, end = _impl_ops()
     for L, key in ((1024, "step_ms_1k"), (16384, "step_ms_16k")):
