@@ -130,3 +130,12 @@ def test_cuda_device_cache():
     t.evict_tokens("a", [2])
     m = t.slot_mapping("a")
     assert m.device.type == "cuda" and m.tolist() == [4, 5, 7, 8, 9]
+
+
+def test_one_token_sync_after_a_long_sync_has_room():
+    # regression: a 200-token sync left the host arrays shorter than the device segment,
+    # and the one-token path checked only the latter
+    t = TokenTable(16, 32)
+    t.sync_new_tokens("x", list(range(1, 14)), 200)
+    t.sync_new_tokens("x", list(range(1, 14)), 201)
+    assert t.slot_mapping("x").tolist() == [16 + p for p in range(201)]

@@ -77,11 +77,11 @@ class _Req:
         self.map_src_n = 0  # tokens [0, map_src_n) are reflected in map_cache
         self.map_dirty = False
 
-    def reserve(self, need: int) -> None:
+    def reserve(self, new: int) -> None:
+        """Grow the host arrays to exactly ``new`` entries (the caller doubles)."""
         cap = len(self.slot)
-        if need <= cap:
+        if new <= cap:
             return
-        new = max(need, 2 * cap)  # doubling: growth is amortised O(1) per token
         slot = np.full(new, -1, dtype=np.int64)
         slot[:cap] = self.slot
         live = np.zeros(new, dtype=bool)
@@ -343,10 +343,12 @@ class TokenTable:
 
     def _grow(self, r: _Req, need: int) -> None:
         """Make room for ``need`` tokens in the host arrays and the device segment."""
-        r.reserve(need)
         if need <= r.cap:
             return
+        # One power-of-two capacity for the host arrays and the device segment, so a
+        # check against r.cap covers both (doubling: growth is amortised O(1) per token).
         cap = max(64, 1 << (need - 1).bit_length())
+        r.reserve(cap)
         pool = self._pool
         base = pool.alloc(cap)
         if r.cap:
