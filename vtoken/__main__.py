@@ -13,6 +13,7 @@ def main(argv=None) -> int:
         "decode": "vtoken.decode_cli:main_decode",
         "simulate": "vtoken.simulate:main_simulate",
         "fuzz": "vtoken.fuzz.campaign:main_fuzz",
+        "mutate": "vtoken.fuzz.mutation:main",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: vtoken {" + ",".join(commands) + "} ...")

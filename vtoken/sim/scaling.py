@@ -27,7 +27,6 @@ from vtoken.planner import PlannerConfig
 
 from . import report as rep
 from .engine import Replay
-from .parallel import default_jobs
 from .schedule import Schedule
 from .stats import fmt, summary
 

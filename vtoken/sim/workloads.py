@@ -10,7 +10,6 @@ prefill on. Block statistics are sampled every ``sample_every`` steps and time-a
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
