@@ -18,8 +18,7 @@ HARD_STATES = (
     "headroom exhausted",
     "plan overlapping an in-flight one",
     "copy failing part-way",
-    "finish while a copy is in flight",
-    "preemption while a copy is in flight",
+    "finish while a copy is in flight",  # preemption takes the same path (finish_request)
 )
 
 COUNTS: Counter = Counter()

@@ -55,6 +55,8 @@ from vtoken.spec import SpecTokenTable
 from vtoken.spec.planner import best_reduction, plan_errors
 from vtoken.table import TokenTable
 
+from .hard_states import hard
+
 
 def plan_as_data(plan) -> dict:
     return {"sources": [int(b) for b in plan.sources], "dests": [int(b) for b in plan.dests],
@@ -128,7 +130,7 @@ class PlannerMachine(RuleBasedStateMachine):
         try:
             return self.alloc.allocate(n)
         except AllocatorError:
-            event("hard: allocator exhausted")
+            hard("allocator exhausted")
             return None
 
     def _sync(self, rid, total):
@@ -139,7 +141,7 @@ class PlannerMachine(RuleBasedStateMachine):
             assert list(a) == b
             for p in range(total - len(a), total):
                 if p % self.S == self.S - 1:
-                    event("hard: block exactly full")
+                    hard("block exactly full")
         return err
 
     def _pick(self, data, prefer):
@@ -187,9 +189,9 @@ class PlannerMachine(RuleBasedStateMachine):
         view = self._view(rid)
         limit = len(view["headroom"]) if max_dests is None else min(max_dests, len(view["headroom"]))
         if self._copying(rid):
-            event("hard: plan overlapping an in-flight one")
+            hard("plan overlapping an in-flight one")
         if not view["headroom"]:
-            event("hard: headroom exhausted")
+            hard("headroom exhausted")
         before = self._observable()
         plan = self._plan_request(rid, max_dests)
         assert self._observable() == before, "planning changed the table, the allocator or the headroom"
@@ -205,9 +207,9 @@ class PlannerMachine(RuleBasedStateMachine):
         assert plan.reduction == best, f"plan reduces by {plan.reduction}, best is {best}: plan={data} view={view}"
         k = len(data["moves"])
         if k and k % self.S == 0:
-            event("hard: block exactly full")  # the last destination is filled exactly
+            hard("block exactly full")  # the last destination is filled exactly
         if k > self.S:
-            event("hard: token at a block boundary")  # the fill crosses into the next destination
+            hard("token at a block boundary")  # the fill crosses into the next destination
         event(f"plan: {len(data['sources'])} sources -> {len(data['dests'])} dests")
         return plan
 
@@ -304,7 +306,7 @@ class PlannerMachine(RuleBasedStateMachine):
             self.pos[rid] += blocks
             self.held[rid] += blocks
         if n and n % self.S == 0:
-            event("hard: token at a block boundary")  # the first new token opens a new block
+            hard("token at a block boundary")  # the first new token opens a new block
         err = self._sync(rid, n + k)
         assert err is None, f"growth refused: {err}"
 
@@ -386,7 +388,7 @@ class PlannerMachine(RuleBasedStateMachine):
         rid = self._pick(data, self._copying)
         mine = [f for f in self.flying.values() if f.rid == rid]
         if mine:
-            event("hard: finish while a copy is in flight")
+            hard("finish while a copy is in flight")
         held = list(self.held[rid])
         PlannerMachine.ops += 1
         self.spec.free_request(rid)
@@ -425,7 +427,7 @@ class PlannerMachine(RuleBasedStateMachine):
         plan = self.mgr.plan_request(rid)
         if plan is None:
             return
-        event("hard: copy failing part-way")
+        hard("copy failing part-way")
         self.engine.fail_next = True
         self.mgr.launch(plan)
         PlannerMachine.ops += 1
@@ -488,7 +490,7 @@ class PlannerMachine(RuleBasedStateMachine):
         check_unique_mapping(si)
         check_block_accounting(si, a)
         if self.alloc.num_free == 0:
-            event("hard: allocator exhausted")
+            hard("allocator exhausted")
 
 
 TestPlannerMachine = PlannerMachine.TestCase
