@@ -41,7 +41,7 @@ from vtoken.table import TokenTable
 from .table_checks import InvariantViolation, check_block_accounting, check_unique_mapping
 from .z3_checks import check_snapshot
 
-DEFAULT_BOUND = dict(max_S=3, max_blocks=3, max_requests=2)
+DEFAULT_BOUND = dict(max_S=2, max_blocks=3, max_requests=3)  # 14982 states, ~7 s of CPU
 
 
 def _request_specs(S: int, max_blocks: int, can_share: bool) -> Iterator[tuple]:
@@ -87,11 +87,12 @@ def _rest(S, specs, k, left, full_prefix, prev) -> Iterator[tuple]:
 
 
 def build_state(S: int, specs: list, max_blocks: int):
-    """The real table, allocator and manager for one enumerated state."""
+    """The real table, allocator and manager for one enumerated state, and each request's
+    positional block list (the scheduler's view)."""
     headroom = max_blocks + 1
-    nblocks = 1 + max_blocks + headroom + 1
+    nblocks = 1 + max_blocks + headroom + len(specs) + 1  # + room for each request to grow a block
     table, alloc = TokenTable(S, nblocks), BlockAllocator(nblocks)
-    held = {}
+    positions = {}
     prefix = None
     for r, (L, bits, share) in enumerate(specs):
         nb = -(-L // S)
@@ -103,17 +104,27 @@ def build_state(S: int, specs: list, max_blocks: int):
         if r == 0:
             prefix = blocks[0]
         table.sync_new_tokens(r, blocks, L)
+        positions[r] = list(blocks)
         dead = [i for i, b in enumerate(bits) if not b]
         if dead:
             table.evict_tokens(r, dead)
-        held[r] = list(blocks)
-
-    def on_applied(plan):
-        held[plan.req_id] = [b for b in held[plan.req_id] if b not in plan.sources] + list(plan.dests)
-
     cfg = PlannerConfig(theta_f=-1.0, headroom=headroom, record_snapshots=True)
-    mgr = ReclamationManager(table, alloc, engine=NullCopyEngine(0), config=cfg, on_applied=on_applied)
-    return table, alloc, mgr
+    mgr = ReclamationManager(table, alloc, engine=NullCopyEngine(0), config=cfg)
+    return table, alloc, mgr, positions
+
+
+def _churn(table, alloc, positions, plans) -> None:
+    """While the copies are in flight: a policy evicts the last token each plan moves, and
+    each request with a plan in flight grows by one token (into its tail block, or a new one)."""
+    for p in plans:
+        rid = p.req_id
+        if len(p.moves):
+            table.evict_tokens(rid, [int(p.moves[-1][0])])
+        n = table.length(rid)
+        pos = positions[rid]
+        if n // table.S >= len(pos):
+            pos.append(alloc.allocate(1)[0])
+        table.sync_new_tokens(rid, pos, n + 1)
 
 
 def _read(mgr, plan) -> None:
@@ -125,17 +136,18 @@ def _read(mgr, plan) -> None:
                    slots=[int(x) for x in t.slot_mapping(rid).tolist()])
 
 
-def check_state(S: int, specs: list, max_blocks: int) -> tuple[int, list[str]]:
+def check_state(S: int, specs: list, max_blocks: int, churn: bool = False) -> tuple[int, list[str]]:
     """Plan, launch, apply; check every snapshot. Returns (snapshots checked, violations).
 
     Round 1 plans and launches (the copy engine needs one poll to finish, so the plans are
     in flight); a second planning pass runs while they are (it should plan nothing on those
-    requests); then the copies complete and are applied; round 3 plans again on the
-    compacted state and applies at once.
+    requests); with ``churn``, tokens are evicted and added meanwhile (:func:`_churn`);
+    then the copies complete and are applied; round 3 plans again on the compacted state
+    and applies at once.
     """
     found, checked = [], 0
     try:
-        table, alloc, mgr = build_state(S, specs, max_blocks)
+        table, alloc, mgr, positions = build_state(S, specs, max_blocks)
     except Exception as e:  # the table/allocator refused a state the enumerator thinks valid
         return 0, [f"build: {type(e).__name__}: {e}"]
     mgr.engine.latency = 1
@@ -168,6 +180,9 @@ def check_state(S: int, specs: list, max_blocks: int) -> tuple[int, list[str]]:
     try:
         first = plan("round 1")
         if first:
+            if churn:
+                step = "eviction and growth while in flight"
+                _churn(table, alloc, positions, first)
             step = "plan_round while in flight"
             second = plan("round 2")
             step = "apply"
@@ -186,8 +201,12 @@ def check_state(S: int, specs: list, max_blocks: int) -> tuple[int, list[str]]:
 
 
 def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAULT_BOUND["max_blocks"],
-                    max_requests: int = DEFAULT_BOUND["max_requests"], time_budget_s: float = 60.0) -> dict:
+                    max_requests: int = DEFAULT_BOUND["max_requests"], time_budget_s: float = 60.0,
+                    churn: bool = True) -> dict:
     """Check every state within the bound (or as many as ``time_budget_s`` allows).
+
+    With ``churn`` every state that makes a plan is run a second time with evictions and
+    growth while its copies are in flight (``plans`` counts the snapshots of both runs).
 
     Returns ``states`` (states built), ``plans`` (snapshots checked), ``violations`` (count),
     ``examples`` (the first few, as text), ``seconds`` and ``bound_reached`` (True when every
@@ -203,6 +222,9 @@ def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAU
             break
         states += 1
         n, found = check_state(S, specs, max_blocks)
+        if churn and n:
+            n2, found2 = check_state(S, specs, max_blocks, churn=True)
+            n, found = n + n2, found + [f"(churn) {f}" for f in found2]
         plans += n
         for f in found:
             violations.append(f"S={S} specs={[(L, ''.join('1' if b else '0' for b in bits), sh) for L, bits, sh in specs]}: {f}")

@@ -89,7 +89,8 @@ class Violation:
 class _Snap:
     """The parts of a validated snapshot the checks read, as arrays."""
 
-    def __init__(self, snap: dict):
+    def __init__(self, snap: dict, evictions_in_flight: bool = True):
+        self.evictions_in_flight = evictions_in_flight
         self.S = S = snap["block_size"]
         plan = snap["plan"]
         self.pid = plan["id"]
@@ -118,7 +119,7 @@ class _Snap:
             if self.req not in preqs:
                 raise SnapshotError("missing_field", f"post.requests has no entry for the plan's request {self.req!r}")
             self.post = _int_array(preqs[self.req]["tokens"], f"post.requests[{self.req!r}].tokens", 3)
-            if len(self.post) != self.n:
+            if len(self.post) < self.n:  # (validate checks it too) the request may only grow
                 raise SnapshotError("bad_count", f"post.requests[{self.req!r}] has {len(self.post)} tokens, pre has {self.n}")
             self.post_live = (self.post[:, 2] != 0).tolist()
             self.post_slot = self.post[:, 0] * S + self.post[:, 1]
@@ -135,6 +136,14 @@ class _Snap:
         self.in_flight = list(snap["in_flight"])
         self.schedule = list(snap["schedule"])
         self.dst_blocks = sorted(set(m[:, 3].tolist()))
+        # A token live before the plan and dead after it, left exactly where it was, was evicted
+        # while the copy was in flight (the planner drops its move; the schedule records no
+        # evictions). With evictions_in_flight=False such a token counts as dropped (I1).
+        self.evicted = [False] * self.n
+        if self.post is not None and evictions_in_flight:
+            pl, ql = self.pre_live, self.post_live
+            same = (self.pre_slot == self.post_slot[: self.n]).tolist()
+            self.evicted = [pl[t] and not ql[t] and same[t] for t in range(self.n)]
 
 
 def _int_array(rows, where: str, width: int) -> np.ndarray:
@@ -176,12 +185,12 @@ def _check_schedule_fields(snap: dict) -> None:
             raise SnapshotError("bad_field", f"schedule[{i}].request must be a string")
 
 
-def load_checked(snap) -> _Snap:
+def load_checked(snap, evictions_in_flight: bool = True) -> _Snap:
     """Validate (raising SnapshotError naming the field) and parse."""
     _check_extra_fields(snap)
     validate(snap)
     _check_schedule_fields(snap)
-    return _Snap(snap)
+    return _Snap(snap, evictions_in_flight)
 
 
 # ---------------------------------------------------------------------------------- Z3 plumbing
@@ -368,9 +377,11 @@ def _check_i1(d: _Snap, ask: _Ask) -> list[Violation]:
     for k, (t, ss, ds) in enumerate(zip(m[:, 0].tolist(), d.src_slot.tolist(), d.dst_slot.tolist())):
         if not 0 <= t < n:
             dis.append(f"(and (= IDX {k}) (not (< -1 {t} {n})))")
-        elif post:
+        elif post:  # after the plan: live at the destination (or evicted in flight, left in place)
+            arrived = f"(and {_b(d.post_live[t])} (= {d.post_slot[t]} {ds}))"
+            stayed = f"(and {_b(d.evictions_in_flight)} (not {_b(d.post_live[t])}) (= {d.post_slot[t]} {ps[t]}))"
             dis.append(f"(and (= IDX {k}) (or (not {_b(pl[t])}) (not (= {ps[t]} {ss})) "
-                       f"(not {_b(d.post_live[t])}) (not (= {d.post_slot[t]} {ds}))))")
+                       f"(not (or {arrived} {stayed}))))")
         else:
             dis.append(f"(and (= IDX {k}) (or (not {_b(pl[t])}) (not (= {ps[t]} {ss}))))")
     for k, model in ask.index("i", dis):
@@ -383,7 +394,8 @@ def _check_i1(d: _Snap, ask: _Ask) -> list[Violation]:
         elif ps[t] != sb * S + so:
             why = f"move #{k}: token {t} is at {_loc(S, ps[t])}, not at the move's source {_loc(S, sb * S + so)}"
         elif not d.post_live[t]:
-            why = f"move #{k}: token {t} is dropped (not live) after the plan"
+            why = (f"move #{k}: token {t} is dropped (not live) after the plan"
+                   + (f", at {_loc(S, d.post_slot[t])}" if d.evictions_in_flight else ""))
         else:
             why = f"move #{k}: token {t} ends at {_loc(S, d.post_slot[t])}, not at its destination {_loc(S, db * S + do)}"
         model.update(pre_slot=_pair(S, ps[t]) if 0 <= t < n else None)
@@ -398,16 +410,21 @@ def _check_i1(d: _Snap, ask: _Ask) -> list[Violation]:
         ql, qs = d.post_live, d.post_slot
         moved = _moved_mask(d).tolist()
         dis = []
-        for t in range(n):
-            same = f"(= {_b(pl[t])} {_b(ql[t])})"
+        tol = _b(d.evictions_in_flight)
+        for t in range(n):  # tokens grown while the copy was in flight (ids >= n) are new: not compared
+            # live -> dead is an eviction in flight only when the token was left where it was
+            lost = f"(and {_b(pl[t])} (not {_b(ql[t])}) (not (and {tol} (= {ps[t]} {qs[t]}))))"
+            born = f"(and (not {_b(pl[t])}) {_b(ql[t])})"
             if moved[t]:
-                dis.append(f"(and (= IDX {t}) (not {same}))")
+                dis.append(f"(and (= IDX {t}) (or {lost} {born}))")
             else:
-                dis.append(f"(and (= IDX {t}) (or (not {same}) (and {_b(pl[t])} (not (= {ps[t]} {qs[t]})))))")
+                stray = f"(and {_b(pl[t])} {_b(ql[t])} (not (= {ps[t]} {qs[t]})))"
+                dis.append(f"(and (= IDX {t}) (or {lost} {born} {stray}))")
         for t, model in ask.index("j", dis):
             model.update(pre=[*_pair(S, ps[t]), bool(pl[t])], post=[*_pair(S, qs[t]), bool(ql[t])])
             if pl[t] and not ql[t]:
-                why = f"live token {t} of request {d.req!r} is dropped by the plan"
+                why = (f"live token {t} of request {d.req!r} is dropped by the plan"
+                       + ("" if ps[t] == qs[t] else f" (dead at {_loc(S, qs[t])}, not where it was)"))
             elif ql[t] and not pl[t]:
                 why = f"token {t} of request {d.req!r} becomes live after the plan (renamed or invented)"
             else:
@@ -599,7 +616,9 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         if not 0 <= t < n:
             dis.append(f"(and (= IDX {k}) true)")
         else:
-            dis.append(f"(and (= IDX {k}) (or (not {_b(pl[t])}) (not (= {ps[t]} {ss})) (not (src@ {sb})) (not (dst@ {db}))))")
+            live_move = not d.evicted[t]  # the planner drops the move of a token evicted in flight
+            dis.append(f"(and (= IDX {k}) (or (not {_b(pl[t])}) (not (= {ps[t]} {ss})) (not (src@ {sb})) "
+                       f"(and {_b(live_move)} (not (dst@ {db})))))")
     for k, model in ask.index("i", dis, prelude=prelude):
         t, sb, so, db, do = m[k].tolist()
         model.update(move=[t, sb, so, db, do])
@@ -690,17 +709,24 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
 _CHECKERS = {"I1": _check_i1, "I2": _check_i2, "I3": _check_i3, "I4": _check_i4}
 
 
-def check_snapshot(snap, checks=ALL_CHECKS) -> list[Violation]:
+def check_snapshot(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True) -> list[Violation]:
     """Every counterexample Z3 finds to the named invariants (``[]``: none).
 
     Raises :class:`SnapshotError` (naming the field) for a malformed snapshot. With
     ``post`` null (a plan not yet applied) the post-state parts are skipped; everything
     about the moves, the plan's blocks and the schedule so far is still checked.
+
+    The schema records no evictions, and a policy may evict a token while its copy is in
+    flight (the planner then drops that move and leaves the token dead where it was). So a
+    token live before and dead after, *at its pre slot*, is taken as such an eviction; pass
+    ``evictions_in_flight=False`` to count it as dropped (I1) when no eviction can have
+    happened. Tokens added while the copy was in flight (``post`` longer than ``pre``) are
+    new: they are checked for unique slots (I2), not against ``pre``.
     """
     unknown = [c for c in checks if c not in _CHECKERS]
     if unknown:
         raise ValueError(f"unknown checks {unknown}; choose from {ALL_CHECKS}")
-    d = load_checked(snap)
+    d = load_checked(snap, evictions_in_flight)
     with _Ask(probe=True) as probe:
         early = []  # every question goes through the probe; kept as a safety net
         for c in ALL_CHECKS:
@@ -716,15 +742,19 @@ def check_snapshot(snap, checks=ALL_CHECKS) -> list[Violation]:
     return out
 
 
-def check_and_explain(snap, checks=ALL_CHECKS) -> str:
+def check_and_explain(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True) -> str:
     """A readable report: one line per invariant, then each counterexample."""
     try:
-        d = load_checked(snap)
+        d = load_checked(snap, evictions_in_flight)
     except SnapshotError as e:
         return f"malformed snapshot: {e}"
     t0 = time.perf_counter()
     lines = [f"plan {d.pid} on request {d.req!r}: {len(d.moves)} moves, sources {d.sources}, dests {d.dests}"
              f"{'' if d.post is not None else ' (not applied: post-state checks skipped)'}"]
+    ev = [t for t, e in enumerate(d.evicted) if e]
+    if ev:
+        lines.append(f"  tokens evicted while the copy was in flight (left dead in place): {ev[:16]}"
+                     f"{' ...' if len(ev) > 16 else ''}")
     for c in ALL_CHECKS:
         if c not in checks:
             continue

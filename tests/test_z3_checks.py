@@ -133,6 +133,25 @@ def test_real_planner_settling_many_requests_passes():
     assert checked >= 3 and m.history
 
 
+def test_eviction_and_growth_while_the_copy_is_in_flight_pass():
+    t, a, m = fragmented(latency=1)
+    p = m.plan_request("a")
+    m.launch(p)
+    moved = [mv[0] for mv in p.snapshot["plan"]["moves"]]
+    t.evict_tokens("a", [moved[-1], 13])  # a token being moved, and one in the tail
+    tail = sorted(t.blocks_of("a"))[-1]
+    t.sync_new_tokens("a", [1, 2, 3, tail, a.allocate(1)[0]], 17)  # the request grows meanwhile
+    m.poll(force_sync=True)
+    assert p.state == "applied" and len(p.moves) == len(moved) - 1
+    post = p.snapshot["post"]["requests"]["a"]
+    assert post["length"] == 17 > p.snapshot["pre"]["requests"]["a"]["length"]
+    reads(m, p)
+    assert check_snapshot(p.snapshot) == [], check_and_explain(p.snapshot)
+    assert "evicted while the copy was in flight" in check_and_explain(p.snapshot)
+    strict = check_snapshot(p.snapshot, evictions_in_flight=False)
+    assert kinds(strict) == {"I1"} and f"token {moved[-1]} is dropped" in expl(strict, "I1")
+
+
 def test_check_and_explain_reports_each_invariant():
     rep = check_and_explain(applied_snapshot())
     for inv in ("I1: ok", "I2: ok", "I3: ok", "I4: ok"):
@@ -156,7 +175,7 @@ def test_z3_check_scales_to_4096_moves():
         wall.append(time.perf_counter() - t0)
     # The requirement is < 1 s; CPU time is the stable measure on a shared machine.
     assert min(cpu) < 1.0, cpu
-    assert min(wall) < 2.0, wall
+    assert min(wall) < 3.0, wall  # generous: other work may share the 2 cores
     assert z3_check_time(256) < 1.0
 
 
@@ -195,11 +214,26 @@ def test_two_tokens_at_one_post_slot_is_i2_and_i1():
 
 def test_dropped_token_is_i1():
     snap = applied_snapshot()
-    snap["post"]["requests"]["a"]["tokens"][10][2] = False  # an unmoved live token disappears
+    t = snap["plan"]["moves"][1][0]
+    snap["post"]["requests"]["a"]["tokens"][t][2] = False  # a moved token arrives dead
     vs = check_snapshot(snap)
+    assert kinds(vs) == {"I1"}
+    assert f"move #1: token {t} is dropped" in expl(vs, "I1") and f"live token {t}" in expl(vs, "I1")
+    assert vs[0].model["i"] == 1
+
+
+def test_dropped_unmoved_token_is_i1_when_no_eviction_can_have_happened():
+    snap = applied_snapshot()
+    snap["post"]["requests"]["a"]["tokens"][10][2] = False  # an unmoved live token disappears in place
+    # the schema records no evictions: in place, that may be a policy's eviction during the copy
+    assert check_snapshot(snap) == []
+    vs = check_snapshot(snap, evictions_in_flight=False)
     assert kinds(vs) == {"I1"}
     assert "live token 10" in expl(vs, "I1") and "dropped" in expl(vs, "I1")
     assert vs[0].model["j"] == 10
+    # dead somewhere else than where it was: dropped either way
+    snap["post"]["requests"]["a"]["tokens"][10][1] = 0
+    assert "not where it was" in expl(check_snapshot(snap), "I1")
 
 
 def test_renamed_token_is_i1():
