@@ -305,6 +305,8 @@ class ReclamationManager:
         if len(plan.moves):  # a token evicted while the copy was in flight stays dead where it was
             still = self.table._reqs[plan.req_id].live[plan.moves[:, 0]]
             if not still.all():
+                if plan.snapshot is not None:  # the record says which tokens died in flight
+                    plan.snapshot["evicted_in_flight"] = plan.moves[~still, 0].tolist()
                 plan.moves = plan.moves[still]
         used = sorted({int(b) for b in plan.moves[:, 3]}) if len(plan.moves) else []
         self.alloc.take_reserved(used)
@@ -326,7 +328,7 @@ class ReclamationManager:
         self.stats["moves"] += len(plan.moves)
         self.stats["blocks_freed"] += len(plan.sources) - len(used)
         if plan.snapshot is not None:
-            plan.snapshot["plan"]["dests"] = list(used)
+            plan.snapshot["dests_used"] = list(used)  # plan.dests stays as planned, matching plan.moves
             plan.snapshot["post"] = {"requests": {str(plan.req_id): request_state(self.table, plan.req_id, None)}}
             self.history.append(plan)
         if self.on_applied is not None:

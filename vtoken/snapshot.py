@@ -103,6 +103,8 @@ def validate(snap) -> dict:
     _need(plan, "id", int, "plan")
     if "request" not in plan:
         raise SnapshotError("missing_field", "plan.request is missing")
+    if not isinstance(plan["request"], (str, int)) or isinstance(plan["request"], bool):
+        raise SnapshotError("bad_field", f"plan.request must be a string or an integer, got {plan['request']!r}")
     src = _int_list(_need(plan, "sources", list, "plan"), "plan.sources")
     dst = _int_list(_need(plan, "dests", list, "plan"), "plan.dests")
     moves = _need(plan, "moves", list, "plan")
