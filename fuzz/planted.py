@@ -76,7 +76,7 @@ MACHINES = {"table": "vtoken.fuzz.table_machine:TableMachine", "planner": "vtoke
 
 def _steps(text: str) -> int:
     """Operations in a shrunk state-machine example (setup, invariant checks and teardown excluded)."""
-    return len(re.findall(r"^\s*state\.(?!teardown|setup|observable|check_|invariant)\w+\(", text, flags=re.M))
+    return len(re.findall(r"^\s*state\.(?!teardown|setup|observable|consistent|check_|invariant)\w+\(", text, flags=re.M))
 
 
 def _detect_machine(machine_path: str, budget_s: float) -> dict:
