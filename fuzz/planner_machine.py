@@ -48,7 +48,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vtoken.allocator import RESERVED, USED, BlockAllocator
 from vtoken.errors import AllocatorError
-from vtoken.fuzz.table_machine import both
+from vtoken.fuzz.table_machine import both, sync_both
 from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
 from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.spec import SpecTokenTable
@@ -135,14 +135,7 @@ class PlannerMachine(RuleBasedStateMachine):
 
     def _sync(self, rid, total):
         PlannerMachine.ops += 1
-        a, b, err = both(lambda: self.table.sync_new_tokens(rid, self.pos[rid], total),
-                         lambda: self.spec.sync_new_tokens(rid, self.pos[rid], total))
-        if err is None:
-            assert list(a) == b
-            for p in range(total - len(a), total):
-                if p % self.S == self.S - 1:
-                    hard("block exactly full")
-        return err
+        return sync_both(self.table, self.spec, rid, self.pos[rid], total)
 
     def _pick(self, data, prefer):
         """A request id; mostly among those ``prefer`` picks (when there are any),

@@ -44,6 +44,22 @@ def both(impl_call, spec_call):
     return a, b, ea
 
 
+def sync_both(impl, spec, rid, block_ids, total):
+    """``sync_new_tokens`` on both tables; the same slots or the same error code. Counts the
+    hard states a growth reaches."""
+    a, b, err = both(lambda: impl.sync_new_tokens(rid, block_ids, total),
+                     lambda: spec.sync_new_tokens(rid, block_ids, total))
+    if err is None:
+        assert list(a) == b, f"new slots differ: {list(a)} vs {b}"
+        S = impl.S
+        for p in range(total - len(a), total):
+            if p % S == S - 1:
+                hard("block exactly full")
+            if p % S == 0 and p > 0:
+                hard("token at a block boundary")
+    return err
+
+
 class TableMachine(RuleBasedStateMachine):
     """Stateful conformance test of the token table (see module docstring)."""
 
@@ -80,16 +96,7 @@ class TableMachine(RuleBasedStateMachine):
 
     def _sync(self, rid, total):
         TableMachine.ops += 1
-        a, b, err = both(lambda: self.impl.sync_new_tokens(rid, self.pos[rid], total),
-                         lambda: self.spec.sync_new_tokens(rid, self.pos[rid], total))
-        if err is None:
-            assert list(a) == b
-            for p in range(total - len(a), total):
-                if p % self.S == self.S - 1:
-                    hard("block exactly full")
-                if p % self.S == 0 and p > 0:
-                    hard("token at a block boundary")
-        return err
+        return sync_both(self.impl, self.spec, rid, self.pos[rid], total)
 
     def rids(self):
         return sorted(self.pos)
