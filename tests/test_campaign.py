@@ -100,13 +100,14 @@ def test_redis_example_database(tmp_path):
         url = f"redis://127.0.0.1:{port}"
         from vtoken import faults
 
-        with faults.planted("dup_dst_accepted"):
-            s = run_campaign(minutes=0.5, workers=1, out=tmp_path / "o1", db=url, machines=["table"],
+        # a fault the table machine finds within seconds: the test is about the database
+        with faults.planted("stale_slot_after_move"):
+            s = run_campaign(minutes=2.0, workers=1, out=tmp_path / "o1", db=url, machines=["table"],
                              progress=False, batch=100, profile="ci")
         assert s["failures"] >= 1
         assert client.dbsize() > 0, "nothing was saved to Redis"
-        with faults.planted("dup_dst_accepted"):  # a second campaign (another machine, same server) finds it at once
-            s2 = run_campaign(minutes=0.3, workers=1, out=tmp_path / "o2", db=url, machines=["table"],
+        with faults.planted("stale_slot_after_move"):  # a second campaign (another machine, same server) finds it at once
+            s2 = run_campaign(minutes=1.0, workers=1, out=tmp_path / "o2", db=url, machines=["table"],
                               progress=False, batch=5, profile="ci")
         assert s2["failures"] >= 1 and s2["failure_reports"][0]["found_after_s"] < 15
     finally:
