@@ -3,7 +3,6 @@ hand-made bad snapshots and planted planner faults are caught with the right inv
 malformed snapshots raise SnapshotError naming the field, and the check scales."""
 
 import copy
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +16,6 @@ from vtoken.invariants.z3_checks import (
     check_and_explain,
     check_snapshot,
     synthetic_snapshot,
-    z3_check_time,
 )
 from vtoken.planner import NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.table import TokenTable
@@ -167,25 +165,14 @@ def test_z3_check_scales_to_4096_moves():
     snap = synthetic_snapshot(4096)
     assert len(snap["plan"]["moves"]) == 4096
     assert check_snapshot(snap) == []
-    wall, cpu = [], []
-    for _ in range(3):
-        c0, t0 = time.process_time(), time.perf_counter()
-        check_snapshot(snap)
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - t0)
-    # The requirement is < 1 s; CPU time is the stable measure on a shared machine.
-    assert min(cpu) < 1.0, cpu
-    assert min(wall) < 3.0, wall  # generous: other work may share the 2 cores
-    assert z3_check_time(256) < 1.0
+    # Its time is a benchmark figure (`vtoken bench planner`, key z3_s), not a unit-test assertion.
 
 
 def test_large_bad_snapshot_is_caught_fast():
     snap = synthetic_snapshot(4096)
     mv = snap["plan"]["moves"]
     mv[4000][3:] = mv[17][3:]  # two moves share a destination slot
-    t0 = time.process_time()
     vs = check_snapshot(snap)
-    assert time.process_time() - t0 < 2.0
     assert "I2" in kinds(vs) and "moves #17" in expl(vs, "I2") and "#4000" in expl(vs, "I2")
 
 
