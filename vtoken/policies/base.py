@@ -25,6 +25,8 @@ oldest first. Policy state is kept per request and owned by the policy object.
 
 from __future__ import annotations
 
+import abc
+
 from typing import Hashable
 
 import numpy as np
@@ -40,8 +42,8 @@ def protect_recent(score: np.ndarray, recent: int) -> np.ndarray:
     return out
 
 
-class Policy:
-    """Base class; see the module docstring for the contract."""
+class Policy(abc.ABC):
+    """Base class; see the module docstring for the contract. A policy implements ``keep_scores``."""
 
     name = "base"
 
@@ -51,9 +53,9 @@ class Policy:
     def forget(self, req_id: Hashable) -> None:
         """Drop all state kept for ``req_id`` (unknown ids are ignored)."""
 
+    @abc.abstractmethod
     def keep_scores(self, req_id: Hashable, live_ids: np.ndarray, budget: int) -> np.ndarray:
         """Keep-priority per live token (same length as ``live_ids``)."""
-        raise NotImplementedError
 
     def select_victims(self, req_id: Hashable, live_ids: np.ndarray, budget: int) -> np.ndarray:
         ids = np.asarray(live_ids, dtype=np.int64)
