@@ -47,8 +47,7 @@ from hypothesis import event, note
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vtoken.allocator import RESERVED, USED, BlockAllocator
-from vtoken.errors import AllocatorError
-from vtoken.fuzz.table_machine import both, sync_both
+from vtoken.fuzz.table_machine import alloc_or_none, both, sync_both
 from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
 from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.spec import SpecTokenTable
@@ -127,11 +126,7 @@ class PlannerMachine(RuleBasedStateMachine):
         return sorted(self.pos)
 
     def _alloc(self, n):
-        try:
-            return self.alloc.allocate(n)
-        except AllocatorError:
-            hard("allocator exhausted")
-            return None
+        return alloc_or_none(self.alloc, n)
 
     def _sync(self, rid, total):
         PlannerMachine.ops += 1

@@ -44,6 +44,15 @@ def both(impl_call, spec_call):
     return a, b, ea
 
 
+def alloc_or_none(alloc, n):
+    """``n`` blocks, or None when the allocator is exhausted (a counted hard state)."""
+    try:
+        return alloc.allocate(n)
+    except AllocatorError:
+        hard("allocator exhausted")
+        return None
+
+
 def sync_both(impl, spec, rid, block_ids, total):
     """``sync_new_tokens`` on both tables; the same slots or the same error code. Counts the
     hard states a growth reaches."""
@@ -78,11 +87,7 @@ class TableMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
     def _alloc(self, n):
-        try:
-            return self.alloc.allocate(n)
-        except AllocatorError:
-            hard("allocator exhausted")
-            return None
+        return alloc_or_none(self.alloc, n)
 
     def _check_unchanged(self, before_i, before_s):
         assert self.impl.export_state() == before_i, "a failed operation changed the implementation"

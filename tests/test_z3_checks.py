@@ -102,8 +102,9 @@ def test_real_planner_with_shared_prefix_and_two_requests_passes():
     t, a, m = shared_prefix()
     launched = m.plan_round()
     assert launched
+    shared_prefix_block = 1
     for p in launched:
-        assert 1 not in p.sources  # the shared prefix is never a source
+        assert shared_prefix_block not in p.sources
         assert check_snapshot(p.snapshot) == []
     m.poll(force_sync=True)
     for p in launched:

@@ -22,20 +22,6 @@ def require_vllm() -> None:
         pytest.fail("vLLM not installed: run scripts/install_vllm.sh", pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def model():
-    require_vllm()
-    import torch
-
-    from vtoken.model import DecoderConfig, PagedDecoder
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # bitwise reproducible for a fixed thread count; fast on 2 loaded cores
-    yield PagedDecoder(DecoderConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
-                                     intermediate_size=128))
-    torch.set_num_threads(old)
-
-
 def prompt(i: int, n: int, base: int = 0) -> list[int]:
     rng = np.random.default_rng([base, i, n])
     return rng.integers(1, 500, size=n).tolist()

@@ -30,20 +30,6 @@ def require_vllm() -> None:
         pytest.fail("vLLM not installed: run scripts/install_vllm.sh", pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def model():
-    require_vllm()
-    import torch
-
-    from vtoken.model import DecoderConfig, PagedDecoder
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield PagedDecoder(DecoderConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
-                                     intermediate_size=128))
-    torch.set_num_threads(old)
-
-
 def assert_names(detail: str, check: str, words: str, pattern: str) -> None:
     assert detail.startswith("assumption broken: "), detail
     assert f"[{check}]" in detail and words in detail, detail
