@@ -31,9 +31,9 @@ Ownership: the engine holds one allocator reference on every non-null entry of a
 request's positional block list and on every applied destination it holds (``held``);
 the reclamation manager owns the headroom and frees applied plans' sources.
 
-Tokens evicted while their copy is in flight stay dead: the manager subclass here drops
-their moves before the plan is applied (``apply_moves`` would otherwise refuse a dead
-token), and the relocation checker is told about every eviction.
+Tokens evicted while their copy is in flight stay dead: the manager drops their moves
+before the plan is applied (``apply_moves`` would otherwise refuse a dead token), and the
+relocation checker is told about every eviction.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from .allocator import NULL_BLOCK, BlockAllocator
 from .copy_engine import KVCopyEngine
 from .errors import RelocationCheckError
 from .model.decoder import DecodeItem, PagedDecoder, greedy
-from .planner import COMPLETED, PlannerConfig, ReclamationManager
+from .planner import PlannerConfig, ReclamationManager
 from .policies import make_policy
 from .table import TokenTable
 
@@ -77,22 +77,6 @@ def full_retention_blocks(prompt_lens: Sequence[int], new_tokens: Sequence[int] 
     if isinstance(new_tokens, int):
         new_tokens = [new_tokens] * len(prompt_lens)
     return sum(-(-(p + n) // block_size) for p, n in zip(prompt_lens, new_tokens)) + headroom + 1
-
-
-class _Manager(ReclamationManager):
-    """The planner, plus: moves of tokens evicted while the copy flew are dropped at apply."""
-
-    def apply(self, plan) -> None:
-        if plan.state == COMPLETED and plan.id not in self._deferred and len(plan.moves) \
-                and plan.req_id in self.table:
-            live = self.table.live_mask(plan.req_id)
-            keep = live[plan.moves[:, 0]]
-            if not keep.all():
-                plan.evicted_in_flight = plan.moves[~keep, 0].tolist()
-                plan.moves = plan.moves[keep]
-                if plan.snapshot is not None:
-                    plan.snapshot["plan"]["evicted_in_flight"] = list(plan.evicted_in_flight)
-        super().apply(plan)
 
 
 @dataclass
@@ -237,7 +221,7 @@ class DecodeEngine:
                 self.checker = RelocationChecker(self.kv, self.table, out_dir=self.snapshot_dir,
                                                  method=self.check_method, full_bytes=self.full_bytes)
                 eng = self.checker.wrap(self.copy_engine)
-            self.manager = _Manager(self.table, self.alloc, eng, self.cfg, on_applied=self._on_applied)
+            self.manager = ReclamationManager(self.table, self.alloc, eng, self.cfg, on_applied=self._on_applied)
         self._reqs: dict[object, _Req] = {}
         self._order: list = []
         self._recent: list = []  # plans finished by the last manager step (watched one more step)

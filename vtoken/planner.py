@@ -69,6 +69,7 @@ class Plan:
     state: str = PLANNED
     handle: object = None
     snapshot: Optional[dict] = None
+    evicted_in_flight: list = field(default_factory=list)  # moved tokens that died while the copy flew
 
     @property
     def reduction(self) -> int:
@@ -228,6 +229,7 @@ class ReclamationManager:
             "in_flight": [{"id": p.id, "request": str(p.req_id), "sources": list(p.sources), "dests": list(p.dests)}
                           for p in self.in_flight.values()],
             "schedule": [],
+            "evicted_in_flight": [],  # filled by apply(): moved tokens evicted while the copy flew
         }
 
     def record(self, p: Plan, kind: str, **fields) -> None:
@@ -305,8 +307,9 @@ class ReclamationManager:
         if len(plan.moves):  # a token evicted while the copy was in flight stays dead where it was
             still = self.table._reqs[plan.req_id].live[plan.moves[:, 0]]
             if not still.all():
+                plan.evicted_in_flight = plan.moves[~still, 0].tolist()
                 if plan.snapshot is not None:  # the record says which tokens died in flight
-                    plan.snapshot["evicted_in_flight"] = plan.moves[~still, 0].tolist()
+                    plan.snapshot["evicted_in_flight"] = list(plan.evicted_in_flight)
                 plan.moves = plan.moves[still]
         used = sorted({int(b) for b in plan.moves[:, 3]}) if len(plan.moves) else []
         self.alloc.take_reserved(used)
