@@ -71,18 +71,10 @@ import z3
 from vtoken.errors import SnapshotError
 from vtoken.snapshot import SCHEMA, validate
 
+from .snapshot_checks import Violation  # one result type for both checkers
+
 ALL_CHECKS = ("I1", "I2", "I3", "I4")
 MAX_PER_QUESTION = 5  # counterexamples reported per question (the first is the earliest index)
-
-
-@dataclass
-class Violation:
-    invariant: str
-    explanation: str
-    model: dict = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return f"{self.invariant}: {self.explanation}"
 
 
 # ---------------------------------------------------------------------------------- parsing
@@ -98,13 +90,9 @@ class _Snap:
         self.sources = list(plan["sources"])
         self.dests = list(plan["dests"])
         self.moves = m = _int_array(plan["moves"], "plan.moves", 5)
-        for col, what in ((2, "source"), (4, "destination")):
-            bad = np.flatnonzero((m[:, col] < 0) | (m[:, col] >= S)) if len(m) else []
-            if len(bad):
-                k = int(bad[0])
-                raise SnapshotError("bad_field", f"plan.moves[{k}]: {what} offset {int(m[k, col])} outside [0, {S})")
         self.src_slot = m[:, 1] * S + m[:, 2]
         self.dst_slot = m[:, 3] * S + m[:, 4]
+        self.digests = plan.get("digests")
         pre = snap["pre"]["requests"][self.req]
         self.n = pre["length"]
         self.pre = _int_array(pre["tokens"], f"pre.requests[{self.req!r}].tokens", 3)
@@ -115,35 +103,39 @@ class _Snap:
         self.post = None
         self.post_live, self.post_slot = [], np.zeros(0, dtype=np.int64)
         if snap.get("post") is not None:
-            preqs = snap["post"]["requests"]
-            if self.req not in preqs:
-                raise SnapshotError("missing_field", f"post.requests has no entry for the plan's request {self.req!r}")
-            self.post = _int_array(preqs[self.req]["tokens"], f"post.requests[{self.req!r}].tokens", 3)
-            if len(self.post) < self.n:  # (validate checks it too) the request may only grow
-                raise SnapshotError("bad_count", f"post.requests[{self.req!r}] has {len(self.post)} tokens, pre has {self.n}")
+            q = snap["post"]["requests"][self.req]  # validate: present, at least n tokens
+            self.post = _int_array(q["tokens"], f"post.requests[{self.req!r}].tokens", 3)
             self.post_live = (self.post[:, 2] != 0).tolist()
             self.post_slot = self.post[:, 0] * S + self.post[:, 1]
+        # Sharedness is a fact of pre: shared_blocks plus every block two requests list.
+        listed: dict = {}
+        for r in snap["pre"]["requests"].values():
+            for b in set(r["blocks"]):
+                listed[b] = listed.get(b, 0) + 1
+        self.shared = sorted(set(snap["shared_blocks"]) | {b for b, c in listed.items() if c > 1})
+        shared = set(self.shared)
         self.others = []  # (request, token, slot) live in other requests, outside shared blocks
-        shared = set(snap["shared_blocks"])
+        self.other_blocks: dict = {}  # block -> a request other than R listing it
         for rid, r in snap["pre"]["requests"].items():
             if rid == self.req:
                 continue
+            for b in r["blocks"]:
+                self.other_blocks.setdefault(b, rid)
             for t, (b, o, live) in enumerate(r["tokens"]):
                 if live and b not in shared:
                     self.others.append((rid, t, b * S + o))
-        self.shared = list(snap["shared_blocks"])
         self.headroom = list(snap["headroom"])
         self.in_flight = list(snap["in_flight"])
         self.schedule = list(snap["schedule"])
+        self.dests_used = snap.get("dests_used")
         self.dst_blocks = sorted(set(m[:, 3].tolist()))
-        # A token live before the plan and dead after it, left exactly where it was, was evicted
-        # while the copy was in flight (the planner drops its move; the schedule records no
-        # evictions). With evictions_in_flight=False such a token counts as dropped (I1).
-        self.evicted = [False] * self.n
-        if self.post is not None and evictions_in_flight:
-            pl, ql = self.pre_live, self.post_live
-            same = (self.pre_slot == self.post_slot[: self.n]).tolist()
-            self.evicted = [pl[t] and not ql[t] and same[t] for t in range(self.n)]
+        # The snapshot's own record of the moved tokens evicted while the copy flew (their
+        # moves dropped, left dead at the pre slot). Nothing is inferred from the post state:
+        # with evictions_in_flight=False the record is taken as empty (no eviction possible).
+        self.recorded_evicted = [False] * self.n
+        for t in snap["evicted_in_flight"]:
+            self.recorded_evicted[t] = True
+        self.evicted = list(self.recorded_evicted) if evictions_in_flight else [False] * self.n
 
 
 def _int_array(rows, where: str, width: int) -> np.ndarray:
@@ -155,41 +147,10 @@ def _int_array(rows, where: str, width: int) -> np.ndarray:
         raise SnapshotError("bad_field", f"{where}: entries must be {width} integers within int64 ({e})") from None
 
 
-def _check_extra_fields(snap: dict) -> None:
-    """Fields the checks read that ``validate`` does not cover (or could crash on)."""
-    if not isinstance(snap, dict):
-        raise SnapshotError("bad_field", "snapshot must be a JSON object")
-    plan = snap.get("plan")
-    if isinstance(plan, dict) and "request" in plan:
-        req = plan["request"]
-        if not isinstance(req, (str, int)) or isinstance(req, bool):
-            raise SnapshotError("bad_field", f"plan.request must be a string (or integer), got {type(req).__name__}")
-    inf = snap.get("in_flight")
-    for i, p in enumerate(inf if isinstance(inf, list) else []):
-        if isinstance(p, dict) and "request" in p and not isinstance(p["request"], (str, int)):
-            raise SnapshotError("bad_field", f"in_flight[{i}].request must be a string, got {type(p['request']).__name__}")
-
-
-def _check_schedule_fields(snap: dict) -> None:
-    for i, ev in enumerate(snap["schedule"]):
-        kind = ev["kind"]
-        if kind in ("launch", "fence", "apply"):
-            v = ev.get("plan")
-            if v is None:
-                raise SnapshotError("missing_field", f"schedule[{i}].plan is missing")
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise SnapshotError("bad_field", f"schedule[{i}].plan must be an integer, got {v!r}")
-        if kind in ("read", "write", "alloc") and "request" not in ev:
-            raise SnapshotError("missing_field", f"schedule[{i}].request is missing")
-        if kind in ("read", "write", "alloc") and not isinstance(ev["request"], (str, int)):
-            raise SnapshotError("bad_field", f"schedule[{i}].request must be a string")
-
-
 def load_checked(snap, evictions_in_flight: bool = True) -> _Snap:
-    """Validate (raising SnapshotError naming the field) and parse."""
-    _check_extra_fields(snap)
+    """Validate (raising SnapshotError naming the field: ``validate`` covers every field the
+    checks read, with its type and range) and parse."""
     validate(snap)
-    _check_schedule_fields(snap)
     return _Snap(snap, evictions_in_flight)
 
 
@@ -371,22 +332,24 @@ def _check_i1(d: _Snap, ask: _Ask) -> list[Violation]:
     out = []
     n, S, m = d.n, d.S, d.moves
     pl, ps = d.pre_live, d.pre_slot
-    # (a) per move: token known, live, at the move's source; after the plan live at its destination
+    ev = d.evicted
+    # (a) per move: token known, live, at the move's source; after the plan a move not
+    # recorded as evicted in flight is live at its destination (anything else: LOST)
     dis = []
     post = d.post is not None
     for k, (t, ss, ds) in enumerate(zip(m[:, 0].tolist(), d.src_slot.tolist(), d.dst_slot.tolist())):
         if not 0 <= t < n:
             dis.append(f"(and (= IDX {k}) (not (< -1 {t} {n})))")
-        elif post:  # after the plan: live at the destination (or evicted in flight, left in place)
+        elif post:
             arrived = f"(and {_b(d.post_live[t])} (= {d.post_slot[t]} {ds}))"
-            stayed = f"(and {_b(d.evictions_in_flight)} (not {_b(d.post_live[t])}) (= {d.post_slot[t]} {ps[t]}))"
             dis.append(f"(and (= IDX {k}) (or (not {_b(pl[t])}) (not (= {ps[t]} {ss})) "
-                       f"(not (or {arrived} {stayed}))))")
+                       f"(and (not {_b(ev[t])}) (not {arrived}))))")
         else:
             dis.append(f"(and (= IDX {k}) (or (not {_b(pl[t])}) (not (= {ps[t]} {ss}))))")
     for k, model in ask.index("i", dis):
         t, sb, so, db, do = m[k].tolist()
         model.update(move=[t, sb, so, db, do])
+        rule = "move_token"
         if not 0 <= t < n:
             why = f"move #{k} names token {t}, which request {d.req!r} does not have (length {n})"
         elif not pl[t]:
@@ -394,42 +357,60 @@ def _check_i1(d: _Snap, ask: _Ask) -> list[Violation]:
         elif ps[t] != sb * S + so:
             why = f"move #{k}: token {t} is at {_loc(S, ps[t])}, not at the move's source {_loc(S, sb * S + so)}"
         elif not d.post_live[t]:
-            why = (f"move #{k}: token {t} is dropped (not live) after the plan"
-                   + (f", at {_loc(S, d.post_slot[t])}" if d.evictions_in_flight else ""))
+            rule = "arrival"
+            why = (f"move #{k}: token {t} is dropped: LOST (not live at its destination {_loc(S, db * S + do)} "
+                   f"after the plan, and not recorded as evicted in flight)")
         else:
+            rule = "arrival"
             why = f"move #{k}: token {t} ends at {_loc(S, d.post_slot[t])}, not at its destination {_loc(S, db * S + do)}"
         model.update(pre_slot=_pair(S, ps[t]) if 0 <= t < n else None)
-        out.append(Violation("I1", why, model))
+        out.append(Violation("I1", why, model, rule))
     # (b) no token moved twice
     res = ask.distinct({"moved_once": m[:, 0].tolist()})
     if "moved_once" in res:
         a, b, model = res["moved_once"]
-        out.append(Violation("I1", f"token {int(m[a, 0])} is moved twice (moves #{a} and #{b})", model))
-    # (c) per token, after the plan: the live id set is unchanged, unmoved live tokens stay
-    if post:
-        ql, qs = d.post_live, d.post_slot
-        moved = _moved_mask(d).tolist()
-        dis = []
-        tol = _b(d.evictions_in_flight)
-        for t in range(n):  # tokens grown while the copy was in flight (ids >= n) are new: not compared
-            # live -> dead is an eviction in flight only when the token was left where it was
-            lost = f"(and {_b(pl[t])} (not {_b(ql[t])}) (not (and {tol} (= {ps[t]} {qs[t]}))))"
-            born = f"(and (not {_b(pl[t])}) {_b(ql[t])})"
-            if moved[t]:
-                dis.append(f"(and (= IDX {t}) (or {lost} {born}))")
-            else:
-                stray = f"(and {_b(pl[t])} {_b(ql[t])} (not (= {ps[t]} {qs[t]})))"
-                dis.append(f"(and (= IDX {t}) (or {lost} {born} {stray}))")
-        for t, model in ask.index("j", dis):
-            model.update(pre=[*_pair(S, ps[t]), bool(pl[t])], post=[*_pair(S, qs[t]), bool(ql[t])])
-            if pl[t] and not ql[t]:
-                why = (f"live token {t} of request {d.req!r} is dropped by the plan"
-                       + ("" if ps[t] == qs[t] else f" (dead at {_loc(S, qs[t])}, not where it was)"))
-            elif ql[t] and not pl[t]:
-                why = f"token {t} of request {d.req!r} becomes live after the plan (renamed or invented)"
-            else:
-                why = f"token {t} is not moved but goes from {_loc(S, ps[t])} to {_loc(S, qs[t])}"
-            out.append(Violation("I1", why, model))
+        out.append(Violation("I1", f"token {int(m[a, 0])} is moved twice (moves #{a} and #{b})", model, "moved_twice"))
+    if not post:
+        return out
+    ql, qs = d.post_live, d.post_slot
+    # (c) a token recorded as evicted in flight is dead at its pre slot after the plan
+    dis = [f"(and (= IDX {t}) (or {_b(ql[t])} (not (= {ps[t]} {qs[t]}))))" for t in range(n) if ev[t]]
+    for t, model in ask.index("e", dis):
+        model.update(pre=_pair(S, ps[t]), post=[*_pair(S, qs[t]), bool(ql[t])])
+        out.append(Violation("I1", f"token {t} is recorded as evicted in flight but is {'live' if ql[t] else 'dead'} "
+                                   f"at {_loc(S, qs[t])} after the plan (expected dead at {_loc(S, ps[t])})",
+                             model, "evicted"))
+    # (d) per unmoved token: the live id set is unchanged, unmoved live tokens stay; a policy
+    # may evict one in place while the copy flies (not with evictions_in_flight=False)
+    moved = _moved_mask(d).tolist()
+    tol = _b(d.evictions_in_flight)
+    dis = []
+    for t in range(n):  # tokens grown while the copy was in flight (ids >= n) are new: not compared
+        if moved[t]:
+            continue
+        lost = f"(and {_b(pl[t])} (not {_b(ql[t])}) (not (and {tol} (= {ps[t]} {qs[t]}))))"
+        born = f"(and (not {_b(pl[t])}) {_b(ql[t])})"
+        stray = f"(and {_b(pl[t])} {_b(ql[t])} (not (= {ps[t]} {qs[t]})))"
+        dis.append(f"(and (= IDX {t}) (or {lost} {born} {stray}))")
+    for t, model in ask.index("j", dis):
+        model.update(pre=[*_pair(S, ps[t]), bool(pl[t])], post=[*_pair(S, qs[t]), bool(ql[t])])
+        if pl[t] and not ql[t]:
+            why = (f"live token {t} of request {d.req!r} is dropped by the plan"
+                   + ("" if ps[t] == qs[t] else f" (dead at {_loc(S, qs[t])}, not where it was)"))
+        elif ql[t] and not pl[t]:
+            why = f"token {t} of request {d.req!r} becomes live after the plan (renamed or invented)"
+        else:
+            why = f"token {t} is not moved but goes from {_loc(S, ps[t])} to {_loc(S, qs[t])}"
+        out.append(Violation("I1", why, model, "unmoved"))
+    # (e) K/V digests, where recorded: unchanged across the copy for every applied move
+    if d.digests is not None:
+        pre_d, post_d = d.digests["pre"], d.digests["post"]
+        dis = [f"(and (= IDX {k}) (not (= {pre_d[k]} {post_d[k]})))" for k, t in enumerate(m[:, 0].tolist())
+               if not (0 <= t < n and ev[t]) and pre_d[k] is not None and post_d[k] is not None]
+        for k, model in ask.index("g", dis):
+            model.update(pre_digest=pre_d[k], post_digest=post_d[k])
+            out.append(Violation("I1", f"move #{k}: token {int(m[k, 0])}'s K/V digest changed across the copy "
+                                       f"({pre_d[k]:#018x} before, {post_d[k]:#018x} after)", model, "digest"))
     return out
 
 
@@ -441,30 +422,23 @@ def _pair(S: int, slot: int) -> list[int]:
 def _check_i2(d: _Snap, ask: _Ask) -> list[Violation]:
     out = []
     S, m = d.S, d.moves
-    # The null block's S slots join each group as sentinels: a destination or a live token in
-    # the null block collides with one of them. (validate() already rejects both as malformed,
-    # so this second line costs S values and never fires on a snapshot that got here.)
-    null_vals, null_lab = list(range(S)), [("null", o) for o in range(S)]
     live_ids = np.flatnonzero(d.pre_live)
-    nxt_vals = (null_vals + d.pre_slot[live_ids].tolist() + d.dst_slot.tolist()
-                + [slot for _r, _t, slot in d.others])
-    nxt_lab = (null_lab + [("pre", int(t)) for t in live_ids]
+    nxt_vals = (d.pre_slot[live_ids].tolist() + d.dst_slot.tolist() + [slot for _r, _t, slot in d.others])
+    nxt_lab = ([("pre", int(t)) for t in live_ids]
                + [("dst", k, int(t)) for k, t in enumerate(m[:, 0].tolist())]
                + [("other", rid, t) for rid, t, _s in d.others])
     groups = {"next": nxt_vals}
+    post_ids = np.flatnonzero(d.post_live) if d.post is not None else np.zeros(0, dtype=np.int64)
     if d.post is not None:
-        post_ids = np.flatnonzero(d.post_live)
-        groups["post"] = null_vals + d.post_slot[post_ids].tolist()
-        post_lab = null_lab + [("post", int(t)) for t in post_ids]
+        groups["post"] = d.post_slot[post_ids].tolist()
+        post_lab = [("post", int(t)) for t in post_ids]
     res = ask.distinct(groups)
 
     def say(lab):
-        if lab[0] == "pre":
+        if lab[0] in ("pre", "post"):
             return f"live token {lab[1]}"
         if lab[0] == "dst":
             return f"move #{lab[1]} (token {lab[2]})"
-        if lab[0] == "post":
-            return f"live token {lab[1]}"
         return f"live token {lab[2]} of request {lab[1]!r}"
 
     if "next" in res:
@@ -472,26 +446,51 @@ def _check_i2(d: _Snap, ask: _Ask) -> list[Violation]:
         la, lb = nxt_lab[a], nxt_lab[b]
         slot = nxt_vals[a]
         model.update(slot=_pair(S, slot))
-        if la[0] == "null":
-            why = f"{say(lb)} is in the null block 0 {_loc(S, slot)}"
-        elif la[0] == "dst" and lb[0] == "dst":
+        if la[0] == "dst" and lb[0] == "dst":
             why = f"moves #{la[1]} (token {la[2]}) and #{lb[1]} (token {lb[2]}) share destination slot {_loc(S, slot)}"
         elif "dst" in (la[0], lb[0]):
             mv, occ = (la, lb) if la[0] == "dst" else (lb, la)
             why = f"move #{mv[1]} sends token {mv[2]} into occupied slot {_loc(S, slot)}, held by {say(occ)}"
         else:
             why = f"before the plan, {say(la)} and {say(lb)} share slot {_loc(S, slot)}"
-        out.append(Violation("I2", why, model))
+        out.append(Violation("I2", why, model, "pre_unique"))
     if "post" in res:
         a, b, model = res["post"]
         slot = groups["post"][a]
         model.update(slot=_pair(S, slot))
         la, lb = post_lab[a], post_lab[b]
-        if la[0] == "null":
-            why = f"after the plan, {say(lb)} is in the null block 0"
-        else:
-            why = f"after the plan, live tokens {la[1]} and {lb[1]} of request {d.req!r} share slot {_loc(S, slot)}"
-        out.append(Violation("I2", why, model))
+        out.append(Violation("I2", f"after the plan, live tokens {la[1]} and {lb[1]} of request {d.req!r} share slot "
+                                   f"{_loc(S, slot)}", model, "post_unique"))
+    # The null block, a second line (validate already refuses a live token or a destination
+    # there): one indexed question "some slot below S", linear in the values, not S markers.
+    for vals, labs, where in ((nxt_vals, nxt_lab, ""),
+                              (groups.get("post", []), post_lab if d.post is not None else [], "after the plan, ")):
+        for k, model in ask.index("z", [f"(and (= IDX {k}) (< {v} {S}))" for k, v in enumerate(vals)], cap=1):
+            out.append(Violation("I2", f"{where}{say(labs[k])} is in the null block 0", model, "null"))
+    # after the plan, no live token of R in a source block or a block the schedule frees
+    # (unless an alloc of that block to R follows its last free)
+    if d.post is not None:
+        last_free, reacquired = {}, set()
+        for i, ev in enumerate(d.schedule):
+            if ev["kind"] == "free":
+                for b in ev["blocks"]:
+                    last_free[b] = i
+                    reacquired.discard(b)
+            elif ev["kind"] == "alloc" and str(ev["request"]) == str(d.req):
+                reacquired.update(b for b in ev["blocks"] if b in last_free)
+        gone = sorted((set(d.sources) | set(last_free)) - reacquired)
+        if gone:
+            blk = (d.post_slot[post_ids] // S).tolist()
+            prelude = "(declare-fun gone@ (Int) Bool)" + "".join(
+                f"(assert {'' if b in gone else '(not '}(gone@ {b}){'' if b in gone else ')'})"
+                for b in sorted(set(blk) | set(gone)))
+            dis = [f"(and (= IDX {k}) (gone@ {b}))" for k, b in enumerate(blk)]
+            for k, model in ask.index("y", dis, prelude=prelude, cap=1):
+                t, b = int(post_ids[k]), blk[k]
+                what = "a source block of the plan" if b in d.sources else "a block the schedule frees"
+                model.update(token=t, block=b)
+                out.append(Violation("I2", f"after the plan, live token {t} of request {d.req!r} maps to "
+                                           f"{_loc(S, int(d.post_slot[t]))}, in {what}", model, "dangling"))
     return out
 
 
@@ -567,7 +566,7 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
             (t, s), = hit
             role = "in a source block" if s // S in src else "on a destination slot"
             why = f"new token {t} written at {_loc(S, s)}, {role} of plan {d.pid}, {when}"
-        out.append(Violation("I3", why, model))
+        out.append(Violation("I3", why, model, "early"))
     # concrete read consistency: before apply the pre slot, after it the destination
     n, pl, ps = d.n, d.pre_live, d.pre_slot
     dest_of = {}
@@ -581,7 +580,7 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
         for t, s in zip(ev["tokens"], ev["slots"]):
             if not 0 <= t < n or not pl[t]:
                 continue
-            exp = dest_of[t] if (after and t in dest_of) else ps[t]
+            exp = dest_of[t] if (after and t in dest_of and not d.evicted[t]) else ps[t]
             dis.append(f"(and (= IDX {len(items)}) (not (= {s} {exp})))")
             items.append((i, t, s, exp))
     for k, model in ask.index("r", dis):
@@ -589,7 +588,7 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
         model.update(event=i, t=sched[i]["t"], token=t, slot=_pair(S, s), expected=_pair(S, exp))
         phase = "after" if apply is not None and i > apply else "before"
         out.append(Violation("I3", f"stale slot mapping: the read at t={sched[i]['t']} (schedule[{i}], {phase} apply) uses "
-                                   f"{_loc(S, s)} for token {t}, expected {_loc(S, exp)}", model))
+                                   f"{_loc(S, s)} for token {t}, expected {_loc(S, exp)}", model, "stale_read"))
     return out
 
 
@@ -602,8 +601,8 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     srcs, dsts = set(src), set(dests)
     dst_all = sorted(dsts | set(d.dst_blocks))
 
-    def v(why, **model):
-        out.append(Violation("I4", why, model))
+    def v(rule, why, **model):
+        out.append(Violation("I4", why, model, rule))
 
     # consistent snapshot: per move, token live at the move's source, source among the plan's
     # sources, destination among its dests. Membership is a fact table: predicates fixed per block.
@@ -616,9 +615,8 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         if not 0 <= t < n:
             dis.append(f"(and (= IDX {k}) true)")
         else:
-            live_move = not d.evicted[t]  # the planner drops the move of a token evicted in flight
             dis.append(f"(and (= IDX {k}) (or (not {_b(pl[t])}) (not (= {ps[t]} {ss})) (not (src@ {sb})) "
-                       f"(and {_b(live_move)} (not (dst@ {db})))))")
+                       f"(not (dst@ {db}))))")
     for k, model in ask.index("i", dis, prelude=prelude):
         t, sb, so, db, do = m[k].tolist()
         model.update(move=[t, sb, so, db, do])
@@ -633,20 +631,20 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
             why = f"move #{k} takes token {t} out of block {sb}, which is not one of the plan's sources {src}"
         else:
             why = f"move #{k} sends token {t} to block {db}, which is not one of the plan's destinations {dests}"
-        v(why, **model)
+        v("consistent", why, **model)
     # every source emptied of the request's live tokens
     moved = _moved_mask(d).tolist()
     blk = (ps // S).tolist()
     dis = [f"(and (= IDX {t}) (src@ {blk[t]}) {_b(not moved[t])})" for t in np.flatnonzero(pl).tolist()]
     for t, model in ask.index("j", dis, prelude=prelude):
-        v(f"live token {t} in source block {blk[t]} is not moved: the source is not emptied", token=t, **model)
+        v("emptied", f"live token {t} in source block {blk[t]} is not moved: the source is not emptied", token=t, **model)
     # Block-set facts, all in one question: a symbolic index over (property, block) candidates,
     # each with its membership fact; the model names the property and the block.
-    cands = []  # (message, fact, model)
+    cands = []  # (message, fact, model, rule)
 
-    def each(blocks, member, msg, **extra):
+    def each(blocks, member, msg, rule="blocks", **extra):
         for b in sorted(set(blocks)):
-            cands.append((msg.format(b=b), member(b), dict(x=b, **extra)))
+            cands.append((msg.format(b=b), member(b), dict(x=b, **extra), rule))
 
     pre_blocks, shared, head, dset = set(d.pre_blocks), set(d.shared), set(d.headroom), set(dst_all)
     each(src, lambda b: b not in pre_blocks,
@@ -659,39 +657,57 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     each(src, lambda b: b in dset, f"block {{b}} is both a source and a destination of plan {d.pid}")
     each(dst_all, lambda b: b in pre_blocks,
          f"destination block {{b}} already belongs to request {d.req!r} (not a fresh block)")
+    each(dst_all, lambda b: b not in pre_blocks and b in d.other_blocks,
+         "destination block {b} belongs to another request")
     each(dst_all, lambda b: b not in head, f"destination block {{b}} is not in the headroom {d.headroom}")
-    for p in d.in_flight:  # no overlap with an in-flight plan on the same request; no shared destinations
-        if p["id"] == d.pid:
-            continue
+    ours = srcs | dset
+    seen_ids: dict = {}
+    for p in d.in_flight:  # no block shared with an in-flight plan (any request); no duplicate ids
         theirs = set(p["sources"]) | set(p["dests"])
-        if str(p["request"]) == str(d.req):
-            each(srcs | dset, lambda b, th=theirs: b in th,
-                 f"plan {d.pid} overlaps in-flight plan {p['id']} on request {d.req!r}: block {{b}}", in_flight=p["id"])
-        else:
-            each(dst_all, lambda b, th=theirs: b in th,
-                 f"destination block {{b}} is also a block of in-flight plan {p['id']} (request {p['request']!r})",
-                 in_flight=p["id"])
-    dis = [f"(and (= IDX {k}) {_b(fact)})" for k, (_msg, fact, _m) in enumerate(cands)]
+        each(ours, lambda b, th=theirs: b in th,
+             f"plan {d.pid} overlaps in-flight plan {p['id']} (request {p['request']!r}): block {{b}}",
+             in_flight=p["id"])
+        cands.append((f"in-flight plan {p['id']} (request {p['request']!r}) carries plan {d.pid}'s own id",
+                      p["id"] == d.pid, dict(in_flight=p["id"]), "duplicate_id"))
+        cands.append((f"two in-flight plans carry id {p['id']}", p["id"] in seen_ids, dict(in_flight=p["id"]),
+                      "duplicate_id"))
+        seen_ids[p["id"]] = True
+    dis = [f"(and (= IDX {k}) {_b(fact)})" for k, (_msg, fact, _m, _r) in enumerate(cands)]
     for k, model in ask.index("x", dis, cap=4 * MAX_PER_QUESTION):
-        msg, _fact, extra = cands[k]
+        msg, _fact, extra, rule = cands[k]
         model.update(extra)
-        v(msg, **model)
+        v(rule, msg, **model)
     # no block named twice; each destination slot used once
     res = ask.distinct({"sources": list(src), "dests": list(dests), "dst_once": d.dst_slot.tolist()})
     for name in ("sources", "dests"):
         if name in res:
             a, _b2, model = res[name]
-            v(f"plan.{name} names block {(src if name == 'sources' else dests)[a]} twice", **model)
+            v("duplicate_block", f"plan.{name} names block {(src if name == 'sources' else dests)[a]} twice", **model)
     if "dst_once" in res:
         a, b, model = res["dst_once"]
-        v(f"destination slot {_loc(S, int(d.dst_slot[a]))} is used twice (moves #{a} and #{b})", **model)
+        v("dst_once", f"destination slot {_loc(S, int(d.dst_slot[a]))} is used twice (moves #{a} and #{b})", **model)
     # the block count strictly decreases: sources > destinations listed and > destinations used
     n_src, n_used, n_listed = len(srcs), len(d.dst_blocks), len(dsts)
     ns, nu, nl = (ask.name(x) for x in ("n_sources", "n_used", "n_listed"))
     if ask.holds(f"(declare-const {ns} Int)(declare-const {nu} Int)(declare-const {nl} Int)",
                  f"(and (= {ns} {n_src}) (= {nu} {n_used}) (= {nl} {n_listed}) (or (<= {ns} {nu}) (<= {ns} {nl})))"):
-        v(f"plan {d.pid} does not reduce the block count: {n_src} source(s) vs {n_listed} destination(s) listed, "
-          f"{n_used} used", sources=n_src, dests_listed=n_listed, dests_used=n_used)
+        v("decrease", f"plan {d.pid} does not reduce the block count: {n_src} source(s) vs {n_listed} destination(s) "
+                      f"listed, {n_used} used", sources=n_src, dests_listed=n_listed, dests_used=n_used)
+    # dests_used, when recorded: exactly the blocks the moves not recorded as evicted write
+    if d.dests_used is not None:
+        rec = d.recorded_evicted
+        want = {db for t, db in zip(m[:, 0].tolist(), m[:, 3].tolist()) if not (0 <= t < n and rec[t])}
+        used = set(d.dests_used)
+        every = sorted(want | used)
+        pre_u = "(declare-fun used@ (Int) Bool)(declare-fun want@ (Int) Bool)" + "".join(
+            f"(assert {'' if b in used else '(not '}(used@ {b}){'' if b in used else ')'})"
+            f"(assert {'' if b in want else '(not '}(want@ {b}){'' if b in want else ')'})" for b in every)
+        dis = [f"(and (= IDX {k}) (distinct (used@ {b}) (want@ {b})))" for k, b in enumerate(every)]
+        for k, model in ask.index("u", dis, prelude=pre_u, cap=1):
+            b = every[k]
+            model.update(block=b)
+            v("dests_used", f"dests_used {sorted(used)} differs from the blocks the applied moves write {sorted(want)} "
+                            f"(block {b})", **model)
     # lifecycle: sources freed only after the plan is applied (free events as an indexed fact table:
     # event index, "frees a source", position before/after the plan's apply event)
     _launch, _fence, apply = _plan_events(d)
@@ -700,8 +716,8 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     dis = [f"(and (= IDX {k}) {_b(bool(hit))} (< {i} {last}))" for k, (i, _ev, hit) in enumerate(frees)]
     for k, model in ask.index("f", dis):
         i, ev, hit = frees[k]
-        v(f"source block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan {d.pid} is applied",
-          event=i, t=ev["t"], blocks=hit, **model)
+        v("free_before_apply", f"source block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan {d.pid} is "
+                               f"applied", event=i, t=ev["t"], blocks=hit, **model)
     return out
 
 
@@ -716,12 +732,16 @@ def check_snapshot(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True) ->
     ``post`` null (a plan not yet applied) the post-state parts are skipped; everything
     about the moves, the plan's blocks and the schedule so far is still checked.
 
-    The schema records no evictions, and a policy may evict a token while its copy is in
-    flight (the planner then drops that move and leaves the token dead where it was). So a
-    token live before and dead after, *at its pre slot*, is taken as such an eviction; pass
-    ``evictions_in_flight=False`` to count it as dropped (I1) when no eviction can have
-    happened. Tokens added while the copy was in flight (``post`` longer than ``pre``) are
-    new: they are checked for unique slots (I2), not against ``pre``.
+    Evictions while the copy was in flight are read from the snapshot's own record,
+    ``evicted_in_flight`` (the moved tokens whose moves were dropped): a moved token live
+    before, not recorded there and not live at its destination afterwards is lost (I1), and
+    a recorded one must be dead at its pre slot. An unmoved token may still die in place (a
+    policy's eviction during the copy is not the plan's business); pass
+    ``evictions_in_flight=False`` when no eviction can have happened: the record is then
+    taken as empty and any live token that dies is lost. Tokens added while the copy was in
+    flight (``post`` longer than ``pre``) are new: they are checked for unique slots (I2),
+    not against ``pre``. The rules are those of :mod:`vtoken.invariants.snapshot_checks`
+    (the plain-Python checker, which must agree on every snapshot).
     """
     unknown = [c for c in checks if c not in _CHECKERS]
     if unknown:
@@ -751,9 +771,9 @@ def check_and_explain(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True)
     t0 = time.perf_counter()
     lines = [f"plan {d.pid} on request {d.req!r}: {len(d.moves)} moves, sources {d.sources}, dests {d.dests}"
              f"{'' if d.post is not None else ' (not applied: post-state checks skipped)'}"]
-    ev = [t for t, e in enumerate(d.evicted) if e]
+    ev = [t for t, e in enumerate(d.recorded_evicted) if e]
     if ev:
-        lines.append(f"  tokens evicted while the copy was in flight (left dead in place): {ev[:16]}"
+        lines.append(f"  tokens evicted while the copy was in flight (recorded; left dead in place): {ev[:16]}"
                      f"{' ...' if len(ev) > 16 else ''}")
     for c in ALL_CHECKS:
         if c not in checks:
@@ -825,6 +845,8 @@ def synthetic_snapshot(n_moves: int, S: int = 16, reads: bool = True) -> dict:
         "headroom": headroom,
         "in_flight": [],
         "schedule": sched,
+        "evicted_in_flight": [],
+        "dests_used": sorted({mv[3] for mv in moves}),
     }
 
 

@@ -60,3 +60,18 @@ TABLE_CODES = (
     "duplicate_destination",  # two moves name the same destination slot
     "bad_move",            # a move that is not five integers
 )
+
+# The codes a snapshot check raises (SnapshotError); the message names the field.
+SNAPSHOT_CODES = (
+    "schema",         # unknown or missing schema version
+    "missing_field",  # a required field is absent
+    "bad_field",      # a field of the wrong type or shape (a bool where an int is expected included)
+    "out_of_range",   # an integer outside its stated limit (vtoken.snapshot.LIMITS)
+    "too_large",      # a list, name or file longer than its stated limit
+    "bad_count",      # counts that disagree (tokens vs length, tokens vs slots, ...)
+    "null_block",     # a live token or a destination in the null block 0
+    "bad_json",       # not JSON, or JSON the schema refuses (NaN, duplicate keys, huge integers)
+    "bad_encoding",   # bytes that are not UTF-8
+    "too_deep",       # nesting deeper than the parser's limit
+    "unreadable",     # a path that cannot be read as a file (a directory, missing, no permission)
+)

@@ -1,0 +1,780 @@
+"""The checkers' own mutation test: valid snapshots from real runs, violations planted in
+them by operators, and every checker measured on what it accepts and rejects.
+
+Why here (``invariants/``) and not in ``fuzz/``: this measures the checkers, not the
+system. It ships with them (``vtoken check-mutants``, the audit, ``pytest -m
+invariants``), imports only the checkers and the system's public drivers, and depends on
+none of the fuzz machines -- so a change to a checker is measured by the module next to it.
+
+What it does (``run``):
+
+1. **Collect** valid snapshots from real runs of every path, each through a JSON round
+   trip (what a replay reads):
+
+   - ``planner``: the real ``TokenTable`` + ``BlockAllocator`` + ``ReclamationManager``
+     (``PlannerConfig(record_snapshots=True)``, a ``NullCopyEngine`` with latency) driven by
+     a seeded scheduler stand-in: shared prefixes, growth and evictions while copies are in
+     flight, attention reads through the table's slot mapping recorded while plans fly.
+     Snapshots at launch (``post`` null) and after apply.
+   - ``engine``: ``vtoken.engine.DecodeEngine(check_relocations=True)`` decoding with the
+     small paged decoder on the CPU (several policies, block sizes, copy lags): applied
+     snapshots with the engine's events and the relocation checker's K/V digests.
+   - ``adapter``: the vLLM adapter (``VTokenAdapter(planner_config=
+     default_adapter_planner_config(record_snapshots=True))``, its ``history``). Where the
+     adapter does not record snapshots, :class:`PathUnavailable` is raised -- never a
+     silent skip.
+
+   Every collected snapshot must be accepted by every checker ("valid accepted").
+
+2. **Mutate**: each operator of :data:`OPERATORS` takes a valid snapshot and plants one
+   violation of its target invariant, keeping the snapshot well-formed (``validate``
+   passes: a mutant that does not is counted ``malformed``, an operator bug). Operators
+   draw their choices from a seeded ``random.Random``; base snapshots are visited in a
+   seeded order; the whole run is deterministic for a seed.
+
+3. **Check**: every mutant goes to every checker (:data:`CHECKERS`: the plain-Python
+   ``snapshot_checks`` and the Z3 ``z3_checks``, each claiming I1-I4). A checker
+   *rejects* a mutant when it reports a violation of the operator's target invariant.
+   The two must also agree: the same set of violated invariants on every snapshot.
+
+The goal: every mutant rejected by every checker, every valid snapshot accepted, no
+disagreement, at least 50 mutants per operator (the default run makes 60).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from vtoken.errors import SnapshotError
+from vtoken.snapshot import validate
+
+from . import snapshot_checks, z3_checks
+
+ALL_PATHS = ("planner", "engine", "adapter")
+CHECKERS: dict[str, Callable] = {"python": snapshot_checks.check_snapshot, "z3": z3_checks.check_snapshot}
+INVARIANTS = ("I1", "I2", "I3", "I4")
+
+
+class PathUnavailable(RuntimeError):
+    """A path cannot give snapshots (e.g. the vLLM adapter records none yet)."""
+
+
+# ====================================================================== collection
+def _roundtrip(snap: dict) -> dict:
+    return json.loads(json.dumps(snap))
+
+
+def collect_planner(seed: int = 0, runs: int = 4, steps: int = 14) -> list[dict]:
+    """Snapshots of the real reclamation manager driven by a seeded scheduler stand-in."""
+    from vtoken.allocator import BlockAllocator
+    from vtoken.planner import NullCopyEngine, PlannerConfig, ReclamationManager
+    from vtoken.table import TokenTable
+
+    out: list[dict] = []
+    for run in range(runs):
+        rng = random.Random(f"planner/{seed}/{run}")
+        S = (2, 4, 8, 4)[run % 4]
+        NB = 512
+        t, a = TokenTable(S, NB), BlockAllocator(NB)
+        pos: dict = {}  # request -> positional block list (null where a source was reclaimed)
+
+        def on_applied(plan, pos=pos):
+            src = set(int(b) for b in plan.sources)
+            pos[plan.req_id] = [0 if b in src else b for b in pos[plan.req_id]]
+
+        cfg = PlannerConfig(theta_f=0.0, check_every=1, max_sources=rng.choice((2, 4, 8)), headroom=8,
+                            record_snapshots=True)
+        m = ReclamationManager(t, a, engine=NullCopyEngine(rng.choice((1, 2, 3))), config=cfg, on_applied=on_applied)
+        first = None
+        for r in range(rng.randint(3, 6)):
+            rid = f"r{r}"
+            L = rng.randint(S + 1, 7 * S)
+            nb = -(-L // S)
+            if first is not None and rng.random() < 0.5:  # a prefix-cache hit on r0's first block
+                a.incref([first])
+                blocks = [first] + a.allocate(nb - 1)
+            else:
+                blocks = a.allocate(nb)
+            if r == 0:
+                first = blocks[0]
+            pos[rid] = list(blocks)
+            t.sync_new_tokens(rid, pos[rid], L)
+            live = t.live_tokens(rid).tolist()[:-1]
+            t.evict_tokens(rid, sorted(rng.sample(live, k=len(live) // 2)))
+        seen: set = set()
+        for _ in range(steps):
+            for rid in list(pos):
+                if rng.random() < 0.4:  # grow by a token or two (a block when the list is full)
+                    n = t.length(rid) + rng.randint(1, 2)
+                    while -(-n // S) > len(pos[rid]):
+                        pos[rid].append(a.allocate(1)[0])
+                    t.sync_new_tokens(rid, pos[rid], n)
+                live = t.live_tokens(rid).tolist()[:-1]
+                if live and rng.random() < 0.5:  # evict, in-flight moves included
+                    t.evict_tokens(rid, sorted(rng.sample(live, k=max(1, len(live) // 4))))
+            for p in list(m.in_flight.values()):  # attention reads through the slot mapping
+                if p.snapshot is not None and p.req_id in pos:
+                    m.record(p, "read", request=str(p.req_id), tokens=t.live_tokens(p.req_id).tolist(),
+                             slots=t.slot_mapping(p.req_id).tolist())
+            for p in m.step():
+                if p.snapshot is not None:
+                    out.append(_roundtrip(p.snapshot))  # at launch: post null
+        m.poll(force_sync=True)
+        for p in m.history:
+            if p.snapshot is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(_roundtrip(p.snapshot))
+    return out
+
+
+def collect_engine(seed: int = 0, runs: int = 4, new_tokens: int = 40) -> list[dict]:
+    """Applied snapshots of ``DecodeEngine(check_relocations=True)`` (digests included)."""
+    import torch
+
+    from vtoken.decode_cli import make_prompts
+    from vtoken.engine import DecodeEngine
+    from vtoken.model import PagedDecoder
+    from vtoken.planner import PlannerConfig
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = PagedDecoder()
+        out: list[dict] = []
+        configs = [("random", 4, 2), ("h2o", 4, 0), ("streaming", 8, 3), ("random", 2, 1), ("scissorhands", 4, 1),
+                   ("random", 8, 2)]
+        for run in range(runs):
+            policy, S, lag = configs[run % len(configs)]
+            prompts = make_prompts(4, 32, model.config.vocab_size, seed=seed * 101 + run)
+            cfg = PlannerConfig(theta_f=0.1, check_every=1, max_sources=8, headroom=8, low_watermark=None,
+                                record_snapshots=True)
+            eng = DecodeEngine(model, mode="vtoken", policy=policy, evict_ratio=0.5, block_size=S, seed=seed + run,
+                               check_relocations=True, planner_config=cfg, copy_kwargs={"lag": lag})
+            eng.run(prompts, new_tokens)
+            out += [_roundtrip(p.snapshot) for p in eng.manager.history if p.snapshot is not None]
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def collect_adapter(seed: int = 0, runs: int = 1, max_tokens: int = 40) -> list[dict]:
+    """Snapshots of the vLLM adapter's plans (``VTokenAdapter.history``); raises
+    :class:`PathUnavailable` when vLLM is missing or the adapter records no snapshots."""
+    try:
+        from vtoken.vllm_adapter import harness
+    except Exception as e:  # noqa: BLE001 - any import failure makes the path unavailable
+        raise PathUnavailable(f"adapter path: the vLLM adapter cannot be imported ({type(e).__name__}: {e})") from e
+    if harness.vllm_version() is None:
+        raise PathUnavailable("adapter path: vLLM is not installed (make vllm)")
+    import numpy as np
+    import torch
+
+    from vtoken.model import DecoderConfig, PagedDecoder
+    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
+    from vtoken.vllm_adapter.worker import VTokenWorker
+
+    out: list[dict] = []
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = PagedDecoder(DecoderConfig(), batch_invariant=True)
+        for run in range(runs):
+            cfg = default_adapter_planner_config(record_snapshots=True)
+            ad = VTokenAdapter(block_size=4, num_blocks=160, planner_config=cfg)
+            try:
+                if not hasattr(ad, "history"):
+                    raise PathUnavailable(
+                        "adapter path: VTokenAdapter has no `history` of plan snapshots (expected a list of snapshot "
+                        "dicts when built with default_adapter_planner_config(record_snapshots=True)); the adapter "
+                        "does not record snapshots yet, so its plans cannot be checked here")
+                w = VTokenWorker(model, ad.table, 160, 4, policy="random", evict_ratio=0.5, seed=seed + run,
+                                 check_relocations=True, copy_lag=1)
+                d = AdapterDriver(ad, w)
+                rng = np.random.default_rng([seed, run])
+                for i in range(4):
+                    ad.add_request(f"q{i}", rng.integers(1, 512, size=24).tolist(), max_tokens=max_tokens)
+                n = 0
+                while ad.has_work() and n < 5000:
+                    d.step()
+                    n += 1
+                while d.in_flight:
+                    d._finish_one()
+                ad.drain_idle()
+                snaps = [s if isinstance(s, dict) else getattr(s, "snapshot", None) for s in ad.history]
+                out += [_roundtrip(s) for s in snaps if s is not None]
+            finally:
+                ad.close()
+    finally:
+        torch.set_num_threads(old)
+    if not out:
+        raise PathUnavailable("adapter path: the adapter ran but its history holds no snapshots")
+    return out
+
+
+COLLECTORS = {"planner": collect_planner, "engine": collect_engine, "adapter": collect_adapter}
+
+
+# ====================================================================== snapshot helpers
+def _R(s):
+    return s["plan"]["request"]
+
+
+def _pre(s):
+    return s["pre"]["requests"][_R(s)]
+
+
+def _post(s):
+    return s["post"]["requests"][_R(s)] if s.get("post") is not None else None
+
+
+def _slot(s, tok):
+    return tok[0] * s["block_size"] + tok[1]
+
+
+def _live_moves(s):
+    """Indices of moves whose token is not recorded as evicted in flight."""
+    ev = set(s["evicted_in_flight"])
+    return [k for k, mv in enumerate(s["plan"]["moves"]) if mv[0] not in ev]
+
+
+def _all_blocks(s) -> set:
+    out = set(s["plan"]["sources"]) | set(s["plan"]["dests"]) | set(s["headroom"]) | set(s["shared_blocks"])
+    for state in (s["pre"], s.get("post") or {"requests": {}}):
+        for r in state["requests"].values():
+            out |= set(r["blocks"]) | {tok[0] for tok in r["tokens"]}
+            if r.get("tail_block") is not None:
+                out.add(r["tail_block"])
+    for mv in s["plan"]["moves"]:
+        out |= {mv[1], mv[3]}
+    for p in s["in_flight"]:
+        out |= set(p["sources"]) | set(p["dests"])
+    for ev in s["schedule"]:
+        out |= set(ev.get("blocks", ()))
+    return out
+
+
+def _fresh(s, k: int = 1) -> list[int]:
+    top = max(_all_blocks(s) | {0})
+    return [top + 1 + i for i in range(k)]
+
+
+def _ensure_block(r, b):
+    if b not in r["blocks"]:
+        r["blocks"] = sorted(r["blocks"] + [b])
+
+
+def _other_request(s) -> str:
+    names = set(map(str, s["pre"]["requests"]))
+    k = 0
+    while f"x{k}" in names:
+        k += 1
+    return f"x{k}"
+
+
+def _insert_after_launch(s, events: list[dict]) -> None:
+    """Insert ``events`` right after the plan's launch, at the launch's time (a launch at the
+    front is added when the schedule has none): before any fence, so before completion."""
+    sched, pid = s["schedule"], s["plan"]["id"]
+    i = next((k for k, ev in enumerate(sched) if ev["kind"] == "launch" and ev.get("plan") == pid), None)
+    if i is None:
+        t0 = sched[0]["t"] if sched else 0
+        sched.insert(0, {"t": t0, "kind": "launch", "plan": pid})
+        i = 0
+    t = sched[i]["t"]
+    sched[i + 1:i + 1] = [dict(ev, t=t) for ev in events]
+
+
+# ====================================================================== operators
+# Each takes (snapshot copy, rng) and mutates it in place, returning True, or False when it
+# does not apply to this snapshot (the caller then tries another base).
+
+def op_drop_token(s, rng) -> bool:
+    """A moved token (not recorded as evicted) is not live at its destination afterwards."""
+    post, live = _post(s), _live_moves(s)
+    if post is None or not live:
+        return False
+    moves, pre = s["plan"]["moves"], _pre(s)
+    how = rng.choice(("in_place", "dead_at_dst", "all_in_place"))
+    ks = live if how == "all_in_place" else [rng.choice(live)]
+    for k in ks:
+        t = moves[k][0]
+        if how == "dead_at_dst":
+            post["tokens"][t][2] = False
+        else:  # dead where it was, and NOT recorded as evicted in flight (issue 11 (A), (B))
+            post["tokens"][t] = [pre["tokens"][t][0], pre["tokens"][t][1], False]
+    return True
+
+
+def op_alias_slot(s, rng) -> bool:
+    """Two live tokens on one slot: after the plan, or a move onto an occupied slot."""
+    post, moves, S = _post(s), s["plan"]["moves"], s["block_size"]
+    choices = []
+    if post is not None and sum(1 for tok in post["tokens"] if tok[2]) >= 2:
+        choices.append("post")
+    if len(moves) >= 2:
+        choices.append("dst_dst")
+    pre = _pre(s)
+    moved = {mv[0] for mv in moves}
+    occupied = [t for t, tok in enumerate(pre["tokens"]) if tok[2] and t not in moved
+                and (post is None or (post["tokens"][t][2] and post["tokens"][t][:2] == tok[:2]))]
+    if moves and occupied:
+        choices.append("occupied")
+    if not choices:
+        return False
+    how = rng.choice(choices)
+    if how == "post":
+        live = [t for t, tok in enumerate(post["tokens"]) if tok[2]]
+        a, b = rng.sample(live, 2)
+        post["tokens"][a] = list(post["tokens"][b])
+        return True
+    k = rng.randrange(len(moves))
+    if how == "dst_dst":
+        j = rng.choice([x for x in range(len(moves)) if x != k])
+        moves[k][3:] = moves[j][3:]
+    else:
+        o = pre["tokens"][rng.choice(occupied)]
+        moves[k][3:] = [o[0], o[1]]
+    if post is not None and moves[k][0] not in set(s["evicted_in_flight"]):
+        t = moves[k][0]
+        post["tokens"][t] = [moves[k][3], moves[k][4], True]  # the table followed the move
+        _ensure_block(post, moves[k][3])
+    if s.get("dests_used") is not None:
+        ev = set(s["evicted_in_flight"])
+        s["dests_used"] = sorted({mv[3] for mv in moves if mv[0] not in ev})
+    return True
+
+
+def op_duplicate_token(s, rng) -> bool:
+    """A token mapped at two slots: a second move of a moved token to a free destination slot."""
+    moves, S = s["plan"]["moves"], s["block_size"]
+    if not moves:
+        return False
+    k = rng.randrange(len(moves))
+    used = {(mv[3], mv[4]) for mv in moves}
+    free = [(b, o) for b in sorted({mv[3] for mv in moves} | set(s["plan"]["dests"])) for o in range(S)
+            if (b, o) not in used]
+    b, o = rng.choice(free) if free else (moves[k][3], moves[k][4])
+    moves.append(moves[k][:3] + [b, o])
+    dg = s["plan"].get("digests")
+    if dg is not None:
+        dg["pre"].append(dg["pre"][k])
+        dg["post"].append(dg["post"][k])
+    return True
+
+
+def op_move_shared_block(s, rng) -> bool:
+    """A source (or destination) is a shared-prefix block: listed in ``shared_blocks``, or in
+    another request's block list (issue 11 (C): sharedness derived from every list)."""
+    src = s["plan"]["sources"]
+    if not src:
+        return False
+    b = rng.choice(src)
+    if rng.random() < 0.5:
+        s["shared_blocks"] = sorted(set(s["shared_blocks"]) | {b})
+        return True
+    pre, S = _pre(s), s["block_size"]
+    toks = [list(tok) for tok in pre["tokens"] if tok[2] and tok[0] == b]  # the same prefix tokens
+    s["pre"]["requests"][_other_request(s)] = {"length": len(toks), "blocks": [b], "tail_block": None, "tokens": toks}
+    return True
+
+
+def op_move_tail_block(s, rng) -> bool:
+    """The tail block (still being written) is a source or a destination."""
+    src, dst = s["plan"]["sources"], sorted({mv[3] for mv in s["plan"]["moves"]} | set(s["plan"]["dests"]))
+    opts = [("src", b) for b in src] + [("dst", b) for b in dst]
+    if not opts:
+        return False
+    _kind, b = rng.choice(opts)
+    _pre(s)["tail_block"] = b
+    return True
+
+
+def op_overlap_in_flight(s, rng) -> bool:
+    """An in-flight plan overlapping the plan's blocks, with the plan's own id or another."""
+    plan = s["plan"]
+    ours = sorted(set(plan["sources"]) | set(plan["dests"]) | {mv[3] for mv in plan["moves"]})
+    ids = {p["id"] for p in s["in_flight"]} | {plan["id"]}
+    other_id = max(ids) + 1
+    how = rng.choice(("same_id_overlap", "same_id_apart", "other_id_same_request", "other_id_other_request"))
+    if not ours and how != "same_id_apart":
+        how = "same_id_apart"
+    fresh = _fresh(s, 2)
+    if how == "same_id_apart":  # issue 11 (E): a duplicate id is rejected even without overlap
+        entry = {"id": plan["id"], "request": plan["request"], "sources": [fresh[0]], "dests": [fresh[1]]}
+    else:
+        b = rng.choice(ours)
+        pid = plan["id"] if how == "same_id_overlap" else other_id
+        req = _other_request(s) if how == "other_id_other_request" else plan["request"]
+        entry = {"id": pid, "request": req, "sources": [b], "dests": [fresh[0]]}
+        if rng.random() < 0.5:
+            entry = {"id": pid, "request": req, "sources": [fresh[0]], "dests": [b]}
+    s["in_flight"] = s["in_flight"] + [entry]
+    return True
+
+
+def op_not_decreasing(s, rng) -> bool:
+    """As many destinations as sources (or more): the block count does not decrease."""
+    plan = s["plan"]
+    need = len(set(plan["sources"])) - len(set(plan["dests"])) + rng.randint(0, 1)
+    if need <= 0 or not plan["sources"]:
+        return False
+    add = _fresh(s, need)
+    plan["dests"] = plan["dests"] + add
+    s["headroom"] = s["headroom"] + add
+    return True
+
+
+def op_read_before_copy(s, rng) -> bool:
+    """Attention reads a destination slot before the copy completes."""
+    plan, S = s["plan"], s["block_size"]
+    if plan["moves"]:
+        mv = rng.choice(plan["moves"])
+        tok, slot = mv[0], mv[3] * S + mv[4]
+    elif plan["dests"]:
+        tok, slot = 0, rng.choice(plan["dests"]) * S + rng.randrange(S)
+    else:
+        return False
+    req = plan["request"] if rng.random() < 0.7 else _other_request(s)
+    _insert_after_launch(s, [{"kind": "read", "request": req, "tokens": [tok], "slots": [slot]}])
+    return True
+
+
+def op_free_before_copy(s, rng) -> bool:
+    """A source is freed before the copy out of it completes."""
+    src = s["plan"]["sources"]
+    if not src:
+        return False
+    _insert_after_launch(s, [{"kind": "free", "blocks": [rng.choice(src)]}])
+    return True
+
+
+def op_write_source_before_copy(s, rng) -> bool:
+    """A source is reallocated and written (or only written) before the copy out of it completes."""
+    src, S = s["plan"]["sources"], s["block_size"]
+    if not src:
+        return False
+    b = rng.choice(src)
+    other = _other_request(s)
+    w = {"kind": "write", "request": other, "token": 0, "slot": b * S + rng.randrange(S)}
+    how = rng.choice(("free_alloc_write", "alloc_write", "write"))
+    evs = {"free_alloc_write": [{"kind": "free", "blocks": [b]}, {"kind": "alloc", "request": other, "blocks": [b]}, w],
+           "alloc_write": [{"kind": "alloc", "request": other, "blocks": [b]}, w],
+           "write": [w]}[how]
+    _insert_after_launch(s, evs)
+    return True
+
+
+def op_live_in_freed_block(s, rng) -> bool:
+    """After the plan a live token sits in a source (freed) block (issue 11 (D))."""
+    post, S = _post(s), s["block_size"]
+    src = s["plan"]["sources"]
+    if post is None or not src:
+        return False
+    live = _live_moves(s)
+    pre, moves = _pre(s), s["plan"]["moves"]
+    if live and rng.random() < 0.5:  # a moved token left live where it was
+        t = moves[rng.choice(live)][0]
+        post["tokens"][t] = [pre["tokens"][t][0], pre["tokens"][t][1], True]
+        _ensure_block(post, pre["tokens"][t][0])
+        return True
+    b = rng.choice(src)  # a token added while the copy flew, written into a source block
+    taken = {(tok[0], tok[1]) for tok in post["tokens"] if tok[2]}
+    free = [o for o in range(S) if (b, o) not in taken]
+    if not free:
+        return False
+    post["tokens"].append([b, rng.choice(free), True])
+    post["length"] += 1
+    _ensure_block(post, b)
+    return True
+
+
+def op_change_digest(s, rng) -> bool:
+    """A moved token's K/V digest differs before and after the copy."""
+    dg = s["plan"].get("digests")
+    if dg is None:
+        return False
+    ks = [k for k in _live_moves(s) if dg["pre"][k] is not None and dg["post"][k] is not None]
+    if not ks:
+        return False
+    k = rng.choice(ks)
+    side = rng.choice(("pre", "post"))
+    dg[side][k] ^= 1 << rng.randrange(64)
+    return True
+
+
+def op_resurrect_evicted(s, rng) -> bool:
+    """A token recorded as evicted in flight is live afterwards (at its pre slot or its destination)."""
+    post = _post(s)
+    if post is None:
+        return False
+    pre, moves = _pre(s), s["plan"]["moves"]
+    first = {}
+    for k, mv in enumerate(moves):
+        first.setdefault(mv[0], k)
+    ev = list(s["evicted_in_flight"])
+    if not ev:  # record one (a valid intermediate: dead in place, move dropped), then resurrect it
+        live = _live_moves(s)
+        if not live:
+            return False
+        t = moves[rng.choice(live)][0]
+        s["evicted_in_flight"] = [t]
+        post["tokens"][t] = [pre["tokens"][t][0], pre["tokens"][t][1], False]
+        if s.get("dests_used") is not None:
+            s["dests_used"] = sorted({mv[3] for mv in moves if mv[0] != t})
+        ev = [t]
+    t = rng.choice(ev)
+    if rng.random() < 0.5:
+        b, o = pre["tokens"][t][0], pre["tokens"][t][1]
+    else:
+        b, o = moves[first[t]][3], moves[first[t]][4]
+    post["tokens"][t] = [b, o, True]
+    _ensure_block(post, b)
+    return True
+
+
+def op_oversubscribe_headroom(s, rng) -> bool:
+    """The plan takes more destinations than the headroom reserves."""
+    dests = s["plan"]["dests"]
+    if not dests:
+        return False
+    if rng.random() < 0.5:
+        gone = {rng.choice(dests)}
+    else:
+        gone = set(dests)
+    s["headroom"] = [b for b in s["headroom"] if b not in gone]
+    return True
+
+
+def op_move_from_unheld_slot(s, rng) -> bool:
+    """A move's source is a slot the table does not hold for its token."""
+    moves, S = s["plan"]["moves"], s["block_size"]
+    if not moves:
+        return False
+    k = rng.randrange(len(moves))
+    pre = _pre(s)
+    choices = ["fresh_block"]
+    if S > 1:
+        choices.append("other_offset")
+    dead = [tok for tok in pre["tokens"] if not tok[2] and tok[0] != 0]
+    if dead:
+        choices.append("dead_slot")
+    how = rng.choice(choices)
+    if how == "other_offset":
+        moves[k][2] = (moves[k][2] + rng.randrange(1, S)) % S
+    elif how == "fresh_block":
+        moves[k][1] = _fresh(s)[0]
+    else:
+        tok = rng.choice(dead)
+        if tok[:2] == moves[k][1:3]:
+            moves[k][2] = (moves[k][2] + 1) % S if S > 1 else moves[k][2]
+            if S == 1:
+                moves[k][1] = _fresh(s)[0]
+        else:
+            moves[k][1:3] = [tok[0], tok[1]]
+    return True
+
+
+@dataclass(frozen=True)
+class Operator:
+    name: str
+    invariant: str  # the invariant a mutant breaks; both checkers claim it
+    fn: Callable
+    what: str
+
+
+OPERATORS: tuple[Operator, ...] = (
+    Operator("drop_token", "I1", op_drop_token, "drop a token"),
+    Operator("alias_slot", "I2", op_alias_slot, "alias two tokens onto one slot"),
+    Operator("duplicate_token", "I1", op_duplicate_token, "duplicate a token at two slots"),
+    Operator("move_shared_block", "I4", op_move_shared_block, "move a shared-prefix block"),
+    Operator("move_tail_block", "I4", op_move_tail_block, "move the tail block"),
+    Operator("overlap_in_flight", "I4", op_overlap_in_flight, "overlap an in-flight plan (same or other id)"),
+    Operator("not_decreasing", "I4", op_not_decreasing, "block count not strictly decreasing"),
+    Operator("read_before_copy", "I3", op_read_before_copy, "read a destination before its copy completes"),
+    Operator("free_before_copy", "I3", op_free_before_copy, "free a source before its copy completes"),
+    Operator("write_source_before_copy", "I3", op_write_source_before_copy,
+             "reallocate and write a source before the copy out of it completes"),
+    Operator("live_in_freed_block", "I2", op_live_in_freed_block, "leave a live token in a freed block"),
+    Operator("change_digest", "I1", op_change_digest, "change a moved token's K/V digest"),
+    Operator("resurrect_evicted", "I1", op_resurrect_evicted, "resurrect a token evicted in flight"),
+    Operator("oversubscribe_headroom", "I4", op_oversubscribe_headroom, "over-subscribe the headroom"),
+    Operator("move_from_unheld_slot", "I1", op_move_from_unheld_slot, "a move from a slot the table does not hold"),
+)
+
+
+# ====================================================================== running
+def _flagged(checker: Callable, snap: dict):
+    """(set of violated invariants, set of (invariant, rule)) or raises SnapshotError."""
+    vs = checker(snap)
+    return {v.invariant for v in vs}, {(v.invariant, v.rule) for v in vs}
+
+
+def make_mutants(valid: list[tuple[str, dict]], per_operator: int, seed: int = 0, operators=OPERATORS):
+    """Yield ``(operator, path, mutant, malformed_error)`` -- ``per_operator`` mutants per
+    operator (fewer only if no base snapshot admits it), deterministic for ``seed``."""
+    for op in operators:
+        rng = random.Random(f"{seed}/{op.name}")
+        order = list(range(len(valid)))
+        made, tries = 0, 0
+        while made < per_operator and order and tries < 20 * per_operator + len(valid):
+            rng.shuffle(order)
+            progressed = False
+            for i in order:
+                if made >= per_operator:
+                    break
+                tries += 1
+                path, base = valid[i]
+                mut = copy.deepcopy(base)
+                if not op.fn(mut, rng):
+                    continue
+                progressed = True
+                made += 1
+                try:
+                    validate(mut)
+                    err = None
+                except SnapshotError as e:
+                    err = str(e)
+                yield op, path, mut, err
+            if not progressed:
+                break
+
+
+def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = False,
+        progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Collect, mutate, check (see the module docstring). Returns the figures as a dict:
+    ``operators``, ``mutants``, ``rejected`` (by every checker), ``valid``,
+    ``valid_accepted`` (by every checker), ``malformed``, ``disagreements``, ``by_operator``,
+    ``by_path``, ``by_checker``, ``passed`` and the failures found (``failures``, a few)."""
+    t0 = time.perf_counter()
+    say = progress or (lambda _m: None)
+    sizes = dict(planner=dict(runs=2, steps=10), engine=dict(runs=2, new_tokens=28)) if quick else {}
+    valid: list[tuple[str, dict]] = []
+    by_path: dict = {}
+    for p in paths:
+        if p not in COLLECTORS:
+            raise ValueError(f"unknown path {p!r}; choose from {ALL_PATHS}")
+        c0 = time.perf_counter()
+        snaps = COLLECTORS[p](seed=seed, **sizes.get(p, {}))
+        valid += [(p, s) for s in snaps]
+        by_path[p] = dict(valid=len(snaps), collect_s=round(time.perf_counter() - c0, 2))
+        say(f"{p}: {len(snaps)} valid snapshots")
+    failures: list[dict] = []
+    acc = {c: 0 for c in CHECKERS}
+    valid_accepted = 0
+    for p, s in valid:
+        ok_all = True
+        for c, fn in CHECKERS.items():
+            vs = fn(s)
+            if vs:
+                ok_all = False
+                if len(failures) < 20:
+                    failures.append(dict(kind="valid_rejected", path=p, checker=c, violations=[str(v) for v in vs[:3]],
+                                         plan=s["plan"]["id"]))
+            else:
+                acc[c] += 1
+        valid_accepted += ok_all
+        by_path[p]["accepted"] = by_path[p].get("accepted", 0) + ok_all
+    by_op: dict = {}
+    total = rejected_all = malformed = disagreements = 0
+    for op, path, mut, err in make_mutants(valid, per_operator, seed):
+        row = by_op.setdefault(op.name, dict(what=op.what, invariant=op.invariant, generated=0, malformed=0,
+                                             rejected={c: 0 for c in CHECKERS},
+                                             flagged={c: {i: 0 for i in INVARIANTS} for c in CHECKERS},
+                                             disagreements=0, by_path={}))
+        row["generated"] += 1
+        row["by_path"][path] = row["by_path"].get(path, 0) + 1
+        total += 1
+        if err is not None:
+            row["malformed"] += 1
+            malformed += 1
+            if len(failures) < 20:
+                failures.append(dict(kind="malformed_mutant", operator=op.name, path=path, error=err))
+            continue
+        sets, rules = {}, {}
+        for c, fn in CHECKERS.items():
+            sets[c], rules[c] = _flagged(fn, mut)
+            for i in sets[c]:
+                row["flagged"][c][i] += 1
+            if op.invariant in sets[c]:
+                row["rejected"][c] += 1
+            elif len(failures) < 20:
+                failures.append(dict(kind="mutant_accepted", operator=op.name, path=path, checker=c,
+                                     flagged=sorted(sets[c]), plan=mut["plan"]["id"]))
+        if all(op.invariant in sets[c] for c in CHECKERS):
+            rejected_all += 1
+        # agreement: the same violated invariants; every rule Z3 names is one Python names
+        if len({frozenset(x) for x in sets.values()}) > 1 or not rules["z3"] <= rules["python"]:
+            row["disagreements"] += 1
+            disagreements += 1
+            if len(failures) < 20:
+                failures.append(dict(kind="disagreement", operator=op.name, path=path,
+                                     python=sorted(rules["python"]), z3=sorted(rules["z3"])))
+        say_every = 200
+        if total % say_every == 0:
+            say(f"{total} mutants checked")
+    short = [name for name in (o.name for o in OPERATORS) if by_op.get(name, {}).get("generated", 0) < per_operator]
+    res = dict(
+        operators=len(OPERATORS), mutants=total, rejected=rejected_all, valid=len(valid), valid_accepted=valid_accepted,
+        malformed=malformed, disagreements=disagreements, per_operator_target=per_operator,
+        operators_short=short, by_operator=by_op, by_path=by_path,
+        by_checker={c: dict(valid_accepted=acc[c], rejected=sum(r["rejected"][c] for r in by_op.values()))
+                    for c in CHECKERS},
+        checkers={"python": "vtoken.invariants.snapshot_checks (I1-I4)", "z3": "vtoken.invariants.z3_checks (I1-I4)"},
+        seed=seed, paths=list(paths), wall_s=round(time.perf_counter() - t0, 2), failures=failures,
+    )
+    res["passed"] = bool(total and rejected_all == total - malformed and malformed == 0 and not disagreements
+                         and valid and valid_accepted == len(valid) and not short)
+    return res
+
+
+def format_table(res: dict) -> str:
+    """The operator x checker table (text), for the command and the audit report."""
+    cs = list(CHECKERS)
+    head = f"{'operator':26} {'inv':3} {'made':>5} " + " ".join(f"{c + ' rej':>8}" for c in cs) + "  paths"
+    lines = [head, "-" * len(head)]
+    for name, r in res["by_operator"].items():
+        paths = ",".join(f"{p}:{n}" for p, n in sorted(r["by_path"].items()))
+        lines.append(f"{name:26} {r['invariant']:3} {r['generated']:5d} "
+                     + " ".join(f"{r['rejected'][c]:8d}" for c in cs) + f"  {paths}")
+    lines.append("-" * len(head))
+    lines.append(f"mutants {res['mutants']}, rejected by every checker {res['rejected']}, malformed {res['malformed']}, "
+                 f"disagreements {res['disagreements']}")
+    per_path = ", ".join(f"{p}: {v['valid']}" for p, v in res["by_path"].items())
+    lines.append(f"valid snapshots {res['valid']} ({per_path}), accepted by every checker {res['valid_accepted']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``vtoken check-mutants [--json] [--per-operator N] [--seed S] [--paths a,b] [--quick]``.
+
+    Exit 0: every mutant rejected by every checker, every valid snapshot accepted, no
+    disagreement, every operator at its count; 1: otherwise; 2: a path could not give
+    snapshots (named in the error; nothing is skipped silently). With ``--json`` the last
+    stdout line is one JSON object (see :func:`run`)."""
+    ap = argparse.ArgumentParser(prog="vtoken check-mutants", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    ap.add_argument("--per-operator", type=int, default=60, help="mutants per operator (default 60)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paths", default=",".join(ALL_PATHS), help=f"comma-separated subset of {','.join(ALL_PATHS)}")
+    ap.add_argument("--quick", action="store_true", help="smaller collection runs")
+    a = ap.parse_args(argv)
+    paths = [p.strip() for p in a.paths.split(",") if p.strip()]
+    try:
+        res = run(paths, per_operator=a.per_operator, seed=a.seed, quick=a.quick,
+                  progress=lambda m: print(m, file=sys.stderr))
+    except PathUnavailable as e:
+        print(f"check-mutants: {e}", file=sys.stderr)
+        if a.json:
+            print(json.dumps({"error": str(e), "passed": False, "paths": paths}))
+        return 2
+    print(format_table(res))
+    if a.json:
+        print(json.dumps(res, sort_keys=True))
+    return 0 if res["passed"] else 1

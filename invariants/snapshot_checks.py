@@ -1,0 +1,461 @@
+"""Invariants I1-I4 over a plan snapshot, in plain Python: sets, dicts and loops.
+
+This is the second, independent implementation of the rules the Z3 checker
+(:mod:`vtoken.invariants.z3_checks`) encodes as "find a counterexample". The two share
+only the schema (``vtoken.snapshot.validate``, which both call first) and the rule list
+below; they must agree on every snapshot: the same set of violated invariants (the
+checkers' own mutation test, :mod:`vtoken.invariants.mutants`, and the agreement tests
+assert it). A malformed snapshot raises :class:`vtoken.errors.SnapshotError` naming the
+field; otherwise :func:`check_snapshot` returns a :class:`Violation` per broken rule
+instance (``[]``: the snapshot satisfies I1-I4).
+
+Notation: ``R`` = the plan's request, ``n`` its pre length, ``pre[t]`` / ``post[t]`` token
+``t``'s ``(slot, live)`` before / after the plan (slot = ``block * S + offset``), ``E`` the
+recorded ``evicted_in_flight`` (taken as empty with ``evictions_in_flight=False``: no
+eviction can have happened), *shared* = ``shared_blocks`` united with every block that
+two or more requests of ``pre`` list in their ``blocks``, ``D`` = the plan's destination
+blocks (``plan.dests`` and the blocks its moves write).
+
+- **I1** token conservation (rule names in brackets)
+
+  - [move_token] every move's token is a token of ``R``, live before the plan, at the
+    move's source slot;
+  - [moved_twice] no token is moved twice;
+  - after the plan (``post`` not null): [arrival] each moved token not in ``E`` is live
+    at its move's destination -- one that is not is LOST, whatever its post slot;
+    [evicted] each token in ``E`` is dead at its pre slot (a resurrected token, or one
+    moved although recorded evicted, breaks I1); [unmoved] an unmoved token ``t < n``
+    keeps its slot while live, never becomes live, and dies only in place (a policy may
+    evict it while the copy flies; with ``evictions_in_flight=False`` not even that);
+    tokens ``t >= n`` (the request grew meanwhile) are new and not compared;
+  - [digest] with ``plan.digests``: each applied move's pre and post K/V digests agree
+    (where both are recorded).
+
+- **I2** unique mapping
+
+  - [pre_unique] ``R``'s live slots before the plan, the moves' destination slots and the
+    other requests' live slots outside shared blocks are pairwise distinct (no move lands
+    on an occupied slot, no two moves share a destination);
+  - [post_unique] after the plan no two live tokens of ``R`` share a slot;
+  - [null] no live token and no destination in the null block 0 (``validate`` refuses
+    both; kept as a second line);
+  - [dangling] after the plan no live token of ``R`` sits in a source block or in a block
+    the schedule frees, unless an ``alloc`` of that block to ``R`` follows its last free.
+
+- **I3** pre-attention visibility. The copy completes at an unknown ``c`` after its launch;
+  a ``fence`` of the plan at time ``w`` (the first after the launch) means every event
+  with ``t > w`` happens after ``c``. Without a launch nothing is known. So an event that
+  touches the plan's blocks is a violation [early] when there is no fence or its ``t <=
+  w``: a read of a slot in ``D``; a free of a source; an alloc of a source (to anyone) or
+  of a block in ``D`` to another request; a write into a source block or onto a
+  destination slot. [stale_read] A read of ``R``'s live token before the plan's
+  ``apply`` uses its pre slot; after it, a moved token not in ``E`` is read at its
+  destination.
+
+- **I4** layout-aware planning
+
+  - [consistent] per move: token live at the move's source, source block in
+    ``plan.sources``, destination block in ``plan.dests``;
+  - [emptied] every live token of ``R`` in a source block is moved;
+  - [blocks] sources are ``R``'s blocks; no source or destination is shared, the tail, or
+    both a source and a destination; destinations are fresh (not ``R``'s, not another
+    request's) and in the headroom; no block of the plan belongs to an in-flight plan
+    (any request);
+  - [duplicate_id] no in-flight plan carries the plan's id, and no two in-flight plans
+    share one;
+  - [duplicate_block] ``plan.sources`` and ``plan.dests`` name no block twice;
+    [dst_once] each destination slot is used once;
+  - [decrease] the block count strictly decreases: more sources than destinations listed
+    and than destination blocks used by the moves;
+  - [dests_used] when recorded, ``dests_used`` is exactly the blocks the moves not in
+    ``E`` write;
+  - [free_before_apply] no source is freed before the plan's ``apply``.
+
+Cost: linear in the snapshot (moves, tokens, events x their tokens), no solver.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from vtoken.snapshot import validate
+
+ALL_CHECKS = ("I1", "I2", "I3", "I4")
+__all__ = ["ALL_CHECKS", "Violation", "check_snapshot", "derived_shared"]
+
+
+@dataclass
+class Violation:
+    """One broken rule: ``invariant`` (I1-I4), a readable ``explanation``, the values that
+    show it (``model``) and the rule's name (``rule``, see the module docstring)."""
+
+    invariant: str
+    explanation: str
+    model: dict = field(default_factory=dict)
+    rule: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.invariant}: {self.explanation}"
+
+
+def _loc(S: int, slot: int) -> str:
+    return f"(block {slot // S}, offset {slot % S})"
+
+
+def derived_shared(snap: dict) -> set:
+    """``shared_blocks`` united with every block two or more requests of ``pre`` list."""
+    count = Counter()
+    for r in snap["pre"]["requests"].values():
+        count.update(set(r["blocks"]))
+    return set(snap["shared_blocks"]) | {b for b, c in count.items() if c > 1}
+
+
+class _View:
+    """The parts of a validated snapshot the rules read."""
+
+    def __init__(self, snap: dict, evictions_in_flight: bool):
+        self.S = S = snap["block_size"]
+        plan = snap["plan"]
+        self.pid, self.req = plan["id"], plan["request"]
+        self.sources, self.dests = list(plan["sources"]), list(plan["dests"])
+        self.moves = [tuple(mv) for mv in plan["moves"]]
+        self.digests = plan.get("digests")
+        reqs = snap["pre"]["requests"]
+        r = reqs[self.req]
+        self.n = r["length"]
+        self.pre_slot = [b * S + o for b, o, _l in r["tokens"]]
+        self.pre_live = [bool(l) for _b, _o, l in r["tokens"]]
+        self.pre_blocks = set(r["blocks"])
+        self.tail = r.get("tail_block")
+        self.post = snap.get("post") is not None
+        self.post_slot, self.post_live = [], []
+        if self.post:
+            q = snap["post"]["requests"][self.req]
+            self.post_slot = [b * S + o for b, o, _l in q["tokens"]]
+            self.post_live = [bool(l) for _b, _o, l in q["tokens"]]
+        self.recorded_evicted = set(snap["evicted_in_flight"])
+        self.evicted = self.recorded_evicted if evictions_in_flight else set()
+        self.tolerate_evictions = evictions_in_flight
+        self.shared = derived_shared(snap)
+        self.others = []  # (request, token, slot) live in other requests, outside shared blocks
+        self.other_blocks = {}  # block -> a request other than R listing it
+        for rid, o in reqs.items():
+            if rid == self.req:
+                continue
+            for b in o["blocks"]:
+                self.other_blocks.setdefault(b, rid)
+            for t, (b, off, live) in enumerate(o["tokens"]):
+                if live and b not in self.shared:
+                    self.others.append((rid, t, b * S + off))
+        self.headroom = set(snap["headroom"])
+        self.in_flight = list(snap["in_flight"])
+        self.schedule = list(snap["schedule"])
+        self.dests_used = snap.get("dests_used")
+        self.move_dst_blocks = {mv[3] for mv in self.moves}
+        self.dst_all = set(self.dests) | self.move_dst_blocks
+        self.moved = {}  # token -> index of its first move
+        for k, mv in enumerate(self.moves):
+            self.moved.setdefault(mv[0], k)
+        # the plan's own events: first launch, first apply, first fence after the launch
+        self.launch = self.apply = self.fence = None
+        for i, ev in enumerate(self.schedule):
+            if ev.get("plan") != self.pid:
+                continue
+            if ev["kind"] == "launch" and self.launch is None:
+                self.launch = i
+            elif ev["kind"] == "apply" and self.apply is None:
+                self.apply = i
+        if self.launch is not None:
+            for i, ev in enumerate(self.schedule):
+                if i > self.launch and ev.get("plan") == self.pid and ev["kind"] == "fence":
+                    self.fence = i
+                    break
+
+
+# ---------------------------------------------------------------------------------- I1
+def _i1(d: _View) -> list[Violation]:
+    out, S, n = [], d.S, d.n
+
+    def v(rule, why, **model):
+        out.append(Violation("I1", why, model, rule))
+
+    for k, (t, sb, so, db, do) in enumerate(d.moves):
+        src, dst = sb * S + so, db * S + do
+        if not 0 <= t < n:
+            v("move_token", f"move #{k} names token {t}, which request {d.req!r} does not have (length {n})", move=k)
+        elif not d.pre_live[t]:
+            v("move_token", f"move #{k} moves token {t}, which is not live before the plan", move=k)
+        elif d.pre_slot[t] != src:
+            v("move_token", f"move #{k}: token {t} is at {_loc(S, d.pre_slot[t])}, not at the move's source "
+                            f"{_loc(S, src)}", move=k)
+        elif d.post and t not in d.evicted and not (d.post_live[t] and d.post_slot[t] == dst):
+            if not d.post_live[t]:
+                v("arrival", f"move #{k}: token {t} is LOST: not live at its destination {_loc(S, dst)} after the "
+                             f"plan, and not recorded as evicted in flight", move=k)
+            else:
+                v("arrival", f"move #{k}: token {t} ends at {_loc(S, d.post_slot[t])}, not at its destination "
+                             f"{_loc(S, dst)}", move=k)
+    seen = {}
+    for k, mv in enumerate(d.moves):
+        if mv[0] in seen:
+            v("moved_twice", f"token {mv[0]} is moved twice (moves #{seen[mv[0]]} and #{k})", a=seen[mv[0]], b=k)
+            break
+        seen[mv[0]] = k
+    if not d.post:
+        return out
+    for t in sorted(d.evicted):  # recorded evicted while the copy flew: dead where it was
+        if d.post_live[t] or d.post_slot[t] != d.pre_slot[t]:
+            state = "live" if d.post_live[t] else "dead"
+            v("evicted", f"token {t} is recorded as evicted in flight but is {state} at {_loc(S, d.post_slot[t])} "
+                         f"after the plan (expected dead at {_loc(S, d.pre_slot[t])})", token=t)
+    for t in range(n):
+        if t in d.moved:
+            continue
+        pl, ql, ps, qs = d.pre_live[t], d.post_live[t], d.pre_slot[t], d.post_slot[t]
+        if pl and not ql and not (d.tolerate_evictions and ps == qs):
+            v("unmoved", f"live token {t} of request {d.req!r} is dropped by the plan"
+                         + ("" if ps == qs else f" (dead at {_loc(S, qs)}, not where it was)"), token=t)
+        elif ql and not pl:
+            v("unmoved", f"token {t} of request {d.req!r} becomes live after the plan (renamed or invented)", token=t)
+        elif pl and ql and ps != qs:
+            v("unmoved", f"token {t} is not moved but goes from {_loc(S, ps)} to {_loc(S, qs)}", token=t)
+    if d.digests is not None:
+        pre, post = d.digests["pre"], d.digests["post"]
+        for k, mv in enumerate(d.moves):
+            if mv[0] in d.evicted or pre[k] is None or post[k] is None:
+                continue
+            if pre[k] != post[k]:
+                v("digest", f"move #{k}: token {mv[0]}'s K/V digest changed across the copy "
+                            f"({pre[k]:#018x} before, {post[k]:#018x} after)", move=k)
+    return out
+
+
+# ---------------------------------------------------------------------------------- I2
+def _first_collision(vals: list) -> tuple[int, int] | None:
+    seen = {}
+    for k, x in enumerate(vals):
+        if x in seen:
+            return seen[x], k
+        seen[x] = k
+    return None
+
+
+def _i2(d: _View) -> list[Violation]:
+    out, S = [], d.S
+
+    def v(rule, why, **model):
+        out.append(Violation("I2", why, model, rule))
+
+    lab, vals = [], []
+    for t in range(d.n):
+        if d.pre_live[t]:
+            lab.append(f"live token {t}")
+            vals.append(d.pre_slot[t])
+    for k, mv in enumerate(d.moves):
+        lab.append(f"move #{k} (token {mv[0]})")
+        vals.append(mv[3] * S + mv[4])
+    for rid, t, s in d.others:
+        lab.append(f"live token {t} of request {rid!r}")
+        vals.append(s)
+    hit = _first_collision(vals)
+    if hit:
+        a, b = hit
+        v("pre_unique", f"before the plan, {lab[a]} and {lab[b]} share slot {_loc(S, vals[a])}",
+          slot=[vals[a] // S, vals[a] % S])
+    for x, what in zip(vals, lab):
+        if x < S:  # block 0: validate refuses it, a second line
+            v("null", f"{what} is in the null block 0")
+            break
+    if not d.post:
+        return out
+    live = [(t, s) for t, (s, l) in enumerate(zip(d.post_slot, d.post_live)) if l]
+    hit = _first_collision([s for _t, s in live])
+    if hit:
+        (ta, sa), (tb, _sb) = live[hit[0]], live[hit[1]]
+        v("post_unique", f"after the plan, live tokens {ta} and {tb} of request {d.req!r} share slot {_loc(S, sa)}",
+          slot=[sa // S, sa % S])
+    if any(s < S for _t, s in live):
+        v("null", "after the plan, a live token is in the null block 0")
+    # blocks the request must not hold a live token in after the plan
+    last_free, reacquired = {}, set()
+    for i, ev in enumerate(d.schedule):
+        if ev["kind"] == "free":
+            for b in ev["blocks"]:
+                last_free[b] = i
+                reacquired.discard(b)
+        elif ev["kind"] == "alloc" and str(ev["request"]) == str(d.req):
+            reacquired.update(b for b in ev["blocks"] if b in last_free)
+    gone = (set(d.sources) | set(last_free)) - reacquired
+    for t, s in live:
+        if s // S in gone:
+            what = "a source block of the plan" if s // S in d.sources else "a block the schedule frees"
+            v("dangling", f"after the plan, live token {t} of request {d.req!r} maps to {_loc(S, s)}, in {what}",
+              token=t, block=s // S)
+            break
+    return out
+
+
+# ---------------------------------------------------------------------------------- I3
+def _i3(d: _View) -> list[Violation]:
+    out, S, sched = [], d.S, d.schedule
+    if not sched:
+        return out
+    src, dst = set(d.sources), d.dst_all
+    dst_slots = {mv[3] * S + mv[4] for mv in d.moves}
+    w = sched[d.fence]["t"] if d.fence is not None else None
+    for i, ev in enumerate(sched):
+        kind = ev["kind"]
+        if kind == "read":
+            hit = [(t, s) for t, s in zip(ev["tokens"], ev["slots"]) if s // S in dst]
+        elif kind == "free":
+            hit = [b for b in ev["blocks"] if b in src]
+        elif kind == "alloc":
+            other = str(ev["request"]) != str(d.req)
+            hit = [b for b in ev["blocks"] if b in src or (other and b in dst)]
+        elif kind == "write":
+            hit = [(ev["token"], ev["slot"])] if (ev["slot"] // S in src or ev["slot"] in dst_slots) else []
+        else:
+            continue
+        if not hit or (w is not None and ev["t"] > w):
+            continue
+        when = (f"at t={ev['t']} (schedule[{i}]) " +
+                ("with no launch of the plan" if d.launch is None else
+                 "before any fence of the plan" if w is None else f"not after the fence at t={w}"))
+        if kind == "read":
+            why = (f"attention reads destination slot(s) of plan {d.pid} "
+                   f"({', '.join(f'token {t} at {_loc(S, s)}' for t, s in hit[:4])}) {when}")
+        elif kind == "free":
+            why = f"source block(s) {hit} of plan {d.pid} freed {when}"
+        elif kind == "alloc":
+            why = f"block(s) {hit} of plan {d.pid} handed to request {ev['request']!r} {when}"
+        else:
+            (t, s), = hit
+            role = "in a source block" if s // S in src else "on a destination slot"
+            why = f"new token {t} written at {_loc(S, s)}, {role} of plan {d.pid}, {when}"
+        out.append(Violation("I3", why, {"event": i, "t": ev["t"]}, "early"))
+    for i, ev in enumerate(sched):
+        if ev["kind"] != "read" or str(ev["request"]) != str(d.req):
+            continue
+        after = d.apply is not None and i > d.apply
+        for t, s in zip(ev["tokens"], ev["slots"]):
+            if not 0 <= t < d.n or not d.pre_live[t]:
+                continue
+            k = d.moved.get(t)
+            exp = d.moves[k][3] * S + d.moves[k][4] if (after and k is not None and t not in d.evicted) \
+                else d.pre_slot[t]
+            if s != exp:
+                out.append(Violation("I3", f"stale slot mapping: the read at t={ev['t']} (schedule[{i}], "
+                                           f"{'after' if after else 'before'} apply) uses {_loc(S, s)} for token {t}, "
+                                           f"expected {_loc(S, exp)}", {"event": i, "token": t}, "stale_read"))
+    return out
+
+
+# ---------------------------------------------------------------------------------- I4
+def _i4(d: _View) -> list[Violation]:
+    out, S, n = [], d.S, d.n
+    srcs, dests = set(d.sources), set(d.dests)
+
+    def v(rule, why, **model):
+        out.append(Violation("I4", why, model, rule))
+
+    for k, (t, sb, so, db, do) in enumerate(d.moves):
+        if not 0 <= t < n:
+            v("consistent", f"move #{k} names token {t} outside the snapshot (length {n})", move=k)
+        elif not d.pre_live[t]:
+            v("consistent", f"move #{k} moves token {t}, dead in the snapshot the plan was made from", move=k)
+        elif d.pre_slot[t] != sb * S + so:
+            v("consistent", f"move #{k}: token {t} is at {_loc(S, d.pre_slot[t])} in the snapshot, not at "
+                            f"{_loc(S, sb * S + so)} (inconsistent snapshot)", move=k)
+        elif sb not in srcs:
+            v("consistent", f"move #{k} takes token {t} out of block {sb}, which is not one of the plan's sources "
+                            f"{d.sources}", move=k)
+        elif db not in dests:
+            v("consistent", f"move #{k} sends token {t} to block {db}, which is not one of the plan's destinations "
+                            f"{d.dests}", move=k)
+    for t in range(n):
+        if d.pre_live[t] and d.pre_slot[t] // S in srcs and t not in d.moved:
+            v("emptied", f"live token {t} in source block {d.pre_slot[t] // S} is not moved: the source is not emptied",
+              token=t)
+    for b in sorted(srcs):
+        if b not in d.pre_blocks:
+            v("blocks", f"source block {b} is not one of request {d.req!r}'s blocks (inconsistent snapshot)", x=b)
+        if b in d.shared:
+            v("blocks", f"plan {d.pid} moves shared-prefix block {b} (a source)", x=b)
+        if d.tail is not None and b == d.tail:
+            v("blocks", f"plan {d.pid} moves the tail block {b} (still being written)", x=b)
+        if b in d.dst_all:
+            v("blocks", f"block {b} is both a source and a destination of plan {d.pid}", x=b)
+    for b in sorted(d.dst_all):
+        if b in d.shared:
+            v("blocks", f"plan {d.pid} writes into shared-prefix block {b} (a destination)", x=b)
+        if d.tail is not None and b == d.tail:
+            v("blocks", f"plan {d.pid} writes into the tail block {b}", x=b)
+        if b in d.pre_blocks:
+            v("blocks", f"destination block {b} already belongs to request {d.req!r} (not a fresh block)", x=b)
+        elif b in d.other_blocks:
+            v("blocks", f"destination block {b} belongs to request {d.other_blocks[b]!r}", x=b)
+        if b not in d.headroom:
+            v("blocks", f"destination block {b} is not in the headroom {sorted(d.headroom)}", x=b)
+    ours = srcs | d.dst_all
+    ids = Counter(p["id"] for p in d.in_flight)
+    for p in d.in_flight:
+        if p["id"] == d.pid:
+            v("duplicate_id", f"in-flight plan {p['id']} (request {p['request']!r}) carries plan {d.pid}'s own id",
+              in_flight=p["id"])
+        both = sorted(ours & (set(p["sources"]) | set(p["dests"])))
+        if both:
+            v("blocks", f"plan {d.pid} overlaps in-flight plan {p['id']} (request {p['request']!r}): block {both[0]}",
+              in_flight=p["id"], x=both[0])
+    for pid, c in sorted(ids.items()):
+        if c > 1:
+            v("duplicate_id", f"{c} in-flight plans carry id {pid}", in_flight=pid)
+    for name, lst in (("sources", d.sources), ("dests", d.dests)):
+        c = Counter(lst)
+        twice = sorted(b for b, k in c.items() if k > 1)
+        if twice:
+            v("duplicate_block", f"plan.{name} names block {twice[0]} twice")
+    hit = _first_collision([mv[3] * S + mv[4] for mv in d.moves])
+    if hit:
+        a, b = hit
+        mv = d.moves[a]
+        v("dst_once", f"destination slot {_loc(S, mv[3] * S + mv[4])} is used twice (moves #{a} and #{b})", a=a, b=b)
+    n_src, n_used, n_listed = len(srcs), len(d.move_dst_blocks), len(dests)
+    if n_src <= n_used or n_src <= n_listed:
+        v("decrease", f"plan {d.pid} does not reduce the block count: {n_src} source(s) vs {n_listed} destination(s) "
+                      f"listed, {n_used} used", sources=n_src, dests_listed=n_listed, dests_used=n_used)
+    if d.dests_used is not None:
+        want = {mv[3] for mv in d.moves if mv[0] not in d.recorded_evicted}
+        if set(d.dests_used) != want:
+            v("dests_used", f"dests_used {sorted(d.dests_used)} differs from the blocks the applied moves write "
+                            f"{sorted(want)}")
+    last = len(d.schedule) if d.apply is None else d.apply
+    for i, ev in enumerate(d.schedule):
+        if ev["kind"] == "free" and i < last:
+            hit = [b for b in ev["blocks"] if b in srcs]
+            if hit:
+                v("free_before_apply", f"source block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan "
+                                       f"{d.pid} is applied", event=i)
+    return out
+
+
+_CHECKERS = {"I1": _i1, "I2": _i2, "I3": _i3, "I4": _i4}
+
+
+def check_snapshot(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True) -> list[Violation]:
+    """Every violation of the named invariants (``[]``: none); the rules are the module
+    docstring's. Raises :class:`SnapshotError` (naming the field) for a malformed snapshot.
+
+    ``evictions_in_flight=False``: no eviction can have happened while the copy flew, so
+    ``evicted_in_flight`` is taken as empty and an unmoved live token that dies is lost.
+    """
+    unknown = [c for c in checks if c not in _CHECKERS]
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}; choose from {ALL_CHECKS}")
+    validate(snap)
+    d = _View(snap, evictions_in_flight)
+    out = []
+    for c in ALL_CHECKS:
+        if c in checks:
+            out += _CHECKERS[c](d)
+    return out
