@@ -20,9 +20,29 @@ uses). Then:
 3. when a copy ``failed`` (the plan is aborted, the table unchanged), the read path must
    still give the pre-launch hash.
 
+Hash scope (what else the copy must not touch): at launch the checker also records the
+*guard* of the plan, read through the table's public API (``requests()``, ``slots()``,
+``live_mask()``): every slot of the plan's destination blocks that no move writes (free or
+not: nobody else may write a reserved destination block), every live slot of EVERY request
+inside the destination blocks, every live slot of every request right next to a move's
+destination (one slot before or after it: where an off-by-one in the scatter lands), and
+the moves' source slots. When the copy reports done, each guarded slot must hold the same
+bytes -- a live slot only while the same token of the same request still holds it (a slot
+that changed hands meanwhile was written legitimately), and never a slot another plan's
+copy writes. A difference raises ``guard_overwritten`` naming the slot and its owner. When
+the plan is applied, no request other than the plan's may hold a live token in a
+destination block (``foreign_token``). The cost is one scan of every request's slots per
+plan: a check mode, not the serving path.
+
+Digests in the snapshot: for a plan carrying a snapshot, the checker fills
+``plan.digests`` (``vtoken.snapshot``): per move, the xxh3-64 of the moved token's
+per-layer digests at its source at launch (``pre``) and at its destination when the copy
+is done (``post``), with ``method``. The snapshot checkers then compare them (I1).
+
 Bytes are reinterpreted, never converted (``view(torch.uint8)`` / ``int32``): -0.0 vs 0.0
 and NaN payloads differ. A mismatch raises :class:`vtoken.errors.RelocationCheckError`
-(code ``relocation_mismatch``, ``token_set_changed`` or ``stale_slot``) naming the request,
+(code ``relocation_mismatch``, ``token_set_changed``, ``stale_slot``, ``guard_overwritten`` or
+``foreign_token``) naming the request,
 the first differing token in logical order, the layer and the plan id, after writing the
 plan's snapshot (``vtoken.snapshot.save``) and a ``.failure.json`` beside it to ``out_dir``.
 
@@ -137,6 +157,11 @@ def request_digest(ids: np.ndarray, per_token_layer: np.ndarray) -> int:
     return h.intdigest()
 
 
+def _combine(per_layer: np.ndarray) -> int:
+    """One 64-bit digest of a token's per-layer digests (the snapshot's ``plan.digests``)."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(per_layer, dtype=np.uint64).tobytes())
+
+
 # ---------------------------------------------------------------------------- checker
 @dataclass
 class _Pre:
@@ -151,6 +176,10 @@ class _Pre:
     req_digest: int
     evicted: set = field(default_factory=set)
     copy_checked: bool = False
+    dst_blocks: tuple = ()  # the plan's destination blocks
+    guard_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    guard_owner: list = field(default_factory=list)  # per guarded slot: (request, token) live there, or None
+    guard_dig: Optional[np.ndarray] = None  # [len(guard_slots), L]
 
 
 class RelocationChecker:
@@ -184,6 +213,8 @@ class RelocationChecker:
         self.failed = 0
         self.failures: list[dict] = []
         self.events = 0  # relocation events seen (plans launched)
+        self.guarded = 0  # slots guarded (hashed before and compared after a copy), in all
+        self._dst_slots: dict[int, set] = {}  # plan id -> destination slots its copy writes (in flight)
 
     # ------------------------------------------------------------------ digests
     def _digests(self, slots: np.ndarray) -> np.ndarray:
@@ -218,6 +249,7 @@ class RelocationChecker:
         defers their frees); drop their launch records."""
         for pid in [pid for pid, p in self._pre.items() if p.req_id == req_id]:
             del self._pre[pid]
+            # its copy may still write its destinations: they stay excluded from other guards
 
     def before_copy(self, plan) -> None:
         """At launch, before the copy is issued: hash through the pre-move slots."""
@@ -238,11 +270,15 @@ class RelocationChecker:
             sample_dig = self._sample_digests(slots[sample_idx])
         else:
             sample_idx, sample_dig = np.empty(0, dtype=np.int64), None
-        self._pre[plan.id] = _Pre(plan.id, plan.req_id, self.table.length(plan.req_id), ids, slots, dig,
-                                  sample_idx, sample_dig, request_digest(ids, dig))
+        pre = _Pre(plan.id, plan.req_id, self.table.length(plan.req_id), ids, slots, dig,
+                   sample_idx, sample_dig, request_digest(ids, dig))
+        self._guard_before(plan, pre)
+        self._pre[plan.id] = pre
+        self._snapshot_digests(plan, pre)
 
     def after_copy(self, plan, status: str) -> None:
         """The copy engine reported a final status (before apply / abort)."""
+        self._dst_slots.pop(plan.id, None)  # the copy is over: it writes nothing more
         p = self._pre.get(plan.id)
         if p is None:
             return
@@ -255,6 +291,7 @@ class RelocationChecker:
         m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
         p.copy_checked = True
         if len(m) == 0:
+            self._compare_guard(plan, p)
             return
         rows = np.searchsorted(p.ids, m[:, 0])
         known = (rows < len(p.ids))
@@ -264,16 +301,142 @@ class RelocationChecker:
             self._fail(plan, "token_set_changed", f"moved token {t} was not live at launch", token=t, layer=None)
             return
         dst = m[:, 3] * self.S + m[:, 4]
-        if self._compare_rows(plan, p, m[:, 0], rows, self._digests(dst), dst, what="copy"):
+        got = self._digests(dst)
+        self._snapshot_digests(plan, p, post=got)
+        if not self._compare_guard(plan, p):
+            return
+        if self._compare_rows(plan, p, m[:, 0], rows, got, dst, what="copy"):
             self.passed += 1
 
     def after_apply(self, plan) -> None:
         """The plan was applied: hash again through the post-move read path."""
         p = self._pre.pop(plan.id, None)
+        self._dst_slots.pop(plan.id, None)
         if p is None:
+            return
+        if not self._no_foreign_tokens(plan, p):
             return
         if self._compare_read_path(plan, p, expect_dests=True):
             self.passed += 1
+
+    # ------------------------------------------------------------------ hash scope
+    def _live_owners(self) -> dict:
+        """slot -> (request, token) for every live token of every request (public API only)."""
+        owners = {}
+        for rid in self.table.requests():
+            sl, lv = self.table.slots(rid), self.table.live_mask(rid)
+            ids = np.flatnonzero(lv)
+            for t, s in zip(ids.tolist(), sl[ids].tolist()):
+                owners[int(s)] = (rid, int(t))
+        return owners
+
+    def _guard_before(self, plan, p: _Pre) -> None:
+        """Record the slots the copy must not write and their bytes (see the module docstring);
+        fail when a live token of any request already sits in a destination block."""
+        S = self.S
+        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
+        dst = m[:, 3] * S + m[:, 4]
+        dst_blocks = sorted({int(b) for b in plan.dests} | set(m[:, 3].tolist()))
+        p.dst_blocks = tuple(dst_blocks)
+        writes = set(dst.tolist())
+        self._dst_slots[plan.id] = writes
+        nslots = int(self.kv.num_slots)
+        owners = self._live_owners()
+        blocks = set(dst_blocks)
+        for s, (rid, t) in owners.items():  # destinations are fresh headroom blocks: nobody's yet
+            if s // S in blocks:
+                self._fail(plan, "foreign_token",
+                           f"at launch, request {rid!r} token {t} is live at slot {s} in destination block {s // S} "
+                           f"of plan {plan.id}: the copy would overwrite or alias it", token=t, layer=None)
+                break
+        guard = {}  # slot -> owner (None: must not change whatever holds it)
+        for b in dst_blocks:  # reserved for this plan: nobody else writes them
+            for s in range(b * S, min((b + 1) * S, nslots)):
+                if s not in writes:
+                    guard[s] = owners.get(s)
+        for s in writes:  # live neighbours of every destination (off-by-one writes land there)
+            for x in (s - 1, s + 1):
+                if 0 <= x < nslots and x not in writes and x in owners:
+                    guard.setdefault(x, owners[x])
+        for s in (m[:, 1] * S + m[:, 2]).tolist():  # the sources: read, never written
+            if s not in writes and s in owners:
+                guard.setdefault(int(s), owners[s])
+        p.guard_slots = np.fromiter(sorted(guard), dtype=np.int64, count=len(guard))
+        p.guard_owner = [guard[int(s)] for s in p.guard_slots]
+        p.guard_dig = self._digests(p.guard_slots) if len(guard) else None
+        self.guarded += len(guard)
+
+    def _compare_guard(self, plan, p: _Pre) -> bool:
+        if p.guard_dig is None:
+            return True
+        owners = self._live_owners()
+        others = set().union(*[w for pid, w in self._dst_slots.items() if pid != plan.id]) if self._dst_slots else set()
+        blocks = set(p.dst_blocks)
+        keep = []
+        for k, (s, own) in enumerate(zip(p.guard_slots.tolist(), p.guard_owner)):
+            if s in others:
+                continue  # another plan's copy writes it
+            if own is None:  # a free slot of a reserved destination block: nothing may write it
+                if s // self.S in blocks and s not in owners:
+                    keep.append(k)
+            elif owners.get(s) == own:  # the same token still holds it
+                keep.append(k)
+        if not keep:
+            return True
+        keep = np.asarray(keep, dtype=np.int64)
+        got = self._digests(p.guard_slots[keep])
+        bad = (got != p.guard_dig[keep]).any(axis=1)
+        if not bad.any():
+            return True
+        i = int(keep[int(np.argmax(bad))])
+        s = int(p.guard_slots[i])
+        own = p.guard_owner[i]
+        layer = int(np.argmax(got[int(np.argmax(bad))] != p.guard_dig[i]))
+        whose = (f"live token {own[1]} of request {own[0]!r}" if own is not None
+                 else f"a free slot of destination block {s // self.S}")
+        self._fail(plan, "guard_overwritten",
+                   f"the copy wrote slot {s} (block {s // self.S} offset {s % self.S}), which no move of the plan "
+                   f"names: {whose} changed (layer {layer})", token=own[1] if own else None, layer=layer)
+        return False
+
+    def _no_foreign_tokens(self, plan, p: _Pre) -> bool:
+        """After apply: no request but the plan's holds a live token in a destination block."""
+        blocks = np.asarray(p.dst_blocks, dtype=np.int64)
+        if not len(blocks):
+            return True
+        for rid in self.table.requests():
+            if rid == p.req_id:
+                continue
+            sl, lv = self.table.slots(rid), self.table.live_mask(rid)
+            hit = np.flatnonzero(lv & np.isin(sl // self.S, blocks))
+            if len(hit):
+                t = int(hit[0])
+                self._fail(plan, "foreign_token",
+                           f"request {rid!r} token {t} is live at slot {int(sl[t])} in destination block "
+                           f"{int(sl[t]) // self.S} of plan {plan.id} (request {p.req_id!r})", token=t, layer=None)
+                return False
+        return True
+
+    def _snapshot_digests(self, plan, p: _Pre, post: Optional[np.ndarray] = None) -> None:
+        """Fill ``plan.digests`` of the plan's snapshot (pre at launch, post when the copy is done)."""
+        snap = getattr(plan, "snapshot", None)
+        if not isinstance(snap, dict) or not isinstance(snap.get("plan"), dict):
+            return
+        moves = snap["plan"].get("moves", [])
+        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
+        if len(moves) != len(m):
+            return  # the snapshot's moves are not this move list: leave no digests rather than misalign them
+        if post is None:
+            rows = np.searchsorted(p.ids, m[:, 0]) if len(m) else np.zeros(0, dtype=np.int64)
+            pre = []
+            for t, r in zip(m[:, 0].tolist(), rows.tolist()):
+                ok = r < len(p.ids) and int(p.ids[r]) == t
+                pre.append(_combine(p.dig[r]) if ok else None)
+            snap["plan"]["digests"] = {"method": self.method, "pre": pre, "post": [None] * len(m)}
+        else:
+            dg = snap["plan"].get("digests")
+            if isinstance(dg, dict) and len(dg.get("post", ())) == len(post):
+                dg["post"] = [_combine(row) for row in post]
 
     # ------------------------------------------------------------------ comparisons
     def _compare_read_path(self, plan, p: _Pre, expect_dests: bool) -> bool:
@@ -391,7 +554,7 @@ def _minimal_snapshot(plan, S: int) -> dict:
             "plan": {"id": int(plan.id), "request": str(plan.req_id), "sources": list(plan.sources),
                      "dests": list(plan.dests), "moves": np.asarray(plan.moves).tolist()},
             "pre": {"requests": {}}, "post": None, "shared_blocks": [], "headroom": [], "in_flight": [],
-            "schedule": []}
+            "schedule": [], "evicted_in_flight": []}
 
 
 class CheckedCopyEngine:

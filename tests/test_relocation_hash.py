@@ -4,13 +4,13 @@ plans of the reclamation manager with the CPU copy engine."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from vtoken import faults
 from vtoken.allocator import BlockAllocator
 from vtoken.copy_engine import KVCopyEngine
 from vtoken.errors import RelocationCheckError
@@ -22,6 +22,25 @@ from vtoken.snapshot import load as load_snapshot
 from vtoken.table import TokenTable
 
 S, NB, L = 4, 48, 3
+
+
+@contextlib.contextmanager
+def planted(name):
+    """A planted patch fault of the catalogue, swapped into the live modules for a ``with`` block."""
+    from vtoken.fuzz.catalogue import CATALOGUE
+    from vtoken.fuzz.patches import planted as swap
+
+    fault = next(f for f in CATALOGUE if f.name == name)
+    assert fault.patches, f"{name} is not a patch fault"
+    with swap(fault.patches):
+        yield
+
+
+def faulty_engine(name):
+    """A faulty copy engine of the toolkit (vtoken.fuzz.faulty_engines), by catalogue name."""
+    from vtoken.fuzz.faulty_engines import ENGINES
+
+    return ENGINES[name]
 
 
 def cache(seed=0, dtype=torch.float32):
@@ -104,11 +123,11 @@ def test_request_digest_depends_on_ids_and_order():
 class Rig:
     """table + allocator + cache + manager with the checker wrapped around a CPU copy engine."""
 
-    def __init__(self, method=None, lag=0, out_dir=None, raise_on_failure=True, seed=0):
+    def __init__(self, method=None, lag=0, out_dir=None, raise_on_failure=True, seed=0, engine=KVCopyEngine):
         self.kv = cache(seed)
         self.table = TokenTable(S, NB)
         self.alloc = BlockAllocator(NB)
-        self.copy = KVCopyEngine(self.kv, S, lag=lag)
+        self.copy = engine(self.kv, S, lag=lag)
         self.chk = RelocationChecker(self.kv, self.table, out_dir=out_dir, method=method,
                                      raise_on_failure=raise_on_failure)
         cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=6, record_snapshots=True)
@@ -141,11 +160,10 @@ def test_checker_passes_on_clean_relocations():
 
 @pytest.mark.parametrize("method", ["xxh3", "fingerprint"])
 def test_flip_caught_with_names_and_snapshot(tmp_path, method):
-    rig = Rig(method=method, out_dir=tmp_path)
-    with faults.planted("copy_flip_byte"):
-        plans = rig.mgr.step()
-        with pytest.raises(RelocationCheckError) as ei:
-            rig.mgr.step()
+    rig = Rig(method=method, out_dir=tmp_path, engine=faulty_engine("copy_flip_byte"))
+    plans = rig.mgr.step()
+    with pytest.raises(RelocationCheckError) as ei:
+        rig.mgr.step()
     e = ei.value
     assert e.code == "relocation_mismatch"
     f = rig.chk.failures[0]
@@ -161,16 +179,15 @@ def test_flip_caught_with_names_and_snapshot(tmp_path, method):
 
 
 def test_count_only_mode_and_skip_move():
-    rig = Rig(raise_on_failure=False)
-    with faults.planted("copy_skip_move"):
-        plans = rig.mgr.step()
-        rig.mgr.step()
+    rig = Rig(raise_on_failure=False, engine=faulty_engine("copy_skip_move"))
+    rig.mgr.step()
+    rig.mgr.step()
     assert rig.chk.failed >= 1 and rig.chk.failures[0]["code"] == "relocation_mismatch"
 
 
 def test_stale_read_path_caught():
     rig = Rig()
-    with faults.planted("stale_slot_after_move"):
+    with planted("stale_slot_after_move"):
         rig.mgr.step()
         with pytest.raises(RelocationCheckError) as ei:
             rig.mgr.step()
@@ -228,3 +245,123 @@ def test_default_methods():
     assert RelocationChecker(kv, t, method="fingerprint").method == "fingerprint"
     with pytest.raises(ValueError):
         RelocationChecker(kv, t, method="crc")
+
+
+# ---------------------------------------------------------------------------- hash scope (issue 11 item 4)
+class WritePastEngine(KVCopyEngine):
+    """A faulty copy engine (test-only subclass, nothing in vtoken/): every copy also writes
+    one slot past the plan's last destination -- an off-by-one in the scatter."""
+
+    def launch(self, plan):
+        h = super().launch(plan)
+        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
+        if len(m):
+            past = int((m[:, 3] * self.S + m[:, 4]).max()) + 1
+            src = int(m[-1, 1] * self.S + m[-1, 2])
+            self.kv.flat[:, :, past] = self.kv.flat[:, :, src]  # a moved token's bytes, one slot too far
+        return h
+
+
+def layout(live_in_sources=8, engine=KVCopyEngine, foreign_in_dest=False, raise_on_failure=True):
+    """Request 'a' on blocks 1..5 (4 = last source, 5 = the full tail), the headroom 6..7,
+    request 'b' on blocks 8..9. With 8 live tokens in a's sources the plan fills 6 and 7
+    exactly, so one slot past its last destination is b's live token 0 (slot 32); with 7, that
+    slot is the free last slot of destination block 7."""
+    kv = cache(5)
+    t, a = TokenTable(S, NB), BlockAllocator(NB)
+    blocks_a = a.allocate(5)
+    t.sync_new_tokens("a", blocks_a, 5 * S)
+    evict = [b * S + o for b in range(4) for o in (2, 3)]
+    if live_in_sources == 7:
+        evict.append(1)
+    t.evict_tokens("a", sorted(evict))
+    copy = engine(kv, S)
+    chk = RelocationChecker(kv, t, raise_on_failure=raise_on_failure)
+    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=2, record_snapshots=True)
+    mgr = ReclamationManager(t, a, chk.wrap(copy), cfg, on_applied=chk.after_apply)
+    blocks_b = a.allocate(2)
+    t.sync_new_tokens("b", blocks_b, 6)
+    assert blocks_a == [1, 2, 3, 4, 5] and mgr.headroom == [6, 7] and blocks_b == [8, 9], \
+        (blocks_a, mgr.headroom, blocks_b)  # the layout the scenario relies on
+    if foreign_in_dest:
+        t.sync_new_tokens("z", [6], 1)  # a token the table places in a reserved headroom block
+    return kv, t, chk, mgr
+
+
+def test_clean_layout_passes_with_the_guard():
+    kv, t, chk, mgr = layout()
+    (plan,) = mgr.plan_round()
+    assert sorted({int(b) for b in plan.moves[:, 3]}) == [6, 7]
+    mgr.poll(force_sync=True)
+    assert chk.failed == 0 and chk.passed == 2 and chk.guarded > 0
+
+
+def test_write_past_destination_into_another_requests_live_slot_is_caught():
+    kv, t, chk, mgr = layout(engine=WritePastEngine)
+    with pytest.raises(RelocationCheckError) as ei:
+        mgr.plan_round()
+        mgr.poll(force_sync=True)
+    assert ei.value.code == "guard_overwritten"
+    msg = str(ei.value)
+    assert "slot 32 (block 8 offset 0)" in msg and "live token 0 of request 'b'" in msg
+
+
+def test_write_past_destination_into_a_free_destination_slot_is_caught():
+    kv, t, chk, mgr = layout(live_in_sources=7, engine=WritePastEngine)
+    with pytest.raises(RelocationCheckError) as ei:
+        mgr.plan_round()
+        mgr.poll(force_sync=True)
+    assert ei.value.code == "guard_overwritten" and "a free slot of destination block 7" in str(ei.value)
+
+
+def test_write_past_is_missed_without_the_guard_scope():
+    """The control: the plan's own request and every moved token are intact (what the
+    checker compared before issue 11), only another request's slot is corrupted."""
+    kv, t, chk, mgr = layout(engine=WritePastEngine, raise_on_failure=False)
+    mgr.plan_round()
+    mgr.poll(force_sync=True)
+    codes = [f["code"] for f in chk.failures]
+    assert codes == ["guard_overwritten"], chk.failures  # nothing else flagged it
+
+
+def test_another_requests_live_token_in_a_destination_block_is_caught():
+    kv, t, chk, mgr = layout(foreign_in_dest=True)
+    with pytest.raises(RelocationCheckError) as ei:
+        mgr.plan_round()
+    assert ei.value.code == "foreign_token" and "request 'z' token 0" in str(ei.value)
+
+
+def test_guard_has_no_false_alarm_with_lagged_copies_and_evictions():
+    rig = Rig(lag=2, seed=3)
+    for _ in range(6):
+        for p in list(rig.mgr.in_flight.values()):
+            live = rig.table.live_tokens(p.req_id)
+            if len(live) > 2:
+                rig.evict(p.req_id, [int(live[0])])  # a token dies while its copy flies
+        rig.mgr.step()
+    rig.mgr.poll(force_sync=True)
+    assert rig.chk.failed == 0 and rig.chk.passed >= 2 and rig.chk.guarded > 0
+
+
+def test_snapshot_digests_are_filled_and_checked():
+    from vtoken.invariants import snapshot_checks, z3_checks
+
+    rig = Rig()
+    plans = rig.mgr.step()
+    rig.mgr.step()
+    for p in plans:
+        dg = p.snapshot["plan"]["digests"]
+        assert dg["method"] == "xxh3" and len(dg["pre"]) == len(p.snapshot["plan"]["moves"])
+        assert dg["pre"] == dg["post"] and None not in dg["pre"]
+        assert snapshot_checks.check_snapshot(p.snapshot) == [] and z3_checks.check_snapshot(p.snapshot) == []
+    # a flipped byte shows in the snapshot too: both checkers flag the digest (I1)
+    rig = Rig(raise_on_failure=False, engine=faulty_engine("copy_flip_byte"))
+    plans = rig.mgr.step()
+    rig.mgr.step()
+    flagged = 0
+    for p in plans:
+        for check in (snapshot_checks.check_snapshot, z3_checks.check_snapshot):
+            vs = check(p.snapshot)
+            if any(v.invariant == "I1" and v.rule == "digest" for v in vs):
+                flagged += 1
+    assert flagged == 2 * len(plans)
