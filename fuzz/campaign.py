@@ -32,6 +32,7 @@ from pathlib import Path
 MACHINES = {
     "table": "vtoken.fuzz.table_machine:TableMachine",
     "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
+    "adapter": "vtoken.fuzz.adapter_machine:AdapterMachine",  # needs vLLM (make vllm)
 }
 
 
@@ -254,6 +255,8 @@ def main_fuzz(argv) -> int:
     ap.add_argument("--machines", nargs="*", choices=sorted(MACHINES))
     ap.add_argument("--profile", default="dev", choices=["ci", "dev", "nightly"])
     ap.add_argument("--planted", metavar="NAME|all", help="run the checks against planted faults instead")
+    ap.add_argument("--runs", type=int, default=1, help="--planted: independent seeds per fault (the rate's denominator)")
+    ap.add_argument("--budget", type=float, default=None, help="--planted: seconds per detection run (default 60)")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
     a = ap.parse_args(argv)
     os.environ["VTOKEN_DEVICE"] = a.device

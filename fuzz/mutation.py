@@ -70,12 +70,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .shadow import SUBPACKAGES, _ignore, make_shadow
+from .shadow import snapshot as shadow_snapshot
+
 DEFAULT_FILES = ("vtoken/table.py", "vtoken/planner.py")
 EXAMPLE_TESTS = ("tests/test_table.py", "tests/test_planner.py", "tests/test_mutation_killers.py")
 MACHINE_TESTS = {"vtoken/table.py": "tests/test_table_conformance.py",
                  "vtoken/planner.py": "tests/test_planner_conformance.py"}
 # pyproject's package-dir mapping: repository folder -> its place in the shadow package
-SUBPACKAGES = {"spec": "vtoken/spec", "invariants": "vtoken/invariants", "fuzz": "vtoken/fuzz"}
 GUARD_PLUGIN = "_vtoken_mutation_guard"
 
 # Surviving mutants argued equivalent (issue 7 item 6). Matched on the file, the stripped
@@ -565,10 +567,6 @@ def generate(source: str, relpath: str = "<module>") -> list[Mutant]:
 
 
 # ====================================================================== the shadow tree
-def _ignore(_dir, names):
-    return [n for n in names if n in ("__pycache__", ".hypothesis", ".pytest_cache") or n.endswith(".pyc")]
-
-
 _GUARD_SRC = '''"""Fails the run (usage error) unless vtoken was imported from this shadow tree."""
 import os, sys
 SHADOW = os.path.dirname(os.path.abspath(__file__))
@@ -614,33 +612,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def snapshot(repo: Path, dest: Path) -> Path:
-    """Copy the sources the campaign needs into ``dest`` laid out as the installed package."""
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(repo / "vtoken", dest / "vtoken", ignore=_ignore)
-    for folder, target in SUBPACKAGES.items():
-        if (dest / target).exists():
-            shutil.rmtree(dest / target)
-        shutil.copytree(repo / folder, dest / target, ignore=_ignore)
+    """The shadow package (``vtoken.fuzz.shadow.snapshot``) plus ``tests/``, ``pyproject.toml``
+    and the guard plugin the mutant runs load."""
+    shadow_snapshot(repo, dest)
     shutil.copytree(repo / "tests", dest / "tests", ignore=_ignore)
     shutil.copy2(repo / "pyproject.toml", dest / "pyproject.toml")
     (dest / (GUARD_PLUGIN + ".py")).write_text(_GUARD_SRC)
-    return dest
-
-
-def _link_or_copy(s, d):
-    try:
-        os.link(s, d)
-    except OSError:
-        shutil.copy2(s, d)
-
-
-def make_shadow(snap: Path, dest: Path, mutant: Optional[Mutant] = None) -> Path:
-    """A per-run copy of the snapshot (hard links) with the mutant's module written in."""
-    shutil.copytree(snap, dest, copy_function=_link_or_copy)
-    if mutant is not None:
-        target = dest / mutant.file
-        target.unlink()  # never write through a hard link into the snapshot
-        target.write_text(mutant.source)
     return dest
 
 

@@ -125,7 +125,7 @@ def phase_sanitizer() -> dict:
 def phase_i3() -> dict:
     import torch
 
-    from vtoken.copy_engine import i3_probe
+    from vtoken.invariants.i3_probe import i3_probe
     from vtoken.decode_cli import make_prompts
     from vtoken.engine import DecodeEngine
     from vtoken.kvcache import KVCache

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from vtoken.fuzz.campaign import run_campaign
+from vtoken.fuzz.planted import planted, shadow_for
+from vtoken.fuzz.shadow import env_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,17 +28,18 @@ def test_campaign_runs_clean_and_counts(tmp_path):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["ops"] == s["ops"]
 
 
-def _campaign(args, env_faults, tmp_path, **kw):
-    env = dict(os.environ, VTOKEN_FAULTS=env_faults)
-    return subprocess.Popen([sys.executable, "-m", "vtoken", "fuzz", *args], cwd=REPO, env=env,
+def _campaign(args, shadow, **kw):
+    """``vtoken fuzz`` in a process that imports the faulty shadow tree."""
+    return subprocess.Popen([sys.executable, "-m", "vtoken", "fuzz", *args], cwd=shadow, env=env_for(shadow),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
 @pytest.mark.slow
 def test_failure_written_kept_after_sigint_and_replayed_first(tmp_path):
     db, out = tmp_path / "db", tmp_path / "out"
+    shadow = shadow_for(["stale_slot_after_move"], tmp_path / "shadow")
     args = ["--minutes", "3", "--machines", "table", "--db", str(db), "--out", str(out), "--profile", "ci"]
-    p = _campaign(args, "stale_slot_after_move", tmp_path)
+    p = _campaign(args, shadow)
     deadline = time.time() + 150
     while time.time() < deadline and not list(out.glob("failures/*.txt")):
         time.sleep(0.5)
@@ -54,17 +57,19 @@ def test_failure_written_kept_after_sigint_and_replayed_first(tmp_path):
     out2 = tmp_path / "out2"
     t0 = time.time()
     p2 = _campaign(["--minutes", "1", "--machines", "table", "--db", str(db), "--out", str(out2), "--profile", "ci"],
-                   "stale_slot_after_move", tmp_path)
+                   shadow)
     p2.communicate(timeout=120)
     s2 = json.loads((out2 / "summary.json").read_text())
     assert s2["failures"] >= 1
     first = s2["failure_reports"][0]
     assert first["found_after_s"] < 20, f"replay took {first['found_after_s']:.1f} s"
     # the replay file fails on the planted build and passes on the clean one
-    env = dict(os.environ, VTOKEN_FAULTS="stale_slot_after_move")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(replay[0])],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=shadow, env=env_for(shadow), capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(replay[0])],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:]
 
 
 def _free_port():
@@ -98,15 +103,13 @@ def test_redis_example_database(tmp_path):
             except redis.ConnectionError:
                 time.sleep(0.05)
         url = f"redis://127.0.0.1:{port}"
-        from vtoken import faults
-
         # a fault the table machine finds within seconds: the test is about the database
-        with faults.planted("stale_slot_after_move"):
+        with planted("stale_slot_after_move"):
             s = run_campaign(minutes=2.0, workers=1, out=tmp_path / "o1", db=url, machines=["table"],
                              progress=False, batch=100, profile="ci")
         assert s["failures"] >= 1
         assert client.dbsize() > 0, "nothing was saved to Redis"
-        with faults.planted("stale_slot_after_move"):  # a second campaign (another machine, same server) finds it at once
+        with planted("stale_slot_after_move"):  # a second campaign (another machine, same server) finds it at once
             s2 = run_campaign(minutes=1.0, workers=1, out=tmp_path / "o2", db=url, machines=["table"],
                               progress=False, batch=5, profile="ci")
         assert s2["failures"] >= 1 and s2["failure_reports"][0]["found_after_s"] < 15

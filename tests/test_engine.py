@@ -15,11 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken import faults
 from vtoken.copy_engine import KVCopyEngine
 from vtoken.decode_cli import bench_decode, main_decode, make_prompts
 from vtoken.engine import DecodeEngine, default_planner_config
-from vtoken.errors import RelocationCheckError, TableError
+from vtoken.errors import PlanError, RelocationCheckError, TableError
+from vtoken.fuzz.faulty_engines import factory
+from vtoken.fuzz.patches import Patch
+from vtoken.fuzz.patches import planted as planted_patches
+from vtoken.fuzz.planted import planted
 from vtoken.kvcache import KVCache
 from vtoken.model import PagedDecoder
 from vtoken.planner import Plan, PlannerConfig
@@ -238,8 +241,7 @@ def test_copy_engine_lag_fail_and_faults():
     # planted: one byte flipped / one move skipped
     for fault in ("copy_flip_byte", "copy_skip_move"):
         kv = small_cache()
-        with faults.planted(fault):
-            h = KVCopyEngine(kv, 4).launch(mk_plan(moves))
+        h = factory(fault)(kv, 4).launch(mk_plan(moves))
         rows_bad = (kv.slot_bytes(dst) != want).any(dim=1)
         assert int(rows_bad.sum()) == 1, fault
     # sentinel mode (CPU, lagged): destinations hold the sentinel until the copy lands
@@ -262,9 +264,13 @@ def test_copy_engine_rejects_a_block_size_other_than_the_caches():
                                         ("copy_skip_move", "relocation_mismatch"),
                                         ("stale_slot_after_move", "stale_slot")])
 def test_planted_fault_caught_by_hash_and_compare(model, prompts, fault, code, tmp_path):
-    eng = vtoken(model, prompts, "random", 4, snapshot_dir=tmp_path)
-    with faults.planted(fault):
+    if fault.startswith("copy_"):
+        eng = vtoken(model, prompts, "random", 4, snapshot_dir=tmp_path, copy_engine_factory=factory(fault))
         with pytest.raises(RelocationCheckError) as ei:
+            eng.run(prompts, N)
+    else:
+        eng = vtoken(model, prompts, "random", 4, snapshot_dir=tmp_path)
+        with planted(fault), pytest.raises(RelocationCheckError) as ei:
             eng.run(prompts, N)
     e = ei.value
     assert e.code == code
@@ -283,10 +289,10 @@ def test_planted_faults_without_hash_checks(model, prompts):
     read slots) or in different outputs. A flipped low byte may not change greedy outputs:
     that one needs hash-and-compare."""
     ref = naive(model, prompts, "random", 4)
-    with faults.planted("copy_skip_move"):
-        res = vtoken(model, prompts, "random", 4, check_relocations=False).run(prompts, N)
+    res = vtoken(model, prompts, "random", 4, check_relocations=False,
+                 copy_engine_factory=factory("copy_skip_move")).run(prompts, N)
     assert res.outputs != ref.outputs
-    with faults.planted("stale_slot_after_move"):
+    with planted("stale_slot_after_move"):
         try:
             res = vtoken(model, prompts, "random", 4, check_relocations=False).run(prompts, N)
             caught = res.outputs != ref.outputs
@@ -318,7 +324,7 @@ def _source_reused_before_copy(model, prompts, check: bool, plant: bool):
     eng = vtoken(model, prompts, "random", 4, copy_kwargs={"lag": 1}, check_relocations=check,
                  num_blocks=BUDGET[4] + 16)
     names = ("free_sources_at_plan",) if plant else ()
-    with faults.planted(*names):
+    with planted(*names):
         for i, p in enumerate(prompts):
             eng.admit(i, p, N)
         while not eng.manager.in_flight:
@@ -347,11 +353,11 @@ def test_source_reused_before_copy_caught_by_hash(model, prompts):
 
 
 def test_source_reused_before_copy_without_hash_caught_by_table(model, prompts):
-    """Without hash-and-compare, the table refuses to apply moves out of a block another
-    request now references (shared_block) -- no silent corruption either way."""
-    with pytest.raises(TableError) as ei:
+    """Without hash-and-compare, applying the plan refuses to move tokens out of a block
+    another request now references (shared_source) -- no silent corruption either way."""
+    with pytest.raises(PlanError) as ei:
         _source_reused_before_copy(model, prompts, check=False, plant=True)
-    assert ei.value.code == "shared_block"
+    assert ei.value.code == "shared_source"
 
 
 def test_source_not_reused_without_fault(model, prompts):
@@ -363,14 +369,14 @@ def test_release_before_copy_cpu_emulation(model, prompts):
     """cuda_release_before_event emulated on the CPU with a lagged copy: the plan is applied
     before its copy ran. Hash-and-compare catches it at the copy check; with checks off, the
     sentinel check before attention does (I3)."""
-    with faults.planted("cuda_release_before_event"):
-        with pytest.raises(RelocationCheckError) as ei:
-            vtoken(model, prompts, "random", 4, copy_kwargs={"lag": 3}).run(prompts, N)
-        assert ei.value.code == "relocation_mismatch"
-        with pytest.raises(RelocationCheckError) as ei:
-            vtoken(model, prompts, "random", 4, copy_kwargs={"lag": 3, "sentinel": True}, check_relocations=False,
-                   sentinel_check=True).run(prompts, N)
-        assert ei.value.code == "i3_sentinel"
+    early = factory("cuda_release_before_event")
+    with pytest.raises(RelocationCheckError) as ei:
+        vtoken(model, prompts, "random", 4, copy_kwargs={"lag": 3}, copy_engine_factory=early).run(prompts, N)
+    assert ei.value.code == "relocation_mismatch"
+    with pytest.raises(RelocationCheckError) as ei:
+        vtoken(model, prompts, "random", 4, copy_kwargs={"lag": 3, "sentinel": True}, check_relocations=False,
+               sentinel_check=True, copy_engine_factory=early).run(prompts, N)
+    assert ei.value.code == "i3_sentinel"
     # control: the same sentinel run without the fault passes
     ref = naive(model, prompts, "random", 4)
     res = vtoken(model, prompts, "random", 4, copy_kwargs={"lag": 3, "sentinel": True}, sentinel_check=True).run(prompts, N)
@@ -381,9 +387,9 @@ def test_fingerprint_method_on_cpu(model, prompts):
     ref = naive(model, prompts, "h2o", 4)
     res = vtoken(model, prompts, "h2o", 4, check_method="fingerprint").run(prompts, N)
     assert res.outputs == ref.outputs and res.hash_failures == 0 and res.relocations > 0
-    with faults.planted("copy_flip_byte"):
-        with pytest.raises(RelocationCheckError):
-            vtoken(model, prompts, "h2o", 4, check_method="fingerprint").run(prompts, N)
+    with pytest.raises(RelocationCheckError):
+        vtoken(model, prompts, "h2o", 4, check_method="fingerprint",
+               copy_engine_factory=factory("copy_flip_byte")).run(prompts, N)
 
 
 def test_snapshots_record_events_and_validate(model, prompts):
@@ -415,7 +421,10 @@ def test_cli_json_and_exit_codes(capsys):
     assert d["hash_checks"] == 2 * d["relocations"] and d["tokens_per_s"] > 0
     assert main_decode(base) == 0
     assert last()["outputs_equal"] is None
-    with faults.planted("copy_skip_move"):
+    # the CLI builds its own engine: the skipped move is swapped in (an ad-hoc patch)
+    skip = Patch("vtoken/copy_engine.py", "KVCopyEngine._select", "        return keep",
+                 "        if n:\n            keep[n // 2] = False\n        return keep")
+    with planted_patches([skip]):
         assert main_decode(base + chk + cmp_) == 1
         assert last()["hash_failures"] >= 1
         assert main_decode(base + cmp_) == 1  # no hash checks: the output comparison catches it

@@ -17,8 +17,10 @@ pytestmark = [
                               "run scripts/gpu_check.sh on a GPU machine"),
 ]
 
-from vtoken import faults  # noqa: E402
-from vtoken.copy_engine import KVCopyEngine, _ProbePlan, i3_probe  # noqa: E402
+from vtoken.copy_engine import KVCopyEngine  # noqa: E402
+from vtoken.fuzz.faulty_engines import factory  # noqa: E402
+from vtoken.invariants.i3_probe import ProbePlan as _ProbePlan  # noqa: E402
+from vtoken.invariants.i3_probe import i3_probe  # noqa: E402
 from vtoken.kvcache import KVCache  # noqa: E402
 
 SLEEP = 400_000_000  # cycles: ~0.2 s at 2 GHz, far longer than anything the host does meanwhile
@@ -85,8 +87,7 @@ def test_failed_copy_and_faulty_bytes_on_cuda():
     for fault in ("copy_flip_byte", "copy_skip_move"):
         kv = cuda_cache()
         want = kv.flat.index_select(2, src).clone()
-        with faults.planted(fault):
-            h = KVCopyEngine(kv, 16).launch(plan)
+        h = factory(fault)(kv, 16).launch(plan)
         torch.cuda.synchronize()
         bad = (kv.flat.index_select(2, dst) != want).flatten(3).any(-1).any(0).any(0)  # per move
         assert int(bad.sum()) == 1, fault
@@ -204,15 +205,15 @@ def test_engine_ordering_faults_caught(names):
     sentinel check (I3) or hash-and-compare catch it."""
     from vtoken.errors import RelocationCheckError
 
-    with faults.planted(*names):
-        with pytest.raises(RelocationCheckError) as ei:
-            _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 2_000_000_000},
-                        sentinel_check=True)
-        assert ei.value.code == "i3_sentinel"
-        with pytest.raises(RelocationCheckError) as ei:
-            _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 2_000_000_000},
-                        check_relocations=True)
-        assert ei.value.code == "relocation_mismatch"
+    eng = factory(*names)
+    with pytest.raises(RelocationCheckError) as ei:
+        _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 2_000_000_000},
+                    sentinel_check=True, copy_engine_factory=eng)
+    assert ei.value.code == "i3_sentinel"
+    with pytest.raises(RelocationCheckError) as ei:
+        _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 2_000_000_000},
+                    check_relocations=True, copy_engine_factory=eng)
+    assert ei.value.code == "relocation_mismatch"
 
 
 @pytest.mark.parametrize("fault", ["cuda_wait_dropped", "cuda_release_before_event"])
@@ -220,7 +221,6 @@ def test_engine_single_ordering_fault_is_masked_by_the_other_guard(fault):
     """Defence in depth: either guard alone keeps attention correct in this engine (the probe's
     scenarios are what catch each fault on its own)."""
     _, ref = _engine_run("naive-evict")
-    with faults.planted(fault):
-        _, res = _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000},
-                             sentinel_check=True, check_relocations=True)
+    _, res = _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000},
+                         sentinel_check=True, check_relocations=True, copy_engine_factory=factory(fault))
     assert res.outputs == ref.outputs and res.hash_failures == 0

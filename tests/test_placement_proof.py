@@ -2,8 +2,9 @@
 
 import pytest
 
-from vtoken import faults
+from vtoken.fuzz.planted import planted
 from vtoken.invariants.placement_proof import PROPERTIES, prove_placement
+from vtoken import placement
 from vtoken.placement import dest_count, place
 
 pytestmark = pytest.mark.invariants
@@ -23,14 +24,15 @@ def test_small_shapes_are_proved(n_blocks, S):
 
 
 def _replay(ce, S):
-    """Run the real place() on the counterexample's live bits (fault still planted)."""
+    """Run the real place() on the counterexample's live bits (fault still planted: the
+    patched function is the module's attribute while the patch is in)."""
     live = [bool(b) for b in ce["live"]]
-    out = place(live, S)
+    out = placement.place(live, S)
     return live, out
 
 
 def test_off_by_one_yields_a_real_counterexample():
-    with faults.planted("placement_off_by_one"):
+    with planted("placement_off_by_one"):
         r = prove_placement(8, 16, stop_at_first=True)
         assert not r.proved
         ce = r.counterexample
@@ -46,7 +48,7 @@ def test_off_by_one_yields_a_real_counterexample():
 
 
 def test_off_by_one_full_report_on_a_small_shape():
-    with faults.planted("placement_off_by_one"):
+    with planted("placement_off_by_one"):
         r = prove_placement(2, 4)
     assert not r.proved
     # off by one keeps the order and uniqueness but breaks range, density and the dest list
@@ -56,7 +58,7 @@ def test_off_by_one_full_report_on_a_small_shape():
 
 
 def test_without_the_fault_the_same_pattern_is_fine():
-    with faults.planted("placement_off_by_one"):
+    with planted("placement_off_by_one"):
         ce = prove_placement(2, 4, stop_at_first=True).counterexample
     live = [bool(b) for b in ce["live"]]
     out = place(live, 4)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vtoken import faults
+from vtoken.fuzz.planted import planted
 from vtoken.invariants.small_scope import (
     DEFAULT_BOUND,
     build_state,
@@ -54,7 +54,7 @@ def test_churn_evicts_and_grows_while_a_copy_is_in_flight():
     ("plan_overlaps_inflight", (2, 2, 2), "overlaps in-flight plan"),
 ])
 def test_planted_planner_faults_are_found(fault, bound, words):
-    with faults.planted(fault):
+    with planted(fault):
         r = run_small_scope(*bound, time_budget_s=60)
     assert r["violations"] > 0
     assert any(words in e for e in r["examples"]), r["examples"]

@@ -24,7 +24,6 @@ from typing import Iterable
 
 import numpy as np
 
-from . import faults
 from .errors import AllocatorError
 
 FREE, USED, RESERVED = 0, 1, 2
@@ -108,11 +107,10 @@ class BlockAllocator:
         blocks = [int(b) for b in blocks]
         self._check_ids(blocks, "free")
         drops = collections.Counter(blocks)
-        if not faults.on("alloc_double_free"):
-            for b, k in drops.items():
-                if self.state[b] != USED or self.ref[b] < k:
-                    raise AllocatorError(
-                        "double_free", f"free: block {b} has {int(self.ref[b])} reference(s), asked to drop {k}")
+        for b, k in drops.items():
+            if self.state[b] != USED or self.ref[b] < k:
+                raise AllocatorError(
+                    "double_free", f"free: block {b} has {int(self.ref[b])} reference(s), asked to drop {k}")
         freed = []
         for b in blocks:
             self.ref[b] -= 1
@@ -121,8 +119,6 @@ class BlockAllocator:
                 self.state[b] = FREE
                 self._queue.append(b)
                 freed.append(b)
-            elif faults.on("alloc_queue_dup"):  # planted: a still-referenced block queued
-                self._queue.append(b)
         return freed
 
     # -- headroom reservations ---------------------------------------------------------------
@@ -133,8 +129,6 @@ class BlockAllocator:
         if n > len(self._queue):
             raise AllocatorError("out_of_blocks", f"reserve({n}) with {len(self._queue)} free")
         out = [self._queue.popleft() for _ in range(n)]
-        if faults.on("headroom_leak"):  # planted: reserved blocks stay in the free queue
-            self._queue.extend(out)
         for b in out:
             self.state[b] = RESERVED
         self._num_reserved += n

@@ -37,18 +37,14 @@ The copy is synchronous at ``launch`` and the same lifecycle is followed (``poll
 its handle, the CPU stand-in for a relocation stream that is running late: it lets tests
 see what happens when something touches a plan's blocks while its copy is "in flight".
 
-Faults
-------
+Failures and faults
+-------------------
 ``fail_next_copy = True``: the next launch copies only part of its moves and reports
-``failed`` (the planner then aborts). Planted faults (``vtoken.faults``):
-
-- ``copy_flip_byte``: flip one byte of one moved entry (last layer, K);
-- ``copy_skip_move``: skip one move;
-- ``cuda_wait_dropped``: ``wait_before_attention`` does nothing;
-- ``cuda_event_wrong_stream``: the event is recorded on the compute stream before the
-  copy is enqueued (so it completes without the copy);
-- ``cuda_release_before_event``: ``poll`` reports done without querying the event (on the
-  CPU with ``lag``: done before the deferred copy ran; it runs when its lag expires).
+``failed`` (the planner then aborts). Nothing here plants a bug: faulty engines for the
+checks (a flipped byte, a skipped move, a dropped wait, an event on the wrong stream, a
+release before the event) are subclasses in the toolkit (``vtoken.fuzz.faulty_engines``)
+overriding the small steps below (``_copy``, ``_select``, ``_record_done``, ``poll``,
+``wait_before_attention``); the system takes an engine factory wherever it builds one.
 
 Sentinel mode (``sentinel=True``, a test mode): before each copy the destination slots
 are filled with a sentinel (``finfo(dtype).max``) on the compute stream, and on CUDA the
@@ -66,7 +62,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import faults
 from .kvcache import KVCache
 
 __all__ = ["KVCopyEngine", "CopyHandle"]
@@ -81,14 +76,13 @@ class CopyHandle:
     id: int
     plan_id: int
     n_moves: int  # moves in the plan
-    n_copied: int  # moves actually copied (fewer when failed or a fault skipped one)
+    n_copied: int  # moves actually copied (fewer when the copy failed part-way)
     failed: bool
     status: str = PENDING
     event: object = None  # torch.cuda.Event (cuda)
     refs: tuple = ()  # tensors kept alive until the copy is observed done
     left: int = 0  # CPU lag: polls before the deferred copy runs
-    deferred: Optional[tuple] = None  # CPU lag: (src, dst, flip) still to copy
-    released_early: bool = False  # planted release-before-event reported done already
+    deferred: Optional[tuple] = None  # CPU lag: (src, dst) still to copy
     timing: Optional[tuple] = None  # (start, end) timing events (cuda, ``timed=True``)
     meta: dict = field(default_factory=dict)
 
@@ -128,7 +122,6 @@ class KVCopyEngine:
             kv.kv.record_stream(self.stream)
         self._ids = itertools.count(1)
         self._pending: dict[int, CopyHandle] = {}  # launched, not yet observed done
-        self._orphans: dict[int, CopyHandle] = {}  # CPU: reported done early, copy still queued
         self.stats = dict(launched=0, done=0, failed=0, moves=0, bytes=0, host_syncs=0,
                           device_waits=0)
 
@@ -142,13 +135,14 @@ class KVCopyEngine:
         S = self.S
         return m[:, 1] * S + m[:, 2], m[:, 3] * S + m[:, 4]
 
-    def _flip_target(self, dst: np.ndarray):
-        """(slot, layer) whose K gets one byte flipped under ``copy_flip_byte``."""
-        if not faults.on("copy_flip_byte") or len(dst) == 0:
-            return None
-        return int(dst[len(dst) // 2]), self.kv.num_layers - 1
+    def _select(self, n: int, failed: bool) -> np.ndarray:
+        """Which of the plan's ``n`` moves are copied: all, or the first half of a failing copy."""
+        keep = np.ones(n, dtype=bool)
+        if failed:
+            keep[n // 2:] = False  # part-way: the first half lands, the rest never does
+        return keep
 
-    def _copy(self, src_t: torch.Tensor, dst_t: torch.Tensor, flip) -> None:
+    def _copy(self, src_t: torch.Tensor, dst_t: torch.Tensor) -> None:
         """The batched gather/scatter of all layers (stream-agnostic: runs on the current one)."""
         flat = self.kv.flat
         if src_t.numel():
@@ -158,11 +152,6 @@ class KVCopyEngine:
                 self.kv.copy_slots(src_t, dst_t)
             else:
                 flat.index_copy_(2, dst_t, flat.index_select(2, src_t))
-        if flip is not None:
-            slot, layer = flip
-            entry = flat[layer, 0, slot]  # [H, D], contiguous
-            b = entry.view(torch.uint8).view(-1)
-            b[:1] ^= 0xFF
 
     # ------------------------------------------------------------------ protocol
     def launch(self, plan) -> CopyHandle:
@@ -171,31 +160,26 @@ class KVCopyEngine:
         n = len(src)
         failed = bool(self.fail_next_copy)
         self.fail_next_copy = False
-        keep = np.ones(n, dtype=bool)
-        if failed:
-            keep[n // 2:] = False  # part-way: the first half lands, the rest never does
-        if faults.on("copy_skip_move") and n:
-            keep[n // 2] = False
+        keep = self._select(n, failed)
         src, dst = src[keep], dst[keep]
-        flip = self._flip_target(dst)
         h = CopyHandle(next(self._ids), getattr(plan, "id", -1), n, int(keep.sum()), failed)
         self.stats["launched"] += 1
         self.stats["moves"] += len(src)
         self.stats["bytes"] += len(src) * self.kv.bytes_per_token
         if self.is_cuda:
-            self._launch_cuda(h, src, dst, flip)
+            self._launch_cuda(h, src, dst)
         else:
             if self.sentinel and len(dst):
                 self.kv.fill_slots(torch.from_numpy(dst), self.sentinel_value)
             if self.lag > 0:
                 h.left = self.lag
-                h.deferred = (src, dst, flip)
+                h.deferred = (src, dst)
             else:
-                self._copy(torch.from_numpy(src), torch.from_numpy(dst), flip)
+                self._copy(torch.from_numpy(src), torch.from_numpy(dst))
         self._pending[h.id] = h
         return h
 
-    def _launch_cuda(self, h: CopyHandle, src: np.ndarray, dst: np.ndarray, flip) -> None:
+    def _launch_cuda(self, h: CopyHandle, src: np.ndarray, dst: np.ndarray) -> None:
         dev = self.device
         compute = torch.cuda.current_stream(dev)
         side = self.stream
@@ -205,8 +189,6 @@ class KVCopyEngine:
         if self.sentinel and len(dst):
             self.kv.flat.index_fill_(2, dst_t, self.sentinel_value)  # compute stream, before the copy
         ev = torch.cuda.Event()
-        if faults.on("cuda_event_wrong_stream"):
-            ev.record(compute)  # planted: completes with the compute stream, not the copy
         side.wait_stream(compute)  # the copy sees the finished forward writes
         t0 = t1 = None
         with torch.cuda.stream(side):
@@ -215,16 +197,19 @@ class KVCopyEngine:
             if self.timed:
                 t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0.record(side)
-            self._copy(src_t, dst_t, flip)
+            self._copy(src_t, dst_t)
             if self.timed:
                 t1.record(side)
-            if not faults.on("cuda_event_wrong_stream"):
-                ev.record(side)
+            self._record_done(ev, compute, side)
         src_t.record_stream(side)
         dst_t.record_stream(side)
         h.event = ev
         h.refs = (src_t, dst_t)
         h.timing = (t0, t1) if self.timed else None
+
+    def _record_done(self, ev, compute, side) -> None:
+        """Record the copy's completion event: on the relocation stream, after the copy."""
+        ev.record(side)
 
     def _finish(self, h: CopyHandle) -> str:
         self._pending.pop(h.id, None)
@@ -235,17 +220,9 @@ class KVCopyEngine:
 
     def _run_deferred(self, h: CopyHandle) -> None:
         if h.deferred is not None:
-            src, dst, flip = h.deferred
+            src, dst = h.deferred
             h.deferred = None
-            self._copy(torch.from_numpy(src), torch.from_numpy(dst), flip)
-
-    def _progress_orphans(self) -> None:
-        """CPU: copies reported done early (planted) still run when their lag expires."""
-        for hid, h in list(self._orphans.items()):
-            h.left -= 1
-            if h.left <= 0:
-                self._run_deferred(h)
-                del self._orphans[hid]
+            self._copy(torch.from_numpy(src), torch.from_numpy(dst))
 
     def poll(self, handle: CopyHandle) -> str:
         """Non-blocking: ``pending``, ``done`` or ``failed`` (this copy only)."""
@@ -254,12 +231,6 @@ class KVCopyEngine:
             return h.status
         if self.force_sync:
             return self.wait(h)
-        if faults.on("cuda_release_before_event"):
-            # planted: done without asking the device (or, on the CPU, before the lag ran out)
-            if not self.is_cuda and h.deferred is not None and h.left > 0:
-                self._orphans[h.id] = h
-            h.released_early = True
-            return self._finish(h)
         if self.is_cuda:
             if not h.event.query():
                 return PENDING
@@ -280,7 +251,6 @@ class KVCopyEngine:
         if self.is_cuda:
             h.event.synchronize()
         else:
-            self._orphans.pop(h.id, None)
             self._run_deferred(h)
         return self._finish(h)
 
@@ -289,13 +259,9 @@ class KVCopyEngine:
 
         Called before each step's attention; returns the plan ids waited on (the engine
         records them as fences). A no-op on the CPU (copies are synchronous, or, with
-        ``lag``, run before they are reported done), except that copies the planted
-        release-before-event fault reported early keep counting down.
+        ``lag``, run before they are reported done).
         """
         if not self.is_cuda:
-            self._progress_orphans()
-            return []
-        if faults.on("cuda_wait_dropped"):
             return []
         compute = torch.cuda.current_stream(self.device)
         waited = []
@@ -309,9 +275,6 @@ class KVCopyEngine:
         """Wait (host) for every launched copy; for teardown and tests, never the hot path."""
         if self.is_cuda:
             self.stream.synchronize()
-        for h in list(self._orphans.values()):
-            self._run_deferred(h)
-        self._orphans.clear()
 
     @property
     def pending(self) -> int:
@@ -336,67 +299,3 @@ class KVCopyEngine:
             return False
         vals = self.kv.flat.index_select(2, s)
         return bool((vals == self.sentinel_value).any())
-
-
-# ---------------------------------------------------------------------------- the I3 probe (CUDA)
-class _ProbePlan:
-    def __init__(self, pid: int, moves: np.ndarray):
-        self.id, self.moves, self.req_id = pid, moves, "probe"
-
-
-def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n: int = 64,
-             sleep_cycles: int = 400_000_000, timeout_s: float = 20.0) -> dict:
-    """Check I3 directly on a CUDA cache: one sentinel copy on a late relocation stream, then
-    its destinations read on the compute stream the way attention reads them.
-
-    ``scenario``: ``"wait"`` reads right after :meth:`KVCopyEngine.wait_before_attention`
-    (the device-side dependency must hold the read back); ``"poll"`` reads as soon as
-    ``poll`` reports done, without a wait (a copy reported done must have landed).
-    ``fault``: a planted fault name to run under (``cuda_wait_dropped``,
-    ``cuda_event_wrong_stream``, ``cuda_release_before_event``). The first ``2n`` blocks'
-    worth of slots past the null block are used (sources, then destinations); their
-    contents are overwritten. Returns ``sentinel_seen`` (an I3 violation), ``bytes_equal``,
-    ``first_poll`` and the host time of the wait call (it must not block).
-    """
-    import time
-
-    if kv.device.type != "cuda":
-        raise ValueError("i3_probe needs a CUDA cache")
-    S = kv.block_size
-    nblk = -(-n // S)
-    if 1 + 2 * nblk > kv.num_blocks:
-        raise ValueError("cache too small for the probe")
-    tok = np.arange(n, dtype=np.int64)
-    src_b, dst_b = 1 + tok // S, 1 + nblk + tok // S
-    moves = np.stack([tok, src_b, tok % S, dst_b, tok % S], axis=1)
-    src = torch.from_numpy(src_b * S + tok % S).to(kv.device)
-    dst = torch.from_numpy(dst_b * S + tok % S).to(kv.device)
-    g = torch.Generator(device=kv.device).manual_seed(1234)
-    vals = torch.randn((kv.num_layers, 2, n, kv.num_kv_heads, kv.head_dim), generator=g, device=kv.device)
-    kv.flat.index_copy_(2, src, vals.to(kv.dtype))
-    want = kv.flat.index_select(2, src).clone()
-    torch.cuda.synchronize(kv.device)
-    eng = KVCopyEngine(kv, S, sentinel=True, sleep_cycles=sleep_cycles)
-    names = (fault,) if fault else ()
-    out = {"scenario": scenario, "fault": fault}
-    with faults.planted(*names):
-        h = eng.launch(_ProbePlan(1, moves))
-        out["first_poll"] = eng.poll(h) if scenario == "poll" else None
-        if scenario == "wait":
-            t0 = time.perf_counter()
-            eng.wait_before_attention()
-            out["host_wait_ms"] = (time.perf_counter() - t0) * 1e3
-        else:
-            t0 = time.perf_counter()
-            status = out["first_poll"]
-            while status == PENDING and time.perf_counter() - t0 < timeout_s:
-                status = eng.poll(h)
-            out["poll_status"] = status
-            out["host_poll_ms"] = (time.perf_counter() - t0) * 1e3
-        got = kv.flat.index_select(2, dst)  # the compute stream, as attention would read
-        seen = (got == eng.sentinel_value).any()
-        equal = torch.equal(got, want)
-        out["sentinel_seen"] = bool(seen)
-        out["bytes_equal"] = bool(equal)
-        eng.synchronize()
-    return out

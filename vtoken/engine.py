@@ -160,6 +160,8 @@ class DecodeEngine:
         sentinel_check: before each decode step, assert no read slot holds the copy
             engine's sentinel (I3 test mode; needs ``copy_kwargs={"sentinel": True}``).
         check_method / full_bytes: the relocation checker's digest method.
+        copy_engine_factory: builds the copy engine, ``(kv, block_size, **kwargs) ->
+            engine`` (default :class:`KVCopyEngine`); the checks pass faulty engines here.
     """
 
     def __init__(self, model: PagedDecoder, mode: str = "vtoken", policy: str = "h2o", evict_ratio: float = 0.5,
@@ -167,7 +169,8 @@ class DecodeEngine:
                  check_relocations: bool = False, planner_config: Optional[PlannerConfig] = None, seed: int = 0,
                  force_sync: bool = False, copy_kwargs: Optional[dict] = None, snapshot_dir=None,
                  policy_kwargs: Optional[dict] = None, sentinel_check: bool = False,
-                 check_method: Optional[str] = None, full_bytes: bool = False):
+                 check_method: Optional[str] = None, full_bytes: bool = False,
+                 copy_engine_factory=None):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         if not 0.0 <= evict_ratio < 1.0:
@@ -191,6 +194,7 @@ class DecodeEngine:
         self.sentinel_check = sentinel_check
         self.check_method, self.full_bytes = check_method, full_bytes
         self.num_blocks = num_blocks
+        self.copy_engine_factory = copy_engine_factory or KVCopyEngine
         self._ready = False
         if num_blocks is not None:
             self.setup(num_blocks)
@@ -213,7 +217,7 @@ class DecodeEngine:
         self.manager = None
         self.checker = None
         if self.mode == "vtoken":
-            self.copy_engine = KVCopyEngine(self.kv, self.S, force_sync=self.force_sync, **self.copy_kwargs)
+            self.copy_engine = self.copy_engine_factory(self.kv, self.S, force_sync=self.force_sync, **self.copy_kwargs)
             eng = self.copy_engine
             if self.check_relocations:
                 from vtoken.invariants.relocation_hash import RelocationChecker
@@ -253,17 +257,6 @@ class DecodeEngine:
         r.held = [b for b in r.held if b not in gone]
 
     def _on_applied(self, plan) -> None:
-        snap = plan.snapshot
-        if snap is not None and snap.get("post") is not None:
-            # The request grew while the copy flew; the snapshot schema (validate) wants the
-            # post state of the same tokens as the pre state: keep the first pre-length ones.
-            key = str(plan.req_id)
-            pre_n = snap["pre"]["requests"][key]["length"]
-            post = snap["post"]["requests"].get(key)
-            if post is not None and post["length"] > pre_n:
-                post["grown_to"] = post["length"]
-                post["length"] = pre_n
-                post["tokens"] = post["tokens"][:pre_n]
         r = self._reqs.get(plan.req_id)
         if r is not None:
             self._drop_blocks(r, plan.sources)
@@ -275,8 +268,8 @@ class DecodeEngine:
         """Give back blocks the eviction left without a live token (never one a copy uses)."""
         t = self.table
         cand = np.unique(t.slots(r.id)[victims] // self.S)
-        busy = self.manager._busy if self.manager is not None else {}
-        cand = [int(b) for b in cand if t.n_b[b] == 0 and t.refs[b] == 1 and int(b) not in busy]
+        mgr = self.manager
+        cand = [int(b) for b in cand if t.n_b[b] == 0 and t.refs[b] == 1 and not (mgr is not None and mgr.is_busy(b))]
         if cand:
             freed = t.release_empty_blocks(r.id, cand)
             self.alloc.free(freed)

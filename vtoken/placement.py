@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from . import faults
-
 
 def _py_ite(c, a, b):
     return a if c else b
@@ -30,8 +28,7 @@ def place(live: Sequence, S: int, ite: Callable = _py_ite, zero=0, one=1) -> lis
     out = []
     k = zero  # live tokens placed so far
     for flag in live:
-        slot = k + one if faults.on("placement_off_by_one") else k
-        out.append((slot // S, slot % S))
+        out.append((k // S, k % S))
         k = ite(flag, k + one, k)
     return out
 

@@ -33,19 +33,191 @@ put the null block where a source was and record the destinations as the request
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from . import faults
 from .allocator import BlockAllocator
 from .errors import PlanError
-from .placement import dest_count, place
+from .placement import place
 from .snapshot import SCHEMA, request_state
 from .table import TokenTable
 
 PLANNED, COPYING, COMPLETED, APPLIED, ABORTED = "planned", "copying", "completed", "applied", "aborted"
+
+
+# ====================================================================== the planner, as pure functions
+# One implementation of stage 3 and of applying a completed plan, called by every driver:
+# ReclamationManager (simulator, decode engine), the vLLM adapter (scheduler side) and its
+# worker. None of them keeps a copy of these rules.
+
+@dataclass
+class Proposal:
+    """A plan for one request, before launch: nothing has changed anywhere yet."""
+
+    sources: list  # block ids the plan empties (moved-out and all-dead ones), sorted
+    dests: list  # destination block ids, a prefix of the headroom given to ``propose``
+    moves: np.ndarray  # (k, 5) int64: token, src_block, src_offset, dst_block, dst_offset
+
+    @property
+    def reduction(self) -> int:
+        return len(self.sources) - len(self.dests)
+
+
+def reclaim_bound(table: TokenTable, req_id, tail: Optional[int]) -> int:
+    """Upper bound on the blocks a plan for ``req_id`` can free (O(1)).
+
+    Exact when every other block is eligible and neither B nor the headroom binds: the tail
+    stays, the rest packs into ``ceil(live outside the tail / S)`` blocks. A request at or
+    below 0 cannot gain. (The tail's live count is at least the request's own live tokens
+    there, so the bound never undercounts.)
+    """
+    S = table.S
+    has_tail = tail is not None and table.references(req_id, tail)
+    in_tail = table.block_live_count(tail) if has_tail else 0
+    return table.num_blocks_of(req_id) - int(has_tail) - -(-max(0, table.num_live(req_id) - in_tail) // S)
+
+
+def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: int, tail: Optional[int],
+            excluded: Optional[np.ndarray] = None, max_dests: Optional[int] = None) -> tuple[Optional[Proposal], bool]:
+    """Stage 3 for one request: the best plan, or ``None`` when no positive reduction fits.
+
+    Candidates are the request's blocks that only it references (``refs == 1``), that are
+    not its ``tail``, not full of live tokens and not ``excluded`` (a bool mask over all
+    blocks, or an array of block ids: in-flight plans' blocks, blocks the substrate shares,
+    blocks the caller does not hold for the request). Sorted by live count (block id breaks
+    ties, so the result is deterministic), the best prefix of at most ``max_sources``
+    blocks is taken: the one whose reduction ``sources - ceil(T_live / S)`` is largest,
+    among those whose destinations fit in ``headroom`` (and ``max_dests``). Destinations
+    are the first ``ceil(T_live / S)`` headroom blocks, filled completely one after another
+    in logical token order (:func:`vtoken.placement.place`).
+
+    Returns ``(proposal, worthwhile)``: ``worthwhile`` says a positive reduction existed
+    without the headroom limit (a ``None`` proposal with ``worthwhile`` is a deferral).
+    Reads only; cost O(blocks of the request + its length). The contract is
+    ``vtoken.spec.planner.plan_errors`` / ``best_reduction``.
+    """
+    S = table.S
+    limit = len(headroom) if max_dests is None else max(0, min(int(max_dests), len(headroom)))
+    blocks = table.block_array(req_id)
+    nb = table.n_b[blocks]
+    ok = (table.refs[blocks] == 1) & (nb < S) & (blocks != (tail if tail is not None else -1))
+    if excluded is not None and len(excluded):
+        ex = np.asarray(excluded)
+        ok &= ~ex[blocks] if ex.dtype == bool else ~np.isin(blocks, ex.astype(np.int64))
+    cand, cnt = blocks[ok], nb[ok]
+    if len(cand) == 0:
+        return None, False
+    order = np.lexsort((cand, cnt))  # fewest live first; block id breaks ties
+    cand, cnt = cand[order][:max_sources], cnt[order][:max_sources]
+    need = -(-np.cumsum(cnt) // S)  # destinations for each prefix
+    red = np.arange(1, len(cand) + 1) - need
+    worthwhile = bool(red.max() > 0)
+    red[need > limit] = -1  # shrink to what the headroom can serve
+    m = int(np.argmax(red)) + 1
+    if red[m - 1] <= 0:
+        return None, worthwhile
+    sources = np.sort(cand[:m])
+    dests = [int(b) for b in headroom[: int(need[m - 1])]]
+    ids, slots = table.live_slots(req_id)
+    sel = np.isin(slots // S, sources)
+    toks, src = ids[sel], slots[sel]  # logical order
+    moves = np.empty((len(toks), 5), dtype=np.int64)
+    moves[:, 0] = toks
+    moves[:, 1] = src // S
+    moves[:, 2] = src % S
+    if len(toks):
+        placed = np.asarray(place([True] * len(toks), S), dtype=np.int64)
+        moves[:, 3] = np.asarray(dests, dtype=np.int64)[placed[:, 0]]
+        moves[:, 4] = placed[:, 1]
+    return Proposal(sources.tolist(), dests, moves), worthwhile
+
+
+@dataclass
+class Applied:
+    """What :func:`apply_completed` did."""
+
+    moves: np.ndarray  # the moves applied (their tokens were still live)
+    evicted_in_flight: list  # moved tokens evicted while the copy flew: left dead where they were
+    used_dests: list  # destination blocks that received a token, sorted (the rest are unused)
+    emptied: list  # the plan's sources, all now unreferenced by the request, sorted
+
+
+def apply_completed(table: TokenTable, req_id, sources: Sequence[int], moves: np.ndarray) -> Applied:
+    """Apply a plan whose copy has completed: the table's part of ``completed -> applied``.
+
+    Moves of tokens evicted while the copy was in flight are dropped (those tokens stay
+    dead at their source); the rest go through ``TokenTable.apply_moves``; sources left
+    with no live token of the request by the moves (all-dead ones) are released. Every
+    source then holds no live token and the request no longer references it: the caller
+    frees the sources (one reference each) and hands ``used_dests`` to the request.
+
+    Validated before anything changes: a source another request references
+    (``shared_source``: shared blocks never move), or one that would keep a live token
+    (``not_emptied``), raises :class:`PlanError` with the table untouched. Cost O(moves +
+    sources).
+    """
+    m = np.asarray(moves, dtype=np.int64).reshape(-1, 5)
+    srcs = sorted(int(b) for b in sources)
+    evicted: list = []
+    if len(m):
+        still = table.are_live(req_id, m[:, 0])
+        if not still.all():
+            evicted = m[~still, 0].tolist()
+            m = m[still]
+    moved_from = Counter(m[:, 1].tolist()) if len(m) else Counter()
+    for b in srcs:
+        if table.block_refs(b) != 1 or not table.references(req_id, b):
+            raise PlanError("shared_source", f"request {req_id!r}: source block {b} has {table.block_refs(b)} "
+                                             f"referencing request(s); shared blocks never move")
+        if table.block_live_count(b) != moved_from.get(b, 0):
+            raise PlanError("not_emptied", f"request {req_id!r}: source block {b} holds {table.block_live_count(b)} "
+                                           f"live token(s), the plan moves {moved_from.get(b, 0)} out of it")
+    stray = set(moved_from) - set(srcs)
+    if stray:
+        raise PlanError("not_emptied", f"request {req_id!r}: moves out of blocks {sorted(stray)}, not sources")
+    emptied = table.apply_moves(req_id, m) if len(m) else []
+    rest = sorted(set(srcs) - set(emptied))
+    if rest:  # all-dead sources: nothing to move, the table just lets go of them
+        emptied = sorted(list(emptied) + table.release_empty_blocks(req_id, rest))
+    assert emptied == srcs, f"plan emptied {emptied}, sources {srcs}"  # guaranteed by the checks above
+    used = sorted({int(b) for b in m[:, 3]}) if len(m) else []
+    return Applied(m, evicted, used, emptied)
+
+
+def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, tail: Optional[int],
+                  headroom: Sequence[int], in_flight: Sequence[dict]) -> dict:
+    """The plan snapshot (``vtoken.snapshot`` schema) at planning time; O(length of the request).
+
+    ``in_flight``: ``{"id", "request", "sources", "dests"}`` of every other plan still copying.
+    ``post`` stays null and ``evicted_in_flight`` empty until :func:`snapshot_applied`.
+    """
+    shared = sorted(int(b) for b in table.blocks_of(req_id) if table.block_refs(b) > 1)
+    return {
+        "schema": SCHEMA,
+        "block_size": table.S,
+        "plan": {"id": int(plan_id), "request": str(req_id), "sources": [int(b) for b in proposal.sources],
+                 "dests": [int(b) for b in proposal.dests], "moves": proposal.moves.tolist()},
+        "pre": {"requests": {str(req_id): request_state(table, req_id, tail)}},
+        "post": None,
+        "shared_blocks": shared,
+        "headroom": [int(b) for b in headroom],
+        "in_flight": [dict(p) for p in in_flight],
+        "schedule": [],
+        "evicted_in_flight": [],
+    }
+
+
+def snapshot_applied(snap: dict, table: TokenTable, req_id, applied: Applied) -> None:
+    """Complete a snapshot once its plan applied: the one place ``evicted_in_flight``,
+    ``dests_used`` and ``post`` are written (``post`` may be longer than ``pre``: tokens
+    added while the copy flew are the request's growth, checked for unique slots)."""
+    key = str(req_id)
+    snap["evicted_in_flight"] = [int(t) for t in applied.evicted_in_flight]
+    snap["dests_used"] = [int(b) for b in applied.used_dests]
+    snap["post"] = {"requests": {key: request_state(table, req_id, None)}}
 
 
 @dataclass
@@ -70,6 +242,7 @@ class Plan:
     handle: object = None
     snapshot: Optional[dict] = None
     evicted_in_flight: list = field(default_factory=list)  # moved tokens that died while the copy flew
+    orphaned: bool = False  # its request finished or was preempted while the copy flew
 
     @property
     def reduction(self) -> int:
@@ -103,6 +276,16 @@ class NullCopyEngine:
 
 
 class ReclamationManager:
+    """Owner of the headroom and of every plan's lifecycle, over one table and allocator.
+
+    Ownership: the manager holds the headroom reservation (RESERVED in the allocator) and,
+    while a plan is in flight, its destinations; once a plan is applied it frees the
+    sources (the request's one reference on each) and the destinations become the
+    request's (``on_applied`` tells the scheduler, which then holds them). A request that
+    finishes or is preempted while its copy flies hands the manager its references on the
+    plan's sources (``finish_request``); they are freed when the copy completes.
+    """
+
     def __init__(self, table: TokenTable, allocator: BlockAllocator, engine=None,
                  config: PlannerConfig | None = None, tail_of: Callable | None = None,
                  on_applied: Callable | None = None, clock: Callable | None = None):
@@ -110,15 +293,16 @@ class ReclamationManager:
         self.engine = engine if engine is not None else NullCopyEngine()
         self.cfg = config or PlannerConfig()
         self.S = table.S
-        self._tail_of = tail_of or self._default_tail
+        self._tail_of = tail_of or table.tail_block
         self.on_applied = on_applied
         self._ids = itertools.count(1)
         self.in_flight: dict[int, Plan] = {}
-        self._busy: dict[int, int] = {}  # block -> plan id, for blocks of in-flight plans
-        self._busy_mask = np.zeros(table.num_blocks, dtype=bool)  # the same, as an array
-        self._scratch = np.zeros(table.num_blocks, dtype=bool)  # all False between uses
+        self._busy_mask = np.zeros(table.num_blocks, dtype=bool)  # blocks of in-flight plans
         self.headroom: list[int] = []
-        self._deferred: dict[int, list] = {}  # plan id -> blocks to free once its copy completes
+        # plan id -> blocks to free once its copy completes: the references of every
+        # finished incarnation of the plan's request on the plan's sources (a request id
+        # may finish, resume and finish again while one copy flies: the lists accumulate)
+        self._deferred: dict[int, list] = {}
         self.steps = 0
         self.stats = dict(plans=0, applied=0, aborted=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
         self.history: list[Plan] = []  # applied/aborted plans with snapshots (when recorded)
@@ -145,92 +329,37 @@ class ReclamationManager:
         wm = self.cfg.low_watermark
         return wm is None or self.alloc.num_free <= wm
 
-    def _default_tail(self, req_id) -> Optional[int]:
-        n = self.table.length(req_id)
-        if n == 0:
-            return None
-        return int(self.table._reqs[req_id].slot[n - 1]) // self.S
+    def is_busy(self, block_id: int) -> bool:
+        """Is the block a source or destination of an in-flight plan? (O(1))"""
+        return bool(self._busy_mask[int(block_id)])
+
+    def busy_requests(self) -> set:
+        """Requests with a plan in flight (I4: at most one plan per request copies at a time)."""
+        return {p.req_id for p in self.in_flight.values() if not p.orphaned}
 
     # ------------------------------------------------------------------ stage 3
     def plan_request(self, req_id, max_dests: Optional[int] = None) -> Optional[Plan]:
-        """Plan one request's compaction, or None when no positive reduction fits.
+        """Plan one request's compaction (:func:`propose` over the headroom, in-flight
+        plans' blocks excluded), or None when no positive reduction fits.
 
         At most ``max_dests`` destinations (default, and never more than, the headroom).
         Planning changes nothing; launch the plan at once or drop it (its destinations
-        leave the headroom only at launch). The contract is ``vtoken.spec.planner``.
+        leave the headroom only at launch).
         """
-        t = self.table
-        r = t._reqs[req_id]
-        S = self.S
-        # never more destinations than the headroom holds (dests are taken from it)
-        max_dests = len(self.headroom) if max_dests is None else min(int(max_dests), len(self.headroom))
-        blocks = np.fromiter(r.blocks, dtype=np.int64, count=len(r.blocks))
         tail = self._tail_of(req_id)
-        nb = t.n_b[blocks]
-        ok = (t.refs[blocks] == 1) & (nb < S) & (blocks != (tail if tail is not None else -1))
-        if faults.on("plan_moves_shared"):
-            ok = (nb < S) & (blocks != (tail if tail is not None else -1))
-        if faults.on("plan_moves_tail"):
-            ok = (t.refs[blocks] == 1) & (nb < S)
-        if self._busy and not faults.on("plan_overlaps_inflight"):
-            ok &= ~self._busy_mask[blocks]
-        cand, cnt = blocks[ok], nb[ok]
-        if len(cand) == 0:
-            return None
-        order = np.lexsort((cand, cnt))  # fewest live first; block id breaks ties (deterministic)
-        cand, cnt = cand[order][: self.cfg.max_sources], cnt[order][: self.cfg.max_sources]
-        need = -(-np.cumsum(cnt) // S)  # destinations for each prefix
-        red = np.arange(1, len(cand) + 1) - need
-        worthwhile = red.max() > 0
-        red[need > max_dests] = -1  # shrink to what the headroom can serve
-        m = int(np.argmax(red)) + 1
-        if red[m - 1] <= 0 and not faults.on("plan_nondecreasing"):
+        prop, worthwhile = propose(self.table, req_id, self.headroom, max_sources=self.cfg.max_sources, tail=tail,
+                                   excluded=self._busy_mask if self.in_flight else None, max_dests=max_dests)
+        if prop is None:
             if worthwhile:
                 self.stats["deferred"] += 1  # worth doing, but the headroom is short
             return None
-        sources = cand[:m]
-        n_dest = int(need[m - 1])
-        if faults.on("plan_nondecreasing"):
-            n_dest = min(max(n_dest, m), max_dests)
-            if n_dest == 0:
-                return None
-        dests = self.headroom[:n_dest]
-        mark = self._scratch  # O(sources) to set and clear, not O(num_blocks) per plan
-        mark[sources] = True
-        sl, lv = r.slot[: r.n], r.live[: r.n]
-        toks = np.flatnonzero(lv & mark[sl // S])  # logical order
-        mark[sources] = False
-        moves = np.empty((len(toks), 5), dtype=np.int64)
-        moves[:, 0] = toks
-        moves[:, 1] = sl[toks] // S
-        moves[:, 2] = sl[toks] % S
-        placed = place([True] * len(toks), S)
-        moves[:, 3] = [dests[d] for d, _ in placed] if len(toks) else []
-        moves[:, 4] = [o for _, o in placed] if len(toks) else []
-        if faults.on("plan_dup_dst") and len(toks) > 1:
-            moves[1, 3:] = moves[0, 3:]
-        plan = Plan(next(self._ids), req_id, sorted(sources.tolist()), list(dests), moves)
+        plan = Plan(next(self._ids), req_id, prop.sources, prop.dests, prop.moves)
         if self.cfg.record_snapshots:
-            plan.snapshot = self._snapshot(plan, tail)
+            plan.snapshot = plan_snapshot(
+                self.table, req_id, plan.id, prop, tail, self.headroom,
+                [{"id": p.id, "request": str(p.req_id), "sources": list(p.sources), "dests": list(p.dests)}
+                 for p in self.in_flight.values()])
         return plan
-
-    def _snapshot(self, plan: Plan, tail) -> dict:
-        t = self.table
-        shared = sorted(int(b) for b in t.blocks_of(plan.req_id) if t.refs[b] > 1)
-        return {
-            "schema": SCHEMA,
-            "block_size": self.S,
-            "plan": {"id": plan.id, "request": str(plan.req_id), "sources": list(plan.sources),
-                     "dests": list(plan.dests), "moves": plan.moves.tolist()},
-            "pre": {"requests": {str(plan.req_id): request_state(t, plan.req_id, tail)}},
-            "post": None,
-            "shared_blocks": shared,
-            "headroom": list(self.headroom),
-            "in_flight": [{"id": p.id, "request": str(p.req_id), "sources": list(p.sources), "dests": list(p.dests)}
-                          for p in self.in_flight.values()],
-            "schedule": [],
-            "evicted_in_flight": [],  # filled by apply(): moved tokens evicted while the copy flew
-        }
 
     def record(self, p: Plan, kind: str, **fields) -> None:
         """Append an event to the plan's snapshot schedule (when snapshots are recorded)."""
@@ -250,31 +379,20 @@ class ReclamationManager:
             if not taken <= set(self.headroom):
                 raise PlanError("stale_plan", f"plan {plan.id}: destinations {plan.dests} are no longer in the headroom")
             self.headroom = [b for b in self.headroom if b not in taken]
-        for b in itertools.chain(plan.sources, plan.dests):
-            self._busy[b] = plan.id
-            self._busy_mask[b] = True
+        self._busy_mask[plan.sources] = True
+        self._busy_mask[plan.dests] = True
         plan.state = COPYING
         self.in_flight[plan.id] = plan
         self.stats["plans"] += 1
-        if faults.on("free_sources_at_plan"):
-            self._free_sources_now(plan)
         plan.handle = self.engine.launch(plan)
         self.record(plan, "launch", plan=plan.id)
-
-    def _free_sources_now(self, plan: Plan) -> None:
-        # planted bug: sources released at planning time, before the copy has completed
-        self.alloc.free(plan.sources)
-        self.record(plan, "free", blocks=list(plan.sources))
-        plan.sources_freed_early = True
 
     def poll(self, force_sync: bool = False) -> list[Plan]:
         """Observe finished copies and apply them. Returns the plans that finished (either way)."""
         done = []
         for plan in list(self.in_flight.values()):
             status = self.engine.wait(plan.handle) if force_sync else self.engine.poll(plan.handle)
-            if status == "pending" and faults.on("apply_before_complete"):
-                status = "done"  # planted: the copy is taken as finished without its fence
-            elif status == "pending":
+            if status == "pending":
                 continue
             if status == "failed":
                 self.abort(plan)
@@ -286,53 +404,42 @@ class ReclamationManager:
         return done
 
     def apply(self, plan: Plan) -> None:
-        """completed -> applied: destinations to the request, table updated, sources freed."""
+        """completed -> applied: table updated (:func:`apply_completed`), sources freed,
+        used destinations to the request, unused ones back to the headroom."""
         if plan.state != COMPLETED:
             raise PlanError("bad_state", f"plan {plan.id} is {plan.state}: apply only after the copy completed")
-        shared = [b for b in plan.sources if self.table.refs[b] > 1]
-        if shared and plan.id not in self._deferred and all(self.alloc.ref[b] >= self.table.refs[b] for b in shared):
-            # A source became shared while the copy was in flight (a prefix-cache hit on it,
-            # each sharer holding its own reference): shared blocks never move (I4), so the
-            # plan is dropped as if its copy had failed, before any state is touched. (A
-            # share without those references -- a block reused after an early free -- is
-            # corruption, and is left to the table's own check to refuse.)
-            self.abort(plan)
-            return
-        self._release(plan)
         if plan.id in self._deferred:  # the request finished while the copy was in flight
+            self._release(plan)
             self.alloc.unreserve(plan.dests)
             self.alloc.free(self._deferred.pop(plan.id))
             plan.state = ABORTED
             return
-        if len(plan.moves):  # a token evicted while the copy was in flight stays dead where it was
-            still = self.table._reqs[plan.req_id].live[plan.moves[:, 0]]
-            if not still.all():
-                plan.evicted_in_flight = plan.moves[~still, 0].tolist()
-                if plan.snapshot is not None:  # the record says which tokens died in flight
-                    plan.snapshot["evicted_in_flight"] = list(plan.evicted_in_flight)
-                plan.moves = plan.moves[still]
-        used = sorted({int(b) for b in plan.moves[:, 3]}) if len(plan.moves) else []
+        t = self.table
+        shared = [b for b in plan.sources if t.block_refs(b) > 1]
+        if shared and all(self.alloc.ref[b] >= t.block_refs(b) for b in shared):
+            # A source became shared while the copy was in flight (a prefix-cache hit on it,
+            # each sharer holding its own reference): shared blocks never move (I4), so the
+            # plan is dropped as if its copy had failed, before any state is touched. (A
+            # share without those references -- a block reused after an early free -- is
+            # corruption: apply_completed refuses it.)
+            self.abort(plan)
+            return
+        res = apply_completed(t, plan.req_id, plan.sources, plan.moves)
+        self._release(plan)
+        plan.moves, plan.evicted_in_flight = res.moves, res.evicted_in_flight
+        used = res.used_dests
         self.alloc.take_reserved(used)
-        unused = [b for b in plan.dests if b not in used]
-        self.headroom += unused
-        emptied = self.table.apply_moves(plan.req_id, plan.moves) if not faults.on("skip_apply") else []
-        rest = sorted(set(plan.sources) - set(emptied))
-        if rest:  # all-dead sources: nothing to move, the table just lets go of them
-            emptied = sorted(emptied + self.table.release_empty_blocks(plan.req_id, rest))
-        if emptied != plan.sources:
-            raise PlanError("not_emptied", f"plan {plan.id}: sources {plan.sources} but the table emptied {emptied}")
+        self.headroom += [b for b in plan.dests if b not in used]
         self.record(plan, "apply", plan=plan.id)
-        if not getattr(plan, "sources_freed_early", False):
-            self.alloc.free(plan.sources)
-            self.record(plan, "free", blocks=list(plan.sources))
+        self.alloc.free(plan.sources)
+        self.record(plan, "free", blocks=list(plan.sources))
         plan.dests = used
         plan.state = APPLIED
         self.stats["applied"] += 1
-        self.stats["moves"] += len(plan.moves)
+        self.stats["moves"] += len(res.moves)
         self.stats["blocks_freed"] += len(plan.sources) - len(used)
         if plan.snapshot is not None:
-            plan.snapshot["dests_used"] = list(used)  # plan.dests stays as planned, matching plan.moves
-            plan.snapshot["post"] = {"requests": {str(plan.req_id): request_state(self.table, plan.req_id, None)}}
+            snapshot_applied(plan.snapshot, t, plan.req_id, res)
             self.history.append(plan)
         if self.on_applied is not None:
             self.on_applied(plan)
@@ -346,31 +453,31 @@ class ReclamationManager:
             self.alloc.unreserve(plan.dests)
             self.alloc.free(self._deferred.pop(plan.id))
             return
-        if not faults.on("abort_leaks_dests"):
-            self.headroom += plan.dests
+        self.headroom += plan.dests
 
     def _release(self, plan: Plan) -> None:
         del self.in_flight[plan.id]
-        for b in itertools.chain(plan.sources, plan.dests):
-            if self._busy.get(b) == plan.id:
-                del self._busy[b]
-                self._busy_mask[b] = False
+        self._busy_mask[plan.sources] = False
+        self._busy_mask[plan.dests] = False
 
     def finish_request(self, req_id, held_blocks) -> list[int]:
         """The request finished or was preempted: forget it and free the blocks it held.
 
         ``held_blocks`` are the blocks the caller holds a reference on for this request
-        (its block list without null entries, plus applied destinations). Blocks that an
-        in-flight copy still reads are freed only once that copy completes. Returns the
-        blocks freed now.
+        (its block list without null entries, plus applied destinations). References on
+        the sources of its in-flight plan are taken over by the manager and freed once that
+        copy completes; the plan is orphaned (a later incarnation of the same request id
+        is a different request to it). Returns the blocks freed now.
         """
         if req_id in self.table:
             self.table.free_request(req_id)
         later = set()
         for plan in self.in_flight.values():
-            if plan.req_id == req_id and not faults.on("finish_frees_inflight_sources"):
-                self._deferred[plan.id] = [b for b in held_blocks if b in plan.sources]
-                later |= set(self._deferred[plan.id])
+            if plan.req_id == req_id and not plan.orphaned:
+                plan.orphaned = True
+                mine = [b for b in held_blocks if b in plan.sources]
+                self._deferred.setdefault(plan.id, []).extend(mine)
+                later |= set(mine)
         now = [b for b in held_blocks if b not in later]
         self.alloc.free(now)
         return now
@@ -380,20 +487,14 @@ class ReclamationManager:
         """Plan and launch for the requests with the most reclaimable blocks first."""
         t = self.table
         self.stats["rounds"] += 1
-        reqs = list(t._reqs) if req_ids is None else list(req_ids)
-        busy_reqs = {p.req_id for p in self.in_flight.values()}
-        S = self.S
+        reqs = t.requests() if req_ids is None else list(req_ids)
+        busy = self.busy_requests()
         scored = []
         for rid in reqs:
-            r = t._reqs[rid]
-            # Upper bound on the reduction (exact when every other block is eligible and
-            # neither B nor the headroom binds): the tail stays, the rest packs into
-            # ceil(live outside the tail / S) blocks. Requests at or below 0 cannot gain.
-            tail = self._tail_of(rid)
-            has_tail = tail is not None and tail in r.blocks
-            in_tail = int(t.n_b[tail]) if has_tail else 0  # >= the request's own live tokens there
-            gain = len(r.blocks) - int(has_tail) - -(-max(0, r.n_live - in_tail) // S)
-            if gain > 0 and (rid not in busy_reqs or faults.on("plan_overlaps_inflight")):
+            if rid in busy:
+                continue
+            gain = reclaim_bound(t, rid, self._tail_of(rid))
+            if gain > 0:
                 scored.append((-gain, len(scored), rid))
         scored.sort()
         launched = []

@@ -53,7 +53,6 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from . import faults
 from .errors import TableError
 
 NULL_BLOCK = 0
@@ -211,12 +210,8 @@ class TokenTable:
         before = self.claims[slots]
         self.claims[slots] = before + 1
         fresh = slots[before == 0]
-        if not faults.on("nb_double_count"):
-            np.add.at(self.n_b, fresh // self.S, 1)
-            self._live_slots += len(fresh)
-        else:  # planted: count every claim, shared or not
-            np.add.at(self.n_b, slots // self.S, 1)
-            self._live_slots += len(slots)
+        np.add.at(self.n_b, fresh // self.S, 1)
+        self._live_slots += len(fresh)
 
     def _unclaim(self, slots: np.ndarray) -> None:
         if len(slots) == 0:
@@ -314,7 +309,7 @@ class TokenTable:
             raise TableError("block_out_of_range", f"request {req_id!r}: token {n} -> block {b} outside [0, {self.num_blocks})")
         if b == NULL_BLOCK:
             raise TableError("null_block", f"request {req_id!r}: token {n} would land in the null block")
-        s = b * (S + faults.on("slot_formula_wrong_s")) + n % S  # planted: wrong block size
+        s = b * S + n % S
         mine = r is not None and b in r.blocks
         placed = int(self.placed[s])
         if (placed != n) if (self.refs[b] - mine) > 0 else (placed != -1):
@@ -331,7 +326,7 @@ class TokenTable:
         self.placed[s] = n
         c = int(self.claims[s])
         self.claims[s] = c + 1
-        if c == 0 or faults.on("nb_double_count"):
+        if c == 0:
             self.n_b[b] += 1
             self._live_slots += 1
         g = r.base + n
@@ -394,8 +389,6 @@ class TokenTable:
         r.map_dirty = True
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
-        if faults.on("evict_wrong_token") and t + 1 < r.n and r.live[t + 1]:
-            t += 1  # planted: an off-by-one victim
         if not 0 <= t < r.n:
             raise TableError("unknown_token", f"request {req_id!r}: evict token {t} (length {r.n})")
         if not r.live[t]:
@@ -407,7 +400,7 @@ class TokenTable:
         self.claims[s] = c
         if c == 0:
             self.n_b[s // self.S] -= 1
-            self._live_slots -= 1 - faults.on("waste_drift")  # planted: the total drifts
+            self._live_slots -= 1
         self._pool.pend_dead.append(r.base + t)
         r.map_dirty = True
 
@@ -463,16 +456,12 @@ class TokenTable:
             ("bad_offset", c_off), ("null_block", c_null), ("shared_block", c_dshared),
             ("foreign_block", c_foreign), ("slot_occupied", c_occ), ("duplicate_destination", c_dupdst),
         )
-        if faults.on("dup_dst_accepted"):
-            checks = checks[:-1]
         bad = np.zeros(k, dtype=bool)
         for _, c in checks:
             bad |= c
         if bad.any():
             i = int(np.argmax(bad))
             code = next(name for name, c in checks if c[i])
-            if faults.on("nonatomic_apply_moves") and i > 0:
-                self._apply_valid_moves(r, m[:i], tok[:i], cur[:i], dst[:i])  # planted: half a list
             raise TableError(code, f"request {req_id!r}: move #{i} {tuple(int(x) for x in m[i])}")
         return self._apply_valid_moves(r, m, tok, cur, dst)
 
@@ -485,9 +474,8 @@ class TokenTable:
         self._claim(dst)
         r.slot[tok] = dst
         self.placed[dst] = tok
-        if not faults.on("stale_slot_after_move"):
-            self._pool.pend_idx.append(tok + r.base)
-            self._pool.pend_val.append(dst.copy())
+        self._pool.pend_idx.append(tok + r.base)
+        self._pool.pend_val.append(dst.copy())
         r.map_dirty = True
         emptied = [b for b in np.unique(cur // S).tolist() if self.n_b[b] == 0]
         for b in emptied:
@@ -511,7 +499,7 @@ class TokenTable:
                 raise TableError("foreign_block", f"request {req_id!r} does not reference block {b}")
             if self.refs[b] > 1:
                 raise TableError("shared_block", f"request {req_id!r}: block {b} is shared")
-            if self.n_b[b] != 0 and not faults.on("release_nonempty"):
+            if self.n_b[b] != 0:
                 raise TableError("block_not_empty", f"request {req_id!r}: block {b} holds {int(self.n_b[b])} live token(s)")
             if b in seen:
                 raise TableError("duplicate_block", f"request {req_id!r}: block {b} named twice")
@@ -527,8 +515,6 @@ class TokenTable:
         self._unclaim(r.slot[live_ids])
         blocks = sorted(r.blocks)
         for b in blocks:
-            if faults.on("refcount_leak") and self.refs[b] > 1:
-                continue  # planted: a shared block keeps this request's reference
             self._unref_block(r, b)
         if r.cap:
             self._pool.release(r.base, r.cap)
@@ -563,7 +549,42 @@ class TokenTable:
         return r.slot[: r.n].copy()
 
     def blocks_of(self, req_id) -> list[int]:
+        """The blocks the request references, sorted (O(blocks log blocks): not for hot paths)."""
         return sorted(self._req(req_id).blocks)
+
+    def block_array(self, req_id) -> np.ndarray:
+        """The blocks the request references, unsorted, as int64 (O(blocks), no sort)."""
+        bl = self._req(req_id).blocks
+        return np.fromiter(bl, dtype=np.int64, count=len(bl))
+
+    def num_blocks_of(self, req_id) -> int:
+        return len(self._req(req_id).blocks)
+
+    def references(self, req_id, block_id: int) -> bool:
+        """Does the request reference ``block_id``? (O(1))"""
+        return int(block_id) in self._req(req_id).blocks
+
+    def tail_block(self, req_id) -> int | None:
+        """The block of the request's last position, live or dead (None when empty).
+
+        It is the block being written: a planner never takes it as a source. (O(1))
+        """
+        r = self._req(req_id)
+        return int(r.slot[r.n - 1]) // self.S if r.n else None
+
+    def live_slots(self, req_id) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, slots)``: the live token ids in logical order and their slots (O(length))."""
+        r = self._req(req_id)
+        ids = np.flatnonzero(r.live[: r.n])
+        return ids, r.slot[ids]
+
+    def are_live(self, req_id, token_ids: np.ndarray) -> np.ndarray:
+        """Liveness of the given ids (each must be < length), as a bool array (O(ids))."""
+        r = self._req(req_id)
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= r.n):
+            raise TableError("unknown_token", f"request {req_id!r}: token ids outside [0, {r.n})")
+        return r.live[ids]
 
     def location(self, req_id, token_id: int) -> tuple[int, int]:
         r = self._req(req_id)

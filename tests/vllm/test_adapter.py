@@ -107,8 +107,8 @@ def test_relocation_null_substitutes_sources_and_keeps_length(model):
     launched = []
     orig = ad._launch
 
-    def spy(meta, r, p):
-        orig(meta, r, p)
+    def spy(meta, r, p, *rest):
+        orig(meta, r, p, *rest)
         launched.append(meta.plans[-1])
 
     ad._launch = spy
@@ -126,7 +126,8 @@ def test_relocation_null_substitutes_sources_and_keeps_length(model):
                 if i >= 0:
                     assert lst[i] is ad.pool.null_block, f"{r}[{i}] is block {lst[i].block_id}, not null"
                     checked += 1
-            assert all(not any(x is s for x in lst) for s in p.sources)
+            if p.id in ad.plans:  # in flight: no source is in the list (once freed, a source may come back as new growth)
+                assert all(not any(x is s for x in lst) for s in p.sources)
     ad.close()
     assert ad.stats["applied"] > 0 and checked > 0
     assert w.hash_checks >= 2 * ad.stats["applied"] and w.hash_failures == 0
@@ -157,10 +158,10 @@ def test_sources_freed_only_after_the_fence(model, async_, lag):
     freed = []
     orig_free = ad._free_sources
 
-    def spy(plan, copy_done, untouched=None, now=False):
+    def spy(plan, copy_done):
         sched = ad.scheduler
         freed.append((plan.id, plan.seq, sched.processed_step_seq, copy_done, w.stats["steps"]))
-        orig_free(plan, copy_done, untouched, now)
+        orig_free(plan, copy_done)
 
     ad._free_sources = spy
     launched_at: dict = {}
@@ -214,11 +215,11 @@ def test_no_shared_block_moved_with_prefix_caching(model):
     sources_at_plan = []
     orig = ad._launch
 
-    def spy(meta, r, p):
+    def spy(meta, r, p, *rest):
         for b in p.sources:
             blk = ad.block(b)
             sources_at_plan.append((b, blk.ref_cnt, int(ad.table.block_refs(b))))
-        orig(meta, r, p)
+        orig(meta, r, p, *rest)
 
     ad._launch = spy
     shared_ids = None
@@ -239,11 +240,52 @@ def test_no_shared_block_moved_with_prefix_caching(model):
     assert w.stats["cached_tokens"] == (degree - 1) * 8 * S  # the prefix was a cache hit
 
 
-def test_prefix_hit_on_a_relocated_source_reads_its_original_bytes(model):
-    """A relocation source freed with its prefix-cache hash kept (bytes untouched, full
-    context) serves a later request's prefix hit with the bytes its hash promises."""
-    from vtoken.vllm_adapter.worker import _block_digest
+def _block_digest(kv, block: int) -> int:
+    import torch
+    import xxhash
 
+    S = kv.block_size
+    slots = torch.arange(block * S, (block + 1) * S, dtype=torch.int64)
+    return xxhash.xxh3_64_intdigest(kv.slot_bytes(slots).cpu().numpy().tobytes())
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_prefix_hit_on_inflight_source_regression(model, async_):
+    """The crash of issue 10: prefix caching on, a plan in flight (copy lag 3), a new request
+    with the same prefix. Its sources' hashes were kept while the copy ran, vLLM handed them
+    out as prefix hits (ref_cnt 2), and applying the plan then refused a shared block. The
+    rule now: a plan's sources lose their hash at launch, so no hit can land on them."""
+    S = 4
+    ad, w, d = make(model, S=S, N=64, H=4, ratio=0.5, async_=async_, lag=3, caching=True)
+    pre = prompt(0, 24)
+    ad.add_request("a", pre, max_tokens=40)
+    for _ in range(200):
+        d.step()
+        if ad.plans:
+            break
+    plan = next(iter(ad.plans.values()))
+    assert all(b.block_hash is None for b in plan.sources), "a source in flight still carries a hash"
+    assert ad.stats["source_hashes_dropped"] > 0, "the plan's sources were never hashed: not the case under test"
+    flying = set(plan.source_ids)
+    ad.add_request("b", pre + [7, 8, 9], max_tokens=4)
+    hits = set()
+    orig = w.execute
+
+    def spy(so):
+        for dnew in so.scheduled_new_reqs:
+            if dnew.req_id == "b":
+                hits.update(dnew.block_ids[0][: dnew.num_computed_tokens // S])
+        return orig(so)
+
+    w.execute = spy
+    run_to_end(ad, d)  # used to die in the worker with TableError [shared_block]
+    assert not hits & flying, f"prefix hit on in-flight sources {sorted(hits & flying)}"
+    assert ad.stats["shared_blocks_moved"] == 0 and w.hash_failures == 0
+
+
+def test_prefix_hit_reads_the_bytes_its_hash_promises(model):
+    """A later request with a's prompt hits a's prompt blocks and gets the bytes a's prefill
+    wrote there (a keeps decoding and relocating around the shared blocks meanwhile)."""
     S = 8
     ad, w, d = make(model, S=S, N=64, H=4, ratio=0.5, async_=False, caching=True)
     p = prompt(5, 6 * S)
@@ -251,11 +293,8 @@ def test_prefix_hit_on_a_relocated_source_reads_its_original_bytes(model):
     d.step()  # a's prefill: record its prompt blocks' bytes
     prompt_blocks = [b.block_id for b in ad.req_to_blocks["a"][:6]]
     want = {b: _block_digest(w.kv, b) for b in prompt_blocks}
-    while ad.requests["a"].num_output_tokens < 30:
+    while ad.requests["a"].num_output_tokens < 2:
         d.step()
-    kept = [b for b, why in ad.kept_hashes if why.startswith("source")]
-    reloc = sorted(set(kept) & set(prompt_blocks))
-    assert reloc, f"no prompt block of 'a' was relocated and freed with its hash ({ad.kept_hashes})"
     ad.add_request("b", p + prompt(6, 5), max_tokens=4)
     hits = {}
     orig = w.execute
@@ -271,10 +310,9 @@ def test_prefix_hit_on_a_relocated_source_reads_its_original_bytes(model):
     d.step()
     hit_digests = {i: _block_digest(w.kv, b) for i, b in hits.items()}
     run_to_end(ad, d)
-    assert len(hits) == 6, hits
+    assert hits, "no prefix hit: not the case under test"
     for i, b in hits.items():
-        assert hit_digests[i] == want[prompt_blocks[i]], f"hit block {b} at index {i} holds other bytes"
-    assert set(hits.values()) & set(reloc), (hits, reloc)
+        assert b == prompt_blocks[i] and hit_digests[i] == want[b], f"hit block {b} at index {i} holds other bytes"
 
 
 # ---------------------------------------------------------------------------- reservation

@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vtoken import faults
+from vtoken.fuzz.patches import Patch
+from vtoken.fuzz.patches import planted as planted_patches
+from vtoken.fuzz.planted import planted
 from vtoken.vllm_adapter import harness
 
 pytestmark = pytest.mark.vllm
@@ -15,9 +17,11 @@ pytestmark = pytest.mark.vllm
 # fault -> (check name, the assumption's words, a detail pattern)
 PLANTED = {
     "adapter_free_before_fence": ("fence", "sources freed only after the fence",
-                                  r"block \d+ \(source of plan \d+, request '[^']+'\) freed at step \d+ .*fence \d+"),
+                                  r"block \d+ \(source of plan \d+ \(request '[^']+', fence \d+\)\) has ref_cnt 0.*"
+                                  r"freed before its fence"),
     "adapter_stale_prefix_hash": ("prefix_hash", "no relocated block keeps a stale prefix-cache hash",
-                                  r"block \d+ \(destination of request '[^']+'\) carries a prefix-cache hash"),
+                                  r"block \d+ \(destination of (in-flight plan \d+ \()?request '[^']+'\)+ carries a "
+                                  r"prefix-cache hash"),
     "adapter_pop_not_null": ("null_substitution", "null-substituted in req_to_blocks, list length kept",
                              r"block list has \d+ entries, the scheduler outputs gave it \d+"),
     "adapter_headroom_to_allocate": ("reservation", "never handed to allocate_slots",
@@ -44,7 +48,7 @@ def test_planted_fault_fails_audit_decode(fault):
     from vtoken.vllm_adapter.audit_run import audit_decode
 
     check, words, pattern = PLANTED[fault]
-    with faults.planted(fault):
+    with planted(fault):
         res = audit_decode(quick=True, seed=0)
     assert res["passed"] is False
     assert_names(res["detail"], check, words, pattern)
@@ -56,7 +60,7 @@ def test_planted_fault_fails_sharing_table(fault):
     from vtoken.vllm_adapter.audit_run import sharing_table
 
     check, words, pattern = PLANTED[fault]
-    with faults.planted(fault):
+    with planted(fault):
         res = sharing_table(quick=True, seed=0)
     assert res["passed"] is False
     assert_names(res["detail"], check, words, pattern)
@@ -68,7 +72,7 @@ def test_planted_fault_is_reported_by_check_assumptions(fault):
     from vtoken.vllm_adapter.audit_run import check_assumptions
 
     check, words, pattern = PLANTED[fault]
-    with faults.planted(fault):
+    with planted(fault):
         rows = {r["name"]: r for r in check_assumptions()}
     assert rows[check]["passed"] is False
     assert_names(rows[check]["detail"], check, words, pattern)
@@ -81,7 +85,11 @@ def test_corrupted_copy_fails_hash_and_compare():
     require_vllm()
     from vtoken.vllm_adapter.audit_run import audit_decode
 
-    with faults.planted("copy_flip_byte"):
+    flip = Patch("vtoken/copy_engine.py", "KVCopyEngine._copy",
+                 "                flat.index_copy_(2, dst_t, flat.index_select(2, src_t))\n",
+                 "                flat.index_copy_(2, dst_t, flat.index_select(2, src_t))\n"
+                 "            flat[-1, 0, int(dst_t[0])].view(torch.uint8).view(-1)[:1] ^= 0xFF\n")
+    with planted_patches([flip]):
         res = audit_decode(quick=True, seed=0)
     assert res["passed"] is False
     assert "[hash_and_compare]" in res["detail"] and "relocation_mismatch" in res["detail"], res["detail"]
@@ -166,8 +174,8 @@ def test_shared_source_at_copy_time_is_caught(model):
     orig = ad._launch
     state = {}
 
-    def spy(meta, r, p):
-        orig(meta, r, p)
+    def spy(meta, r, p, *rest):
+        orig(meta, r, p, *rest)
         plan = meta.plans[-1]
         if not state:  # make another request reference the first source in the token table
             other = next(x for x in ad.table.requests() if x != r)

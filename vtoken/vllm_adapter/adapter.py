@@ -64,12 +64,14 @@ vLLM's pool (a request that got a prefix hit but whose tokens the worker has not
 still counts) and be referenced by one request in the token table. Destinations hold
 tokens of mixed positions: they never enter ``req_to_blocks``, so vLLM never hashes them,
 and the checks require ``block_hash is None`` on every destination and headroom block. A
-freed source (or released block) keeps its prefix-cache hash only if its contents still
-match it: the worker digests a hashed source's bytes before the copy and after the apply
-(sources are never written: the copy reads them, no token is ever placed in them again),
-AND the block was computed with full context (it lies before the request's first eviction:
-a token computed after an eviction attended to fewer tokens than a fresh prefill would, so
-its K/V is not what the token ids promise). Otherwise ``BlockPool.evict_blocks`` drops the
+plan's sources lose their prefix-cache hash when the plan launches (``_launch``): a block
+in flight must never be handed out as a prefix-cache hit, since a hit makes it shared and
+shared blocks never move (the rule that closes the in-flight prefix-hit race: with the
+hash gone, ``find_longest_cache_hit`` cannot return it). A released block (all its tokens
+evicted, no copy) keeps its hash only if it was computed with full context (it lies before
+the request's first eviction: a token computed after an eviction attended to fewer tokens
+than a fresh prefill would, so its K/V is not what the token ids promise); its bytes are
+never written again before it is freed. Otherwise ``BlockPool.evict_blocks`` drops the
 hash before the block is freed. The same reasoning applies to any block vLLM hashes after a
 request's first eviction, moved or not: with ``evict_unfaithful_hashes`` (default) the
 adapter drops those hashes as soon as it learns the request's full-context length from the
@@ -89,17 +91,19 @@ intentions (``ASSUMPTIONS``; ``check_all()`` runs them on demand). A broken one 
 - ``null_substitution``: every request's ``req_to_blocks`` equals, entry for entry, the
   block ids its scheduler outputs gave it, with ``null_block`` exactly where the adapter
   substituted (same length);
-- ``prefix_hash``: no destination (held or in flight) carries a hash or a cache entry; a
-  hashed source whose bytes changed during its relocation is reported, not re-hashed;
+- ``prefix_hash``: no destination (held or in flight) carries a hash or a cache entry, and
+  no source carries one when it is freed (dropped at launch);
 - ``shared_never_moved``: at plan time (vLLM ref_cnt and table refs) and at copy time
   (the worker refuses a source another request references);
 - ``table_in_step``: the token table references, per live request, only blocks the
   scheduler side holds for it (list, destinations, in-flight plan, pending release);
 - ``ownership``: the reference count of every other block the adapter holds;
-- ``all_returned``: ``close()`` finds the pool at N-1 free blocks, nothing referenced.
+- ``all_returned``: ``close()`` finds the pool at N-1 free blocks, nothing referenced;
+- ``plan_contract``: with a ``plan_hook`` attached (the toolkit attaches
+  ``spec.planner``'s contract), every proposal is checked before launch.
 
-Planted faults (``vtoken.faults``): ``adapter_free_before_fence``,
-``adapter_stale_prefix_hash``, ``adapter_pop_not_null``, ``adapter_headroom_to_allocate``.
+Planning and applying are ``vtoken.planner``'s ``propose`` / ``reclaim_bound`` (here) and
+``apply_completed`` (in the worker): the same functions every other path runs.
 """
 
 from __future__ import annotations
@@ -114,9 +118,7 @@ import numpy as np
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
 from .harness import VllmHarness
-from .. import faults
-from ..placement import place
-from ..planner import PlannerConfig
+from ..planner import PlannerConfig, Proposal, plan_snapshot, propose, reclaim_bound
 from ..table import TokenTable
 
 __all__ = [
@@ -135,8 +137,8 @@ ASSUMPTIONS: dict[str, str] = {
     "fence": "sources freed only after the fence (their copy completed and the step that "
              "carried the plan processed)",
     "prefix_hash": "no relocated block keeps a stale prefix-cache hash (destinations are "
-                   "never hashed; a freed source keeps its hash only if its bytes are untouched "
-                   "and were computed with full context)",
+                   "never hashed; sources lose their hash at launch; a released block keeps it "
+                   "only if it was computed with full context)",
     "null_substitution": "moved or released blocks are null-substituted in req_to_blocks, "
                          "list length kept (never popped)",
     "reservation": "headroom blocks are held with ref_cnt 1, unhashed, and never handed to "
@@ -145,6 +147,7 @@ ASSUMPTIONS: dict[str, str] = {
     "table_in_step": "the token table is in step with the scheduler's block lists",
     "ownership": "every reference the adapter holds is accounted for in the pool",
     "all_returned": "every block returns to the pool after drain (free count N-1)",
+    "plan_contract": "every plan satisfies the planner contract (vtoken.spec.planner) and is optimal",
     "hash_and_compare": "every relocation preserves the ordered live token ids and their K/V "
                         "bytes (hash-and-compare)",
     "outputs_equal": "reclamation does not change the output (same eviction decisions, "
@@ -181,7 +184,7 @@ class AdapterPlan:
     dests: list  # KVCacheBlock (from the headroom)
     moves: np.ndarray  # (k, 5): token, src_block, src_offset, dst_block, dst_offset
     source_index: dict = field(default_factory=dict)  # source block id -> positional index (or -1: a held dest)
-    hashed: set = field(default_factory=set)  # source block ids carrying a prefix-cache hash at plan time
+    snapshot: Optional[dict] = None  # the plan snapshot (planner_config.record_snapshots)
     orphaned: bool = False  # the request was freed while the plan flew
 
     @property
@@ -244,13 +247,6 @@ def scheduler_class(base: type) -> type:
 
     VTokenScheduler.__name__ = VTokenScheduler.__qualname__ = f"VToken{base.__name__}"
     return VTokenScheduler
-
-
-@dataclass
-class _Proposal:
-    sources: list  # block ids
-    dests: list  # block ids (from the headroom)
-    moves: np.ndarray
 
 
 # ------------------------------------------------------------------------ the adapter
@@ -316,7 +312,9 @@ class VTokenAdapter:
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
         self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
         self.faithful: dict[str, int] = {}  # req -> tokens computed with full context (worker report)
-        self.kept_hashes: list[tuple[int, str]] = []  # (block, why) hashes kept on freed sources
+        self.kept_hashes: list[tuple[int, str]] = []  # (block, why) hashes kept on freed (released) blocks
+        self.history: list[dict] = []  # snapshots of applied plans (planner_config.record_snapshots)
+        self.plan_hook = None  # called with every proposal before launch (the toolkit's contract check)
         self.waiting_new: deque = deque()  # requests held back by admission back-pressure
         self.requests: dict[str, Any] = {}  # every vLLM Request made (outputs stay readable)
         self._ids = itertools.count(1)
@@ -326,7 +324,7 @@ class VTokenAdapter:
                           dests_returned=0, released_empty=0, hashes_kept=0, hashes_evicted=0,
                           shared_blocks_moved=0, backpressure_steps=0, held_back_max=0,
                           orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
-                          unfaithful_hashes_evicted=0)
+                          unfaithful_hashes_evicted=0, source_hashes_dropped=0)
         self._starved = False
         self._hash_scan: dict[str, int] = {}  # req -> positional index scanned for unfaithful hashes
 
@@ -386,12 +384,7 @@ class VTokenAdapter:
             want = self.H - len(self.headroom)
             take = min(want, self.pool.get_num_free_blocks())
             if take > 0:
-                got = self.pool.get_new_blocks(take)
-                self.headroom += got
-                if faults.on("adapter_headroom_to_allocate"):
-                    # planted: the reservation is "handed back" so allocate_slots can take it,
-                    # while the adapter still counts the blocks as its headroom
-                    self.pool.free_blocks(got)
+                self.headroom += self.pool.get_new_blocks(take)
         if self.waiting_new:
             if not self._backpressure() or self._scheduler_idle():
                 while self.waiting_new:
@@ -491,10 +484,7 @@ class VTokenAdapter:
                 got = None if lst is None or i >= len(lst) else lst[i].block_id
                 raise AdapterAssumptionError(
                     "table_in_step", f"request {r!r}: block {b} expected at req_to_blocks index {i}, found {got}")
-            if faults.on("adapter_pop_not_null"):
-                lst.pop(i)  # planted: the entry is popped, not null-substituted
-            else:
-                lst[i] = self.pool.null_block
+            lst[i] = self.pool.null_block
             self.subst.setdefault(r, {})[i] = b
             return i
         held = self.held.get(r, [])
@@ -564,7 +554,9 @@ class VTokenAdapter:
 
     def _plan(self, meta: StepMeta, running: list[str]) -> None:
         """Stages 1-3: eligibility (waste ratio over ``theta_f`` every ``check_every`` steps),
-        requests by their reclaimable-block bound, then one plan per request."""
+        requests by their reclaimable-block bound (``planner.reclaim_bound``), then one plan
+        per request (``planner.propose``, the planner every path runs), with the blocks vLLM
+        shares or the scheduler side does not hold for the request excluded."""
         t, cfg = self.table, self.cfg
         if not self.headroom or self.steps % cfg.check_every or t.waste_ratio() <= cfg.theta_f:
             return
@@ -575,70 +567,40 @@ class VTokenAdapter:
                 continue
             if self.incarnation.get(r, 0) > processed:
                 continue
-            blocks = t.blocks_of(r)
-            tail = self._tail_block(r)
-            in_tail = int(t.n_b[tail]) if tail is not None and tail in blocks else 0
-            gain = len(blocks) - int(tail in blocks) - -(-max(0, t.num_live(r) - in_tail) // self.S)
+            gain = reclaim_bound(t, r, t.tail_block(r))
             if gain > 0:
                 scored.append((-gain, len(scored), r))
         scored.sort()
         for _, _, r in scored:
             if len(meta.plans) >= self.max_plans_per_step or not self.headroom:
                 break
-            exclude = [b for b in t.blocks_of(r)
-                       if self.block(b).ref_cnt != 1 or self._accounted(r, b) is None]
-            p = self._plan_request(r, exclude)
-            if p is not None:
-                self._launch(meta, r, p)
+            blocks = t.block_array(r).tolist()
+            exclude = np.asarray([b for b in blocks if self.block(b).ref_cnt != 1 or self._accounted(r, b) is None],
+                                 dtype=np.int64)
+            tail = t.tail_block(r)
+            head = [b.block_id for b in self.headroom]
+            p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude)
+            if p is None:
+                continue
+            if self.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
+                self.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=head, excluded=exclude.tolist(),
+                               max_sources=cfg.max_sources)
+            self._launch(meta, r, p, tail, head)
 
-    def _plan_request(self, r: str, exclude) -> Optional[_Proposal]:
-        """Stage 3 for one request: the rule of ``ReclamationManager.plan_request``, with an
-        explicit exclusion set (blocks vLLM shares, blocks not held in the request's list).
+    def _launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
+        """Take the proposal's destinations from the headroom, null-substitute its sources in
+        the request's list, drop the sources' prefix-cache hashes, and ride it on step ``seq``.
 
-        Candidates: blocks referenced by this request only, not its tail, not full of live
-        tokens, not excluded. Sorted by live count (block id breaks ties), the best prefix
-        of at most ``max_sources`` whose reduction ``sources - ceil(live / S)`` is largest
-        and positive, shrunk to what the headroom can serve; destinations filled completely
-        in logical token order (``vtoken.placement.place``)."""
-        t, S = self.table, self.S
-        blocks = np.asarray(t.blocks_of(r), dtype=np.int64)
-        if len(blocks) == 0:
-            return None
-        tail = self._tail_block(r)
-        nb = t.n_b[blocks]
-        ok = (t.refs[blocks] == 1) & (nb < S) & (blocks != (tail if tail is not None else -1))
-        if len(exclude):
-            ok &= ~np.isin(blocks, np.asarray(exclude, dtype=np.int64))
-        cand, cnt = blocks[ok], nb[ok]
-        if len(cand) == 0:
-            return None
-        order = np.lexsort((cand, cnt))
-        cand, cnt = cand[order][: self.cfg.max_sources], cnt[order][: self.cfg.max_sources]
-        need = -(-np.cumsum(cnt) // S)
-        red = np.arange(1, len(cand) + 1) - need
-        red[need > len(self.headroom)] = -1
-        m = int(np.argmax(red)) + 1
-        if red[m - 1] <= 0:
-            return None
-        sources = sorted(int(b) for b in cand[:m])
-        dests = [b.block_id for b in self.headroom[: int(need[m - 1])]]
-        live = t.live_tokens(r)
-        slots = t.slots(r)[live]
-        sel = np.isin(slots // S, np.asarray(sources, dtype=np.int64))
-        toks, src = live[sel], slots[sel]
-        moves = np.empty((len(toks), 5), dtype=np.int64)
-        moves[:, 0] = toks
-        moves[:, 1] = src // S
-        moves[:, 2] = src % S
-        placed = place([True] * len(toks), S)
-        moves[:, 3] = [dests[d] for d, _ in placed] if len(toks) else []
-        moves[:, 4] = [o for _, o in placed] if len(toks) else []
-        return _Proposal(sources, dests, moves)
-
-    def _launch(self, meta: StepMeta, r: str, p) -> None:
+        Why the hashes go now: a source keeps its bytes until it is freed, so while its copy
+        flies vLLM could hand it to a new request as a prefix-cache hit (``touch``: ref_cnt
+        2); the worker would sync that request onto it and the plan would then have to move
+        a shared block. With no hash, no hit can land on a block in flight. The cost is at
+        most one recomputed block per source for a later request with the same prefix.
+        """
+        taken = set(p.dests)
         by_id = {b.block_id: b for b in self.headroom}
         dests = [by_id[d] for d in p.dests]
-        self.headroom = [b for b in self.headroom if b.block_id not in set(p.dests)]
+        self.headroom = [b for b in self.headroom if b.block_id not in taken]
         sources = [self.block(b) for b in p.sources]
         for blk in sources:
             if blk.ref_cnt != 1 or self.table.refs[blk.block_id] != 1:
@@ -648,16 +610,21 @@ class VTokenAdapter:
                     f"(vLLM ref_cnt {blk.ref_cnt}, table refs {int(self.table.refs[blk.block_id])}) at step {meta.seq}")
         plan = AdapterPlan(id=next(self._ids), req_id=r, seq=meta.seq, sources=sources, dests=dests,
                            moves=np.asarray(p.moves, dtype=np.int64).reshape(-1, 5))
+        if self.cfg.record_snapshots:
+            plan.snapshot = plan_snapshot(
+                self.table, r, plan.id, p, tail, head,
+                [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids}
+                 for q in self.plans.values()])
         for blk in sources:
-            plan.hashed.update([blk.block_id] if blk.block_hash is not None else [])
+            if blk.block_hash is not None:
+                self.pool.evict_blocks({blk.block_id})
+                self.stats["source_hashes_dropped"] += 1
             plan.source_index[blk.block_id] = self._detach(r, blk)
             self.ledger[blk.block_id] = _FenceEntry(blk.block_id, plan.id, r, meta.seq)
         self.plans[plan.id] = plan
         self.busy[r] = plan.id
         meta.plans.append(plan)
         self.stats["plans"] += 1
-        if faults.on("adapter_free_before_fence"):
-            self._free_sources(plan, copy_done=False, now=True)  # planted: freed at planning time
 
     # ------------------------------------------------------------------ hook: request freed
     def _on_request_free(self, request) -> None:
@@ -732,15 +699,13 @@ class VTokenAdapter:
                 self.stats["dests_used"] += len(used)
                 self.stats["applied"] += 1
                 self.stats["moves"] += int(res.moved)
-                if faults.on("adapter_stale_prefix_hash") and used:
-                    hashed = [s for s in plan.sources if s.block_hash is not None]
-                    if hashed:  # planted: "the tokens moved, so their prefix-cache entry follows"
-                        self.pool.move_block_hashes(hashed[0], used[0])
                 if alive:
                     self.held.setdefault(plan.req_id, []).extend(used)
                 else:
                     self._free_blocks(used, self.gone_fence.get(plan.req_id, 0))
-                self._free_sources(plan, copy_done=res.copy_done, untouched=res.untouched)
+                self._free_sources(plan, copy_done=res.copy_done)
+                if plan.snapshot is not None and plan.snapshot["post"] is not None:
+                    self.history.append(plan.snapshot)  # completed by the worker (snapshot_applied)
             else:  # aborted: nothing moved (or the request is gone)
                 self.stats["aborted"] += 1
                 self.headroom += plan.dests
@@ -751,39 +716,27 @@ class VTokenAdapter:
                 else:
                     self._free_blocks(plan.sources, max(plan.seq, self.gone_fence.get(plan.req_id, 0)))
 
-    def _free_sources(self, plan: AdapterPlan, copy_done: bool, untouched: dict | None = None,
-                      now: bool = False) -> None:
+    def _free_sources(self, plan: AdapterPlan, copy_done: bool) -> None:
         """Hand a plan's sources back to the pool at their fence (see the module docstring):
         ``_free_cow_retained_blocks(sources, plan.seq)`` frees them at once when step
-        ``plan.seq`` has been processed, else defers them to it. ``now``: straight to the
-        pool (only the planted fault does this)."""
+        ``plan.seq`` has been processed, else defers them to it. A source carries no
+        prefix-cache hash (dropped at launch, and vLLM never hashes a block outside a
+        request's list): one that does was re-hashed under the adapter (``prefix_hash``)."""
         processed = self.scheduler.processed_step_seq
         for blk in plan.sources:
             b = blk.block_id
             if blk.block_hash is not None:
-                idx = plan.source_index.get(b, -1)
-                if untouched is not None and b in untouched and not untouched[b]:
-                    raise AdapterAssumptionError(
-                        "prefix_hash", f"hashed source block {b} of plan {plan.id} (request {plan.req_id!r}) "
-                        f"changed bytes during its relocation: a source rewritten while keeping its hash")
-                ok = bool(untouched and untouched.get(b)) and self._faithful(plan.req_id, idx)
-                if ok:
-                    self.stats["hashes_kept"] += 1
-                    self.kept_hashes.append((b, f"source of plan {plan.id}: bytes untouched, full context"))
-                else:
-                    self.pool.evict_blocks({b})
-                    self.stats["hashes_evicted"] += 1
+                raise AdapterAssumptionError(
+                    "prefix_hash", f"source block {b} of plan {plan.id} (request {plan.req_id!r}) carries a "
+                    f"prefix-cache hash at its free: its hash was dropped at launch, so it was re-hashed while in flight")
             e = self.ledger.pop(b, None)
             if e is not None:
                 e.freed_at = processed
                 e.freed_copy_done = copy_done
                 self.ledger_done.append(e)
         self.stats["sources_freed"] += len(plan.sources)
-        if now:
-            self.pool.free_blocks(list(plan.sources))
-        else:
-            self.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)
-            self.stats["deferred_free_calls"] += 1
+        self.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)
+        self.stats["deferred_free_calls"] += 1
         if self.checks:
             self._check_fence_ledger()
 

@@ -23,13 +23,14 @@ adapter's (the scheduler side only reads it to plan). Per output, in order:
    whose chunk reaches its last known token samples one token (greedy);
 6. stage 4: the step's plans (``so.vtoken.plans``) are copied after the forward
    (``KVCopyEngine``, wrapped by ``RelocationChecker`` for hash-and-compare of every
-   relocation) and applied (``TokenTable.apply_moves``) once the copy is observed done;
-   tokens evicted meanwhile stay dead where they were (their moves are dropped).
+   relocation) and applied once the copy is observed done (``planner.apply_completed``, the
+   function every path applies plans with); tokens evicted meanwhile stay dead where they
+   were (their moves are dropped).
 
 It returns a ``vllm.v1.outputs.ModelRunnerOutput`` with the sampled tokens, carrying a
 :class:`WorkerReport` as ``vtoken_report``: per plan finished in this step, its status, the
-destinations used, whether the copy completed, whether hashed sources' bytes were left
-untouched, and, per request, how many leading tokens were computed with full context.
+destinations used, whether the copy completed, and, per request, how many leading tokens
+were computed with full context.
 
 Determinism: ``PagedDecoder(batch_invariant=True)`` runs each request's forward alone, and
 attention reads only bytes in logical order, so with the same eviction decisions a run with
@@ -44,10 +45,11 @@ from typing import Optional
 
 import numpy as np
 import torch
-import xxhash
 
-from ..kvcache import KVCache
+from ..copy_engine import KVCopyEngine
+from ..errors import PlanError
 from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
+from ..planner import apply_completed, snapshot_applied
 from ..policies import make_policy
 from ..table import TokenTable
 
@@ -61,7 +63,6 @@ class PlanResult:
     moved: int = 0
     copy_done: bool = True  # the copy out of the sources has completed (or never ran)
     table_kept: bool = False  # aborted with the request still reading its sources
-    untouched: dict = field(default_factory=dict)  # hashed source id -> bytes unchanged by the relocation
     shared_sources: list = field(default_factory=list)
     reason: str = ""
 
@@ -97,40 +98,6 @@ class _WReq:
         return self.prompt + self.outputs
 
 
-class _SyncCopyEngine:
-    """Fallback when ``vtoken.copy_engine`` is unavailable: synchronous ``KVCache.copy_slots``."""
-
-    def __init__(self, kv: KVCache, S: int):
-        self.kv, self.S = kv, S
-        self.stats = dict(launched=0, done=0, moves=0)
-
-    def launch(self, plan):
-        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
-        if len(m):
-            self.kv.copy_slots(torch.from_numpy(m[:, 1] * self.S + m[:, 2]),
-                               torch.from_numpy(m[:, 3] * self.S + m[:, 4]))
-        self.stats["launched"] += 1
-        self.stats["moves"] += len(m)
-        return {"plan": plan.id}
-
-    def poll(self, handle):
-        return "done"
-
-    wait = poll
-
-    def wait_before_attention(self):
-        return []
-
-    def synchronize(self):
-        pass
-
-
-def _block_digest(kv: KVCache, block: int) -> int:
-    S = kv.block_size
-    slots = torch.arange(block * S, (block + 1) * S, dtype=torch.int64)
-    return xxhash.xxh3_64_intdigest(kv.slot_bytes(slots).cpu().numpy().tobytes())
-
-
 class VTokenWorker:
     """Executes the adapter's ``SchedulerOutput``s with a real decoder and K/V cache.
 
@@ -143,22 +110,19 @@ class VTokenWorker:
         snapshot_dir: where a failing relocation's snapshot goes.
         copy_lag: CPU stand-in for a late relocation stream (``KVCopyEngine(lag=...)``):
             a copy completes on its ``copy_lag``-th poll, i.e. steps later.
+        copy_engine_factory: builds the copy engine, ``(kv, block_size, lag=...) -> engine``
+            (default :class:`KVCopyEngine`); the checks pass faulty engines here.
     """
 
     def __init__(self, model: PagedDecoder, table: TokenTable, num_blocks: int, block_size: int, *,
                  policy: str = "h2o", policy_kwargs: dict | None = None, evict_ratio: float = 0.5,
                  seed: int = 0, check_relocations: bool = True, snapshot_dir=None, copy_lag: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", copy_engine_factory=None):
         self.model = model
         self.table = table
         self.S = int(block_size)
         self.kv = model.make_kv_cache(num_blocks, block_size, device=device)
-        try:
-            from ..copy_engine import KVCopyEngine
-
-            self.copy_engine = KVCopyEngine(self.kv, self.S, lag=copy_lag)
-        except ImportError:  # pragma: no cover - the copy engine ships with vtoken now
-            self.copy_engine = _SyncCopyEngine(self.kv, self.S)
+        self.copy_engine = (copy_engine_factory or KVCopyEngine)(self.kv, self.S, lag=copy_lag)
         self.checker = None
         engine = self.copy_engine
         if check_relocations:
@@ -174,7 +138,7 @@ class VTokenWorker:
         self.policy = make_policy(policy, **kw)
         self.evict_ratio = float(evict_ratio)
         self.reqs: dict[str, _WReq] = {}
-        self.pending: dict[int, tuple] = {}  # plan id -> (_WPlan, handle, AdapterPlan, gen, digests)
+        self.pending: dict[int, tuple] = {}  # plan id -> (_WPlan, handle, AdapterPlan, gen)
         self.faithful: dict[str, int] = {}
         self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
                           relocations=0, moves=0, aborted=0, releases=0)
@@ -336,8 +300,7 @@ class VTokenWorker:
             rep.plans[ap.id] = PlanResult("aborted", copy_done=True, reason="request gone before the copy")
             self.stats["aborted"] += 1
             return
-        mine = set(t.blocks_of(r))
-        shared = [b for b in srcs if t.block_refs(b) != 1 or b not in mine]
+        shared = [b for b in srcs if t.block_refs(b) != 1 or not t.references(r, b)]
         if shared:
             rep.plans[ap.id] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
                                           reason="source shared or not the request's")
@@ -345,11 +308,10 @@ class VTokenWorker:
             return
         m = np.asarray(ap.moves, dtype=np.int64).reshape(-1, 5)
         if len(m):
-            m = m[t.live_mask(r)[m[:, 0]]]  # tokens evicted since planning stay dead where they were
-        wp = _WPlan(ap.id, r, srcs, list(ap.dest_ids), m)
-        digests = {b: _block_digest(self.kv, b) for b in ap.hashed}
+            m = m[t.are_live(r, m[:, 0])]  # tokens evicted since planning stay dead where they were
+        wp = _WPlan(ap.id, r, srcs, list(ap.dest_ids), m, snapshot=ap.snapshot)
         handle = self.engine.launch(wp)
-        self.pending[ap.id] = (wp, handle, ap, w.gen, digests)
+        self.pending[ap.id] = (wp, handle, ap, w.gen)
         self._poll_one(ap.id, rep, force=False)
 
     def _poll_pending(self, rep: WorkerReport, force: bool) -> None:
@@ -357,7 +319,7 @@ class VTokenWorker:
             self._poll_one(pid, rep, force)
 
     def _poll_one(self, pid: int, rep: WorkerReport, force: bool) -> None:
-        wp, handle, ap, gen, digests = self.pending[pid]
+        wp, handle, ap, gen = self.pending[pid]
         status = self.engine.wait(handle) if force else self.engine.poll(handle)
         if status == "pending":
             return
@@ -373,25 +335,26 @@ class VTokenWorker:
             rep.plans[pid] = PlanResult("aborted", copy_done=True, table_kept=True, reason="copy failed")
             self.stats["aborted"] += 1
             return
-        m = wp.moves
-        if len(m):
-            keep = t.live_mask(r)[m[:, 0]]
-            if not keep.all():
-                m = m[keep]
-                wp.moves = m
-        emptied = t.apply_moves(r, m) if len(m) else []
-        rest = sorted(set(wp.sources) - set(emptied))
-        if rest:
-            emptied = sorted(list(emptied) + t.release_empty_blocks(r, rest))
-        if sorted(emptied) != sorted(wp.sources):
-            raise RuntimeError(f"worker: plan {pid} emptied {emptied}, its sources are {sorted(wp.sources)}")
+        try:
+            res = apply_completed(t, r, wp.sources, wp.moves)
+        except PlanError as e:
+            if e.code != "shared_source":
+                raise
+            # the adapter's launch rule makes this impossible (sources lose their hash, so no
+            # prefix hit lands on them): report it, the adapter raises shared_never_moved
+            shared = [b for b in wp.sources if t.block_refs(b) != 1]
+            rep.plans[pid] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
+                                        reason=str(e))
+            self.stats["aborted"] += 1
+            return
+        wp.moves = res.moves
         if self.checker is not None:
             self.checker.after_apply(wp)
-        used = sorted({int(b) for b in m[:, 3]}) if len(m) else []
-        untouched = {b: _block_digest(self.kv, b) == d for b, d in digests.items()}
-        rep.plans[pid] = PlanResult("applied", used_dests=used, moved=len(m), copy_done=True, untouched=untouched)
+        if ap.snapshot is not None:
+            snapshot_applied(ap.snapshot, t, r, res)
+        rep.plans[pid] = PlanResult("applied", used_dests=res.used_dests, moved=len(res.moves), copy_done=True)
         self.stats["relocations"] += 1
-        self.stats["moves"] += len(m)
+        self.stats["moves"] += len(res.moves)
 
     def synchronize(self) -> WorkerReport:
         """Host-wait every copy still in flight and apply it (idle / teardown)."""

@@ -1,0 +1,180 @@
+"""The planted-fault catalogue: every fault a patch on the shipped code (or a faulty engine).
+
+Each :class:`Fault` is drawn from the bug classes real KV managers have shipped
+(``shared/design/PRIOR_ART.md``) or from an invariant it breaks, and names the detector
+expected to catch it. A fault is either a list of :class:`~vtoken.fuzz.patches.Patch`
+(applied in a shadow tree by the runner, swapped in process by tests) or the name of a
+faulty copy engine (``vtoken.fuzz.faulty_engines``) the detector builds the path with.
+Nothing in ``vtoken/`` names a fault.
+
+Detectors: ``table`` (the table conformance machine), ``planner`` (the planner machine),
+``placement`` (the bounded Z3 proof of the placement rule), ``decode`` (a decode with
+hash-and-compare and output comparison against naive-evict), ``adapter`` (the adapter
+conformance machine over the real vLLM scheduler), ``gpu`` (CUDA ordering, only where a
+GPU is present).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .patches import Patch
+
+T, A, P, L = "vtoken/table.py", "vtoken/allocator.py", "vtoken/planner.py", "vtoken/placement.py"
+AD, W = "vtoken/vllm_adapter/adapter.py", "vtoken/vllm_adapter/worker.py"
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    bug_class: str
+    what: str
+    detector: str
+    patches: tuple = field(default=())  # Patch, applied in order
+    engine: str | None = None  # a faulty copy engine instead of patches
+    cuda_only: bool = False
+
+
+def _p(file, function, old, new):
+    return Patch(file, function, old, new)
+
+
+CATALOGUE: list[Fault] = [
+    # ---------------------------------------------------------------- table and allocator
+    Fault("alloc_double_free", "1 double free", "the allocator accepts freeing a block more times than it is referenced",
+          "table", (_p(A, "BlockAllocator.free", "if self.state[b] != USED or self.ref[b] < k:", "if False:"),)),
+    Fault("alloc_queue_dup", "2 block in the free queue twice", "a still-referenced block is queued as free", "table",
+          (_p(A, "BlockAllocator.free", "                freed.append(b)\n",
+              "                freed.append(b)\n            else:\n                self._queue.append(b)\n"),)),
+    Fault("waste_drift", "3 accounting drift", "the live-slot total is not decremented on a one-token eviction (F drifts)",
+          "table", (_p(T, "TokenTable._evict_one", "self._live_slots -= 1", "self._live_slots -= 0"),)),
+    Fault("refcount_leak", "4 ref-count leak", "finishing a request keeps its reference on shared blocks", "table",
+          (_p(T, "TokenTable.free_request", "        for b in blocks:\n            self._unref_block(r, b)",
+              "        for b in blocks:\n            if self.refs[b] > 1:\n                continue\n"
+              "            self._unref_block(r, b)"),)),
+    Fault("slot_formula_wrong_s", "5 wrong block size in the slot formula", "a one-token sync computes its slot with S+1",
+          "table", (_p(T, "TokenTable._sync_one", "s = b * S + n % S", "s = b * (S + 1) + n % S"),)),
+    Fault("stale_slot_after_move", "6 stale lookup cache after a move", "the device slot cache is not updated by apply_moves",
+          "table", (_p(T, "TokenTable._apply_valid_moves",
+                       "        self._pool.pend_idx.append(tok + r.base)\n        self._pool.pend_val.append(dst.copy())\n", ""),)),
+    Fault("nb_double_count", "3 accounting drift (n_b)", "n_b counts a shared slot once per request", "table",
+          (_p(T, "TokenTable._claim", "np.add.at(self.n_b, fresh // self.S, 1)\n        self._live_slots += len(fresh)",
+              "np.add.at(self.n_b, slots // self.S, 1)\n        self._live_slots += len(slots)"),
+           _p(T, "TokenTable._sync_one", "        if c == 0:\n            self.n_b[b] += 1", "        if True:\n            self.n_b[b] += 1"))),
+    Fault("nonatomic_apply_moves", "I2 non-atomic failed apply_moves", "a failing move list applies its valid prefix", "table",
+          (_p(T, "TokenTable.apply_moves", "            code = next(name for name, c in checks if c[i])\n",
+              "            code = next(name for name, c in checks if c[i])\n            if i > 0:\n"
+              "                self._apply_valid_moves(r, m[:i], tok[:i], cur[:i], dst[:i])\n"),)),
+    Fault("dup_dst_accepted", "9 duplicate destination slot", "apply_moves accepts two moves into one slot", "table",
+          (_p(T, "TokenTable.apply_moves", ' ("slot_occupied", c_occ), ("duplicate_destination", c_dupdst),',
+              ' ("slot_occupied", c_occ),'),)),
+    Fault("evict_wrong_token", "I1 eviction of the wrong token", "a one-token eviction marks the next token dead", "table",
+          (_p(T, "TokenTable._evict_one", "        if not 0 <= t < r.n:\n",
+              "        if t + 1 < r.n and r.live[t + 1]:\n            t += 1\n        if not 0 <= t < r.n:\n"),)),
+    Fault("release_nonempty", "9 phantom slot after compaction", "a block with live tokens is released", "table",
+          (_p(T, "TokenTable.release_empty_blocks", "if self.n_b[b] != 0:", "if False:"),)),
+    # ---------------------------------------------------------------- the planner
+    Fault("headroom_leak", "3 accounting drift (reservations)", "reserved headroom blocks stay allocatable", "planner",
+          (_p(A, "BlockAllocator.reserve", "        for b in out:\n            self.state[b] = RESERVED",
+              "        self._queue.extend(out)\n        for b in out:\n            self.state[b] = RESERVED"),)),
+    Fault("plan_moves_shared", "7 a shared-prefix block moved", "shared blocks are compaction sources", "planner",
+          (_p(P, "propose", "ok = (table.refs[blocks] == 1) & (nb < S) &", "ok = (nb < S) &"),)),
+    Fault("plan_moves_tail", "I4 tail block moved", "the block being written is a compaction source", "planner",
+          (_p(P, "propose", " & (blocks != (tail if tail is not None else -1))", ""),)),
+    Fault("plan_nondecreasing", "I4 non-decreasing plan accepted", "a plan that frees no block is made", "planner",
+          (_p(P, "propose", "    if red[m - 1] <= 0:\n        return None, worthwhile\n    sources = np.sort(cand[:m])\n"
+                            "    dests = [int(b) for b in headroom[: int(need[m - 1])]]",
+              "    sources = np.sort(cand[:m])\n    n_dest = min(max(int(need[m - 1]), m), limit)\n"
+              "    if n_dest == 0:\n        return None, worthwhile\n    dests = [int(b) for b in headroom[:n_dest]]"),)),
+    Fault("plan_dup_dst", "9 duplicate destination slot (planner)", "the planner gives two tokens one destination", "planner",
+          (_p(P, "propose", "        moves[:, 4] = placed[:, 1]\n",
+              "        moves[:, 4] = placed[:, 1]\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"),)),
+    Fault("plan_overlaps_inflight", "I4 overlap with an in-flight plan", "blocks of an in-flight plan are planned again",
+          "planner", (_p(P, "ReclamationManager.plan_request", "excluded=self._busy_mask if self.in_flight else None",
+                         "excluded=None"),
+                      _p(P, "ReclamationManager.plan_round", "            if rid in busy:\n                continue\n", ""))),
+    Fault("free_sources_at_plan", "8 source freed before its copy completed", "sources return to the allocator at launch",
+          "planner", (_p(P, "ReclamationManager.launch", "        plan.handle = self.engine.launch(plan)\n",
+                         "        plan.handle = self.engine.launch(plan)\n        self.alloc.free(plan.sources)\n"
+                         "        self.record(plan, 'free', blocks=list(plan.sources))\n        plan.freed_early = True\n"),
+                      _p(P, "ReclamationManager.apply",
+                         '        self.alloc.free(plan.sources)\n        self.record(plan, "free", blocks=list(plan.sources))\n',
+                         "        if not getattr(plan, 'freed_early', False):\n            self.alloc.free(plan.sources)\n"
+                         '            self.record(plan, "free", blocks=list(plan.sources))\n'))),
+    Fault("apply_before_complete", "8/I3 read before the copy completes",
+          "a pending copy is applied (slot mapping switched) without its fence", "planner",
+          (_p(P, "ReclamationManager.poll", '            if status == "pending":\n                continue\n',
+              '            if status == "pending":\n                status = "done"\n'),)),
+    Fault("abort_leaks_dests", "4 leak on a copy aborted part-way", "an aborted plan's destinations never return", "planner",
+          (_p(P, "ReclamationManager.abort", "            return\n        self.headroom += plan.dests", "            return"),)),
+    Fault("finish_frees_inflight_sources", "8 source reused before its copy completes",
+          "finishing a request frees blocks an in-flight copy reads", "planner",
+          (_p(P, "ReclamationManager.finish_request", "if plan.req_id == req_id and not plan.orphaned:", "if False:"),)),
+    Fault("finish_twice_overwrites_deferred", "4 ref-count leak (a resumed request finishes again mid-copy)",
+          "a second finish of one request id while its copy flies overwrites the first incarnation's deferred frees",
+          "planner", (_p(P, "ReclamationManager.finish_request", "if plan.req_id == req_id and not plan.orphaned:",
+                         "if plan.req_id == req_id:"),
+                      _p(P, "ReclamationManager.finish_request", "self._deferred.setdefault(plan.id, []).extend(mine)",
+                         "self._deferred[plan.id] = mine"))),
+    Fault("skip_apply", "6 table not updated after the copy", "a completed plan frees sources without updating the table",
+          "planner", (_p(P, "ReclamationManager.apply", "res = apply_completed(t, plan.req_id, plan.sources, plan.moves)",
+                         "mv = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)\n"
+                         "        res = Applied(mv, [], sorted({int(b) for b in mv[:, 3]}), list(plan.sources))"),)),
+    # ---------------------------------------------------------------- placement
+    Fault("placement_off_by_one", "5 wrong-slot placement", "the k-th moved token goes to slot k+1", "placement",
+          (_p(L, "place", "out.append((k // S, k % S))", "out.append(((k + one) // S, (k + one) % S))"),)),
+    # ---------------------------------------------------------------- the copy engine (faulty engines)
+    Fault("copy_flip_byte", "I1 corrupted relocation", "one byte of one moved K/V entry flips", "decode",
+          engine="copy_flip_byte"),
+    Fault("copy_skip_move", "I1 skipped move", "one move of a plan is not copied", "decode", engine="copy_skip_move"),
+    Fault("copy_write_past_dst", "I2 write outside the plan's slots", "each copy also writes one slot past its last destination",
+          "decode", engine="copy_write_past_dst"),
+    Fault("cuda_release_before_event", "8/I3 copy reported done before it landed",
+          "poll reports done without the event (CPU: before the lagged copy ran)", "decode",
+          engine="cuda_release_before_event"),
+    Fault("cuda_wait_dropped", "I3 no wait before attention", "wait_before_attention does nothing", "gpu",
+          engine="cuda_wait_dropped", cuda_only=True),
+    Fault("cuda_event_wrong_stream", "I3 event on the wrong stream", "the completion event is recorded on the compute stream",
+          "gpu", engine="cuda_event_wrong_stream", cuda_only=True),
+    # ---------------------------------------------------------------- the vLLM adapter
+    Fault("adapter_free_before_fence", "8 source freed before its fence (vLLM async scheduling)",
+          "the adapter hands a plan's sources back to the pool at launch, before the step that copies them",
+          "adapter", (_p(AD, "VTokenAdapter._launch", '        self.stats["plans"] += 1\n',
+                         '        self.stats["plans"] += 1\n        self.pool.free_blocks(list(sources))\n'),
+                      _p(AD, "VTokenAdapter._free_sources",
+                         "        self.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)\n", ""))),
+    Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
+          "a source's prefix-cache hash moves to the destination at launch (the tokens moved, the hash follows)",
+          "adapter", (_p(AD, "VTokenAdapter._launch", "                self.pool.evict_blocks({blk.block_id})\n",
+                         "                if dests and dests[0].block_hash is None:\n"
+                         "                    self.pool.move_block_hashes(blk, dests[0])\n"
+                         "                else:\n                    self.pool.evict_blocks({blk.block_id})\n"),)),
+    Fault("adapter_source_keeps_hash", "7/I4 in-flight prefix hit on a source",
+          "a source keeps its prefix-cache hash while its copy flies (vLLM can hand it out as a hit)", "adapter",
+          (_p(AD, "VTokenAdapter._launch", "                self.pool.evict_blocks({blk.block_id})\n", "                pass\n"),)),
+    Fault("adapter_pop_not_null", "positional block list broken",
+          "a source is popped from vLLM's block list instead of null-substituted", "adapter",
+          (_p(AD, "VTokenAdapter._detach", "lst[i] = self.pool.null_block", "lst.pop(i)"),)),
+    Fault("adapter_headroom_to_allocate", "3 reservation leak", "headroom blocks are handed back to vLLM's allocate_slots",
+          "adapter", (_p(AD, "VTokenAdapter._before_schedule", "self.headroom += self.pool.get_new_blocks(take)",
+                         "got = self.pool.get_new_blocks(take)\n                self.headroom += got\n"
+                         "                self.pool.free_blocks(got)"),)),
+    Fault("adapter_dests_unfenced", "8 block freed before its fence (preemption / finish)",
+          "a finished or preempted request's destinations are freed at once, not at vLLM's fence", "adapter",
+          (_p(AD, "VTokenAdapter._on_request_free", "self._free_blocks(dests, fence)", "self._free_blocks(dests, 0)"),)),
+    Fault("worker_preempt_no_reset", "preemption reset missed", "the worker keeps a preempted request's token table",
+          "adapter", (_p(W, "VTokenWorker.execute", "        for r in so.preempted_req_ids or ():\n            self._drop(r, forget=False)\n", ""),
+                      _p(W, "VTokenWorker.execute", "                if r in t:\n                    self._drop(r, forget=False)\n", ""))),
+    Fault("worker_resume_appends", "resumed block list appended", "a resumed request's new block list is appended, not replaced",
+          "adapter", (_p(W, "VTokenWorker.execute", "                w.blocks = ids\n", "                w.blocks += ids\n"),)),
+    Fault("adapter_release_unfenced", "8 released block freed before its fence (async step offsets)",
+          "blocks whose tokens all died are freed with the previous step's fence", "adapter",
+          (_p(AD, "VTokenAdapter._release_empty", "self.scheduler._free_cow_retained_blocks([blk], meta.seq)",
+              "self.scheduler._free_cow_retained_blocks([blk], meta.seq - 2)"),)),
+]
+
+BY_NAME = {f.name: f for f in CATALOGUE}
+
+
+def cpu_faults() -> list[Fault]:
+    return [f for f in CATALOGUE if not f.cuda_only]

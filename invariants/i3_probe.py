@@ -1,0 +1,78 @@
+"""The I3 probe: one sentinel copy on a late relocation stream, read the way attention reads.
+
+Toolkit code (it checks the copy engine; the engine does not carry it). CUDA only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from vtoken.copy_engine import PENDING
+from vtoken.kvcache import KVCache
+
+
+class ProbePlan:
+    def __init__(self, pid: int, moves: np.ndarray):
+        self.id, self.moves, self.req_id = pid, moves, "probe"
+
+
+def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n: int = 64,
+             sleep_cycles: int = 400_000_000, timeout_s: float = 20.0, engine_cls=None) -> dict:
+    """Check I3 directly on a CUDA cache: one sentinel copy on a late relocation stream, then
+    its destinations read on the compute stream the way attention reads them.
+
+    ``scenario``: ``"wait"`` reads right after :meth:`KVCopyEngine.wait_before_attention`
+    (the device-side dependency must hold the read back); ``"poll"`` reads as soon as
+    ``poll`` reports done, without a wait (a copy reported done must have landed).
+    ``fault``: a faulty engine to run with (``vtoken.fuzz.faulty_engines``: ``cuda_wait_dropped``,
+    ``cuda_event_wrong_stream``, ``cuda_release_before_event``); ``engine_cls`` overrides it. The first ``2n`` blocks'
+    worth of slots past the null block are used (sources, then destinations); their
+    contents are overwritten. Returns ``sentinel_seen`` (an I3 violation), ``bytes_equal``,
+    ``first_poll`` and the host time of the wait call (it must not block).
+    """
+    if kv.device.type != "cuda":
+        raise ValueError("i3_probe needs a CUDA cache")
+    S = kv.block_size
+    nblk = -(-n // S)
+    if 1 + 2 * nblk > kv.num_blocks:
+        raise ValueError("cache too small for the probe")
+    tok = np.arange(n, dtype=np.int64)
+    src_b, dst_b = 1 + tok // S, 1 + nblk + tok // S
+    moves = np.stack([tok, src_b, tok % S, dst_b, tok % S], axis=1)
+    src = torch.from_numpy(src_b * S + tok % S).to(kv.device)
+    dst = torch.from_numpy(dst_b * S + tok % S).to(kv.device)
+    g = torch.Generator(device=kv.device).manual_seed(1234)
+    vals = torch.randn((kv.num_layers, 2, n, kv.num_kv_heads, kv.head_dim), generator=g, device=kv.device)
+    kv.flat.index_copy_(2, src, vals.to(kv.dtype))
+    want = kv.flat.index_select(2, src).clone()
+    torch.cuda.synchronize(kv.device)
+    if engine_cls is None:
+        from vtoken.fuzz.faulty_engines import factory
+
+        engine_cls = factory(fault)
+    eng = engine_cls(kv, S, sentinel=True, sleep_cycles=sleep_cycles)
+    out = {"scenario": scenario, "fault": fault}
+    h = eng.launch(ProbePlan(1, moves))
+    out["first_poll"] = eng.poll(h) if scenario == "poll" else None
+    if scenario == "wait":
+        t0 = time.perf_counter()
+        eng.wait_before_attention()
+        out["host_wait_ms"] = (time.perf_counter() - t0) * 1e3
+    else:
+        t0 = time.perf_counter()
+        status = out["first_poll"]
+        while status == PENDING and time.perf_counter() - t0 < timeout_s:
+            status = eng.poll(h)
+        out["poll_status"] = status
+        out["host_poll_ms"] = (time.perf_counter() - t0) * 1e3
+    got = kv.flat.index_select(2, dst)  # the compute stream, as attention would read
+    seen = (got == eng.sentinel_value).any()
+    equal = torch.equal(got, want)
+    out["sentinel_seen"] = bool(seen)
+    out["bytes_equal"] = bool(equal)
+    eng.synchronize()
+    return out
