@@ -48,6 +48,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vtoken.allocator import RESERVED, USED, BlockAllocator
 from vtoken.fuzz.table_machine import alloc_or_none, both, sync_both
+from vtoken.invariants.ownership import check_ownership
 from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
 from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.spec import SpecTokenTable
@@ -114,7 +115,9 @@ class PlannerMachine(RuleBasedStateMachine):
         self.pos: dict[int, list[int]] = {}
         self.held: dict[int, list[int]] = {}
         self.flying: dict[int, _Flight] = {}  # plan id -> record, until the plan is applied or aborted
-        self.deferred: dict[int, list[int]] = {}  # plan id -> blocks of a finished request it still reads
+        # plan id -> blocks of finished requests it still reads: every finished incarnation's
+        # references accumulate (a request id can finish, resume and finish again mid-copy)
+        self.deferred: dict[int, list[int]] = {}
         self.next_id = 0
         note(f"S={S} num_blocks={nb} headroom={headroom} B={max_sources} latency={latency} K={check_every}")
         # a few requests to start from, so most runs reach fragmentation and planning
@@ -374,9 +377,13 @@ class PlannerMachine(RuleBasedStateMachine):
     def finish(self, data):
         """The request finishes or is preempted, possibly while its copy is in flight."""
         rid = self._pick(data, self._copying)
-        mine = [f for f in self.flying.values() if f.rid == rid]
+        mine = [f for f in self.flying.values() if f.rid == rid and not getattr(f, "orphaned", False)]
         if mine:
             hard("finish while a copy is in flight")
+        self._finish(rid, mine)
+        del self.pos[rid], self.held[rid]
+
+    def _finish(self, rid, mine):
         held = list(self.held[rid])
         PlannerMachine.ops += 1
         self.spec.free_request(rid)
@@ -384,9 +391,35 @@ class PlannerMachine(RuleBasedStateMachine):
         for f in mine:
             early = set(freed) & set(f.sources)
             assert not early, f"finish freed {sorted(early)}, sources of plan {f.plan.id} still copying"
-            self.deferred[f.plan.id] = [b for b in held if b in f.sources]
+            self.deferred.setdefault(f.plan.id, []).extend(b for b in held if b in f.sources)
         assert sorted(freed) == sorted(b for b in held if not any(b in f.sources for f in mine))
-        del self.pos[rid], self.held[rid]
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def preempt_resume(self, data):
+        """Preemption, then resume under the SAME request id: the table is reset and the
+        request recomputed into fresh blocks, while the old incarnation's copy may still fly
+        (and the new one may be preempted again before it lands)."""
+        rid = self._pick(data, self._copying)
+        mine = [f for f in self.flying.values() if f.rid == rid and f.plan.state == COPYING
+                and not getattr(f, "orphaned", False)]
+        if mine:
+            hard("finish while a copy is in flight")
+        if any(getattr(f, "orphaned", False) and f.rid == rid for f in self.flying.values()):
+            event("hard: preempted again while an earlier incarnation's copy flies")
+        n = len(self.spec.tokens[rid])
+        self._finish(rid, mine)
+        for f in mine:
+            f.orphaned = True
+        self.pos[rid], self.held[rid] = [], []
+        need = -(-n // self.S)
+        blocks = self._alloc(need) if need else []
+        if blocks is None:  # no room to resume now: the request stays out
+            del self.pos[rid], self.held[rid]
+            return
+        self.pos[rid], self.held[rid] = list(blocks), list(blocks)
+        err = self._sync(rid, n)
+        assert err is None, f"resume refused: {err}"
 
     # ------------------------------------------------------------------ rules: the planner
     @precondition(lambda self: self.pos)
@@ -435,7 +468,7 @@ class PlannerMachine(RuleBasedStateMachine):
         if force_sync or not ran:
             return
         left = len(self.mgr.headroom)
-        busy = {f.rid for f in self.flying.values()}
+        busy = {f.rid for f in self.flying.values() if not getattr(f, "orphaned", False)}
         for rid in self.rids():
             if rid in busy:
                 continue
@@ -467,8 +500,13 @@ class PlannerMachine(RuleBasedStateMachine):
             assert b not in owned and b not in si["blocks"], f"headroom block {b} is also owned"
         assert set(a["reserved"]) == set(head) | fly_dst, \
             f"reserved {a['reserved']} != headroom {head} + in-flight destinations {sorted(fly_dst)}"
-        want = Counter(b for bl in self.held.values() for b in bl) + Counter(b for bl in self.deferred.values() for b in bl)
-        assert a["ref"] == dict(want), f"allocator references {a['ref']} != held {dict(want)} (leak or early free)"
+        owners = {f"request {r}": bl for r, bl in self.held.items()}
+        owners.update({f"plan {pid} (finished requests' sources)": bl for pid, bl in self.deferred.items()})
+        owners["headroom"] = head
+        for f in self.flying.values():
+            owners[f"plan {f.plan.id} destinations"] = f.dests
+        check_ownership(self.table.num_blocks, a["free_queue"], a["ref"], owners, reserved=a["reserved"],
+                        reserving=["headroom"] + [f"plan {f.plan.id} destinations" for f in self.flying.values()])
         assert not fly_src & set(a["free_queue"])
         for rid in self.rids():
             n = self.table.length(rid)

@@ -24,16 +24,17 @@ PLANNER_FAULTS = {
     "plan_moves_tail": r"source_tail",
     "plan_nondecreasing": r"not_reducing|dest_count|no plan, but a valid plan",
     "plan_dup_dst": r"duplicate_slot|fill_order",
-    "free_sources_at_plan": r"freed before its copy completed|aborted plan changed state|allocator references",
+    "free_sources_at_plan": r"freed before its copy completed|aborted plan changed state|ownership",
     "plan_overlaps_inflight": r"source_in_flight",
 }
 # The catalogue's other faults whose detector is this machine (fuzz/planted.py).
 OTHER_FAULTS = {
     "apply_before_complete": r"applied before the engine reported its copy complete",
-    "abort_leaks_dests": r"not back in the headroom|aborted plan changed state|reserved",
+    "abort_leaks_dests": r"not back in the headroom|aborted plan changed state|reserved|ownership",
     "finish_frees_inflight_sources": r"sources of plan \d+ still copying|freed before its copy completed",
-    "headroom_leak": r"not reserved|accounting",
-    "skip_apply": r"block_not_empty|state differs",  # the manager itself trips over the stale table
+    "headroom_leak": r"not reserved|accounting|ownership: block \d+ is free but held by \['headroom'\]",
+    "skip_apply": r"block_not_empty|state differs|source_not_owned",  # the manager itself trips over the stale table
+    "finish_twice_overwrites_deferred": r"ownership: block \d+ has \d+ reference\(s\) but \d+ owner\(s\).*leak",
 }
 
 
