@@ -829,12 +829,12 @@ def synthetic_snapshot(n_moves: int, S: int = 16, reads: bool = True) -> dict:
 
     ev("launch", plan=1)
     if reads:
-        ev("read", request="r0", tokens=live_pre, slots=[pre[i][0] * S + pre[i][1] for i in live_pre])
+        ev("read", request="r0", tokens=list(live_pre), slots=[pre[i][0] * S + pre[i][1] for i in live_pre])
     ev("fence", plan=1)
     ev("apply", plan=1)
     ev("free", blocks=list(src))
     if reads:
-        ev("read", request="r0", tokens=live_pre, slots=[post[i][0] * S + post[i][1] for i in live_pre])
+        ev("read", request="r0", tokens=list(live_pre), slots=[post[i][0] * S + post[i][1] for i in live_pre])
     return {
         "schema": SCHEMA,
         "block_size": S,

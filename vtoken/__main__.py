@@ -14,6 +14,7 @@ def main(argv=None) -> int:
         "simulate": "vtoken.simulate:main_simulate",
         "fuzz": "vtoken.fuzz.campaign:main_fuzz",
         "mutate": "vtoken.fuzz.mutation:main",
+        "check-mutants": "vtoken.invariants.mutants:main",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: vtoken {" + ",".join(commands) + "} ...")
