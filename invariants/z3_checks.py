@@ -1,23 +1,27 @@
 """Invariants I1-I4 over a plan snapshot, each asked of Z3 as "find a counterexample".
 
-``check_snapshot(snap)`` validates the snapshot (``vtoken.snapshot.validate`` plus the few
-fields the checks read that it does not cover), then asks Z3 one question per check and
+``check_snapshot(snap)`` validates the snapshot (``vtoken.snapshot.validate``: every field
+the checks read, with its type and stated range), then asks Z3 one question per check and
 returns a :class:`Violation` for every counterexample found (an empty list: the snapshot
 satisfies the checks). A malformed snapshot raises :class:`vtoken.errors.SnapshotError`
 naming the field, never a KeyError or TypeError.
 
-What is checked (``R`` = the plan's request, ``pre``/``post`` its token lists):
+The rules are those of the plain-Python checker :mod:`vtoken.invariants.snapshot_checks`
+(its docstring is the reference list, with rule names); the two implementations must agree
+on every snapshot (the same violated invariants; every rule named here is one it names).
+In short (``R`` = the plan's request, ``E`` = the snapshot's ``evicted_in_flight``):
 
 - **I1** token conservation: every move names a token of ``R`` that is live and sits at the
-  move's source; after the plan (``post``) the live id set is unchanged, every moved token
-  is live at its move's destination and every unmoved live token is where it was; no token
-  is moved twice.
+  move's source; no token is moved twice; after the plan every moved token not in ``E`` is
+  live at its destination (otherwise it is LOST: nothing is inferred from a dead token's
+  position), every token in ``E`` is dead at its pre slot, an unmoved token keeps its slot
+  while live, never becomes live and dies only in place; recorded K/V digests
+  (``plan.digests``) agree across the copy.
 - **I2** unique mapping: the live slots of ``R`` before the plan, the moves' destination
-  slots and the live slots of other requests (outside shared-prefix blocks) are pairwise
-  distinct -- so no move lands on an occupied slot and no two moves share a destination;
-  after the plan no two live tokens of ``R`` share a slot; no destination and no live token
-  in the null block (``validate`` already rejects both as malformed; kept as a second line:
-  the null block's slots join the ``distinct`` groups).
+  slots and the live slots of other requests (outside shared blocks) are pairwise
+  distinct; after the plan no two live tokens of ``R`` share a slot and none sits in a
+  source block or a block the schedule frees (unless re-allocated to ``R`` after); no
+  destination and no live token in the null block (a second line behind ``validate``).
 - **I3** pre-attention visibility, with the copy's completion time ``c`` symbolic
   (``c > t_launch``; a ``fence`` of this plan at ``w`` makes every later event happen at
   ``max(t, c)``): no read of a destination block's slot, no ``free`` of a source block,
@@ -27,11 +31,12 @@ What is checked (``R`` = the plan's request, ``pre``/``post`` its token lists):
   slot, after it the moved token's destination (no stale slot mapping).
 - **I4** layout-aware planning: moves come from a consistent snapshot (token live, at the
   move's source, source block among the plan's sources, destination among its dests);
-  sources and destinations avoid shared-prefix blocks, the tail block, each other and every
-  block of an in-flight plan of ``R`` (destinations also avoid other in-flight plans'
-  destinations); destinations come from the headroom; the block count strictly decreases
-  (``len(sources)`` > destination blocks listed and used); each destination slot is used
-  once; every live token in a source block is moved; no source is freed before ``apply``.
+  sources and destinations avoid shared blocks (``shared_blocks`` and every block two
+  requests list), the tail block and each other; destinations are fresh (no request's
+  block) and from the headroom; no block is shared with any in-flight plan and no in-flight
+  plan carries the plan's id (nor two the same id); the block count strictly decreases;
+  each destination slot is used once; every live token in a source block is moved;
+  ``dests_used`` matches the applied moves; no source is freed before ``apply``.
 
 Encoding and why it scales (4096 moves: ~0.3 s of CPU, measured):
 
