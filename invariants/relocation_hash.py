@@ -303,9 +303,8 @@ class RelocationChecker:
         dst = m[:, 3] * self.S + m[:, 4]
         got = self._digests(dst)
         self._snapshot_digests(plan, p, post=got)
-        if not self._compare_guard(plan, p):
-            return
-        if self._compare_rows(plan, p, m[:, 0], rows, got, dst, what="copy"):
+        # the moved tokens first (the copy's own output), then what it must not have touched
+        if self._compare_rows(plan, p, m[:, 0], rows, got, dst, what="copy") and self._compare_guard(plan, p):
             self.passed += 1
 
     def after_apply(self, plan) -> None:
@@ -395,8 +394,9 @@ class RelocationChecker:
         whose = (f"live token {own[1]} of request {own[0]!r}" if own is not None
                  else f"a free slot of destination block {s // self.S}")
         self._fail(plan, "guard_overwritten",
-                   f"the copy wrote slot {s} (block {s // self.S} offset {s % self.S}), which no move of the plan "
-                   f"names: {whose} changed (layer {layer})", token=own[1] if own else None, layer=layer)
+                   f"slot {s} (block {s // self.S} offset {s % self.S}), which no move of the plan writes, changed "
+                   f"while its copy was in flight: {whose} (layer {layer}); a write past a destination, or into "
+                   f"a block the copy uses", token=own[1] if own else None, layer=layer)
         return False
 
     def _no_foreign_tokens(self, plan, p: _Pre) -> bool:
