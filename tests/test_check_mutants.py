@@ -100,14 +100,11 @@ def test_an_unavailable_path_fails_loudly(monkeypatch, capsys):
 
 
 @pytest.mark.vllm
-@pytest.mark.xfail(strict=True, reason=(
-    "known writer bug (reported to the lead): VTokenWorker.launch drops the moves of tokens evicted between "
-    "planning and launch (`m = m[t.are_live(...)]`) without adding them to the snapshot's evicted_in_flight, "
-    "so the record says those moved tokens are LOST (I1); strict: this test fails loudly once the worker "
-    "records them"))
 def test_adapter_snapshots_are_collected_and_accepted():
     """The adapter path: a real decode through the vLLM scheduler, its plans' snapshots
-    (``VTokenAdapter.history``) accepted by both checkers."""
+    (``VTokenAdapter.history``) accepted by both checkers. (It caught the worker dropping
+    the moves of tokens evicted before launch without recording them in
+    ``evicted_in_flight``: those tokens read as LOST.)"""
     snaps = mutants.collect_adapter(seed=0)
     assert snaps
     bad = []
