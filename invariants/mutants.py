@@ -234,10 +234,6 @@ def _post(s):
     return s["post"]["requests"][_R(s)] if s.get("post") is not None else None
 
 
-def _slot(s, tok):
-    return tok[0] * s["block_size"] + tok[1]
-
-
 def _live_moves(s):
     """Indices of moves whose token is not recorded as evicted in flight."""
     ev = set(s["evicted_in_flight"])
@@ -314,7 +310,7 @@ def op_drop_token(s, rng) -> bool:
 
 def op_alias_slot(s, rng) -> bool:
     """Two live tokens on one slot: after the plan, or a move onto an occupied slot."""
-    post, moves, S = _post(s), s["plan"]["moves"], s["block_size"]
+    post, moves = _post(s), s["plan"]["moves"]
     choices = []
     if post is not None and sum(1 for tok in post["tokens"] if tok[2]) >= 2:
         choices.append("post")
@@ -716,8 +712,7 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
             if len(failures) < 20:
                 failures.append(dict(kind="disagreement", operator=op.name, path=path,
                                      python=sorted(rules["python"]), z3=sorted(rules["z3"])))
-        say_every = 200
-        if total % say_every == 0:
+        if total % 200 == 0:
             say(f"{total} mutants checked")
     short = [name for name in (o.name for o in OPERATORS) if by_op.get(name, {}).get("generated", 0) < per_operator]
     res = dict(

@@ -67,7 +67,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
