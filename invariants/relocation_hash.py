@@ -418,25 +418,27 @@ class RelocationChecker:
         return True
 
     def _snapshot_digests(self, plan, p: _Pre, post: Optional[np.ndarray] = None) -> None:
-        """Fill ``plan.digests`` of the plan's snapshot (pre at launch, post when the copy is done)."""
+        """Fill ``plan.digests`` of the plan's snapshot (pre at launch, post when the copy is
+        done), aligned with the SNAPSHOT's moves by token: a planned move the copy does not
+        carry (its token died before launch) gets ``null``, never a neighbour's digest."""
         snap = getattr(plan, "snapshot", None)
         if not isinstance(snap, dict) or not isinstance(snap.get("plan"), dict):
             return
-        moves = snap["plan"].get("moves", [])
+        planned = [mv[0] for mv in snap["plan"].get("moves", [])]
         m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
-        if len(moves) != len(m):
-            return  # the snapshot's moves are not this move list: leave no digests rather than misalign them
         if post is None:
             rows = np.searchsorted(p.ids, m[:, 0]) if len(m) else np.zeros(0, dtype=np.int64)
-            pre = []
+            by_tok = {}
             for t, r in zip(m[:, 0].tolist(), rows.tolist()):
-                ok = r < len(p.ids) and int(p.ids[r]) == t
-                pre.append(_combine(p.dig[r]) if ok else None)
-            snap["plan"]["digests"] = {"method": self.method, "pre": pre, "post": [None] * len(m)}
+                if r < len(p.ids) and int(p.ids[r]) == t:
+                    by_tok[t] = _combine(p.dig[r])
+            snap["plan"]["digests"] = {"method": self.method, "pre": [by_tok.get(t) for t in planned],
+                                       "post": [None] * len(planned)}
         else:
             dg = snap["plan"].get("digests")
-            if isinstance(dg, dict) and len(dg.get("post", ())) == len(post):
-                dg["post"] = [_combine(row) for row in post]
+            if isinstance(dg, dict) and len(dg.get("post", ())) == len(planned):
+                by_tok = {t: _combine(row) for t, row in zip(m[:, 0].tolist(), post)}
+                dg["post"] = [by_tok.get(t) for t in planned]
 
     # ------------------------------------------------------------------ comparisons
     def _compare_read_path(self, plan, p: _Pre, expect_dests: bool) -> bool:
