@@ -19,6 +19,12 @@ HARD_STATES = (
     "plan overlapping an in-flight one",
     "copy failing part-way",
     "finish while a copy is in flight",  # preemption takes the same path (finish_request)
+    # the adapter machine, over the real vLLM scheduler
+    "prefix hit on an in-flight source",  # a new request's prefix covers a block a copy is moving out of
+    "preemption with a plan in flight",
+    "finish mid-copy",  # finished or aborted while its plan's copy flies
+    "resume with a replaced block list",
+    "plan and growth in one step",
 )
 
 COUNTS: Counter = Counter()

@@ -266,20 +266,25 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
                 env = env_for(sh)
                 env.setdefault("HYPOTHESIS_EXPERIMENTAL_OBSERVABILITY_NOCOVER", "1")
                 env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
+                # output to files, not pipes: a chatty child (vLLM logs) would fill a pipe
+                # nobody reads until it exits, and block forever
+                log = open(work / f"{n}.log", "w+")
                 running[n] = (subprocess.Popen(
                     [sys.executable, "-B", "-m", "vtoken.fuzz.planted", "--one", n, "--seeds", seeds,
                      "--budget", str(budget_s), "--shadow", str(sh)],
-                    cwd=sh, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), sh)
+                    cwd=sh, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), sh, log)
             time.sleep(0.2)
-            for n, (p, sh) in list(running.items()):
+            for n, (p, sh, log) in list(running.items()):
                 if p.poll() is None:
                     continue
-                out, err = p.communicate()
                 del running[n]
+                log.seek(0)
+                out = log.read()
+                log.close()
                 shutil.rmtree(sh, ignore_errors=True)
-                lines = [l for l in out.strip().splitlines() if l.startswith("{")]
+                lines = [l for l in out.strip().splitlines() if l.startswith('{"fault"')]
                 r = json.loads(lines[-1]) if lines else {"fault": n, "detector": BY_NAME[n].detector, "runs": [],
-                                                        "error": f"detector crashed: {err.strip()[-400:]}"}
+                                                        "error": f"detector crashed: {out.strip()[-400:]}"}
                 r = _summarize(r)
                 results.append(r)
                 if progress:
@@ -289,8 +294,9 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
                     print(f"{mark} {n:34s} {r['detections']}/{runs}  median {med:>6} s  max {mx:>6} s  "
                           f"steps {r.get('steps')!s:>4}  [{r['detector']}]", flush=True)
     finally:
-        for p, _ in running.values():
+        for p, _, log in running.values():
             p.kill()
+            log.close()
         shutil.rmtree(work, ignore_errors=True)
     order = {n: i for i, n in enumerate(names)}
     results.sort(key=lambda r: order.get(r["fault"], 1 << 30))

@@ -11,7 +11,10 @@ A *view* is what a plan for one request is made from::
      "refs":      {block: n},                     # requests referencing it (> 1: shared prefix)
      "tail":      block or None,                  # block holding the request's last position
      "in_flight": [block, ...],                   # sources and destinations of plans still copying
-     "headroom":  [block, ...]}                   # reserved blocks, the only destinations
+     "headroom":  [block, ...],                   # reserved blocks, the only destinations
+     "excluded":  [block, ...]}                   # optional: blocks the caller forbids as sources
+                                                  # (the substrate shares them, or does not hold
+                                                  # them for this request: vLLM's ref_cnt != 1)
 
 A *plan* is ``{"sources": [block], "dests": [block], "moves": [[token, src_block,
 src_offset, dst_block, dst_offset], ...]}``. Its reduction is ``len(sources) - len(dests)``.
@@ -25,7 +28,7 @@ Moves agree with the view
 Sources (I4: shared-prefix blocks never move; no overlap with in-flight plans)
   ``duplicate_source``; ``too_many_sources`` (more than B); ``source_not_owned``;
   ``source_shared`` (refs != 1); ``source_tail`` (still being written);
-  ``source_in_flight``; ``source_not_emptied`` (a live token of the request in a source
+  ``source_in_flight``; ``source_excluded``; ``source_not_emptied`` (a live token of the request in a source
   is not moved: a source must end empty, or it cannot be freed).
 Destinations (out-of-place compaction into the evacuation headroom)
   ``duplicate_dest``; ``null_dest``; ``dest_out_of_range``; ``dest_not_headroom``;
@@ -51,7 +54,7 @@ def ceil_div(a: int, b: int) -> int:
 
 def eligible_sources(view) -> list:
     """Blocks a plan may empty: the request's own, unshared, not the tail, not in flight."""
-    flying = set(view["in_flight"])
+    flying = set(view["in_flight"]) | set(view.get("excluded", ()))
     return sorted(b for b in set(view["blocks"])
                   if view["refs"].get(b, 0) == 1 and b != view["tail"] and b not in flying)
 
@@ -108,6 +111,8 @@ def plan_errors(view, plan) -> list:
             bad("source_tail", f"block {b}")
         if b in flying:
             bad("source_in_flight", f"block {b}")
+        if b in set(view.get("excluded", ())):
+            bad("source_excluded", f"block {b}")
     for t, (b, _, live) in enumerate(toks):
         if live and b in sources and t not in moved:
             bad("source_not_emptied", f"live token {t} stays in source {b}")

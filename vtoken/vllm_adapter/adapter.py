@@ -583,8 +583,12 @@ class VTokenAdapter:
             if p is None:
                 continue
             if self.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
-                self.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=head, excluded=exclude.tolist(),
-                               max_sources=cfg.max_sources)
+                flying = [b for q in self.plans.values() for b in q.source_ids + q.dest_ids]
+                try:
+                    self.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=head, excluded=exclude.tolist(),
+                                   max_sources=cfg.max_sources, in_flight=flying)
+                except AssertionError as e:
+                    raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self._launch(meta, r, p, tail, head)
 
     def _launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:

@@ -283,12 +283,25 @@ class VTokenWorker:
         victims = self.policy.select_victims(r, t.live_tokens(r), keep)
         if len(victims) == 0:
             return
+        self.evict_tokens(r, victims)
+
+    def evict_tokens(self, r: str, token_ids) -> None:
+        """Evict tokens of ``r`` (a policy's decision: metadata only, between or inside steps).
+
+        The one way tokens die in the worker's table: it records the request's full-context
+        length (the tokens computed before its first eviction, reported to the adapter for
+        prefix-hash hygiene) and tells the relocation checker. ``TableError`` (unchanged
+        table) for ids that are not live tokens of ``r``.
+        """
+        t = self.table
+        ids = np.asarray(token_ids, dtype=np.int64) if not isinstance(token_ids, np.ndarray) else token_ids
+        n = t.length(r)
+        t.evict_tokens(r, ids)
         if r not in self.faithful:
             self.faithful[r] = n  # tokens [0, n) were computed before any eviction
-        t.evict_tokens(r, victims)
-        self.stats["evicted"] += len(victims)
+        self.stats["evicted"] += len(ids)
         if self.checker is not None:
-            self.checker.note_evicted(r, victims)
+            self.checker.note_evicted(r, ids)
 
     # ------------------------------------------------------------------ relocation (stage 4)
     def _launch(self, ap, rep: WorkerReport) -> None:
@@ -336,7 +349,9 @@ class VTokenWorker:
             self.stats["aborted"] += 1
             return
         try:
-            res = apply_completed(t, r, wp.sources, wp.moves)
+            # the planned moves: apply_completed drops those whose token died since planning
+            # (before the copy, or while it flew) and records them as evicted in flight
+            res = apply_completed(t, r, wp.sources, ap.moves)
         except PlanError as e:
             if e.code != "shared_source":
                 raise

@@ -1,0 +1,403 @@
+"""Adapter machine: the real vLLM 0.33.0 scheduler with ``VTokenAdapter`` and its worker, fuzzed.
+
+The machine plays the engine core and the API server around the REAL ``Scheduler`` (or
+``AsyncScheduler``): requests arrive (fresh, or sharing a prefix with an earlier one, so
+that prefix-cache hits land near blocks a copy is moving), steps run (``AdapterDriver``:
+two outputs in flight with async scheduling), a policy evicts tokens (the worker's random
+policy, plus random ids the machine picks), requests are aborted, blocks are grabbed from
+the pool to force preemption and resume, copies run 0-4 steps late. Nothing of vLLM is
+mocked.
+
+A second adapter runs in lockstep with reclamation off (Naive-Evict: the same requests at
+the same steps, the same evictions at the same request lengths) as the output oracle.
+
+Checked after every step, against the pool itself (not the adapter's bookkeeping):
+
+- the ownership ledger (``invariants.ownership``): every block of vLLM's pool is free, or
+  referenced exactly once per holder among the request lists, the headroom, the held
+  destinations, the in-flight plans (sources and destinations), vLLM's deferred frees and
+  the machine's own grabs; nothing else;
+- fences: every block that returns to the free queue while it is a plan's source does so
+  only after the step carrying the plan was processed AND the worker reported the copy
+  done (the machine watches every free of the pool); no headroom block, destination or
+  in-flight source carries a prefix-cache hash;
+- every proposal against ``spec.planner`` (rules and optimality, through the adapter's
+  ``plan_hook``), every applied plan's snapshot through I1-I4 in plain Python and in Z3,
+  hash-and-compare of every relocation (the worker's ``RelocationChecker``), and the
+  adapter's own runtime checks;
+- at the end: everything drained, every block back in the pool (both adapters), and every
+  request whose computation history is the same in both runs (same chunks, same
+  evictions, no preemption) produced the same tokens. Histories differ legitimately when
+  reclamation changes preemption (a preempted request is recomputed with full context);
+  those requests are counted, not compared.
+
+Hard states counted (``vtoken fuzz --machines adapter``): a prefix request aimed at a block
+an in-flight copy is moving out of, preemption with a plan in flight, finish mid-copy,
+resume with a replaced block list, a plan and growth in one step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import event, note
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from vtoken.vllm_adapter import harness  # noqa: F401 - the CPU environment before vLLM loads
+
+from .hard_states import hard
+
+_MODEL = None
+
+
+def _model():
+    """One tiny seeded decoder for every example (bitwise stable with one torch thread)."""
+    global _MODEL
+    if _MODEL is None:
+        import torch
+
+        from vtoken.model import DecoderConfig, PagedDecoder
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        _MODEL = PagedDecoder(DecoderConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                            intermediate_size=64, vocab_size=64))
+    return _MODEL
+
+
+class _Run:
+    """One adapter + worker + driver, and what the machine observes of it."""
+
+    def __init__(self, *, reclaim: bool, S, N, H, B, async_, caching, lag, ratio, budget, checks: bool):
+        from vtoken.invariants.plan_contract import check_proposal
+        from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
+        from vtoken.vllm_adapter.worker import VTokenWorker
+
+        self.ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
+                                reclaim=reclaim, max_model_len=512, max_num_batched_tokens=budget, max_num_seqs=8,
+                                planner_config=default_adapter_planner_config(headroom=H, max_sources=B,
+                                                                              record_snapshots=reclaim),
+                                checks=checks)
+        self.w = VTokenWorker(_model(), self.ad.table, N, S, policy="random", evict_ratio=ratio, seed=0,
+                              check_relocations=reclaim, copy_lag=lag)
+        self.d = AdapterDriver(self.ad, self.w)
+        if reclaim:
+            self.ad.plan_hook = check_proposal
+        self.S, self.N = S, N
+        self.history: dict[str, list] = {}  # req -> computations and evictions, in order
+        self.preempted: set = set()
+        self.grabbed: list = []  # blocks the machine holds (pool pressure)
+        self.reports: dict[int, bool] = {}  # plan id -> copy reported done by the worker
+        self.plans: dict[int, tuple] = {}  # plan id -> (seq, source ids), every plan ever launched
+        self.source_of: dict[int, int] = {}  # block -> plan id, while the block is a pending source
+        self.fence_errors: list = []
+        self.steps = 0
+        self._instrument()
+
+    def _instrument(self):
+        ad, w = self.ad, self.w
+        run_request, execute, synchronize = w._run_request, w.execute, w.synchronize
+        schedule, pool = ad.scheduler.schedule, ad.pool
+        free_blocks = pool.free_blocks
+
+        def run_request_spy(r, start, k, rep):
+            self.history.setdefault(r, []).append(("run", int(start), int(k), w.table.length(r) if r in w.table else 0))
+            return run_request(r, start, k, rep)
+
+        def note_report(rep):
+            for pid, res in rep.plans.items():
+                self.reports[pid] = bool(res.copy_done)
+            return rep
+
+        def execute_spy(so):
+            out = execute(so)
+            note_report(out.vtoken_report)
+            return out
+
+        def synchronize_spy():
+            return note_report(synchronize())
+
+        def schedule_spy(*a, **kw):
+            so = schedule(*a, **kw)
+            self._observe_output(so)
+            return so
+
+        def free_spy(blocks):
+            blocks = list(blocks)
+            processed = ad.scheduler.processed_step_seq
+            free_blocks(blocks)
+            for b in blocks:
+                pid = self.source_of.get(b.block_id)
+                if pid is None or b.ref_cnt != 0:
+                    continue
+                seq, _ = self.plans[pid]
+                del self.source_of[b.block_id]
+                if processed < seq or not self.reports.get(pid):
+                    self.fence_errors.append(
+                        f"block {b.block_id}, source of plan {pid} (step {seq}), returned to the pool at processed "
+                        f"step {processed} with its copy {'reported done' if self.reports.get(pid) else 'not reported done'}")
+
+        on_free = ad._on_request_free
+
+        def on_free_spy(request):
+            r = request.request_id
+            if any(p.req_id == r and not p.orphaned for p in ad.plans.values()):
+                hard("finish mid-copy" if request.is_finished() else "preemption with a plan in flight")
+            return on_free(request)
+
+        ad._on_request_free = on_free_spy
+        w._run_request, w.execute, w.synchronize = run_request_spy, execute_spy, synchronize_spy
+        ad.scheduler.schedule = schedule_spy
+        pool.free_blocks = free_spy
+
+    def _observe_output(self, so):
+        ad = self.ad
+        self.steps += 1
+        for r in so.preempted_req_ids or ():
+            self.preempted.add(r)
+        c = so.scheduled_cached_reqs
+        if c.resumed_req_ids:
+            hard("resume with a replaced block list")
+        meta = getattr(so, "vtoken", None)
+        if meta is not None:
+            grown = {r for r, nb in zip(c.req_ids, c.new_block_ids) if nb and nb[0]}
+            for p in meta.plans:
+                self.plans[p.id] = (p.seq, p.source_ids)
+                for b in p.source_ids:
+                    self.source_of[b] = p.id
+                if p.req_id in grown:
+                    hard("plan and growth in one step")
+
+    # ---------------------------------------------------------------- operations
+    def add(self, rid, prompt, max_tokens):
+        self.ad.add_request(rid, prompt, max_tokens=max_tokens)
+
+    def step(self):
+        self.d.step()
+
+    def evict(self, rid, ids, at_len):
+        """Evict ``ids`` of ``rid`` if its table is at ``at_len`` (the same point in both runs)."""
+        t = self.w.table
+        if rid not in t or t.length(rid) != at_len:
+            return False
+        live = set(t.live_tokens(rid).tolist())
+        ids = [i for i in ids if i in live]
+        if not ids:
+            return False
+        self.w.evict_tokens(rid, ids)
+        self.history.setdefault(rid, []).append(("evict", int(at_len), tuple(ids)))
+        return True
+
+    def abort(self, rid):
+        from vllm.v1.request import RequestStatus
+
+        ad = self.ad
+        if rid not in ad.scheduler.requests:
+            return False
+        ad.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        self.history.setdefault(rid, []).append(("abort",))
+        return True
+
+    def grab(self, k):
+        pool = self.ad.pool
+        k = min(k, pool.get_num_free_blocks())
+        if k > 0:
+            self.grabbed += pool.get_new_blocks(k)
+
+    def release(self):
+        if self.grabbed:
+            self.ad.pool.free_blocks(self.grabbed)
+            self.grabbed = []
+
+    def drain(self, max_steps=4000):
+        self.release()
+        self.d.drain(max_steps=max_steps)
+
+    # ---------------------------------------------------------------- checks
+    def check_ledger(self):
+        """Every reference in vLLM's pool has exactly one owner (see the module docstring)."""
+        from vtoken.invariants.ownership import check_ownership
+
+        ad = self.ad
+        pool = ad.pool
+        owners: dict[str, list] = {}
+        for r, lst in ad.req_to_blocks.items():
+            owners[f"list of {r!r}"] = [b.block_id for b in lst if not b.is_null]
+        owners["headroom"] = [b.block_id for b in ad.headroom]
+        for r, v in ad.held.items():
+            owners[f"destinations of {r!r}"] = [b.block_id for b in v]
+        for p in ad.plans.values():
+            owners[f"plan {p.id}"] = p.source_ids + p.dest_ids
+        for i, (seq, blocks) in enumerate(ad.scheduler.deferred_frees):
+            owners[f"deferred free #{i} (fence {seq})"] = [b.block_id for b in blocks if not b.is_null]
+        owners["machine (pool pressure)"] = [b.block_id for b in self.grabbed]
+        refs = {b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null and b.ref_cnt}
+        free = [b.block_id for b in pool.blocks if not b.is_null and b.ref_cnt == 0]
+        assert len(free) == pool.get_num_free_blocks(), \
+            f"{len(free)} blocks have ref_cnt 0 but the pool counts {pool.get_num_free_blocks()} free"
+        check_ownership(self.N, free, refs, owners)
+        assert not self.fence_errors, "fence broken: " + "; ".join(self.fence_errors[:3])
+        for b in ad.headroom:
+            assert b.block_hash is None, f"headroom block {b.block_id} carries a prefix-cache hash"
+        for v in ad.held.values():
+            for b in v:
+                assert b.block_hash is None, f"destination block {b.block_id} carries a prefix-cache hash"
+        for p in ad.plans.values():
+            for b in p.sources + p.dests:
+                assert b.block_hash is None, f"block {b.block_id} of in-flight plan {p.id} carries a prefix-cache hash"
+
+    def check_snapshots(self, done: int) -> int:
+        from vtoken.invariants.snapshot_checks import check_snapshot as py_check
+        from vtoken.invariants.z3_checks import check_snapshot as z3_check
+
+        hist = self.ad.history
+        for snap in hist[done:]:
+            for name, check in (("Python", py_check), ("Z3", z3_check)):
+                vs = check(snap)
+                assert not vs, f"{name} I1-I4 on plan {snap['plan']['id']}: {[str(v) for v in vs][:3]}"
+        return len(hist)
+
+
+class AdapterMachine(RuleBasedStateMachine):
+    """Stateful conformance test of the vLLM adapter (see the module docstring)."""
+
+    ops = 0  # operations checked, summed over all runs in this process (campaign counter)
+
+    @initialize(S=st.sampled_from([4, 4, 8]), N=st.integers(16, 48), H=st.integers(1, 4), B=st.integers(1, 8),
+                async_=st.booleans(), caching=st.sampled_from([True, True, False]), lag=st.integers(0, 4),
+                ratio=st.sampled_from([0.3, 0.5, 0.6]), budget=st.sampled_from([2048, 2048, 64]))
+    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget):
+        kw = dict(S=S, N=N, H=H, B=B, async_=async_, caching=caching, lag=lag, ratio=ratio, budget=budget)
+        note(f"adapter machine: {kw}")
+        self.S, self.N, self.H = S, N, H
+        self.vt = _Run(reclaim=True, checks=True, **kw)
+        self.ref = _Run(reclaim=False, checks=True, **kw)
+        self.prompts: dict[str, list] = {}
+        self.next_id = 0
+        self.snapshots_done = 0
+        self.rng_tokens = 64
+
+    # ---------------------------------------------------------------- helpers
+    def _both(self, fn):
+        AdapterMachine.ops += 1
+        return fn(self.vt), fn(self.ref)
+
+    def _live_requests(self):
+        return sorted(r for r in self.prompts if r in self.vt.ad.scheduler.requests)
+
+    # ---------------------------------------------------------------- rules
+    @precondition(lambda self: len(self._live_requests()) < 6)
+    @rule(n=st.integers(1, 40), max_tokens=st.integers(1, 24), data=st.data())
+    def add_request(self, n, max_tokens, data):
+        prompt = data.draw(st.lists(st.integers(1, self.rng_tokens - 1), min_size=n, max_size=n), label="prompt")
+        self._add(prompt, max_tokens)
+
+    @precondition(lambda self: any(len(p) >= self.S for p in self.prompts.values()) and len(self._live_requests()) < 6)
+    @rule(data=st.data(), max_tokens=st.integers(1, 16))
+    def add_prefix_request(self, data, max_tokens):
+        """A prompt sharing whole leading blocks with an earlier one (a prefix-cache hit when
+        they are still cached), preferring a parent whose plan is moving one of them."""
+        ad = self.vt.ad
+        cands = sorted(r for r, p in self.prompts.items() if len(p) >= self.S)
+        lowest = {}  # parent -> the lowest positional index of a block one of its plans is moving
+        for p in ad.plans.values():
+            idx = [i for i in p.source_index.values() if 0 <= i < len(self.prompts.get(p.req_id, ())) // self.S]
+            if p.req_id in cands and not p.orphaned and idx:
+                lowest[p.req_id] = min(idx + [lowest.get(p.req_id, 1 << 30)])
+        aim = bool(lowest) and data.draw(st.sampled_from([True, True, False]), label="aim at a moving block")
+        parent = data.draw(st.sampled_from(sorted(lowest) if aim else cands), label="parent")
+        pp = self.prompts[parent]
+        k = data.draw(st.integers(lowest[parent] + 1 if aim else 1, len(pp) // self.S), label="shared blocks")
+        for p in ad.plans.values():
+            if p.req_id == parent and not p.orphaned and any(0 <= i < k for i in p.source_index.values()):
+                hard("prefix hit on an in-flight source")
+        tail = data.draw(st.lists(st.integers(1, self.rng_tokens - 1), min_size=1, max_size=6), label="suffix")
+        self._add(pp[: k * self.S] + tail, max_tokens)
+        event("prefix request")
+
+    def _add(self, prompt, max_tokens):
+        # a request that can never fit the pool (with the headroom taken) would livelock
+        # vLLM itself: keep every request feasible alone
+        if -(-(len(prompt) + max_tokens) // self.S) > self.N - 2 - self.H:
+            return
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.prompts[rid] = list(prompt)
+        self._both(lambda run: run.add(rid, prompt, max_tokens))
+
+    @rule(k=st.integers(1, 3))
+    def step(self, k):
+        for _ in range(k):
+            self._both(lambda run: run.step())
+            self._check()
+
+    @precondition(lambda self: self._live_requests())
+    @rule(data=st.data())
+    def evict_random(self, data):
+        """The machine as a policy: random live ids of a request die (never its newest token)."""
+        t = self.vt.w.table
+        rids = [r for r in self._live_requests() if r in t and t.length(r) >= 2]
+        if not rids:
+            return
+        rid = data.draw(st.sampled_from(rids), label="rid")
+        n = t.length(rid)
+        live = [i for i in t.live_tokens(rid).tolist() if i < n - 1]
+        if not live:
+            return
+        ids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=min(8, len(live))),
+                        label="victims")
+        done, _ = self._both(lambda run: run.evict(rid, ids, n))
+        if done:
+            event("machine eviction")
+
+    @precondition(lambda self: self._live_requests())
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(self._live_requests()), label="rid")
+        self._both(lambda run: run.abort(rid))
+
+    @rule(k=st.integers(1, 16))
+    def grab_blocks(self, k):
+        """Pool pressure: someone else takes free blocks (forcing preemption)."""
+        self._both(lambda run: run.grab(k))
+
+    @rule()
+    def release_blocks(self):
+        self._both(lambda run: run.release())
+
+    # ---------------------------------------------------------------- checks
+    def _check(self):
+        for run in (self.vt, self.ref):
+            run.check_ledger()
+        self.snapshots_done = self.vt.check_snapshots(self.snapshots_done)
+
+    @invariant()
+    def ledger(self):
+        if hasattr(self, "vt"):
+            self._check()
+
+    def teardown(self):
+        if not hasattr(self, "vt"):
+            return
+        for run in (self.vt, self.ref):
+            run.drain()
+            run.check_ledger()
+            run.ad.close()  # all_returned: every block back in the pool
+        self.vt.check_snapshots(self.snapshots_done)
+        compared = 0
+        for rid in self.prompts:
+            hv, hr = self.vt.history.get(rid), self.ref.history.get(rid)
+            if hv != hr or rid in self.vt.preempted or rid in self.ref.preempted:
+                event("request not comparable (its history differs between the runs)")
+                continue
+            a, b = self.vt.ad.output_tokens(rid), self.ref.ad.output_tokens(rid)
+            assert a == b, f"request {rid!r}: outputs differ from Naive-Evict's with the same history: {a} vs {b}"
+            compared += 1
+        event(f"requests compared with naive-evict: {min(compared, 3)}{'+' if compared > 3 else ''}")
+        if self.vt.ad.stats["applied"]:
+            event("plans applied")
+
+
+TestAdapterMachine = AdapterMachine.TestCase

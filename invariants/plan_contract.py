@@ -1,0 +1,49 @@
+"""The planner contract (``vtoken.spec.planner``) checked on a live proposal, from any path.
+
+The vLLM adapter and the machines hand every proposal to :func:`check_proposal` before it
+launches (the adapter through its ``plan_hook``): the view is rebuilt from the table's
+public read API, then the reference rules (``plan_errors``) and optimality
+(``best_reduction`` over the same headroom) are asked. O(request length) per plan: a check
+mode, not a hot path.
+"""
+
+from __future__ import annotations
+
+from vtoken.spec.planner import best_reduction, plan_errors
+
+from .table_checks import InvariantViolation
+
+
+def view_of(table, req_id, *, tail, headroom, max_sources: int, in_flight=(), excluded=()) -> dict:
+    """The spec planner's view of one request, read through the table's public API."""
+    S = table.S
+    slots, live = table.slots(req_id), table.live_mask(req_id)
+    blocks = table.blocks_of(req_id)
+    return {
+        "S": S, "num_blocks": table.num_blocks, "max_sources": int(max_sources),
+        "tokens": [[int(s) // S, int(s) % S, bool(l)] for s, l in zip(slots.tolist(), live.tolist())],
+        "blocks": blocks,
+        "refs": {b: table.block_refs(b) for b in blocks},
+        "tail": tail,
+        "in_flight": sorted(int(b) for b in in_flight),
+        "headroom": [int(b) for b in headroom],
+        "excluded": sorted(int(b) for b in excluded),
+    }
+
+
+def check_proposal(*, table, req_id, proposal, tail, headroom, max_sources: int, in_flight=(), excluded=()) -> dict:
+    """Raise :class:`InvariantViolation` (``plan_contract``) unless the proposal obeys every
+    rule of the reference planner and reduces by the best reduction the headroom allows.
+    Returns the view (for reports)."""
+    view = view_of(table, req_id, tail=tail, headroom=headroom, max_sources=max_sources, in_flight=in_flight,
+                   excluded=excluded)
+    plan = {"sources": [int(b) for b in proposal.sources], "dests": [int(b) for b in proposal.dests],
+            "moves": [[int(x) for x in mv] for mv in proposal.moves.tolist()]}
+    errs = plan_errors(view, plan)
+    if errs:
+        raise InvariantViolation("plan_contract", f"request {req_id!r}: plan breaks the contract: {errs}; plan={plan}")
+    best = best_reduction(view, len(view["headroom"]))
+    if proposal.reduction != best:
+        raise InvariantViolation("plan_contract", f"request {req_id!r}: plan reduces by {proposal.reduction}, the best "
+                                                  f"valid plan by {best}; plan={plan}")
+    return view
