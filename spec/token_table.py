@@ -11,11 +11,47 @@ Plain dicts and lists, written from the paper's definitions:
 Every operation checks its whole input first and raises :class:`SpecError` with the code
 of the *first* problem (input order; per item, checks in the order listed in each
 method), changing nothing. The codes are the contract the implementation shares.
+
+Types come first: an id or length must be an integer (``numbers.Integral``: ``int`` or a
+numpy integer; never ``bool``), a list of ids a non-string iterable of integers (a 1-D
+array included). Anything else is ``not_integer`` (``bad_move`` for a move list); an
+unhashable request id is ``bad_request_id``. (The implementation also takes torch tensors,
+which this model does not.)
 """
 
 from __future__ import annotations
 
+import numbers
+
 NULL_BLOCK = 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_list(xs) -> bool:
+    """An iterable that can hold ids: not a string or bytes, not a 0-d or n-d array."""
+    return not isinstance(xs, (str, bytes, bytearray, memoryview)) and getattr(xs, "ndim", 1) == 1
+
+
+def _ints(xs, code="not_integer") -> list:
+    """``xs`` as a list of Python ints, or ``SpecError(code)``."""
+    if not _is_list(xs):
+        raise SpecError(code, f"{xs!r:.60} is not a list of integers")
+    try:
+        xs = list(xs)
+    except TypeError:
+        raise SpecError(code, f"{xs!r:.60} is not a list of integers") from None
+    if not all(_is_int(x) for x in xs):
+        raise SpecError(code, f"{xs!r:.60} holds a non-integer")
+    return [int(x) for x in xs]
+
+
+def _int(x) -> int:
+    if not _is_int(x):
+        raise SpecError("not_integer", f"{x!r:.60} is not an integer")
+    return int(x)
 
 
 class SpecError(Exception):
@@ -40,6 +76,7 @@ class SpecTokenTable:
         return {(t["block"], t["offset"]) for toks in self.tokens.values() for t in toks if t["live"]}
 
     def block_live_count(self, b: int) -> int:
+        b = _int(b)
         if not 0 <= b < self.num_blocks:
             raise SpecError("block_out_of_range")
         return sum(1 for (blk, _) in self.live_slots() if blk == b)
@@ -51,7 +88,14 @@ class SpecTokenTable:
         n = len(self.referenced_blocks())
         return 0.0 if n == 0 else 1.0 - len(self.live_slots()) / (n * self.S)
 
+    def _hashable(self, req):
+        try:
+            hash(req)
+        except TypeError:
+            raise SpecError("bad_request_id", f"{req!r:.60}") from None
+
     def _get(self, req):
+        self._hashable(req)
         if req not in self.tokens:
             raise SpecError("unknown_request", f"{req!r}")
         return self.tokens[req]
@@ -64,16 +108,23 @@ class SpecTokenTable:
 
     # -- operations -----------------------------------------------------------------
     def sync_new_tokens(self, req, block_ids, total_len):
+        self._hashable(req)
         toks = self.tokens.get(req, [])
         mine = self.blocks.get(req, set())
         n = len(toks)
+        total_len = _int(total_len)
+        if not (isinstance(block_ids, (list, tuple, range)) or getattr(block_ids, "ndim", None) == 1):
+            raise SpecError("not_integer", "block_ids is not a list of block ids")
         if total_len < n:
             raise SpecError("length_decrease")
         if len(block_ids) * self.S < total_len:
             raise SpecError("blocks_short")
+        read = [block_ids[j] for j in range(n // self.S, (total_len - 1) // self.S + 1)] if total_len > n else []
+        if not all(_is_int(b) for b in read):  # only the entries that receive new tokens are read
+            raise SpecError("not_integer", "a block id read is not an integer")
         new = []
         for p in range(n, total_len):
-            b, off = block_ids[p // self.S], p % self.S
+            b, off = int(block_ids[p // self.S]), p % self.S
             if not 0 <= b < self.num_blocks:
                 raise SpecError("block_out_of_range", f"token {p} -> block {b}")
             if b == NULL_BLOCK:
@@ -94,6 +145,7 @@ class SpecTokenTable:
 
     def evict_tokens(self, req, ids):
         toks = self._get(req)
+        ids = _ints(ids)
         seen = set()
         for t in ids:
             if not 0 <= t < len(toks):
@@ -107,7 +159,8 @@ class SpecTokenTable:
             toks[t]["live"] = False
 
     def evict_token(self, req, t):
-        self.evict_tokens(req, [t])
+        self._get(req)
+        self.evict_tokens(req, [_int(t)])
 
     def apply_moves(self, req, moves):
         toks = self._get(req)
@@ -115,8 +168,18 @@ class SpecTokenTable:
         S = self.S
         occupied = {(t["block"], t["offset"]) for t in toks if t["live"]}
         seen_tok, seen_dst = set(), set()
-        if any(len(mv) != 5 for mv in moves):
+        if isinstance(moves, (str, bytes, bytearray, memoryview)) or getattr(moves, "ndim", 2) == 0:
+            raise SpecError("bad_move", "moves is not a list of moves")
+        try:
+            moves = list(moves)
+        except TypeError:
+            raise SpecError("bad_move", "moves is not a list of moves") from None
+        for mv in moves:
+            if not (isinstance(mv, (list, tuple)) or getattr(mv, "ndim", None) == 1) or len(mv) != 5:
+                raise SpecError("bad_move", "a move is not five integers")
+        if not all(_is_int(x) for mv in moves for x in mv):
             raise SpecError("bad_move", "a move is not five integers")
+        moves = [tuple(int(x) for x in mv) for mv in moves]
         for i, (t, sb, so, db, do) in enumerate(moves):
             if not 0 <= t < len(toks):
                 raise SpecError("unknown_token", f"move #{i}")
@@ -158,6 +221,7 @@ class SpecTokenTable:
     def release_empty_blocks(self, req, block_ids):
         toks = self._get(req)
         mine = self.blocks[req]
+        block_ids = _ints(block_ids)
         seen = set()
         for b in block_ids:
             if not 0 <= b < self.num_blocks:
@@ -191,6 +255,7 @@ class SpecTokenTable:
 
     def location(self, req, t):
         toks = self._get(req)
+        t = _int(t)
         if not 0 <= t < len(toks):
             raise SpecError("unknown_token")
         if not toks[t]["live"]:

@@ -14,7 +14,14 @@ fuzzers and the decoder exercise the same ownership rules the real pool has:
 
 Ownership: whoever called ``allocate``/``take_reserved`` holds one reference and must call
 ``free`` exactly once per reference. Every call validates its whole input first; a failing
-call raises :class:`~vtoken.errors.AllocatorError` and changes nothing.
+call raises :class:`~vtoken.errors.AllocatorError` with a code from
+``vtoken.errors.ALLOCATOR_CODES`` and changes nothing.
+
+Types are checked before any value is used: a count or block id must be an ``int`` or a
+numpy integer (``bool``, floats such as ``3.0``, strings, ``None`` are ``not_integer``); a
+block list is a non-string iterable of them (a 1-D integer numpy array or torch tensor
+included). Block ids beyond int64 are simply out of range (``block_out_of_range``).
+``num_blocks`` is at most ``MAX_BLOCKS`` (the table's and the snapshot schema's limit).
 """
 
 from __future__ import annotations
@@ -28,13 +35,48 @@ from .errors import AllocatorError
 
 FREE, USED, RESERVED = 0, 1, 2
 NULL_BLOCK = 0
+MAX_BLOCKS = 2 ** 31  # = vtoken.table.MAX_BLOCKS
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _count(n, what: str) -> int:
+    if not _is_int(n):
+        raise AllocatorError("not_integer", f"{what}: the count must be an integer, got {n!r:.60}")
+    return int(n)
+
+
+def _block_list(blocks, what: str) -> list[int]:
+    """``blocks`` as a list of Python ints, or ``not_integer`` (checked as a whole, before any
+    range check). Block lists are short (a request's or a plan's blocks): O(len) Python."""
+    if hasattr(blocks, "detach"):  # a torch tensor
+        blocks = blocks.detach().cpu().numpy()
+    if isinstance(blocks, np.ndarray):
+        if blocks.ndim != 1 or blocks.dtype.kind not in "iuO":
+            raise AllocatorError("not_integer", f"{what}: blocks must be a flat list of integers, "
+                                                f"got an array of dtype {blocks.dtype}, shape {blocks.shape}")
+    elif isinstance(blocks, (str, bytes, bytearray, memoryview)):
+        raise AllocatorError("not_integer", f"{what}: blocks must be a list of integers, got {blocks!r:.60}")
+    try:
+        out = list(blocks)
+    except TypeError:
+        raise AllocatorError("not_integer", f"{what}: blocks must be a list of integers, got {blocks!r:.60}") from None
+    for b in out:
+        if not _is_int(b):
+            raise AllocatorError("not_integer", f"{what}: block id {b!r:.60} is not an integer")
+    return [int(b) for b in out]
 
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):
-        if num_blocks < 2:
-            raise AllocatorError("bad_config", f"num_blocks={num_blocks}: need the null block and at least one more")
-        self.num_blocks = int(num_blocks)
+        """Checks: ``not_integer``, ``bad_config`` (fewer than 2 or more than ``MAX_BLOCKS``)."""
+        num_blocks = _count(num_blocks, "num_blocks")
+        if not 2 <= num_blocks <= MAX_BLOCKS:
+            raise AllocatorError("bad_config", f"num_blocks={num_blocks}: need the null block and at least one more, "
+                                               f"at most {MAX_BLOCKS}")
+        self.num_blocks = num_blocks
         self.ref = np.zeros(self.num_blocks, dtype=np.int32)
         self.state = np.zeros(self.num_blocks, dtype=np.int8)
         self.state[NULL_BLOCK] = USED  # pinned forever, never in the queue
@@ -77,7 +119,10 @@ class BlockAllocator:
 
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the head of the free queue; the caller holds one reference each."""
+        """Take ``n`` blocks from the head of the free queue; the caller holds one reference each.
+
+        Checks: ``not_integer``, ``bad_count`` (negative), ``out_of_blocks``. O(n)."""
+        n = _count(n, "allocate")
         if n < 0:
             raise AllocatorError("bad_count", f"allocate({n})")
         if n > len(self._queue):
@@ -89,8 +134,11 @@ class BlockAllocator:
         return out
 
     def incref(self, blocks: Iterable[int]) -> None:
-        """Add a reference to used blocks (a prefix-cache hit shares them)."""
-        blocks = [int(b) for b in blocks]
+        """Add a reference to used blocks (a prefix-cache hit shares them).
+
+        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``; then per
+        block ``not_allocated``. O(blocks)."""
+        blocks = _block_list(blocks, "incref")
         self._check_ids(blocks, "incref")
         for b in blocks:
             if self.state[b] != USED:
@@ -103,8 +151,10 @@ class BlockAllocator:
 
         Returns the blocks that became free. A block named more times than it has
         references, or a block that is free or reserved, is a double free.
+        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``; then per
+        distinct block ``double_free``. O(blocks).
         """
-        blocks = [int(b) for b in blocks]
+        blocks = _block_list(blocks, "free")
         self._check_ids(blocks, "free")
         drops = collections.Counter(blocks)
         for b, k in drops.items():
@@ -123,7 +173,10 @@ class BlockAllocator:
 
     # -- headroom reservations ---------------------------------------------------------------
     def reserve(self, n: int) -> list[int]:
-        """Move ``n`` free blocks into the reserved state (evacuation headroom)."""
+        """Move ``n`` free blocks into the reserved state (evacuation headroom).
+
+        Checks: ``not_integer``, ``bad_count`` (negative), ``out_of_blocks``. O(n)."""
+        n = _count(n, "reserve")
         if n < 0:
             raise AllocatorError("bad_count", f"reserve({n})")
         if n > len(self._queue):
@@ -135,8 +188,11 @@ class BlockAllocator:
         return out
 
     def take_reserved(self, blocks: Iterable[int]) -> None:
-        """Hand reserved blocks to a request (compaction destinations): RESERVED -> USED, ref 1."""
-        blocks = [int(b) for b in blocks]
+        """Hand reserved blocks to a request (compaction destinations): RESERVED -> USED, ref 1.
+
+        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``;
+        ``duplicate_block``; per block ``not_reserved``. O(blocks)."""
+        blocks = _block_list(blocks, "take_reserved")
         self._check_ids(blocks, "take_reserved")
         if len(set(blocks)) != len(blocks):
             raise AllocatorError("duplicate_block", f"take_reserved: {blocks} names a block twice")
@@ -149,8 +205,11 @@ class BlockAllocator:
         self._num_reserved -= len(blocks)
 
     def unreserve(self, blocks: Iterable[int]) -> None:
-        """Return reserved blocks to the free queue."""
-        blocks = [int(b) for b in blocks]
+        """Return reserved blocks to the free queue.
+
+        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``;
+        ``duplicate_block``; per block ``not_reserved``. O(blocks)."""
+        blocks = _block_list(blocks, "unreserve")
         self._check_ids(blocks, "unreserve")
         if len(set(blocks)) != len(blocks):
             raise AllocatorError("duplicate_block", f"unreserve: {blocks} names a block twice")

@@ -58,7 +58,27 @@ TABLE_CODES = (
     "foreign_block",       # move destination owned by another request
     "slot_occupied",       # move destination holds a live token
     "duplicate_destination",  # two moves name the same destination slot
-    "bad_move",            # a move that is not five integers
+    "bad_move",            # a move that is not five integers (a row of another length, a non-integer entry)
+    "block_not_empty",     # release_empty_blocks of a block that still holds a live token
+    "duplicate_block",     # release_empty_blocks naming a block twice
+    "not_integer",         # a token id, block id or length that is not an integer (bool, float, str,
+                           # None, object, float/bool array or tensor), or a list of them that is not flat
+    "bad_request_id",      # a request id that cannot be a dict key (unhashable)
+    "bad_config",          # TokenTable(block_size, num_blocks, device) outside its stated limits
+)
+
+# The codes a block allocator raises (AllocatorError).
+ALLOCATOR_CODES = (
+    "bad_config",          # BlockAllocator(num_blocks) with fewer than two blocks or beyond the limit
+    "not_integer",         # a count or block id that is not an integer (bool, float, str, None, ...)
+    "bad_count",           # allocate / reserve of a negative count
+    "out_of_blocks",       # allocate / reserve of more blocks than are free
+    "block_out_of_range",  # a block id outside [0, num_blocks)
+    "null_block",          # the null block 0 named in incref / free / take_reserved / unreserve
+    "not_allocated",       # incref of a block that is not in use
+    "double_free",         # free of a block more times than it is referenced, or of a free/reserved block
+    "duplicate_block",     # take_reserved / unreserve naming a block twice
+    "not_reserved",        # take_reserved / unreserve of a block that is not reserved
 )
 
 # The codes a snapshot check raises (SnapshotError); the message names the field.

@@ -44,10 +44,28 @@ Bad input raises :class:`~vtoken.errors.TableError` with a ``code`` from
 ``vtoken.errors.TABLE_CODES`` and changes nothing. Where several problems exist, the
 reported one is the first in input order, checks in the order the method documents; the
 reference model in ``spec/`` follows the same order so the fuzzers can compare codes.
+
+Input types are checked before any value is cast or compared. An *integer* is an ``int``
+or a numpy integer scalar; ``bool`` / ``numpy.bool_`` are not integers here (``True`` is
+not block 1), nor are floats (``3.0`` included), strings, ``None`` or other objects.
+A *list of integers* is a list, tuple, range, other non-string iterable (where the method
+takes an iterable), a 1-D numpy array of an integer dtype, or a 1-D integer torch tensor
+(converted to numpy: ``.cpu()`` is the caller's sync); its elements must be integers
+(an object array's elements are checked one by one; str, bytes and float / bool arrays
+are refused). Anything else is ``not_integer`` (``bad_move`` inside ``apply_moves``),
+raised before any value check. Integers beyond int64 (``2**70``) are integers: they are
+clipped to the int64 bounds, where every range check refuses them with the code of that
+argument's range (``block_out_of_range``, ``unknown_token``, ...) on every path. A request
+id must be hashable (``bad_request_id``).
+
+Limits: ``block_size`` in ``[1, MAX_BLOCK_SIZE]``, ``num_blocks`` in ``[2, MAX_BLOCKS]``
+(the snapshot schema's limits, so every table can be snapshotted) and
+``block_size * num_blocks <= MAX_SLOTS``.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -56,6 +74,128 @@ import torch
 from .errors import TableError
 
 NULL_BLOCK = 0
+MAX_BLOCK_SIZE = 4096  # = vtoken.snapshot.MAX_BLOCK_SIZE
+MAX_BLOCKS = 2 ** 31  # = vtoken.snapshot.MAX_BLOCKS (vLLM keeps block ids in int32)
+MAX_SLOTS = 2 ** 32  # num_blocks * block_size: 48 GiB of per-slot host arrays at the limit
+
+_I64_MIN, _I64_MAX = -(2 ** 63), 2 ** 63 - 1
+_NOT_A_LIST = (str, bytes, bytearray, memoryview)  # iterable, but of characters / bytes, not ids
+
+
+def _is_int_type(tp) -> bool:
+    """``int`` (and subclasses: IntEnum) or a numpy integer type; never ``bool``."""
+    return issubclass(tp, (int, np.integer)) and not issubclass(tp, bool)
+
+
+def _show(x) -> str:
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _fmt(v: int) -> str:
+    """An id for a message; the int64 bounds are where out-of-int64 inputs were clipped."""
+    return f"{v} (or beyond)" if v in (_I64_MIN, _I64_MAX) else str(v)
+
+
+def _index(x, what: str, code: str = "not_integer") -> int:
+    """``x`` as a Python int without casting: an ``int`` or numpy integer, else ``TableError(code)``.
+
+    ``3.9``, ``3.0``, ``True``, ``"3"``, ``None`` and 0-d arrays are refused (O(1))."""
+    if type(x) is int:
+        return x
+    if _is_int_type(type(x)):
+        return int(x)
+    raise TableError(code, f"{what} must be an integer, got {_show(x)}")
+
+
+def _objects_to_int64(seq, what: str, code: str) -> np.ndarray:
+    """A list / tuple / object array of Python objects -> int64, if every element is an integer.
+
+    One C-speed pass over the element types (``set(map(type, ...))``), so bools cannot hide
+    in a list of ints (``np.asarray([1, True])`` is int64). Integers beyond int64 are
+    clipped to its bounds (they fail every range check there; see the module docstring)."""
+    for tp in set(map(type, seq)):
+        if not _is_int_type(tp):
+            bad = next(x for x in seq if type(x) is tp)
+            raise TableError(code, f"{what} must be integers, got {_show(bad)}")
+    try:
+        return np.array(seq, dtype=np.int64)
+    except OverflowError:  # some beyond int64: clip (rare; per-element Python)
+        return np.array([min(max(int(x), _I64_MIN), _I64_MAX) for x in seq], dtype=np.int64)
+
+
+def _ndarray_to_int64(a: np.ndarray, what: str, code: str) -> np.ndarray:
+    """A numpy array -> flat int64 by its dtype (O(1) check; no value is cast from a float)."""
+    if a.ndim != 1:
+        raise TableError(code, f"{what} must be a flat list of integers, got an array of shape {a.shape}")
+    kind = a.dtype.kind
+    if kind == "i":
+        return a.astype(np.int64, copy=False)
+    if kind == "u":
+        if a.dtype.itemsize == 8 and len(a):
+            a = np.minimum(a, np.uint64(_I64_MAX))  # above int64: clipped, as for Python ints
+        return a.astype(np.int64)
+    if kind == "O":
+        return _objects_to_int64(list(a), what, code)
+    raise TableError(code, f"{what} must be integers, got an array of dtype {a.dtype}")
+
+
+def _to_numpy(x):
+    """A torch tensor -> numpy (a view for a CPU tensor); anything else unchanged."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return x
+
+
+def _index_array(xs, what: str, code: str = "not_integer") -> np.ndarray:
+    """Any list of integers (see the module docstring) -> a flat int64 array, O(len(xs))."""
+    xs = _to_numpy(xs)
+    if isinstance(xs, np.ndarray):
+        return _ndarray_to_int64(xs, what, code)
+    if isinstance(xs, _NOT_A_LIST):
+        raise TableError(code, f"{what} must be a list of integers, got {_show(xs)}")
+    if not isinstance(xs, (list, tuple)):
+        try:
+            xs = list(xs)
+        except TypeError:
+            raise TableError(code, f"{what} must be a list of integers, got {_show(xs)}") from None
+    return _objects_to_int64(xs, what, code)
+
+
+def _is_sequence(xs) -> bool:
+    """A positional block list: list, tuple, range or 1-D numpy array (tensors converted first)."""
+    if isinstance(xs, (list, tuple, range)):
+        return True
+    return isinstance(xs, np.ndarray) and xs.ndim == 1
+
+
+def _moves_array(moves, what: str = "moves") -> np.ndarray:
+    """``moves`` as a (k, 5) int64 array, or ``bad_move``: not a list of rows, a row that is
+    not a list / tuple / 1-D array of five integers, or any non-integer entry. O(moves)."""
+    moves = _to_numpy(moves)
+    if isinstance(moves, np.ndarray):
+        if moves.ndim and len(moves) == 0:
+            return np.empty((0, 5), dtype=np.int64)
+        if moves.ndim and moves.dtype.kind == "O":  # rows of Python objects: checked as a list
+            return _moves_array(list(moves), what)
+        if moves.ndim != 2 or moves.shape[1] != 5:
+            raise TableError("bad_move", f"{what} must be (token, src_block, src_offset, dst_block, dst_offset) rows, "
+                                         f"got an array of shape {moves.shape}")
+        return _ndarray_to_int64(moves.reshape(-1), what, "bad_move").reshape(-1, 5)
+    if isinstance(moves, _NOT_A_LIST):
+        raise TableError("bad_move", f"{what} must be a list of five-integer rows, got {_show(moves)}")
+    try:
+        rows = moves if isinstance(moves, (list, tuple)) else list(moves)
+    except TypeError:
+        raise TableError("bad_move", f"{what} must be a list of five-integer rows, got {_show(moves)}") from None
+    if not rows:
+        return np.empty((0, 5), dtype=np.int64)
+    for i, row in enumerate(rows):
+        if not (isinstance(row, (list, tuple)) or (isinstance(row, np.ndarray) and row.ndim == 1)) or len(row) != 5:
+            raise TableError("bad_move", f"{what}: move #{i} {_show(row)} is not five integers "
+                                         "(token, src_block, src_offset, dst_block, dst_offset)")
+    flat = list(itertools.chain.from_iterable(rows))
+    return _objects_to_int64(flat, what, "bad_move").reshape(-1, 5)
 
 
 class _Req:
@@ -95,10 +235,18 @@ class _DevicePool:
     updates of a whole scheduler step reach the device in one batched write (``flush``)
     instead of several small ones per request. Mutations only queue updates; every read
     flushes first, so no reader sees a stale entry.
+
+    The host never waits on the device here: every host-to-device transfer goes through
+    :meth:`h2d` (pinned memory, ``non_blocking=True`` on CUDA), and no operation has a
+    shape that depends on device data (no boolean-mask indexing, no ``nonzero``, no
+    ``.item()``): the host computes every index and size from its own arrays.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pinned: bool | None = None):
         self.device = device
+        # CUDA: stage uploads in pinned memory so they are truly asynchronous. (Settable for
+        # tests that check the staging on a machine without CUDA.)
+        self.pinned = device.type == "cuda" if pinned is None else pinned
         self.slot = torch.full((1024,), -1, dtype=torch.int64, device=device)
         self.live = torch.zeros(1024, dtype=torch.bool, device=device)
         self.used = 0
@@ -134,30 +282,44 @@ class _DevicePool:
         arrs = [p if isinstance(p, np.ndarray) else np.asarray([p], dtype=np.int64) for p in parts]
         return np.concatenate(arrs)
 
+    def h2d(self, a: np.ndarray) -> torch.Tensor:
+        """A host int64 array on the device, without blocking the host.
+
+        CPU: a zero-copy view (``a`` must not change while the view is used; callers pass
+        fresh arrays). CUDA: copied into pinned memory, then to the device with
+        ``non_blocking=True``; the caching host allocator keeps the pinned buffer until the
+        copy's stream has passed it, so dropping it at once is safe. Cost O(len(a)).
+        """
+        t = torch.from_numpy(a)
+        if self.device.type == "cpu":
+            return t
+        if self.pinned:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def flush(self) -> None:
+        """Write every queued update to the device (at most three indexed writes, no host wait)."""
         if self.pend_idx:
             idx, val = self._cat(self.pend_idx), self._cat(self.pend_val)
             if len(idx) > 1:  # the last write to an index wins (index_put order is unspecified)
                 ridx = idx[::-1]
                 _, last = np.unique(ridx, return_index=True)
                 idx, val = ridx[last], val[::-1][last]
-            self.slot[torch.from_numpy(idx).to(self.device)] = torch.from_numpy(val).to(self.device)
+            self.slot[self.h2d(idx)] = self.h2d(val)
             self.pend_idx.clear()
             self.pend_val.clear()
         if self.pend_new:  # births before deaths: a token born and evicted in one step stays dead
-            self.live[torch.from_numpy(self._cat(self.pend_new)).to(self.device)] = True
+            self.live[self.h2d(self._cat(self.pend_new))] = True
             self.pend_new.clear()
         if self.pend_dead:
-            self.live[torch.from_numpy(self._cat(self.pend_dead)).to(self.device)] = False
+            self.live[self.h2d(self._cat(self.pend_dead))] = False
             self.pend_dead.clear()
 
-
-def _as_int_array(xs, what: str) -> np.ndarray:
-    try:
-        a = np.asarray(xs, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise TableError("bad_move" if what == "moves" else "unknown_token", f"{what}: not integers ({e})") from None
-    return a
+    def gather(self, gidx: np.ndarray, out: torch.Tensor) -> None:
+        """``out[:] = slot[gidx]`` on the device, ``gidx`` a host array of pool indices: an
+        ``index_select`` whose size the host knows (never a mask). O(len(gidx))."""
+        if len(gidx):
+            torch.index_select(self.slot, 0, self.h2d(gidx), out=out)
 
 
 class TokenTable:
@@ -168,13 +330,21 @@ class TokenTable:
     """
 
     def __init__(self, block_size: int, num_blocks: int, device: str | torch.device = "cpu"):
-        if block_size < 1 or num_blocks < 2:
-            raise TableError("bad_config", f"block_size={block_size}, num_blocks={num_blocks}")
-        self.S = int(block_size)
-        self.num_blocks = int(num_blocks)
-        self.device = torch.device(device)
+        """Checks, in order: ``not_integer`` (block_size, then num_blocks); ``bad_config``
+        (outside the limits in the module docstring, or a device torch cannot use)."""
+        S = _index(block_size, "block_size")
+        nb = _index(num_blocks, "num_blocks")
+        if not (1 <= S <= MAX_BLOCK_SIZE and 2 <= nb <= MAX_BLOCKS and S * nb <= MAX_SLOTS):
+            raise TableError("bad_config", f"block_size={S} (1..{MAX_BLOCK_SIZE}), num_blocks={nb} (2..{MAX_BLOCKS}), "
+                                           f"block_size * num_blocks <= {MAX_SLOTS}")
+        self.S = S
+        self.num_blocks = nb
+        try:
+            self.device = torch.device(device)
+            self._pool = _DevicePool(self.device)
+        except (RuntimeError, TypeError, ValueError, AssertionError) as e:  # torch's errors for a bad device
+            raise TableError("bad_config", f"device {_show(device)}: {e}") from None
         self._reqs: dict[object, _Req] = {}
-        self._pool = _DevicePool(self.device)
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
         self.n_b = np.zeros(self.num_blocks, dtype=np.int32)
         self.claims = np.zeros(self.num_blocks * self.S, dtype=np.int32)
@@ -184,11 +354,26 @@ class TokenTable:
         self._ref_blocks = 0  # blocks with refs > 0
 
     # ------------------------------------------------------------------ helpers
+    def _get(self, req_id):
+        """The request's entry or None; ``bad_request_id`` for an unhashable id. O(1)."""
+        try:
+            return self._reqs.get(req_id)
+        except TypeError:
+            raise TableError("bad_request_id", f"request id {_show(req_id)} is not hashable") from None
+
     def _req(self, req_id) -> _Req:
-        r = self._reqs.get(req_id)
+        """Checks: ``bad_request_id``, ``unknown_request``."""
+        r = self._get(req_id)
         if r is None:
             raise TableError("unknown_request", f"request {req_id!r} is not in the table")
         return r
+
+    def _block(self, block_id, what: str = "block") -> int:
+        """A block id argument: ``not_integer``, then ``block_out_of_range``. O(1)."""
+        b = _index(block_id, what)
+        if not 0 <= b < self.num_blocks:
+            raise TableError("block_out_of_range", f"{what} {_fmt(b)} outside [0, {self.num_blocks})")
+        return b
 
     def _ref_block(self, r: _Req, b: int) -> None:
         r.blocks.add(b)
@@ -231,17 +416,28 @@ class TokenTable:
         that receive new tokens are read, so the cost is O(new tokens); earlier entries may
         hold the null block (a freed position) and are ignored.
 
-        Checks, in order: ``length_decrease``; ``blocks_short``; then per new token in
-        position order: ``block_out_of_range``, ``null_block``, ``slot_conflict``.
+        ``block_ids``: a list, tuple, range, 1-D integer numpy array or torch tensor; the
+        entries read must be integers (``int`` / numpy integers, not ``bool``).
+
+        Checks, in order: ``bad_request_id``; ``not_integer`` (``total_len``, then
+        ``block_ids`` not a sequence); ``length_decrease``; ``blocks_short``;
+        ``not_integer`` (an entry read is not an integer); then per new token in position
+        order: ``block_out_of_range``, ``null_block``, ``slot_conflict``.
         Returns the new tokens' slots (int64, position order): where to write their K/V.
         """
-        r = self._reqs.get(req_id)
+        r = self._get(req_id)
         n = r.n if r is not None else 0
-        total_len = int(total_len)
+        if type(total_len) is not int:  # the common case costs one type test each
+            total_len = _index(total_len, f"request {req_id!r}: total_len")
+        if type(block_ids) is not list:
+            if isinstance(block_ids, torch.Tensor):
+                block_ids = block_ids.detach().cpu().numpy()
+            if not _is_sequence(block_ids):
+                raise TableError("not_integer", f"request {req_id!r}: block_ids must be a list of block ids, got {_show(block_ids)}")
         if total_len < n:
-            raise TableError("length_decrease", f"request {req_id!r}: total_len {total_len} < current length {n}")
+            raise TableError("length_decrease", f"request {req_id!r}: total_len {_fmt(total_len)} < current length {n}")
         if len(block_ids) * self.S < total_len:
-            raise TableError("blocks_short", f"request {req_id!r}: {len(block_ids)} blocks cannot hold {total_len} tokens")
+            raise TableError("blocks_short", f"request {req_id!r}: {len(block_ids)} blocks cannot hold {_fmt(total_len)} tokens")
         k = total_len - n
         if k == 0:
             if r is None:
@@ -251,7 +447,7 @@ class TokenTable:
             return self._sync_one(req_id, r, block_ids, n)
         S = self.S
         j0, j1 = n // S, (total_len - 1) // S + 1
-        seg = _as_int_array(block_ids[j0:j1], "block_ids")
+        seg = _index_array(block_ids[j0:j1], f"request {req_id!r}: block_ids[{j0}:{j1}]")
         pos = np.arange(n, total_len, dtype=np.int64)
         blk = seg[pos // S - j0]
         bad_range = (blk < 0) | (blk >= self.num_blocks)
@@ -274,7 +470,7 @@ class TokenTable:
             i = int(np.argmax(bad))
             p, b = int(pos[i]), int(blk[i])
             if bad_range[i]:
-                raise TableError("block_out_of_range", f"request {req_id!r}: token {p} -> block {b} outside [0, {self.num_blocks})")
+                raise TableError("block_out_of_range", f"request {req_id!r}: token {p} -> block {_fmt(b)} outside [0, {self.num_blocks})")
             if bad_null[i]:
                 raise TableError("null_block", f"request {req_id!r}: token {p} would land in the null block")
             raise TableError("slot_conflict", f"request {req_id!r}: token {p} -> block {b} offset {p % S} is held by token {int(placed[i])} or named twice")
@@ -294,19 +490,18 @@ class TokenTable:
         gidx = np.arange(r.base + n, r.base + total_len, dtype=np.int64)
         pool = self._pool
         pool.pend_idx.append(gidx)
-        pool.pend_val.append(slots)
+        pool.pend_val.append(slots.copy())  # the caller may write into the returned array
         pool.pend_new.append(gidx)
         return slots
 
     def _sync_one(self, req_id, r, block_ids, n) -> np.ndarray:
         """``sync_new_tokens`` for one new token (the decode step): same checks, scalar code."""
         S = self.S
-        try:
-            b = int(block_ids[n // S])
-        except (TypeError, ValueError):
-            raise TableError("block_out_of_range", f"request {req_id!r}: block id {block_ids[n // S]!r} is not an integer") from None
+        b = block_ids[n // S]
+        if type(b) is not int:  # the common case is one type test; the rest as _index
+            b = _index(b, f"request {req_id!r}: block_ids[{n // S}]")
         if not 0 <= b < self.num_blocks:
-            raise TableError("block_out_of_range", f"request {req_id!r}: token {n} -> block {b} outside [0, {self.num_blocks})")
+            raise TableError("block_out_of_range", f"request {req_id!r}: token {n} -> block {_fmt(b)} outside [0, {self.num_blocks})")
         if b == NULL_BLOCK:
             raise TableError("null_block", f"request {req_id!r}: token {n} would land in the null block")
         s = b * S + n % S
@@ -355,19 +550,23 @@ class TokenTable:
 
     # ------------------------------------------------------------------ eviction
     def evict_token(self, req_id, token_id: int) -> None:
-        self.evict_tokens(req_id, [token_id])
+        """Evict one token. Checks: ``bad_request_id``, ``unknown_request``, ``not_integer``,
+        ``unknown_token``, ``dead_token``. O(1)."""
+        r = self._req(req_id)
+        self._evict_one(req_id, r, _index(token_id, f"request {req_id!r}: token id"))
 
     def evict_tokens(self, req_id, token_ids: Iterable[int]) -> None:
         """Mark tokens dead (metadata only; no K/V is touched, no block is freed).
 
-        Checks per id in input order: ``unknown_token``, ``dead_token``, ``duplicate_token``.
+        ``token_ids``: any list of integers (module docstring). Checks, in order:
+        ``bad_request_id``, ``unknown_request``; ``not_integer`` (not a list of integers:
+        the whole list is checked before any id); then per id in input order:
+        ``unknown_token``, ``dead_token``, ``duplicate_token``. O(ids).
         """
         r = self._req(req_id)
-        if isinstance(token_ids, (list, tuple)) and len(token_ids) == 1 and isinstance(token_ids[0], int):
-            return self._evict_one(req_id, r, token_ids[0])
-        ids = _as_int_array(list(token_ids) if not isinstance(token_ids, np.ndarray) else token_ids, "token ids")
-        if ids.ndim != 1:
-            raise TableError("unknown_token", f"request {req_id!r}: token ids must be a flat list")
+        if type(token_ids) in (list, tuple) and len(token_ids) == 1 and type(token_ids[0]) is int:
+            return self._evict_one(req_id, r, token_ids[0])  # the decode step: scalar code
+        ids = _index_array(token_ids, f"request {req_id!r}: token ids")
         if len(ids) == 0:
             return
         bad_range = (ids < 0) | (ids >= r.n)
@@ -381,7 +580,7 @@ class TokenTable:
             i = int(np.argmax(bad))
             t = int(ids[i])
             code = "unknown_token" if bad_range[i] else "dead_token" if bad_dead[i] else "duplicate_token"
-            raise TableError(code, f"request {req_id!r}: evict token {t} (length {r.n})")
+            raise TableError(code, f"request {req_id!r}: evict token {_fmt(t)} (length {r.n})")
         r.live[ids] = False
         r.n_live -= len(ids)
         self._unclaim(r.slot[ids])
@@ -389,6 +588,7 @@ class TokenTable:
         r.map_dirty = True
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
+        """``evict_tokens`` of one id, ``t`` a Python int (any size): same checks, scalar code."""
         if not 0 <= t < r.n:
             raise TableError("unknown_token", f"request {req_id!r}: evict token {t} (length {r.n})")
         if not r.live[t]:
@@ -413,18 +613,19 @@ class TokenTable:
         ``dead_token``, ``duplicate_token``, ``wrong_source``, ``shared_block`` (source),
         ``block_out_of_range``, ``bad_offset``, ``null_block``, ``shared_block`` /
         ``foreign_block`` (destination), ``slot_occupied``, ``duplicate_destination``.
-        (A malformed list, not k x 5 integers, is ``bad_move``.)
+        Before those, for the list as a whole: ``bad_request_id``, ``unknown_request``,
+        then ``bad_move``: ``moves`` is not a list of rows (a (k, 5) integer array, or a
+        list / tuple / iterable of lists, tuples or 1-D arrays), a row does not have five
+        entries, or an entry is not an integer (module docstring). O(moves).
 
         A destination block the request did not reference becomes the request's. Returns
         the source blocks left with no live token, sorted; the table stops referencing
         them and the caller frees them, after the copy out of them has completed.
         """
         r = self._req(req_id)
-        m = _as_int_array(moves, "moves")
-        if m.size == 0:
+        m = _moves_array(moves, f"request {req_id!r}: moves")
+        if len(m) == 0:
             return []
-        if m.ndim != 2 or m.shape[1] != 5:
-            raise TableError("bad_move", f"request {req_id!r}: moves must be (token, src_block, src_offset, dst_block, dst_offset) tuples")
         S, NB = self.S, self.num_blocks
         tok, sb, so, db, do = m.T
         k = len(m)
@@ -435,7 +636,7 @@ class TokenTable:
         c_duptok = np.ones(k, dtype=bool)
         c_duptok[first] = False
         cur = r.slot[t_safe]
-        c_src = (sb * S + so != cur) | (so < 0) | (so >= S)
+        c_src = (sb != cur // S) | (so != cur % S)  # not sb * S + so: that can wrap in int64
         c_srcshared = self.refs[cur // S] > 1
         c_range = (db < 0) | (db >= NB)
         db_safe = np.where(c_range, 0, db)
@@ -462,7 +663,7 @@ class TokenTable:
         if bad.any():
             i = int(np.argmax(bad))
             code = next(name for name, c in checks if c[i])
-            raise TableError(code, f"request {req_id!r}: move #{i} {tuple(int(x) for x in m[i])}")
+            raise TableError(code, f"request {req_id!r}: move #{i} ({', '.join(_fmt(int(x)) for x in m[i])})")
         return self._apply_valid_moves(r, m, tok, cur, dst)
 
     def _apply_valid_moves(self, r: _Req, m, tok, cur, dst) -> list[int]:
@@ -485,16 +686,18 @@ class TokenTable:
     def release_empty_blocks(self, req_id, block_ids: Iterable[int]) -> list[int]:
         """Stop referencing blocks of ``req_id`` that hold no live token (all evicted).
 
-        Checks per block: ``block_out_of_range``, ``foreign_block`` (not the request's),
-        ``shared_block``, ``block_not_empty``, ``duplicate_destination`` never applies;
-        a block named twice is ``duplicate_block``. Returns the blocks; the caller frees them.
+        Checks, in order: ``bad_request_id``, ``unknown_request``; ``not_integer`` (not a
+        list of integers, checked as a whole first); then per block in input order:
+        ``block_out_of_range``, ``foreign_block`` (not the request's), ``shared_block``,
+        ``block_not_empty``, ``duplicate_block`` (named twice). Returns the blocks, sorted;
+        the caller frees them. O(blocks given).
         """
         r = self._req(req_id)
-        bl = [int(b) for b in block_ids]
+        bl = _index_array(block_ids, f"request {req_id!r}: block ids").tolist()
         seen = set()
         for b in bl:
             if not (0 <= b < self.num_blocks):
-                raise TableError("block_out_of_range", f"request {req_id!r}: block {b}")
+                raise TableError("block_out_of_range", f"request {req_id!r}: block {_fmt(b)} outside [0, {self.num_blocks})")
             if b not in r.blocks:
                 raise TableError("foreign_block", f"request {req_id!r} does not reference block {b}")
             if self.refs[b] > 1:
@@ -509,7 +712,8 @@ class TokenTable:
         return sorted(bl)
 
     def free_request(self, req_id) -> list[int]:
-        """Forget ``req_id``; returns every block it referenced (caller drops one reference each)."""
+        """Forget ``req_id``; returns every block it referenced, sorted (the caller drops one
+        reference each). Checks: ``bad_request_id``, ``unknown_request``. O(length + blocks)."""
         r = self._req(req_id)
         live_ids = np.flatnonzero(r.live[: r.n])
         self._unclaim(r.slot[live_ids])
@@ -522,91 +726,114 @@ class TokenTable:
         return blocks
 
     # ------------------------------------------------------------------ queries
+    # Costs are stated per method. A per-step caller (planner, adapter, engine) uses only the
+    # O(1) and O(length)/O(blocks) ones without a sort: num_live, length, num_blocks_of,
+    # references, tail_block, block_refs, block_live_count (O(1)); block_array (O(blocks));
+    # live_slots, are_live (O(length) / O(ids)); slot_mapping (cached). blocks_of sorts.
+    # Every request-taking query raises bad_request_id / unknown_request first.
     def __contains__(self, req_id) -> bool:
-        return req_id in self._reqs
+        """Is ``req_id`` in the table? (O(1); an unhashable id is ``bad_request_id``)"""
+        return self._get(req_id) is not None
 
     def requests(self) -> list:
+        """Request ids, in insertion order. O(requests)."""
         return list(self._reqs)
 
     def length(self, req_id) -> int:
+        """Tokens tracked (live and dead): the next new token's position. O(1)."""
         return self._req(req_id).n
 
     def num_live(self, req_id) -> int:
+        """Live tokens. O(1)."""
         return self._req(req_id).n_live
 
     def live_tokens(self, req_id) -> np.ndarray:
-        """Live token ids in logical order."""
+        """Live token ids in logical order (a new int64 array). O(length)."""
         r = self._req(req_id)
         return np.flatnonzero(r.live[: r.n])
 
     def live_mask(self, req_id) -> np.ndarray:
+        """Per-token liveness (a bool copy). O(length)."""
         r = self._req(req_id)
         return r.live[: r.n].copy()
 
     def slots(self, req_id) -> np.ndarray:
-        """Per-token slots (host copy; dead tokens' entries are their last location)."""
+        """Per-token slots (host copy; dead tokens' entries are their last location). O(length)."""
         r = self._req(req_id)
         return r.slot[: r.n].copy()
 
     def blocks_of(self, req_id) -> list[int]:
-        """The blocks the request references, sorted (O(blocks log blocks): not for hot paths)."""
+        """The blocks the request references, sorted (O(blocks log blocks): for snapshots,
+        checks and tests, not per-step paths; those use :meth:`block_array`)."""
         return sorted(self._req(req_id).blocks)
 
     def block_array(self, req_id) -> np.ndarray:
-        """The blocks the request references, unsorted, as int64 (O(blocks), no sort)."""
+        """The blocks the request references, in no particular order, as a new int64 array
+        (O(blocks), no sort)."""
         bl = self._req(req_id).blocks
         return np.fromiter(bl, dtype=np.int64, count=len(bl))
 
     def num_blocks_of(self, req_id) -> int:
+        """How many blocks the request references. O(1)."""
         return len(self._req(req_id).blocks)
 
     def references(self, req_id, block_id: int) -> bool:
-        """Does the request reference ``block_id``? (O(1))"""
-        return int(block_id) in self._req(req_id).blocks
+        """Does the request reference ``block_id``? Checks: ``not_integer``,
+        ``block_out_of_range``. O(1)."""
+        r = self._req(req_id)
+        return self._block(block_id) in r.blocks
 
     def tail_block(self, req_id) -> int | None:
         """The block of the request's last position, live or dead (None when empty).
 
-        It is the block being written: a planner never takes it as a source. (O(1))
+        It is the block being written: a planner never takes it as a source. O(1).
         """
         r = self._req(req_id)
         return int(r.slot[r.n - 1]) // self.S if r.n else None
 
     def live_slots(self, req_id) -> tuple[np.ndarray, np.ndarray]:
-        """``(ids, slots)``: the live token ids in logical order and their slots (O(length))."""
+        """``(ids, slots)``: the live token ids in logical order and their slots (new int64
+        arrays). O(length)."""
         r = self._req(req_id)
         ids = np.flatnonzero(r.live[: r.n])
         return ids, r.slot[ids]
 
-    def are_live(self, req_id, token_ids: np.ndarray) -> np.ndarray:
-        """Liveness of the given ids (each must be < length), as a bool array (O(ids))."""
+    def are_live(self, req_id, token_ids) -> np.ndarray:
+        """Liveness of the given ids, in their order, as a new bool array.
+
+        ``token_ids``: any list of integers. Checks: ``not_integer``, then ``unknown_token``
+        (an id outside ``[0, length)``). O(ids).
+        """
         r = self._req(req_id)
-        ids = np.asarray(token_ids, dtype=np.int64)
+        ids = _index_array(token_ids, f"request {req_id!r}: token ids")
         if len(ids) and (ids.min() < 0 or ids.max() >= r.n):
             raise TableError("unknown_token", f"request {req_id!r}: token ids outside [0, {r.n})")
         return r.live[ids]
 
     def location(self, req_id, token_id: int) -> tuple[int, int]:
+        """``(block, offset)`` of a live token. Checks: ``not_integer``, ``unknown_token``,
+        ``dead_token``. O(1)."""
         r = self._req(req_id)
-        t = int(token_id)
+        t = _index(token_id, f"request {req_id!r}: token id")
         if not 0 <= t < r.n:
-            raise TableError("unknown_token", f"request {req_id!r}: token {t} (length {r.n})")
+            raise TableError("unknown_token", f"request {req_id!r}: token {_fmt(t)} (length {r.n})")
         if not r.live[t]:
             raise TableError("dead_token", f"request {req_id!r}: token {t} was evicted")
         s = int(r.slot[t])
         return s // self.S, s % self.S
 
     def block_live_count(self, block_id: int) -> int:
-        b = int(block_id)
-        if not 0 <= b < self.num_blocks:
-            raise TableError("block_out_of_range", f"block {b}")
-        return int(self.n_b[b])
+        """``n_b``: slots of the block holding a live token. Checks: ``not_integer``,
+        ``block_out_of_range``. O(1)."""
+        return int(self.n_b[self._block(block_id)])
 
     def block_refs(self, block_id: int) -> int:
-        return int(self.refs[int(block_id)])
+        """Requests referencing the block. Checks: ``not_integer``, ``block_out_of_range``
+        (``-1`` is not the last block). O(1)."""
+        return int(self.refs[self._block(block_id)])
 
     def waste_ratio(self) -> float:
-        """Eq. 1 over referenced blocks: 1 - sum(n_b) / (N * S); 0 when nothing is allocated."""
+        """Eq. 1 over referenced blocks: 1 - sum(n_b) / (N * S); 0 when nothing is allocated. O(1)."""
         if self._ref_blocks == 0:
             return 0.0
         return 1.0 - self._live_slots / (self._ref_blocks * self.S)
@@ -624,12 +851,13 @@ class TokenTable:
         """Push every queued update to the device lookup cache (one batched write).
 
         Reads flush by themselves; an engine calls this once per step so the device work
-        of the step's bookkeeping is issued together.
+        of the step's bookkeeping is issued together. Never waits on the device.
         """
         self._pool.flush()
 
     def read_view(self, req_id) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device views ``(slots[:n], live[:n])``: valid until the next mutation of the table."""
+        """Device views ``(slots[:n], live[:n])``: valid until the next mutation of the table.
+        O(queued updates); no host wait."""
         r = self._req(req_id)
         self._pool.flush()
         return self._pool.slot[r.base:r.base + r.n], self._pool.live[r.base:r.base + r.n]
@@ -637,18 +865,26 @@ class TokenTable:
     def slot_mapping(self, req_id) -> torch.Tensor:
         """Eq. 2 for every live token, logical order, as an int64 tensor on the table's device.
 
-        Cached: ordinary growth appends the new tokens' slots; an eviction or a move marks
-        the cache dirty and the next call recomputes it on the device from the read view.
+        Cached: ordinary growth appends the new tokens' slots (a device copy, O(new
+        tokens)); an eviction or a move marks the cache dirty and the next call recomputes
+        it: the host lists the live ids from its own live array (``flatnonzero``, O(length))
+        and the device gathers their slots from the lookup cache with ``index_select``. The
+        host knows every size, so nothing here reads device data back (no mask indexing:
+        on CUDA that is a device-to-host sync). The result is a view valid until the next
+        mutation of the table.
         """
-        slots, live = self.read_view(req_id)
-        r = self._reqs[req_id]
+        r = self._req(req_id)
+        pool = self._pool
+        pool.flush()
         if r.map_cache is None or r.map_dirty:
-            m = slots[live]
-            r.map_cache = torch.empty(max(64, 2 * len(m)), dtype=torch.int64, device=self.device)
-            r.map_cache[: len(m)] = m
-            r.map_len, r.map_src_n, r.map_dirty = len(m), r.n, False
+            ids = np.flatnonzero(r.live[: r.n])
+            k = len(ids)
+            r.map_cache = torch.empty(max(64, 2 * k), dtype=torch.int64, device=self.device)
+            pool.gather(ids + r.base, r.map_cache[:k])
+            r.map_len, r.map_src_n, r.map_dirty = k, r.n, False
         elif r.map_src_n < r.n:
-            tail = slots[r.map_src_n:]  # clean since the last compute: every new token is live
+            # clean since the last compute: every token added since is live
+            tail = pool.slot[r.base + r.map_src_n:r.base + r.n]
             need = r.map_len + len(tail)
             if need > len(r.map_cache):
                 grown = torch.empty(2 * need, dtype=torch.int64, device=self.device)
