@@ -41,15 +41,18 @@ def load_machine(name: str):
     return getattr(importlib.import_module(mod), cls)
 
 
-def available_machines() -> list[str]:
-    out = []
+def available_machines() -> tuple[list[str], dict[str, str]]:
+    """``(machines that load, {machine: why not})``: a machine that cannot run here (the
+    adapter machine without vLLM) is reported, never dropped silently."""
+    out, missing = [], {}
     for name in MACHINES:
         try:
             load_machine(name)
-        except (ImportError, AttributeError):
+        except (ImportError, AttributeError) as e:
+            missing[name] = f"{type(e).__name__}: {e}"
             continue
         out.append(name)
-    return out
+    return out, missing
 
 
 def make_db(spec):
@@ -106,7 +109,7 @@ def _phases():
     return [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
 
 
-def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile):
+def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     import hypothesis.core
     from hypothesis import settings
@@ -124,16 +127,23 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile):
     n_fail = 0
     i = 0
     names = list(names)
-    while time.time() < deadline and names:
+    left = {n: examples for n in names} if examples is not None else None
+    while names and (time.time() < deadline if left is None else any(left.get(n, 0) > 0 for n in names)):
         name = names[i % len(names)]
         i += 1
+        n_batch = batch
+        if left is not None:  # a fixed number of examples per machine: the same work on any machine
+            if left[name] <= 0:
+                continue
+            n_batch = min(batch, left[name])
+            left[name] -= n_batch
         m = machines[name]
         ops0, hard0 = m.ops, Counter(hard_states.COUNTS)
         t0 = time.time()
         try:
             from hypothesis.stateful import run_state_machine_as_test
 
-            run_state_machine_as_test(m, settings=settings(base, database=db, max_examples=batch, print_blob=True,
+            run_state_machine_as_test(m, settings=settings(base, database=db, max_examples=n_batch, print_blob=True,
                                                            phases=PHASES))
             failure = None
         except Exception as e:  # a failing example: everything Hypothesis reported
@@ -155,22 +165,37 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile):
 
 
 def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machines=None, batch=50,
-                 progress=True, profile="dev") -> dict:
-    """Run the campaign; returns (and writes ``out/summary.json``) the summary."""
+                 progress=True, profile="dev", examples=None) -> dict:
+    """Run the campaign; returns (and writes ``out/summary.json``) the summary.
+
+    Time-boxed by ``minutes`` (what a nightly campaign wants: explore as much as the night
+    allows), or, with ``examples``, exactly that many examples per machine and worker,
+    seeded by ``seed``: the same work and the same verdict on any machine at any speed
+    (what an audit wants). Machines that cannot run here are listed in
+    ``machines_unavailable`` with the reason.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    names = machines or available_machines()
+    avail, missing = available_machines()
+    if machines:
+        unknown = [m for m in machines if m not in MACHINES]
+        if unknown:
+            raise ValueError(f"unknown machines {unknown}; choose from {sorted(MACHINES)}")
+        names = [m for m in machines if m in avail]
+        missing = {m: missing[m] for m in machines if m in missing}
+    else:
+        names = avail
     deadline = time.time() + minutes * 60
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(k, names, deadline, seed, db, str(out), q, batch, profile), daemon=True)
-             for k in range(workers)]
+    procs = [ctx.Process(target=_worker, args=(k, names, deadline, seed, db, str(out), q, batch, profile, examples),
+                         daemon=True) for k in range(workers)]
     t_start = time.time()
     for p in procs:
         p.start()
     summary = {"machines": names, "workers": workers, "seed": seed, "db": db, "ops": 0, "seconds": 0.0,
                "failures": 0, "failure_reports": [], "hard_states": {}, "interrupted": False,
-               "ops_by_machine": {}}
+               "ops_by_machine": {}, "machines_unavailable": missing, "examples_per_machine": examples}
     hard = Counter()
     done = 0
     last_print = 0.0
@@ -267,7 +292,10 @@ def main_fuzz(argv) -> int:
     s = run_campaign(a.minutes, a.workers, a.seed, a.db, a.out, a.machines, progress=True, profile=a.profile)
     print(f"ops {s['ops']} in {s['seconds']:.0f} s: {s['ops_per_s_per_worker']:.0f} ops/s per worker, "
           f"{s['failures']} failure(s); hard states: " + ", ".join(f"{k} {v}" for k, v in s["hard_states"].items()))
+    for m, why in s["machines_unavailable"].items():
+        print(f"machine {m} NOT RUN: {why}")
     if a.json:
         print(json.dumps({k: s[k] for k in ("ops", "seconds", "ops_per_s_per_worker", "failures", "hard_states",
-                                            "interrupted")}))
-    return 1 if s["failures"] or s["interrupted"] else 0
+                                            "interrupted", "ops_by_machine", "machines_unavailable")}))
+    asked_missing = a.machines and s["machines_unavailable"]
+    return 1 if s["failures"] or s["interrupted"] or asked_missing else 0

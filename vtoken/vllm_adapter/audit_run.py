@@ -93,6 +93,10 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
                        max_num_batched_tokens=max_num_batched_tokens)
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,
                      seed=seed, check_relocations=reclaim, snapshot_dir=snapshot_dir, copy_lag=copy_lag)
+    if reclaim:  # every plan of the audited run against the reference planner's contract
+        from ..invariants.plan_contract import check_proposal
+
+        ad.plan_hook = check_proposal
     d = AdapterDriver(ad, w)
     t0 = time.perf_counter()
     for r, p in prompts.items():
