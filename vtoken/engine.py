@@ -34,6 +34,35 @@ the reclamation manager owns the headroom and frees applied plans' sources.
 Tokens evicted while their copy is in flight stay dead: the manager drops their moves
 before the plan is applied (``apply_moves`` would otherwise refuse a dead token), and the
 relocation checker is told about every eviction.
+
+The graph path (``cuda_graph``; on by default on CUDA)
+------------------------------------------------------
+Step 4 runs :meth:`PagedDecoder.decode_static` over fixed-shape buffers instead of
+:meth:`PagedDecoder.decode_step`. One :class:`StepGraph` per batch shape ``(B, T)`` (``B``
+active requests, ``T`` read slots per row) owns the buffers; on CUDA it captures the step
+once into a CUDA graph and replays it; on the CPU it runs the same function eagerly (the
+CPU fallback, which the tests drive). The order within a step, the contract of the path:
+
+1. ``copy_engine.wait_before_attention()`` (step 2 above): the compute stream waits, on
+   the device, for every copy not yet observed done. The replay is issued later on that
+   same stream, so it is ordered after the wait;
+2. host-side hook: the slot buffer is written IN PLACE (the graph captured its address),
+   every row in full on every step (:meth:`DecodeEngine._write_read_slots`): a request's
+   read slots are not append-only, evictions compact them and applied moves change them;
+   the per-row scalars (token, position, write slot, read count) go through one pinned
+   staging buffer, copied without a host wait;
+3. replay (CUDA) or the eager call (CPU), on the current stream;
+4. the greedy tokens and the attention statistics come back through pinned buffers and
+   one event: the only host wait of the step, and the host needs those tokens;
+5. ``manager.step()``: relocation copies are launched OUTSIDE the graph on the relocation
+   stream (which first waits for the compute stream, i.e. for the replay).
+
+A replay that skipped step 1 or 2 would read stale K/V (bug class 10); the sentinel mode
+of the copy engine with ``sentinel_check`` reads what the graph reads (the slot buffer
+itself), and ``tests/test_gpu.py`` probes the ordering on a device. The greedy tokens of the
+graph path equal the plain path's token for token (masked padding changes reductions in
+the last bits, see ``decode_static``); ``naive-evict`` and ``vtoken`` on the same path stay
+bitwise comparable.
 """
 
 from __future__ import annotations
@@ -55,7 +84,7 @@ from .planner import PlannerConfig, ReclamationManager
 from .policies import make_policy
 from .table import TokenTable
 
-__all__ = ["DecodeEngine", "DecodeResult", "default_planner_config", "full_retention_blocks", "MODES"]
+__all__ = ["DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config", "full_retention_blocks", "MODES"]
 
 MODES = ("native", "naive-evict", "vtoken")
 
@@ -128,6 +157,9 @@ class DecodeResult:
     copy_stats: Optional[dict] = None
     failures: list = field(default_factory=list)
     prefill_fallback: Optional[str] = None  # CUDA: why prefill ran token by token (see _prefill)
+    cuda_graph: bool = False  # the decode steps ran through StepGraph (captured on CUDA, eager on CPU)
+    graph_captures: int = 0  # CUDA graphs captured (one per batch shape); 0 on the CPU
+    graph_replays: int = 0  # steps run through the graph path (replays on CUDA, eager calls on CPU)
 
     def to_dict(self, with_outputs: bool = True, with_steps: bool = False) -> dict:
         d = asdict(self)
@@ -136,6 +168,100 @@ class DecodeResult:
         if not with_steps:
             d.pop("step_ms")
         return d
+
+
+class StepGraph:
+    """The decode step for one batch shape ``(B, T)``: fixed buffers, captured once on CUDA.
+
+    Owns (allocates; they go when it is dropped): the static inputs ``inputs`` (int64
+    ``[4, B]``: token, position, write slot, read count per row) and ``read_slots`` (int64
+    ``[B, T]``, the slot buffer), a pinned host staging buffer for ``inputs``, pinned output
+    buffers and an event; on CUDA also the captured graph, its capture stream and its
+    private memory pool, which holds the output tensors. It does not own the model, the KV
+    cache or the RoPE tables that ``fn`` reads: the caller keeps them alive and in place
+    (a graph replays fixed addresses).
+
+    ``fn(step_graph) -> (tokens [B] int64, stats [B, T + 1] float32)`` computes the step
+    from the buffers without a host sync or a data-dependent shape.
+
+    Protocol, once per step: write ``read_slots`` rows in place and call :meth:`stage`
+    (the scalars), then :meth:`run`, then :meth:`fetch` (the outputs, on the host). On the
+    CPU ``run`` calls ``fn`` eagerly. On CUDA the first ``run`` warms ``fn`` up on a side
+    stream (running the staged step: its K/V writes put the same bytes where the replay
+    will) and captures it; every ``run`` then replays it ON THE CURRENT STREAM, so the
+    replay is ordered after everything issued there before it: the device-side wait on
+    pending relocation copies and the staging copies. ``fetch`` is the step's one host
+    wait (an event after the replay); ``stage`` refuses to overwrite the pinned staging
+    buffer before the previous step's ``fetch`` (its copy might not have run yet).
+    """
+
+    def __init__(self, B: int, T: int, device, fn):
+        self.B, self.T = int(B), int(T)
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.fn = fn
+        self.inputs = torch.zeros((4, self.B), dtype=torch.int64, device=self.device)
+        self.read_slots = torch.zeros((self.B, self.T), dtype=torch.int64, device=self.device)
+        self._staging = torch.zeros((4, self.B), dtype=torch.int64, pin_memory=self.is_cuda)
+        self.graph = None
+        self.stream = None  # CUDA: the warm-up / capture stream
+        self.out = None  # (tokens, stats) of the last run; on CUDA the graph's static outputs
+        self.captures = 0
+        self.runs = 0
+        self._in_flight = False  # run() issued, fetch() not yet called
+        self._host_tok = self._host_stats = self._done = None
+
+    def stage(self, tokens: Sequence[int], positions: Sequence[int], write_slots: Sequence[int],
+              num_read: Sequence[int]) -> None:
+        """Write the rows' scalars into ``inputs`` in place (one copy, no host wait)."""
+        if self._in_flight:
+            raise RuntimeError("StepGraph.stage before the previous step's fetch")
+        st = self._staging.numpy()
+        st[0], st[1], st[2], st[3] = tokens, positions, write_slots, num_read
+        self.inputs.copy_(self._staging, non_blocking=self.is_cuda)
+
+    def run(self):
+        """Run the step: eagerly (CPU), or replay the graph on the current stream (CUDA)."""
+        if not self.is_cuda:
+            self.out = self.fn(self)
+        else:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        self.runs += 1
+        self._in_flight = True
+        return self.out
+
+    def _capture(self) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(cur)  # the warm-up reads the staged inputs and the waited-for copies
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.fn(self)
+        cur.wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            self.out = self.fn(self)
+        self.graph, self.stream = g, side
+        self.captures += 1
+
+    def fetch(self, stats: bool = True) -> tuple[list, Optional[np.ndarray]]:
+        """The last run's greedy tokens (list) and, if asked, stats (a host copy ``[B, T + 1]``)."""
+        tok, st = self.out
+        self._in_flight = False
+        if not self.is_cuda:
+            return tok.tolist(), (st.numpy().copy() if stats else None)
+        if self._done is None:
+            self._host_tok = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True)
+            self._host_stats = torch.empty(st.shape, dtype=st.dtype, pin_memory=True)
+            self._done = torch.cuda.Event()
+        self._host_tok.copy_(tok, non_blocking=True)
+        if stats:
+            self._host_stats.copy_(st, non_blocking=True)
+        self._done.record()
+        self._done.synchronize()  # the step's one host wait: the host needs the tokens
+        return self._host_tok.tolist(), (self._host_stats.numpy().copy() if stats else None)
 
 
 class DecodeEngine:
@@ -162,6 +288,9 @@ class DecodeEngine:
         check_method / full_bytes: the relocation checker's digest method.
         copy_engine_factory: builds the copy engine, ``(kv, block_size, **kwargs) ->
             engine`` (default :class:`KVCopyEngine`); the checks pass faulty engines here.
+        cuda_graph: run decode steps through :class:`StepGraph` (the graph path, see the
+            module docstring): None (default) = on CUDA only; True on the CPU runs the same
+            path eagerly (its CPU fallback); False = the plain ``decode_step`` path.
     """
 
     def __init__(self, model: PagedDecoder, mode: str = "vtoken", policy: str = "h2o", evict_ratio: float = 0.5,
@@ -170,7 +299,7 @@ class DecodeEngine:
                  force_sync: bool = False, copy_kwargs: Optional[dict] = None, snapshot_dir=None,
                  policy_kwargs: Optional[dict] = None, sentinel_check: bool = False,
                  check_method: Optional[str] = None, full_bytes: bool = False,
-                 copy_engine_factory=None):
+                 copy_engine_factory=None, cuda_graph: Optional[bool] = None):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         if not 0.0 <= evict_ratio < 1.0:
@@ -195,6 +324,7 @@ class DecodeEngine:
         self.check_method, self.full_bytes = check_method, full_bytes
         self.num_blocks = num_blocks
         self.copy_engine_factory = copy_engine_factory or KVCopyEngine
+        self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
         self._ready = False
         if num_blocks is not None:
             self.setup(num_blocks)
@@ -236,6 +366,11 @@ class DecodeEngine:
         self.empty_released = 0
         self._ideal_last = 0
         self.prefill_fallback = False
+        self._graphs: dict[tuple[int, int], StepGraph] = {}  # (B, T) -> the step for that shape
+        self._graph_T = 0  # read-slot capacity of the current graphs
+        self._rope: Optional[tuple] = None  # device RoPE rows [0, T + 1) the graphs read
+        self.graph_captures = 0
+        self.graph_replays = 0
         self._ready = True
 
     # ------------------------------------------------------------------ blocks
@@ -446,14 +581,14 @@ class DecodeEngine:
             items.append(DecodeItem(r.out[-1], n, slot, read))
         if self.table is not None:
             self.table.flush()
-        if self.sentinel_check and self.copy_engine is not None:
-            for r, it in zip(active, items):
-                if self.copy_engine.contains_sentinel(it.read_slots):
-                    raise RelocationCheckError(
-                        "i3_sentinel", f"request {r.id!r}: attention's inputs hold the copy sentinel "
-                                       f"(a moved entry read before its copy completed)")
-        logits, stats = self.model.decode_step(self.kv, items)
-        toks = greedy(logits).tolist()
+        if self.cuda_graph:
+            toks, stats = self._graph_decode(active, items, observe)
+        else:
+            if self.sentinel_check and self.copy_engine is not None:
+                for r, it in zip(active, items):
+                    self._sentinel(r, it.read_slots)
+            logits, stats = self.model.decode_step(self.kv, items)
+            toks = greedy(logits).tolist()
         finished = []
         for i, r in enumerate(active):
             if observe:
@@ -471,6 +606,85 @@ class DecodeEngine:
             self.finish(rid)
         self.step_times.append(time.perf_counter() - t0)
         self.step_cpu.append(time.process_time() - c0)
+
+    def _sentinel(self, r: _Req, read_slots: torch.Tensor) -> None:
+        if self.copy_engine.contains_sentinel(read_slots):
+            raise RelocationCheckError(
+                "i3_sentinel", f"request {r.id!r}: attention's inputs hold the copy sentinel "
+                               f"(a moved entry read before its copy completed, or a stale slot)")
+
+    # ------------------------------------------------------------------ the graph path
+    def _graph_for(self, active: list, B: int) -> StepGraph:
+        """The StepGraph of this batch shape; ``T`` covers every active request's whole length."""
+        need = max(r.prompt_len + r.max_new for r in active)
+        if need > self._graph_T:
+            # round up so a later, slightly longer request reuses the shape; graphs of the old
+            # T are dropped (their buffers and private pools go with them)
+            self._graph_T = -(-need // 64) * 64
+            self._graphs = {}
+            self._rope = self.model.rope_tables(self._graph_T + 1, self.device)
+        T = self._graph_T
+        gs = self._graphs.get((B, T))
+        if gs is None:
+            gs = self._graphs[(B, T)] = StepGraph(B, T, self.device, self._graph_fn)
+        return gs
+
+    def _graph_fn(self, gs: StepGraph):
+        """What the graph captures: ``decode_static`` over the buffers, then greedy."""
+        tok, pos, wslot, nread = gs.inputs
+        logits, stats = self.model.decode_static(self.kv, tok, pos, wslot, gs.read_slots, nread, self._rope)
+        return greedy(logits), stats
+
+    def _write_read_slots(self, gs: StepGraph, row: int, req: _Req, read: torch.Tensor) -> None:
+        """Host-side hook of the graph path: row ``row`` of the slot buffer := ``read`` (this
+        step's read slots of ``req``), in place, in full, every step. The buffer's address is
+        what the graph captured; a row is not append-only (evictions compact the mapping,
+        applied moves change slots), so writing only new tail entries would leave stale slots."""
+        n = read.numel()
+        if n:
+            gs.read_slots[row, :n].copy_(read)
+
+    def _check_items(self, items: list) -> None:
+        """The host checks ``decode_step`` makes on a checked cache (the graph validates nothing)."""
+        ws = [it.write_slot for it in items]
+        if len(set(ws)) != len(ws):
+            raise ValueError("decode_step: two requests share a write_slot")
+        ns = self.kv.num_slots
+        for it in items:
+            rs = it.read_slots
+            if not 0 <= it.write_slot < ns:
+                raise IndexError(f"write slot {it.write_slot} out of range [0, {ns})")
+            if rs.numel():
+                if int(rs.min()) < 0 or int(rs.max()) >= ns:
+                    raise IndexError(f"read slot out of range [0, {ns})")
+                if bool((rs == it.write_slot).any()):
+                    raise ValueError(f"decode_step: write_slot {it.write_slot} is in read_slots")
+
+    def _graph_decode(self, active: list, items: list, observe: bool):
+        """Step 4 through the graph path: write the slot buffer, stage, run, fetch (see the
+        module docstring). The device-side wait on pending copies was issued at step start."""
+        B = len(items)
+        gs = self._graph_for(active, B)
+        ns = [int(it.read_slots.numel()) for it in items]
+        if max(ns) > gs.T or max(it.position for it in items) > gs.T:
+            raise RuntimeError(f"graph path: a request outgrew its shape (T={gs.T})")  # _graph_for sizes T
+        if self.kv.checked:
+            self._check_items(items)
+        for i, (r, it) in enumerate(zip(active, items)):
+            self._write_read_slots(gs, i, r, it.read_slots)
+        gs.stage([it.token_id for it in items], [it.position for it in items], [it.write_slot for it in items], ns)
+        if self.sentinel_check and self.copy_engine is not None:
+            for i, r in enumerate(active):
+                self._sentinel(r, gs.read_slots[i, : ns[i]])  # what the graph will read
+        c0 = gs.captures
+        gs.run()
+        self.graph_captures += gs.captures - c0
+        self.graph_replays += 1
+        toks, st = gs.fetch(stats=observe)
+        stats = None
+        if observe:
+            stats = [torch.from_numpy(np.append(st[i, : ns[i]], st[i, gs.T])) for i in range(B)]
+        return toks, stats
 
     def _measure(self) -> None:
         self._retained.append(self.alloc.num_used)
@@ -529,6 +743,8 @@ class DecodeEngine:
             waste_ratio_mean=statistics.fmean(self._waste) if self._waste else 0.0,
             empty_blocks_released=self.empty_released,
             prefill_fallback=self.prefill_fallback or None,
+            cuda_graph=self.cuda_graph,
+            graph_captures=self.graph_captures, graph_replays=self.graph_replays,
         )
         if self.manager is not None:
             st = self.manager.stats

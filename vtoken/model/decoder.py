@@ -295,6 +295,102 @@ class PagedDecoder(nn.Module):
         groups = [_Group(i, i + 1, keys[i], False) for i in range(len(items))]
         return self._forward(kv, ids, pos, wslots, groups, slice(None))
 
+    # ------------------------------------------------------------------ static shapes (CUDA graphs)
+    def rope_tables(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows ``[0, n)`` of the RoPE table on ``device`` (a copy the caller owns).
+
+        ``decode_static`` reads RoPE through these: a captured graph must not touch the host
+        table (it grows by re-allocation) nor copy from pageable host memory.
+        """
+        self.rope.ensure(n)
+        return self.rope.cos[:n].to(device), self.rope.sin[:n].to(device)
+
+    def _attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_attend`` for one query (``m = 1``) over ``T + 1`` keys of which ``mask`` keeps some.
+
+        Masked keys get a score of -inf, so their probability is exactly 0 and their stat is
+        0; what they hold never reaches the result (``decode_static`` points them at a slot
+        with finite bytes, since 0 * inf would be NaN in the value product).
+        """
+        c = self.config
+        t = k.shape[0]
+        hk, g, d = c.num_kv_heads, c.group_size, c.head_dim
+        qh = q.reshape(1, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g, d)
+        scores = torch.bmm(qh, k.permute(1, 2, 0)).view(hk, g, 1, t) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs.view(hk, g, t), v.permute(1, 0, 2)).view(hk, g, 1, d)
+        stat = probs.sum(dim=2).reshape(c.num_heads, t).mean(dim=0)
+        return out.permute(2, 0, 1, 3).reshape(1, c.num_heads * c.head_dim), stat
+
+    @torch.inference_mode()
+    def decode_static(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
+                      write_slots: torch.Tensor, read_slots: torch.Tensor, num_read: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step over fixed-shape device tensors: what a CUDA graph captures.
+
+        Inputs (all on ``kv.device``, int64): ``token_ids``, ``positions``, ``write_slots``,
+        ``num_read`` ``[B]`` and ``read_slots`` ``[B, T]``; row ``i`` attends over
+        ``read_slots[i, :num_read[i]]`` then its new token (written at ``write_slots[i]``
+        first, as in :meth:`decode_step`). Entries of ``read_slots`` past ``num_read`` are
+        ignored (they may hold anything, stale slots included). ``rope``: device cos/sin
+        tables (:meth:`rope_tables`) covering every position.
+
+        Returns ``(logits [B, vocab], stats [B, T + 1] float32)``: ``stats[i, j]`` for
+        ``j < num_read[i]`` is the attention read slot j received (summed over layers, as
+        in :meth:`decode_step`), ``stats[i, T]`` the new token's; the rest are 0.
+
+        Contract: no host synchronisation, no host-to-device copy, no shape that depends
+        on data, so the whole call can be captured once and replayed with the input
+        tensors rewritten in place. Nothing is validated here (that would read values on
+        the host): the caller checks slots on the host before staging them.
+
+        Numerics: the same ops as :meth:`decode_step` with ``T + 1`` keys instead of
+        ``num_read + 1``. Masked keys contribute exact zeros, but the reductions run over
+        a longer row, so logits may differ from :meth:`decode_step`'s in the last bits:
+        greedy tokens are what the two paths share (tested), not logits bit for bit.
+        Placement invariance holds exactly (same bytes in the same order, same result).
+        """
+        c = self.config
+        B, T = read_slots.shape
+        dev = read_slots.device
+        cos_t, sin_t = rope
+        cols = torch.arange(T, device=dev)
+        valid = cols.unsqueeze(0) < num_read.unsqueeze(1)  # [B, T]
+        # pads read the row's own new token (finite bytes, written before the gather)
+        keys = torch.cat([torch.where(valid, read_slots, write_slots.unsqueeze(1)), write_slots.unsqueeze(1)], dim=1)
+        mask = torch.cat([valid, torch.ones((B, 1), dtype=torch.bool, device=dev)], dim=1)  # [B, T + 1]
+        cos, sin = cos_t.index_select(0, positions), sin_t.index_select(0, positions)
+        x_all = self.model.embed_tokens(token_ids)
+        flat = kv.flat
+        spans = [(i, i + 1) for i in range(B)] if self.batch_invariant else [(0, B)]
+        logits, stats = [], []
+        for a, b in spans:
+            x = x_all[a:b]
+            st = torch.zeros((b - a, T + 1), dtype=torch.float32, device=dev)
+            ws = write_slots[a:b]
+            for li, layer in enumerate(self.model.layers):
+                h = layer.input_layernorm(x)
+                att = layer.self_attn
+                q = apply_rope(att.q_proj(h).view(-1, c.num_heads, c.head_dim), cos[a:b], sin[a:b])
+                k = apply_rope(att.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos[a:b], sin[a:b])
+                v = att.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+                flat[li, 0].index_copy_(0, ws, k.to(kv.dtype))
+                flat[li, 1].index_copy_(0, ws, v.to(kv.dtype))
+                outs = []
+                for r in range(a, b):
+                    gk = flat[li, 0].index_select(0, keys[r])
+                    gv = flat[li, 1].index_select(0, keys[r])
+                    o, s = self._attend_masked(q[r - a:r - a + 1], gk.to(q.dtype), gv.to(q.dtype), mask[r])
+                    outs.append(o)
+                    st[r - a] += s.float()
+                x = x + att.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            logits.append(F.linear(self.model.norm(x), self._lm_weight()))
+            stats.append(st)
+        return torch.cat(logits), torch.cat(stats)
+
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dim as int64 (shape ``logits.shape[:-1]``); ties -> lowest id.
