@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from .patches import Patch
 
 T, A, P, L = "vtoken/table.py", "vtoken/allocator.py", "vtoken/planner.py", "vtoken/placement.py"
+E = "vtoken/engine.py"
 AD, W = "vtoken/vllm_adapter/adapter.py", "vtoken/vllm_adapter/worker.py"
 
 
@@ -136,6 +137,13 @@ CATALOGUE: list[Fault] = [
           engine="cuda_wait_dropped", cuda_only=True),
     Fault("cuda_event_wrong_stream", "I3 event on the wrong stream", "the completion event is recorded on the compute stream",
           "gpu", engine="cuda_event_wrong_stream", cuda_only=True),
+    # ---------------------------------------------------------------- the graph path (CUDA graphs)
+    Fault("graph_replay_on_capture_stream", "10 a replay that skips a host-side hook (the event wait before replay)",
+          "the decode graph is replayed on its capture stream, which never waited on pending copies nor on the "
+          "slot-buffer update: the replay reads destinations before their copy landed", "gpu",
+          (_p(E, "StepGraph.run", "            self.graph.replay()\n",
+              "            with torch.cuda.stream(self.stream):\n                self.graph.replay()\n"),),
+          cuda_only=True),
     # ---------------------------------------------------------------- the vLLM adapter
     Fault("adapter_free_before_fence", "8 source freed before its fence (vLLM async scheduling)",
           "the adapter hands a plan's sources back to the pool at launch, before the step that copies them",

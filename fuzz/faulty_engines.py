@@ -15,6 +15,18 @@ these in place. ``ENGINES`` maps the catalogue's names to the classes.
   it completes without the copy -- I3 (CUDA only);
 - ``cuda_release_before_event``: ``poll`` reports done without asking the device (on the
   CPU with ``lag``: before the deferred copy ran; it still runs when its lag expires) -- I3.
+
+Faulty decode engines (``DECODE_ENGINES``): :class:`vtoken.engine.DecodeEngine` with one
+host-side hook of its graph path overridden (bug class 10, a replay that skips a host-side
+hook and reads stale KV):
+
+- ``graph_slot_buffer_append_only``: the graph path's slot buffer is treated as
+  append-only: a row is rewritten in full only when the request's eviction count changed
+  (or the row changed hands), otherwise only its new tail entries are written, so after an
+  applied move the replay still reads the moved tokens' source slots. Hash-and-compare
+  does not see it (the table's read path is right); the sentinel check, which reads the
+  slot buffer itself, and the output comparison do. Runs on the CPU (the graph path's
+  eager fallback) and on CUDA.
 """
 
 from __future__ import annotations
@@ -23,9 +35,11 @@ import numpy as np
 import torch
 
 from vtoken.copy_engine import KVCopyEngine
+from vtoken.engine import DecodeEngine
 
 __all__ = ["ENGINES", "FlipByteEngine", "SkipMoveEngine", "WritePastDestinationEngine", "DroppedWaitEngine",
-           "WrongStreamEventEngine", "ReleaseBeforeEventEngine", "factory"]
+           "WrongStreamEventEngine", "ReleaseBeforeEventEngine", "factory", "DECODE_ENGINES",
+           "AppendOnlySlotBufferEngine"]
 
 
 class FlipByteEngine(KVCopyEngine):
@@ -124,3 +138,28 @@ def factory(*names: str | None):
     if len(names) == 1:
         return ENGINES[names[0]]
     return type("+".join(names), tuple(ENGINES[n] for n in names), {})
+
+
+# ---------------------------------------------------------------------------------- decode engines
+class AppendOnlySlotBufferEngine(DecodeEngine):
+    """The graph path's slot buffer updated as if it were append-only (see the module docstring)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._rows: dict = {}  # (id(step graph), row) -> (request, read count, evicted count) last written
+
+    def _write_read_slots(self, gs, row, req, read):
+        n = read.numel()
+        evicted = self.table.length(req.id) - self.table.num_live(req.id) if self.table is not None else 0
+        key = (id(gs), row)
+        last = self._rows.get(key)
+        if last is None or last[0] != req.id or last[2] != evicted or n < last[1]:
+            super()._write_read_slots(gs, row, req, read)
+        elif n > last[1]:
+            gs.read_slots[row, last[1]:n].copy_(read[last[1]:])  # the new tail only
+        self._rows[key] = (req.id, n, evicted)
+
+
+DECODE_ENGINES = {
+    "graph_slot_buffer_append_only": AppendOnlySlotBufferEngine,
+}

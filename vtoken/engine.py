@@ -284,7 +284,8 @@ class DecodeEngine:
         copy_kwargs: extra ``KVCopyEngine`` arguments (``lag``, ``sentinel``, ...).
         snapshot_dir: where failing plans' snapshots go.
         sentinel_check: before each decode step, assert no read slot holds the copy
-            engine's sentinel (I3 test mode; needs ``copy_kwargs={"sentinel": True}``).
+            engine's sentinel (I3 test mode; needs ``copy_kwargs={"sentinel": True}``). In
+            sentinel mode the engine also poisons the blocks it gives up (:meth:`_poison`).
         check_method / full_bytes: the relocation checker's digest method.
         copy_engine_factory: builds the copy engine, ``(kv, block_size, **kwargs) ->
             engine`` (default :class:`KVCopyEngine`); the checks pass faulty engines here.
@@ -398,6 +399,27 @@ class DecodeEngine:
             r.held += [int(b) for b in plan.dests]
         if self.checker is not None:
             self.checker.after_apply(plan)
+        self._poison(plan.sources)
+
+    def _poison(self, blocks) -> None:
+        """Sentinel mode (the copy engine's ``sentinel``): fill every slot of blocks the engine
+        just gave up (an applied plan's sources, released empty blocks) with the sentinel.
+
+        They hold no live token, so nothing may read them until they are written again; a
+        stale read (a slot mapping or a graph slot buffer not updated after a move) then shows
+        up as the sentinel in attention's inputs instead of as old, still-correct bytes. On
+        CUDA the fill is issued on the compute stream after the copy out of them was observed
+        done (``apply`` runs only then), so it never races the relocation stream."""
+        eng = self.copy_engine
+        if eng is None or not getattr(eng, "sentinel", False) or not len(blocks):
+            return
+        S = self.S
+        b = np.asarray(sorted({int(x) for x in blocks}), dtype=np.int64)
+        slots = (b[:, None] * S + np.arange(S, dtype=np.int64)[None, :]).reshape(-1)
+        st = torch.from_numpy(slots)
+        if self.device.type == "cuda":
+            st = st.pin_memory().to(self.device, non_blocking=True)
+        self.kv.flat.index_fill_(2, st, eng.sentinel_value)
 
     def _release_empty(self, r: _Req, victims: np.ndarray) -> None:
         """Give back blocks the eviction left without a live token (never one a copy uses)."""
@@ -410,6 +432,7 @@ class DecodeEngine:
             self.alloc.free(freed)
             self._drop_blocks(r, freed)
             self.empty_released += len(freed)
+            self._poison(freed)
 
     # ------------------------------------------------------------------ event recording (snapshots)
     def _watched(self) -> list:
