@@ -49,12 +49,29 @@ plan's snapshot (``vtoken.snapshot.save``) and a ``.failure.json`` beside it to 
 Methods
 -------
 ``xxh3`` (the CPU default, and ``full_bytes=True`` anywhere): the bytes go to the host and
-each (token, layer) is digested with xxh3-64. ``fingerprint`` (the CUDA default): a device
-fingerprint (:func:`device_fingerprint`: the bytes as int32 words, each mixed with a
-multiply-xorshift bijection and summed with per-word position weights, two 32-bit sums per
-token and layer, in one pass) so only 16 bytes per token and layer cross to the host, plus
-an xxh3 spot check of ``sample`` tokens per comparison. The fingerprint is exact integer
-arithmetic, so it runs (and is tested) on the CPU too, and gives the same values on CUDA.
+each (token, layer) is digested with xxh3-64 (on CUDA that is a blocking copy of every
+hashed token's K/V: the audit mode and the baseline of the overhead figure).
+``fingerprint`` (the CUDA default): :func:`device_fingerprint` on the device, so only 16
+bytes per token and layer (:data:`FINGERPRINT_BYTES`) cross to the host, plus the read
+path's slots (8 bytes per token, metadata) and, for the xxh3 spot check, the K/V bytes of
+at most ``sample`` tokens per comparison (``sample=0``: none). The fingerprint is exact
+integer arithmetic, so it runs (and is tested) on the CPU too, and gives the same values
+on CUDA. Its collision bound is in :func:`device_fingerprint`'s docstring.
+
+No host wait (fingerprint method)
+--------------------------------
+Every device-side digest is issued on the current (compute) stream and copied to pinned
+host memory with ``non_blocking=True``, followed by an event; the host comparison runs
+later, once that event has completed (:meth:`RelocationChecker.settle`, called at the start
+of every checker hook, by :meth:`CheckedCopyEngine.wait_before_attention` and, blocking, by
+:meth:`CheckedCopyEngine.synchronize` / the engine at the end of a run). So a check never
+makes the host wait, neither for the compute stream (which may itself wait on pending
+copies) nor for a copy's event: the launch digests are issued before the copy (the
+relocation stream then waits for them), and the destination digests only after the copy
+engine's ``poll`` observed the copy's event complete. A failure is raised by whichever of
+those calls settles it (at the latest at the end of the run), naming the plan as before.
+On the CPU every digest is ready at once, so failures are raised inside the hook that
+found them. ``host_bytes`` counts what crossed to the host, by kind.
 
 Hooking it in without touching the planner: :meth:`RelocationChecker.wrap` returns a copy
 engine that calls :meth:`before_copy` in ``launch`` and :meth:`after_copy` when ``poll`` /
@@ -77,7 +94,7 @@ from vtoken.errors import RelocationCheckError
 from vtoken.snapshot import save as save_snapshot
 
 __all__ = ["RelocationChecker", "CheckedCopyEngine", "token_layer_digests", "device_fingerprint",
-           "request_digest"]
+           "request_digest", "FINGERPRINT_BYTES"]
 
 _M32 = 0xFFFFFFFF
 
@@ -110,7 +127,7 @@ def _weights(nwords: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     if w is None:
         g = np.random.default_rng(0x5EED)
         a = (g.integers(0, 1 << 30, size=(2, nwords), dtype=np.int64) << 1) | 1
-        w = _WEIGHTS[key] = (torch.from_numpy(a[0]).to(device), torch.from_numpy(a[1]).to(device))
+        w = _WEIGHTS[key] = (_to_device(a[0], device), _to_device(a[1], device))
     return w
 
 
@@ -120,33 +137,85 @@ def _mul32(v: torch.Tensor, c: int) -> torch.Tensor:
     return (v * lo + (((v * hi) & 0xFFFF) << 16)) & _M32
 
 
+def _mix32(w: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 holding ``[0, 2**32)``: xorshift 16, * 0x7FEB352D, xorshift 15,
+    * 0x846CA68B, xorshift 16 (mod 2**32). Each step is invertible (a right xorshift by
+    k >= 1 and a multiplication by an odd constant mod 2**32), so it is a bijection."""
+    v = w ^ (w >> 16)
+    v = _mul32(v, 0x7FEB352D)
+    v = v ^ (v >> 15)
+    v = _mul32(v, 0x846CA68B)
+    return v ^ (v >> 16)
+
+
+def _weighted_sums(v: torch.Tensor, a1: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
+    """``(sum_j v_j * a1_j, sum_j v_j * a2_j) mod 2**32`` over the last dim: int64 ``[..., 2]``.
+
+    Exact in int64: each product is reduced to 32 bits first and a row has far fewer than
+    2**31 words, so the sums cannot overflow before the final reduction."""
+    s1 = ((v * a1) & _M32).sum(dim=-1) & _M32
+    s2 = ((v * a2) & _M32).sum(dim=-1) & _M32
+    return torch.stack([s1, s2], dim=-1)
+
+
+FINGERPRINT_BYTES = 16  # per token and layer on the host: two sums, carried as int64
+
+
 def device_fingerprint(kv, slots) -> torch.Tensor:
     """Per token and layer, two 32-bit sums over the K/V bytes: int64 ``[n, L, 2]`` on kv's device.
 
-    The bytes are reinterpreted as int32 words ``w_j`` (zero-padded to a multiple of 4
-    bytes), mixed with the lowbias32 multiply-xorshift (a bijection on 32-bit words), and
-    combined as ``sum_j mix(w_j) * a_j mod 2**32`` for two sets of odd position weights
-    ``a_j``. Any single changed word changes both sums; swapping words changes them too.
+    The bytes of a (token, layer) row (its K then V, ``2 * H * D * itemsize`` bytes) are
+    reinterpreted as int32 words ``w_j`` (zero-padded to a multiple of 4 bytes), mixed with
+    the lowbias32 multiply-xorshift ``mix`` (a bijection on 32-bit words) and combined as
+    ``F_k = sum_j mix(w_j) * a_kj mod 2**32`` for two fixed sets of odd position weights
+    ``a_kj = 2 x_kj + 1``, ``x_kj`` drawn uniformly from ``[0, 2**30)`` (seeded, independent).
+
+    Collision bound. A change of the row to ``w'`` touching the set ``J`` of words gives
+    ``d_j = mix(w'_j) - mix(w_j) mod 2**32``, nonzero for ``j`` in ``J`` (``mix`` is a
+    bijection), and changes ``F_k`` by ``sum_{j in J} d_j a_kj mod 2**32``. Then:
+
+    1. ``|J| = 1``: always detected, by both sums: ``d * a`` is nonzero mod 2**32 for odd
+       ``a``. This covers every single-bit flip, any change inside one fp32 value, or inside
+       one word-aligned pair of bf16/fp16 values, of one token in one layer (the 384-flip
+       sweep of ``tests/test_relocation_hash.py`` exercises exactly this case).
+    2. ``|J| >= 2``, the change made independently of the weights (a fault does not know
+       them): with ``v`` the least 2-adic valuation of the ``d_j`` (``0 <= v <= 31``), over
+       the weights' draw ``Pr[F_k unchanged] <= max(2**-30, 2**(v - 31))``: fix every
+       weight but one of valuation ``v``; then ``2**(v+1) u x = c mod 2**32`` (``u`` odd)
+       fixes ``x`` modulo ``2**(31 - v)``, which at most ``max(1, 2**(v-1))`` of the
+       ``2**30`` values of ``x`` meet. The two sums have independent weights: both stay
+       unchanged with probability at most the square, ``2**-60`` for ``v <= 1``. ``mix``
+       spreads a structured change (a flipped high bit in many words) over the whole
+       word, so its ``d_j`` are not multiples of a large power of two by construction.
+    3. It is no MAC: a change built knowing the weights can collide (two words whose mixed
+       values both move by ``2**31`` cancel, since ``a_j + a_k`` is even). Behind it stand
+       the xxh3 spot check of a sample of tokens, the ``full_bytes`` / ``xxh3`` mode and
+       the token-id and slot checks, which are exact.
+
+    The same integers on every device (exact arithmetic): CPU and CUDA agree bit for bit.
     """
     b = _token_layer_bytes(kv, slots)  # [n, L, B]
     n, L, B = b.shape
     if B % 4:
         b = torch.nn.functional.pad(b, (0, 4 - B % 4))
     w = b.view(torch.int32).to(torch.int64) & _M32  # [n, L, W]
-    v = w ^ (w >> 16)
-    v = _mul32(v, 0x7FEB352D)
-    v = v ^ (v >> 15)
-    v = _mul32(v, 0x846CA68B)
-    v = v ^ (v >> 16)
+    v = _mix32(w)
     a1, a2 = _weights(v.shape[-1], v.device)
-    s1 = ((v * a1) & _M32).sum(dim=-1) & _M32
-    s2 = ((v * a2) & _M32).sum(dim=-1) & _M32
-    return torch.stack([s1, s2], dim=-1)
+    return _weighted_sums(v, a1, a2)
 
 
-def _fp_digests(kv, slots) -> np.ndarray:
-    fp = device_fingerprint(kv, slots).cpu().numpy().astype(np.uint64)  # [n, L, 2]
+def _fp_u64(fp: np.ndarray) -> np.ndarray:
+    """``[n, L, 2]`` fingerprint sums -> one uint64 per (token, layer)."""
+    fp = np.asarray(fp).astype(np.uint64)
     return (fp[..., 0] << np.uint64(32)) | fp[..., 1]
+
+
+def _rows_xxh3(rows: np.ndarray) -> np.ndarray:
+    """xxh3-64 of each ``[L, B]`` row of uint8 ``[n, L, B]`` (host): uint64 ``[n, L]``."""
+    n, L = rows.shape[:2]
+    flat = rows.reshape(n * L, -1)
+    return np.fromiter((xxhash.xxh3_64_intdigest(r.tobytes()) for r in flat), dtype=np.uint64,
+                       count=n * L).reshape(n, L)
 
 
 def request_digest(ids: np.ndarray, per_token_layer: np.ndarray) -> int:
@@ -162,6 +231,53 @@ def _combine(per_layer: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(per_layer, dtype=np.uint64).tobytes())
 
 
+# ---------------------------------------------------------------------------- host transfers
+class _Fetch:
+    """Device tensors on their way to the host, without a host wait.
+
+    On CUDA each tensor is copied into pinned host memory (owned by this object) with
+    ``non_blocking=True`` on the current stream, then an event is recorded: :meth:`ready`
+    asks the event (never waits), :meth:`get` returns numpy arrays (waiting only when
+    ``block``). Host arrays (numpy) pass through; CPU tensors are there already: ready at
+    once. ``counts`` (kind -> bytes) records what crossed."""
+
+    def __init__(self, items, counts: dict):
+        self.event = None
+        self.host = []
+        for kind, x in items:
+            if isinstance(x, torch.Tensor):
+                if x.device.type == "cuda":
+                    h = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                    h.copy_(x, non_blocking=True)
+                    counts[kind] = counts.get(kind, 0) + x.numel() * x.element_size()
+                    x = h
+                    if self.event is None:
+                        self.event = torch.cuda.Event()
+                self.host.append(x)
+            else:
+                self.host.append(x)
+        if self.event is not None:
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def get(self, block: bool = False) -> list:
+        if self.event is not None and not self.event.query():
+            if not block:
+                raise RuntimeError("_Fetch.get before the copy completed")
+            self.event.synchronize()
+        return [x.numpy() if isinstance(x, torch.Tensor) else x for x in self.host]
+
+
+def _to_device(a: np.ndarray, device) -> torch.Tensor:
+    """A host index array on ``device`` without a host wait (pinned, non-blocking on CUDA)."""
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 # ---------------------------------------------------------------------------- checker
 @dataclass
 class _Pre:
@@ -169,11 +285,11 @@ class _Pre:
     req_id: object
     n: int  # request length at launch
     ids: np.ndarray  # live ids at launch, logical order
-    slots: np.ndarray  # their pre-move slots
-    dig: np.ndarray  # [len(ids), L] uint64
-    sample_idx: np.ndarray  # rows spot-checked with xxh3 (fingerprint method)
-    sample_dig: Optional[np.ndarray]
-    req_digest: int
+    slots: Optional[np.ndarray] = None  # their pre-move slots (host; filled when fetched)
+    dig: Optional[np.ndarray] = None  # [len(ids), L] uint64 (filled when fetched)
+    sample_idx: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # spot-checked rows
+    sample_dig: Optional[np.ndarray] = None  # their xxh3 digests (fingerprint method)
+    req_digest: Optional[int] = None
     evicted: set = field(default_factory=set)
     copy_checked: bool = False
     dst_blocks: tuple = ()  # the plan's destination blocks
@@ -191,8 +307,12 @@ class RelocationChecker:
         full_bytes: bring every byte to the host and xxh3 it, even on CUDA (audits).
         method: ``"xxh3"`` or ``"fingerprint"``; default: xxh3 on CPU (or with full_bytes),
             fingerprint on CUDA.
-        sample: tokens spot-checked with xxh3 per comparison under ``fingerprint``.
+        sample: tokens spot-checked with xxh3 per comparison under ``fingerprint`` (their
+            K/V bytes cross to the host; 0: only fingerprints and slots do).
         raise_on_failure: raise :class:`RelocationCheckError` (default) or only count.
+
+    Comparisons under ``fingerprint`` on CUDA complete asynchronously (module docstring):
+    ``passed`` / ``failed`` are final after :meth:`settle` with ``block=True``.
     """
 
     def __init__(self, kv, table, out_dir=None, full_bytes: bool = False,
@@ -208,6 +328,7 @@ class RelocationChecker:
         self.sample = int(sample)
         self.raise_on_failure = raise_on_failure
         self.S = table.S
+        self.device = kv.device
         self._pre: dict[int, _Pre] = {}
         self.passed = 0
         self.failed = 0
@@ -215,24 +336,55 @@ class RelocationChecker:
         self.events = 0  # relocation events seen (plans launched)
         self.guarded = 0  # slots guarded (hashed before and compared after a copy), in all
         self._dst_slots: dict[int, set] = {}  # plan id -> destination slots its copy writes (in flight)
+        self._queue: list = []  # (fetch, callback): comparisons waiting for their device digests
+        self.host_bytes: dict[str, int] = {}  # kind -> bytes copied device -> host (CUDA)
 
-    # ------------------------------------------------------------------ digests
-    def _digests(self, slots: np.ndarray) -> np.ndarray:
-        st = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+    # ------------------------------------------------------------------ deferred comparisons
+    def _later(self, items: list, fn) -> None:
+        """Run ``fn(*host arrays)`` once ``items`` ((kind, tensor | array) pairs) are on the
+        host: now if they are and nothing is queued before them (order is kept), else at
+        the next :meth:`settle` that finds them ready."""
+        f = _Fetch(items, self.host_bytes)
+        if not self._queue and f.ready():
+            fn(*f.get())
+        else:
+            self._queue.append((f, fn))
+
+    def settle(self, block: bool = False) -> None:
+        """Finish the queued comparisons whose digests reached the host, in issue order;
+        ``block``: wait for the rest too (a host wait: teardown and tests, never a step)."""
+        while self._queue:
+            f, fn = self._queue[0]
+            if not block and not f.ready():
+                return
+            self._queue.pop(0)
+            fn(*f.get(block=True))
+
+    @property
+    def pending(self) -> int:
+        """Comparisons issued whose digests have not reached the host yet."""
+        return len(self._queue)
+
+    def _dig_item(self, slots) -> tuple:
+        """What to fetch for the per-(token, layer) digests of ``slots`` (a device tensor or
+        host array): device fingerprints, or (xxh3) host digests, computed now."""
         if self.method == "xxh3":
-            return token_layer_digests(self.kv, st)
-        return _fp_digests(self.kv, st.to(self.kv.device))
+            s = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots, dtype=np.int64)
+            self.host_bytes["kv"] = self.host_bytes.get("kv", 0) + len(s) * self.kv.bytes_per_token
+            return ("digests", token_layer_digests(self.kv, torch.from_numpy(np.ascontiguousarray(s, dtype=np.int64))))
+        st = slots if isinstance(slots, torch.Tensor) else _to_device(slots, self.device)
+        return ("fingerprints", device_fingerprint(self.kv, st))
 
-    def _sample_digests(self, slots: np.ndarray) -> Optional[np.ndarray]:
-        if self.method == "xxh3" or len(slots) == 0:
-            return None
-        return token_layer_digests(self.kv, torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)))
+    @staticmethod
+    def _digests_of(x: np.ndarray) -> np.ndarray:
+        return x if x.dtype == np.uint64 else _fp_u64(x)
 
-    def _read_path(self, req_id) -> tuple[np.ndarray, np.ndarray]:
-        """(live ids, their slots from the device read path), logical order."""
-        ids = self.table.live_tokens(req_id)
-        slots = self.table.slot_mapping(req_id).cpu().numpy().copy()
-        return ids, slots
+    def _sample_item(self, slots_dev: torch.Tensor, idx: np.ndarray) -> tuple:
+        """The K/V bytes of ``slots_dev[idx]`` for the xxh3 spot check (fingerprint method)."""
+        if self.method == "xxh3" or not len(idx):
+            return ("kv_sample", np.zeros((0, self.kv.num_layers, 0), dtype=np.uint8))
+        sel = slots_dev.index_select(0, _to_device(idx, self.device))
+        return ("kv_sample", _token_layer_bytes(self.kv, sel))
 
     # ------------------------------------------------------------------ events
     def note_evicted(self, req_id, token_ids) -> None:
@@ -253,45 +405,56 @@ class RelocationChecker:
 
     def before_copy(self, plan) -> None:
         """At launch, before the copy is issued: hash through the pre-move slots."""
+        self.settle()
         self.events += 1
-        ids, slots = self._read_path(plan.req_id)
-        if len(ids) != len(slots):
-            self._fail(plan, "token_set_changed", f"read path has {len(slots)} slots for {len(ids)} live tokens",
+        ids = self.table.live_tokens(plan.req_id)
+        sm = self.table.slot_mapping(plan.req_id)  # the device read path
+        if len(ids) != sm.numel():
+            self._fail(plan, "token_set_changed", f"read path has {sm.numel()} slots for {len(ids)} live tokens",
                        token=None, layer=None)
             return
-        dig = self._digests(slots)
-        if self.method == "fingerprint" and len(ids):
+        sample_idx = np.empty(0, dtype=np.int64)
+        if self.method == "fingerprint" and len(ids) and self.sample > 0:
+            # at most `sample` tokens: up to half of them moved ones, the rest at random
             rng = np.random.default_rng(int(plan.id))
             k = min(self.sample, len(ids))
             moved_rows = np.searchsorted(ids, np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)[:, 0])
-            pool = np.unique(np.concatenate([rng.choice(len(ids), size=k, replace=False),
-                                             moved_rows[:max(1, k // 2)]]))
-            sample_idx = np.sort(pool)
-            sample_dig = self._sample_digests(slots[sample_idx])
-        else:
-            sample_idx, sample_dig = np.empty(0, dtype=np.int64), None
-        pre = _Pre(plan.id, plan.req_id, self.table.length(plan.req_id), ids, slots, dig,
-                   sample_idx, sample_dig, request_digest(ids, dig))
+            moved = np.unique(moved_rows[moved_rows < len(ids)])[:max(1, k // 2)]
+            rest = rng.permutation(np.setdiff1d(np.arange(len(ids)), moved))[:k - len(moved)]
+            sample_idx = np.sort(np.concatenate([moved, rest]).astype(np.int64))
+        pre = _Pre(plan.id, plan.req_id, self.table.length(plan.req_id), ids, sample_idx=sample_idx)
         self._guard_before(plan, pre)
         self._pre[plan.id] = pre
-        self._snapshot_digests(plan, pre)
+        g = pre.guard_slots
+        items = [("slots", sm.clone()), self._dig_item(sm), self._dig_item(g) if len(g) else ("digests", None),
+                 self._sample_item(sm, sample_idx)]
+
+        def done(slots, dig, gdig, sample_bytes):
+            pre.slots, pre.dig = np.asarray(slots).copy(), self._digests_of(dig)
+            pre.req_digest = request_digest(ids, pre.dig)
+            pre.guard_dig = self._digests_of(gdig) if gdig is not None else None
+            pre.sample_dig = _rows_xxh3(sample_bytes) if len(sample_idx) else None
+            self._snapshot_digests(plan, pre)
+
+        self._later(items, done)
 
     def after_copy(self, plan, status: str) -> None:
         """The copy engine reported a final status (before apply / abort)."""
         self._dst_slots.pop(plan.id, None)  # the copy is over: it writes nothing more
+        self.settle()
         p = self._pre.get(plan.id)
         if p is None:
             return
         if status == "failed":
             # aborted: the table is unchanged, the read path must give the launch hash
             del self._pre[plan.id]
-            if self._compare_read_path(plan, p, expect_dests=False):
-                self.passed += 1
+            self._check_read_path(plan, p, expect_dests=False)
             return
         m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
         p.copy_checked = True
+        guard = self._guard_item(plan, p)
         if len(m) == 0:
-            self._compare_guard(plan, p)
+            self._later([guard[1]], lambda gdig: self._compare_guard(plan, p, guard[0], gdig))
             return
         rows = np.searchsorted(p.ids, m[:, 0])
         known = (rows < len(p.ids))
@@ -301,22 +464,31 @@ class RelocationChecker:
             self._fail(plan, "token_set_changed", f"moved token {t} was not live at launch", token=t, layer=None)
             return
         dst = m[:, 3] * self.S + m[:, 4]
-        got = self._digests(dst)
-        self._snapshot_digests(plan, p, post=got)
-        # the moved tokens first (the copy's own output), then what it must not have touched
-        if self._compare_rows(plan, p, m[:, 0], rows, got, dst, what="copy") and self._compare_guard(plan, p):
-            self.passed += 1
+        dst_dev = _to_device(dst, self.device) if self.method == "fingerprint" else dst
+        js, ks = self._sample_pick(p, rows)
+        items = [self._dig_item(dst_dev), self._sample_item(dst_dev, js) if len(js) else ("kv_sample", None),
+                 guard[1]]
+
+        def done(got, sample_bytes, gdig):
+            got = self._digests_of(got)
+            self._snapshot_digests(plan, p, post=got)
+            # the moved tokens first (the copy's own output), then what it must not have touched
+            if self._compare_rows(plan, p, m[:, 0], rows, got, dst, "copy", js, ks, sample_bytes) and \
+                    self._compare_guard(plan, p, guard[0], gdig):
+                self.passed += 1
+
+        self._later(items, done)
 
     def after_apply(self, plan) -> None:
         """The plan was applied: hash again through the post-move read path."""
+        self.settle()
         p = self._pre.pop(plan.id, None)
         self._dst_slots.pop(plan.id, None)
         if p is None:
             return
         if not self._no_foreign_tokens(plan, p):
             return
-        if self._compare_read_path(plan, p, expect_dests=True):
-            self.passed += 1
+        self._check_read_path(plan, p, expect_dests=True)
 
     # ------------------------------------------------------------------ hash scope
     def _live_owners(self) -> dict:
@@ -330,8 +502,9 @@ class RelocationChecker:
         return owners
 
     def _guard_before(self, plan, p: _Pre) -> None:
-        """Record the slots the copy must not write and their bytes (see the module docstring);
-        fail when a live token of any request already sits in a destination block."""
+        """Record the slots the copy must not write (see the module docstring); their bytes are
+        hashed with the launch digests. Fail when a live token of any request already sits in
+        a destination block."""
         S = self.S
         m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
         dst = m[:, 3] * S + m[:, 4]
@@ -362,12 +535,13 @@ class RelocationChecker:
                 guard.setdefault(int(s), owners[s])
         p.guard_slots = np.fromiter(sorted(guard), dtype=np.int64, count=len(guard))
         p.guard_owner = [guard[int(s)] for s in p.guard_slots]
-        p.guard_dig = self._digests(p.guard_slots) if len(guard) else None
         self.guarded += len(guard)
 
-    def _compare_guard(self, plan, p: _Pre) -> bool:
-        if p.guard_dig is None:
-            return True
+    def _guard_item(self, plan, p: _Pre) -> tuple:
+        """When the copy reports done: which guarded slots still must hold their launch bytes
+        (decided now, on the host), and the fetch item of their digests."""
+        if not len(p.guard_slots):
+            return np.empty(0, dtype=np.int64), ("digests", None)
         owners = self._live_owners()
         others = set().union(*[w for pid, w in self._dst_slots.items() if pid != plan.id]) if self._dst_slots else set()
         blocks = set(p.dst_blocks)
@@ -380,10 +554,15 @@ class RelocationChecker:
                     keep.append(k)
             elif owners.get(s) == own:  # the same token still holds it
                 keep.append(k)
-        if not keep:
-            return True
         keep = np.asarray(keep, dtype=np.int64)
-        got = self._digests(p.guard_slots[keep])
+        if not len(keep):
+            return keep, ("digests", None)
+        return keep, self._dig_item(p.guard_slots[keep])
+
+    def _compare_guard(self, plan, p: _Pre, keep: np.ndarray, got) -> bool:
+        if p.guard_dig is None or not len(keep) or got is None:
+            return True
+        got = self._digests_of(got)
         bad = (got != p.guard_dig[keep]).any(axis=1)
         if not bad.any():
             return True
@@ -441,27 +620,47 @@ class RelocationChecker:
                 dg["post"] = [by_tok.get(t) for t in planned]
 
     # ------------------------------------------------------------------ comparisons
-    def _compare_read_path(self, plan, p: _Pre, expect_dests: bool) -> bool:
-        ids_all, slots_all = self._read_path(p.req_id)
-        if len(ids_all) != len(slots_all):
+    def _sample_pick(self, p: _Pre, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in ``rows``, positions in ``p.sample_idx``) of the spot-checked rows
+        that take part in a comparison over ``rows``."""
+        if not len(p.sample_idx):
+            e = np.empty(0, dtype=np.int64)
+            return e, e
+        pos = {int(r): j for j, r in enumerate(np.asarray(rows).tolist())}
+        pick = [(pos[int(r)], k) for k, r in enumerate(p.sample_idx.tolist()) if int(r) in pos]
+        return (np.array([a for a, _ in pick], dtype=np.int64), np.array([b for _, b in pick], dtype=np.int64))
+
+    def _check_read_path(self, plan, p: _Pre, expect_dests: bool) -> None:
+        """The request's read path against the launch hash: token ids now (host), slots and
+        bytes when their digests arrive; counts one pass."""
+        ids_all = self.table.live_tokens(p.req_id)
+        sm = self.table.slot_mapping(p.req_id)
+        if len(ids_all) != sm.numel():
             self._fail(plan, "token_set_changed",
-                       f"read path has {len(slots_all)} slots for {len(ids_all)} live tokens", token=None, layer=None)
-            return False
+                       f"read path has {sm.numel()} slots for {len(ids_all)} live tokens", token=None, layer=None)
+            return
         old = ids_all < p.n  # tokens synced after the launch are not part of the event
-        ids, slots = ids_all[old], slots_all[old]
+        ids = ids_all[old]
         expect = p.ids
-        if p.evicted:
-            expect = p.ids[~np.isin(p.ids, np.fromiter(p.evicted, dtype=np.int64, count=len(p.evicted)))]
+        evicted = set(p.evicted)
+        if evicted:
+            expect = p.ids[~np.isin(p.ids, np.fromiter(evicted, dtype=np.int64, count=len(evicted)))]
         if len(ids) != len(expect) or not np.array_equal(ids, expect):
             diff = _first_diff(ids, expect)
             self._fail(plan, "token_set_changed",
                        f"live ids through the read path differ from the launch set (less evictions): "
                        f"first difference at token {diff}", token=diff, layer=None)
-            return False
+            return
         rows = np.searchsorted(p.ids, ids)
-        if expect_dests:
-            m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
-            if len(m):
+        sel = sm if bool(old.all()) else sm.index_select(0, _to_device(np.flatnonzero(old), self.device))
+        js, ks = self._sample_pick(p, rows)
+        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
+        items = [("slots", sel.clone()), self._dig_item(sel),
+                 self._sample_item(sel, js) if len(js) else ("kv_sample", None)]
+
+        def done(slots, got, sample_bytes):
+            got = self._digests_of(got)
+            if expect_dests and len(m):
                 mv_pos = np.searchsorted(ids, m[:, 0])
                 ok = mv_pos < len(ids)
                 ok[ok] = ids[mv_pos[ok]] == m[ok, 0]  # moved tokens still live
@@ -474,14 +673,18 @@ class RelocationChecker:
                     self._fail(plan, "stale_slot",
                                f"token {t}: the read path gives slot {int(slots[mv_pos[i]])}, the move put it at "
                                f"{int(want[i])} (block {int(m[i, 3])} offset {int(m[i, 4])})", token=t, layer=None)
-                    return False
-        got = self._digests(slots)
-        want_req = p.req_digest if not p.evicted else request_digest(expect, p.dig[rows])
-        if request_digest(ids, got) == want_req and self.method == "xxh3":
-            return True  # the ordered hash agrees
-        return self._compare_rows(plan, p, ids, rows, got, slots, what="read path")
+                    return
+            want_req = p.req_digest if not evicted else request_digest(expect, p.dig[rows])
+            if self.method == "xxh3" and request_digest(ids, got) == want_req:
+                self.passed += 1  # the ordered hash agrees
+                return
+            if self._compare_rows(plan, p, ids, rows, got, slots, "read path", js, ks, sample_bytes):
+                self.passed += 1
 
-    def _compare_rows(self, plan, p: _Pre, toks, rows, got, slots, what: str) -> bool:
+        self._later(items, done)
+
+    def _compare_rows(self, plan, p: _Pre, toks, rows, got, slots, what: str, js=None, ks=None,
+                      sample_bytes=None) -> bool:
         want = p.dig[rows]
         bad = want != got  # [k, L]
         if bad.any():
@@ -492,23 +695,18 @@ class RelocationChecker:
                        f"{what}: token {t} layer {layer} K/V bytes at slot {int(slots[i])} differ from the launch "
                        f"hash (pre-move slot {int(p.slots[rows[i]])})", token=t, layer=layer)
             return False
-        if p.sample_dig is not None and len(p.sample_idx):
+        if p.sample_dig is not None and js is not None and len(js) and sample_bytes is not None:
             # xxh3 spot check of the sampled rows that take part in this comparison
-            pos = {int(r): j for j, r in enumerate(np.asarray(rows).tolist())}
-            pick = [(pos[int(r)], k) for k, r in enumerate(p.sample_idx.tolist()) if int(r) in pos]
-            if pick:
-                js = np.array([a for a, _ in pick])
-                ks = np.array([b for _, b in pick])
-                host = token_layer_digests(self.kv, torch.from_numpy(np.ascontiguousarray(slots[js], dtype=np.int64)))
-                badx = host != p.sample_dig[ks]
-                if badx.any():
-                    i = int(np.argmax(badx.any(axis=1)))
-                    layer = int(np.argmax(badx[i]))
-                    t = int(toks[js[i]])
-                    self._fail(plan, "relocation_mismatch",
-                               f"{what}: token {t} layer {layer}: xxh3 spot check differs (fingerprint agreed)",
-                               token=t, layer=layer)
-                    return False
+            host = _rows_xxh3(sample_bytes)
+            badx = host != p.sample_dig[ks]
+            if badx.any():
+                i = int(np.argmax(badx.any(axis=1)))
+                layer = int(np.argmax(badx[i]))
+                t = int(toks[js[i]])
+                self._fail(plan, "relocation_mismatch",
+                           f"{what}: token {t} layer {layer}: xxh3 spot check differs (fingerprint agreed)",
+                           token=t, layer=layer)
+                return False
         return True
 
     def _fail(self, plan, code: str, detail: str, token, layer) -> None:
@@ -585,7 +783,15 @@ class CheckedCopyEngine:
     def wait(self, handle) -> str:
         return self._seen(handle, self.inner.wait(handle))
 
-    def __getattr__(self, name):  # wait_before_attention, fail_next_copy, stats, ...
+    def wait_before_attention(self):
+        self.checker.settle()  # comparisons whose digests arrived (no host wait)
+        return self.inner.wait_before_attention()
+
+    def synchronize(self):
+        self.inner.synchronize()
+        self.checker.settle(block=True)
+
+    def __getattr__(self, name):  # fail_next_copy, stats, ...
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):

@@ -24,6 +24,15 @@ from vtoken.table import TokenTable
 S, NB, L = 4, 48, 3
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: these are many tiny ops on a shared box (threads only add overhead)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @contextlib.contextmanager
 def planted(name):
     """A planted patch fault of the catalogue, swapped into the live modules for a ``with`` block."""
@@ -365,3 +374,322 @@ def test_snapshot_digests_are_filled_and_checked():
             if any(v.invariant == "I1" and v.rule == "digest" for v in vs):
                 flagged += 1
     assert flagged == 2 * len(plans)
+
+
+# ---------------------------------------------------------------------------- the fingerprint's collision bound
+M32 = (1 << 32) - 1
+
+
+def _unmix32(y: int) -> int:
+    """The inverse of lowbias32, built from its steps (odd multipliers inverted mod 2**32)."""
+    def unxorshift(x, k):
+        out = x
+        for _ in range(32 // k + 1):
+            out = x ^ (out >> k)
+        return out & M32
+
+    y = unxorshift(y, 16)
+    y = (y * pow(0x846CA68B, -1, 1 << 32)) & M32
+    y = unxorshift(y, 15)
+    y = (y * pow(0x7FEB352D, -1, 1 << 32)) & M32
+    return unxorshift(y, 16)
+
+
+def test_mix_is_a_bijection_on_words():
+    """The property (1) of the bound rests on: mix(w) != mix(w') for w != w'."""
+    from vtoken.invariants.relocation_hash import _mix32
+
+    rng = np.random.default_rng(7)
+    w = np.concatenate([rng.integers(0, 1 << 32, size=20000, dtype=np.int64),
+                        np.array([0, 1, 2, 0x7FFFFFFF, 0x80000000, M32, 0xFFFF, 0x10000], dtype=np.int64)])
+    m = _mix32(torch.from_numpy(w)).numpy()
+    assert m.min() >= 0 and m.max() <= M32
+    assert all(_unmix32(int(y)) == int(x) for x, y in zip(w, m))  # a left inverse: injective
+
+
+def test_weights_are_odd_independent_and_fixed():
+    from vtoken.invariants.relocation_hash import _weights
+
+    for n in (1, 7, 96, 1000):
+        a1, a2 = _weights(n, "cpu")
+        assert a1.shape == a2.shape == (n,)
+        assert bool((a1 % 2 == 1).all()) and bool((a2 % 2 == 1).all())  # odd: invertible mod 2**32
+        assert int(a1.min()) >= 1 and int(a1.max()) < (1 << 31) and int(a2.max()) < (1 << 31)
+        if n > 1:
+            assert not torch.equal(a1, a2)
+    assert torch.equal(_weights(96, "cpu")[0], _weights(96, "cpu")[0])
+
+
+def _reference_fingerprint(kv, slot: int):
+    """The docstring's formula in Python integers, for one token: [L][2]."""
+    from vtoken.invariants.relocation_hash import _weights
+
+    out = []
+    for layer in range(kv.num_layers):
+        raw = kv.flat[layer, :, slot].contiguous().view(torch.uint8).flatten().numpy().tobytes()
+        raw += b"\0" * (-len(raw) % 4)
+        words = np.frombuffer(raw, dtype="<u4").astype(np.int64)
+        a1, a2 = _weights(len(words), "cpu")
+        mixed = [_mix_py(int(w)) for w in words]
+        out.append([sum(m * int(a) for m, a in zip(mixed, a1)) & M32, sum(m * int(a) for m, a in zip(mixed, a2)) & M32])
+    return out
+
+
+def _mix_py(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+@pytest.mark.parametrize("dtype,H,D", [(torch.float32, 2, 4), (torch.bfloat16, 2, 4), (torch.float16, 1, 3)])
+def test_fingerprint_is_the_documented_formula(dtype, H, D):
+    kv = KVCache(2, 6, 2, H, D, dtype=dtype)
+    kv.kv.copy_(torch.randn(kv.kv.shape, generator=torch.Generator().manual_seed(3)).to(dtype))
+    fp = device_fingerprint(kv, torch.tensor([0, 3, 7]))
+    for i, s in enumerate([0, 3, 7]):
+        assert fp[i].tolist() == _reference_fingerprint(kv, s)
+
+
+def test_any_change_inside_one_word_is_always_detected():
+    """Bound (1): d * a != 0 mod 2**32 for odd a -- every replacement of one word, including
+    the one whose mixed value moves by exactly 2**31 (the largest 2-adic valuation)."""
+    from vtoken.invariants.relocation_hash import _mix32
+
+    kv = cache(11)
+    s = torch.tensor([13])
+    base = device_fingerprint(kv, s)
+    per_kv = kv.flat[0, 0, 13].numel()  # words of K (fp32: one word per element), then V's
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        layer, j = int(rng.integers(L)), int(rng.integers(2 * per_kv))
+        words = kv.flat[layer, j // per_kv, 13].view(-1).view(torch.int32)  # contiguous: a view
+        old = int(words[j % per_kv])
+        if trial % 3 == 0:  # the worst case: mix(new) = mix(old) + 2**31
+            m = int(_mix32(torch.tensor([old & M32]))[0])
+            new = _unmix32((m + (1 << 31)) & M32)
+        else:
+            new = int(rng.integers(0, 1 << 32))
+            if new == old & M32:
+                continue
+        words[j % per_kv] = new - (1 << 32) if new >= 1 << 31 else new
+        fp = device_fingerprint(kv, s)
+        assert bool((fp[0, layer] != base[0, layer]).all()), (trial, layer, j)  # both sums changed
+        words[j % per_kv] = old
+    assert torch.equal(device_fingerprint(kv, s), base)
+
+
+def test_documented_blind_spot_two_words_built_from_the_weights():
+    """Bound (3), stated honestly: two words whose mixed values both move by 2**31 cancel in
+    both sums (a_j + a_k is even). The fingerprint is no MAC; xxh3 still sees the change."""
+    from vtoken.invariants.relocation_hash import _mix32
+
+    kv = cache(12)
+    s = torch.tensor([21])
+    base_fp, base_x = device_fingerprint(kv, s), token_layer_digests(kv, s)
+    words = kv.flat[1, 0, 21].view(-1).view(torch.int32)  # layer 1's K words (a view)
+    for j in (0, 5):
+        m = int(_mix32(torch.tensor([int(words[j]) & M32]))[0])
+        new = _unmix32((m + (1 << 31)) & M32)
+        words[j] = new - (1 << 32) if new >= 1 << 31 else new
+    assert torch.equal(device_fingerprint(kv, s), base_fp)
+    assert token_layer_digests(kv, s)[0, 1] != base_x[0, 1]
+
+
+def test_multi_word_bound_at_an_observable_valuation():
+    """Bound (2) over the weights' draw, where it is large enough to measure: differences
+    d_j = 2**26 * odd (v = 26) give Pr[one sum unchanged] <= 2**(26 - 31) = 1/32 and
+    Pr[both] <= 1/1024. The summation is the shipped one (_weighted_sums), the weights
+    drawn as the shipped ones are (odd, 2x+1 with x uniform in [0, 2**30))."""
+    from vtoken.invariants.relocation_hash import _weighted_sums
+
+    rng = np.random.default_rng(9)
+    trials, W = 40000, 6
+    d = (rng.integers(0, 1 << 5, size=W, dtype=np.int64) * 2 + 1) << 26  # v = 26 in every word
+    d[2:] = 0  # a change touching 2 of the 6 words (an even count: the sum of the odd terms can vanish)
+    a = (rng.integers(0, 1 << 30, size=(trials, 2, W), dtype=np.int64) << 1) | 1
+    base = rng.integers(0, 1 << 32, size=W, dtype=np.int64)
+    v0 = torch.from_numpy(np.broadcast_to(base, (trials, W)).copy())
+    v1 = torch.from_numpy(np.broadcast_to((base + d) & M32, (trials, W)).copy())
+    a1, a2 = torch.from_numpy(a[:, 0]), torch.from_numpy(a[:, 1])
+    same = (_weighted_sums(v0, a1, a2) == _weighted_sums(v1, a1, a2)).numpy()
+    one, both = same[:, 0].mean(), same.all(axis=1).mean()
+    assert one <= (1 / 32) * 1.25, one  # the bound holds ...
+    assert one >= (1 / 32) * 0.75, one  # ... and is tight here (not a vacuous check)
+    assert both <= (1 / 1024) * 2, both
+
+
+# ---------------------------------------------------------------------------- the 384-flip sweep
+SWEEP_L, SWEEP_H, SWEEP_D = 3, 2, 32  # 3 layers x (K, V) x 2 heads x 32 dims = 384 positions
+
+
+class FlipAtEngine(KVCopyEngine):
+    """Copies, then flips one bit of one moved token's destination entry at (layer, k/v, head,
+    dim) -- the sweep's fault, a test-only subclass."""
+
+    where = (0, 0, 0, 0, 0)  # layer, kv, head, dim, bit
+    move = 0
+
+    def _copy(self, src_t, dst_t):
+        super()._copy(src_t, dst_t)
+        layer, kvi, h, d, bit = self.where
+        e = self.kv.flat[layer, kvi, int(dst_t[self.move]), h, d:d + 1]
+        bits = e.view(torch.int16 if e.element_size() == 2 else torch.int32)
+        bits ^= torch.tensor(1 << bit if bit < 8 * e.element_size() - 1 else -(1 << bit), dtype=bits.dtype)
+
+
+def flip_sweep(dtype, method) -> dict:
+    """Every (layer, K/V, head, dim) of a moved token flipped (one bit each, the bit cycling
+    through every position of the element, the moved token cycling through the plan), one
+    relocation each, checked by a fresh checker: how many it catches at the copy check,
+    naming the right token and layer. A clean copy of the same plan must pass (control)."""
+    kv = KVCache(SWEEP_L, 32, 4, SWEEP_H, SWEEP_D, dtype=dtype)
+    kv.kv.copy_(torch.randn(kv.kv.shape, generator=torch.Generator().manual_seed(17)).to(dtype))
+    t, a = TokenTable(4, 32), BlockAllocator(32)
+    t.sync_new_tokens("r", a.allocate(5), 20)
+    t.evict_tokens("r", [0, 1, 5, 6, 9, 10, 11, 14])
+    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=4, record_snapshots=False)
+    base = kv.kv.clone()
+    (plan,) = ReclamationManager(t, a, KVCopyEngine(kv, 4), cfg).plan_round()  # a real plan (its copy is redone)
+    n_moves = len(plan.moves)
+    assert n_moves >= 4
+
+    def relocate(eng):
+        kv.kv.copy_(base)
+        chk = RelocationChecker(kv, t, method=method, sample=0)
+        chk.before_copy(plan)
+        chk.after_copy(plan, eng.poll(eng.launch(plan)))
+        return chk
+
+    assert relocate(KVCopyEngine(kv, 4)).passed == 1  # control
+    eng = FlipAtEngine(kv, 4)
+    bits = 8 * kv.kv.element_size()
+    caught, wrong, total = 0, [], 0
+    for layer in range(SWEEP_L):
+        for kvi in range(2):
+            for h in range(SWEEP_H):
+                for d in range(SWEEP_D):
+                    eng.where = (layer, kvi, h, d, total % bits)
+                    eng.move = total % n_moves
+                    total += 1
+                    try:
+                        relocate(eng)
+                        wrong.append((layer, kvi, h, d, "missed"))
+                    except RelocationCheckError as e:
+                        tok = int(plan.moves[eng.move, 0])
+                        if e.code == "relocation_mismatch" and f"token {tok} layer {layer} " in str(e):
+                            caught += 1
+                        else:
+                            wrong.append((layer, kvi, h, d, str(e)[:120]))
+    return {"total": total, "caught": caught, "wrong": wrong[:3]}
+
+
+@pytest.mark.parametrize("method", ["xxh3", "fingerprint"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_384_flip_sweep(dtype, method):
+    r = flip_sweep(dtype, method)
+    assert r["total"] == 384
+    assert r["caught"] == 384, r
+
+
+# ---------------------------------------------------------------------------- what crosses to the host, and when
+class HostSpy:
+    """Records the dtype and shape of every tensor turned into host data (numpy, Python
+    numbers, lists, ``.cpu()``) while active. On the CPU this is what 'moved to the host'
+    means: K/V are float, their raw bytes uint8; slots, ids and fingerprints are int64."""
+
+    NAMES = ("numpy", "cpu", "tolist", "item", "__array__")
+
+    def __init__(self, monkeypatch):
+        self.seen = []
+        self.on = False
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def spy(t, *a, _orig=orig, **kw):
+                if self.on:
+                    self.seen.append((t.dtype, tuple(t.shape)))
+                return _orig(t, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)
+
+    def kv_like(self):
+        return [x for x in self.seen if x[0] not in (torch.int64, torch.bool, torch.int32)]
+
+
+def _spied_steps(rig, spy, n=4):
+    spy.on = True
+    try:
+        for _ in range(n):
+            rig.mgr.step()
+    finally:
+        spy.on = False
+
+
+def test_fingerprint_check_moves_no_kv_to_the_host(monkeypatch):
+    spy = HostSpy(monkeypatch)
+    rig = Rig(method="fingerprint")
+    rig.chk.sample = 0
+    _spied_steps(rig, spy)
+    assert rig.chk.passed >= 2 and rig.chk.failed == 0
+    assert spy.seen, "the spy saw nothing: it is not wired"
+    assert spy.kv_like() == [], spy.kv_like()  # only int64: slots, ids, fingerprints
+
+
+def test_fingerprint_spot_check_moves_at_most_sample_tokens(monkeypatch):
+    spy = HostSpy(monkeypatch)
+    rig = Rig(method="fingerprint")
+    rig.chk.sample = 4
+    _spied_steps(rig, spy)
+    assert rig.chk.passed >= 2 and rig.chk.failed == 0
+    kv = spy.kv_like()
+    assert kv and all(dt == torch.uint8 and shape[0] <= 4 for dt, shape in kv), kv
+
+
+def test_xxh3_check_does_move_kv_bytes(monkeypatch):
+    """The control: the host-digest method brings every hashed token's bytes over."""
+    spy = HostSpy(monkeypatch)
+    rig = Rig(method="xxh3")
+    _spied_steps(rig, spy)
+    assert any(dt == torch.uint8 and shape[0] > 4 for dt, shape in spy.kv_like())
+
+
+def test_comparisons_wait_for_their_digests_and_compare_what_was_hashed_then(monkeypatch):
+    """The fingerprint path's deferral, forced on the CPU: every digest 'still in flight'.
+    The hooks never block; nothing is decided until settle(); settle compares the digests
+    taken when the hooks ran (bytes written afterwards do not matter), in issue order."""
+    from vtoken.invariants import relocation_hash as rh
+
+    monkeypatch.setattr(rh._Fetch, "ready", lambda self: False)
+    rig = Rig(method="fingerprint")
+    plans = rig.mgr.step()
+    rig.mgr.step()
+    assert plans and rig.chk.passed == 0 and rig.chk.pending >= 3 * len(plans)
+    rig.kv.kv.normal_()  # everything overwritten after the hooks: irrelevant to their digests
+    rig.chk.settle(block=True)
+    assert rig.chk.pending == 0 and rig.chk.failed == 0 and rig.chk.passed == 2 * len(plans)
+    # a corrupted copy is caught at settle, not before
+    rig = Rig(method="fingerprint", engine=faulty_engine("copy_flip_byte"))
+    rig.mgr.step()
+    rig.mgr.step()
+    assert rig.chk.failed == 0
+    with pytest.raises(RelocationCheckError) as ei:
+        rig.chk.settle(block=True)
+    assert ei.value.code == "relocation_mismatch"
+
+
+def test_checked_engine_settles_at_wait_and_synchronize(monkeypatch):
+    from vtoken.invariants import relocation_hash as rh
+
+    rig = Rig(method="fingerprint", engine=faulty_engine("copy_flip_byte"))
+    flag = {"ready": False}
+    monkeypatch.setattr(rh._Fetch, "ready", lambda self: flag["ready"])
+    wrapped = rig.mgr.engine
+    rig.mgr.step()
+    rig.mgr.step()
+    wrapped.wait_before_attention()  # not ready: nothing decided, nothing raised
+    assert rig.chk.pending and rig.chk.failed == 0
+    flag["ready"] = True
+    with pytest.raises(RelocationCheckError):
+        wrapped.wait_before_attention()  # ready now: the failure surfaces before the next attention

@@ -569,6 +569,8 @@ class DecodeEngine:
         if self.mode != "native" and self.evict_ratio > 0:
             for r in active:
                 self._evict(r)
+        if self.checker is not None:
+            self.checker.settle()  # finished comparisons raise here (never a host wait)
         if self.copy_engine is not None:
             waited = self.copy_engine.wait_before_attention()
             for p in self._watched():
@@ -743,6 +745,8 @@ class DecodeEngine:
             self.step()
         if self.copy_engine is not None:
             self.copy_engine.synchronize()
+        if self.checker is not None:
+            self.checker.settle(block=True)  # comparisons still waiting for device digests
         wall = time.perf_counter() - t0
         dec = time.perf_counter() - t_pre
         outs = [self._reqs[i].out for i in range(len(prompts))]
