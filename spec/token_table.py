@@ -31,8 +31,15 @@ def _is_int(x) -> bool:
 
 
 def _is_list(xs) -> bool:
-    """An iterable that can hold ids: not a string or bytes, not a 0-d or n-d array."""
-    return not isinstance(xs, (str, bytes, bytearray, memoryview)) and getattr(xs, "ndim", 1) == 1
+    """An iterable that can hold ids: not a string or bytes, not a 0-d or n-d array, not an
+    array of a non-integer dtype (even an empty one)."""
+    return (not isinstance(xs, (str, bytes, bytearray, memoryview)) and getattr(xs, "ndim", 1) == 1
+            and _int_dtype(xs))
+
+
+def _int_dtype(xs) -> bool:
+    """No dtype, or a numpy integer / object dtype."""
+    return getattr(getattr(xs, "dtype", None), "kind", "O") in "iuO"
 
 
 def _ints(xs, code="not_integer") -> list:
@@ -168,7 +175,8 @@ class SpecTokenTable:
         S = self.S
         occupied = {(t["block"], t["offset"]) for t in toks if t["live"]}
         seen_tok, seen_dst = set(), set()
-        if isinstance(moves, (str, bytes, bytearray, memoryview)) or getattr(moves, "ndim", 2) == 0:
+        if isinstance(moves, (str, bytes, bytearray, memoryview)) or getattr(moves, "ndim", 2) == 0 \
+                or not _int_dtype(moves):
             raise SpecError("bad_move", "moves is not a list of moves")
         try:
             moves = list(moves)

@@ -76,7 +76,7 @@ from .errors import TableError
 NULL_BLOCK = 0
 MAX_BLOCK_SIZE = 4096  # = vtoken.snapshot.MAX_BLOCK_SIZE
 MAX_BLOCKS = 2 ** 31  # = vtoken.snapshot.MAX_BLOCKS (vLLM keeps block ids in int32)
-MAX_SLOTS = 2 ** 32  # num_blocks * block_size: 48 GiB of per-slot host arrays at the limit
+MAX_SLOTS = 2 ** 30  # num_blocks * block_size: 12 GiB of per-slot host arrays at the limit
 
 _I64_MIN, _I64_MAX = -(2 ** 63), 2 ** 63 - 1
 _NOT_A_LIST = (str, bytes, bytearray, memoryview)  # iterable, but of characters / bytes, not ids
@@ -174,6 +174,8 @@ def _moves_array(moves, what: str = "moves") -> np.ndarray:
     not a list / tuple / 1-D array of five integers, or any non-integer entry. O(moves)."""
     moves = _to_numpy(moves)
     if isinstance(moves, np.ndarray):
+        if moves.dtype.kind not in "iuO":  # even an empty float array is not a list of moves
+            raise TableError("bad_move", f"{what} must be integers, got an array of dtype {moves.dtype}")
         if moves.ndim and len(moves) == 0:
             return np.empty((0, 5), dtype=np.int64)
         if moves.ndim and moves.dtype.kind == "O":  # rows of Python objects: checked as a list
