@@ -1,6 +1,9 @@
 """The CUDA path: relocation stream, events and the device-side wait (I3), CUDA graph replay
 with the slot buffer updated in place, the ordering faults caught by the sentinel test,
-and a decode on the device that equals Naive-Evict's. Needs a CUDA device."""
+and a decode on the device that equals Naive-Evict's; the engine's graph path (StepGraph)
+against the eager path token for token, its replay ordering probed with the catalogue's
+graph_replay_on_capture_stream, the decode loop and the fingerprint checks under
+``torch.cuda.set_sync_debug_mode("error")``. Needs a CUDA device."""
 
 from __future__ import annotations
 
@@ -166,7 +169,7 @@ def test_fingerprint_same_on_cuda_and_cpu():
     assert np.array_equal(token_layer_digests(kv, s), token_layer_digests(cpu, s))
 
 
-def _engine_run(mode, policy="random", **kw):
+def _engine_run(mode, policy="random", cls=None, new_tokens=32, **kw):
     from vtoken.engine import DecodeEngine
     from vtoken.model import PagedDecoder
     from vtoken.decode_cli import make_prompts
@@ -175,9 +178,9 @@ def _engine_run(mode, policy="random", **kw):
     model = PagedDecoder()
     prompts = make_prompts(4, 32, model.config.vocab_size, seed=1)
     cfg = PlannerConfig(theta_f=0.1, check_every=1, max_sources=8, headroom=8)
-    eng = DecodeEngine(model, mode=mode, policy=policy, evict_ratio=0.5, block_size=4, device="cuda",
-                       planner_config=cfg, **kw)
-    return eng, eng.run(prompts, 32)
+    eng = (cls or DecodeEngine)(model, mode=mode, policy=policy, evict_ratio=0.5, block_size=4, device="cuda",
+                                planner_config=cfg, **kw)
+    return eng, eng.run(prompts, new_tokens)
 
 
 def test_engine_on_cuda_equals_naive_with_checks():
@@ -224,3 +227,139 @@ def test_engine_single_ordering_fault_is_masked_by_the_other_guard(fault):
     _, res = _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000},
                          sentinel_check=True, check_relocations=True, copy_engine_factory=factory(fault))
     assert res.outputs == ref.outputs and res.hash_failures == 0
+
+
+# ---------------------------------------------------------------------------- the engine's graph path
+def graph_probe(patches=()) -> dict:
+    """I3 through a StepGraph: a captured gather over the slot buffer, then a sentinel copy on
+    a late relocation stream, the slot buffer pointed at its destinations (landed), the
+    device-side wait, and a replay. ``patches``: a planted fault swapped in for the replay."""
+    from vtoken.engine import StepGraph
+    from vtoken.fuzz.patches import planted
+
+    kv = cuda_cache()
+    n = 32
+    plan, src, dst = probe_plan(n=n)
+    want = kv.flat.index_select(2, src).clone()
+    gs = StepGraph(1, n, "cuda", lambda g: (kv.flat.index_select(2, g.read_slots[0]), None))
+    gs.read_slots[0].copy_(src)
+    first = gs.run()[0]  # warm-up, capture, replay
+    torch.cuda.synchronize()
+    assert gs.captures == 1 and torch.equal(first, want)
+    eng = KVCopyEngine(kv, 16, sentinel=True, sleep_cycles=SLEEP)
+    with planted(list(patches)):
+        eng.launch(plan)
+        gs.read_slots[0].copy_(dst)  # the host-side hook: the slot buffer, in place
+        torch.cuda.current_stream().synchronize()  # the update has landed; the relocation stream still sleeps
+        eng.wait_before_attention()
+        out = gs.run()[0]
+        torch.cuda.synchronize()
+    return {"sentinel_seen": bool((out == eng.sentinel_value).any()), "bytes_equal": bool(torch.equal(out, want))}
+
+
+def test_graph_probe_clean():
+    r = graph_probe()
+    assert not r["sentinel_seen"] and r["bytes_equal"], r
+
+
+def test_graph_replay_on_capture_stream_caught_by_the_probe():
+    from vtoken.fuzz.catalogue import BY_NAME
+
+    r = graph_probe(BY_NAME["graph_replay_on_capture_stream"].patches)
+    assert r["sentinel_seen"] and not r["bytes_equal"], r
+
+
+def test_graph_replay_equals_eager_with_relocations():
+    _, eager = _engine_run("vtoken", cuda_graph=False, check_relocations=True)
+    eng, g = _engine_run("vtoken", cuda_graph=True, check_relocations=True)
+    assert g.cuda_graph and g.graph_captures >= 1 and g.graph_replays == g.steps
+    assert g.relocations > 0 and g.hash_failures == 0 and g.hash_checks == 2 * g.relocations + g.plans_aborted
+    assert g.outputs == eager.outputs, "graph replay tokens differ from the eager path's"
+    _, naive = _engine_run("naive-evict", cuda_graph=True)
+    assert naive.outputs == g.outputs
+    # sentinel mode, a late relocation stream, every replay's slot buffer checked
+    _, s = _engine_run("vtoken", cuda_graph=True, copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000},
+                       sentinel_check=True, check_relocations=True)
+    assert s.outputs == eager.outputs and s.hash_failures == 0
+
+
+def test_append_only_slot_buffer_caught_on_cuda():
+    from vtoken.errors import RelocationCheckError
+    from vtoken.fuzz.faulty_engines import DECODE_ENGINES
+
+    with pytest.raises(RelocationCheckError) as ei:
+        _engine_run("vtoken", cls=DECODE_ENGINES["graph_slot_buffer_append_only"], cuda_graph=True,
+                    copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000}, sentinel_check=True)
+    assert ei.value.code == "i3_sentinel"
+
+
+def _sync_debug(fn):
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_graph_decode_loop_has_no_hidden_host_sync():
+    """Relocations on, the decode steps under set_sync_debug_mode("error"): the only host wait
+    is the step's event for the sampled tokens (StepGraph.fetch)."""
+    from vtoken.decode_cli import make_prompts
+    from vtoken.engine import DecodeEngine, full_retention_blocks
+    from vtoken.model import PagedDecoder
+    from vtoken.planner import PlannerConfig
+
+    model = PagedDecoder()
+    prompts = make_prompts(4, 32, model.config.vocab_size, seed=2)
+    cfg = PlannerConfig(theta_f=0.1, check_every=1, max_sources=8, headroom=8)
+    eng = DecodeEngine(model, mode="vtoken", policy="h2o", evict_ratio=0.5, block_size=4, device="cuda",
+                       planner_config=cfg)
+    eng.setup(full_retention_blocks([32] * 4, 40, 4, 8) + 2)
+    for i, p in enumerate(prompts):
+        eng.admit(i, p, 40)  # prefill is not the decode loop
+    eng.step()  # the first step captures the graph of this batch shape (once; torch.cuda.graph syncs)
+
+    def loop():
+        while eng.active:
+            eng.step()
+
+    _sync_debug(loop)
+    eng.copy_engine.synchronize()
+    assert eng.manager.stats["applied"] > 0 and eng.graph_replays > 0
+
+
+def _cuda_rig(method, sample=0):
+    from vtoken.allocator import BlockAllocator
+    from vtoken.invariants.relocation_hash import RelocationChecker
+    from vtoken.planner import PlannerConfig, ReclamationManager
+    from vtoken.table import TokenTable
+
+    kv = cuda_cache(nb=48, S=4, L=3, H=2, D=8)
+    t, a = TokenTable(4, 48, device="cuda"), BlockAllocator(48)
+    chk = RelocationChecker(kv, t, method=method, sample=sample)
+    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=6, record_snapshots=True)
+    mgr = ReclamationManager(t, a, chk.wrap(KVCopyEngine(kv, 4)), cfg, on_applied=chk.after_apply)
+    rng = np.random.default_rng(0)
+    for r in range(2):
+        t.sync_new_tokens(r, a.allocate(8), 30)
+        t.evict_tokens(r, np.sort(rng.choice(29, size=17, replace=False)))
+    t.flush()
+    return kv, chk, mgr
+
+
+def test_fingerprint_checks_never_wait_on_the_host():
+    kv, chk, mgr = _cuda_rig("fingerprint", sample=0)
+
+    def steps():
+        for _ in range(4):
+            mgr.step()
+
+    _sync_debug(steps)
+    chk.settle(block=True)
+    assert chk.failed == 0 and chk.passed >= 2
+    assert set(chk.host_bytes) <= {"slots", "fingerprints"}, chk.host_bytes  # never the K/V
+    # control: host digests (xxh3) do wait, and the debug mode says so
+    kv, chk, mgr = _cuda_rig("xxh3")
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _sync_debug(steps)

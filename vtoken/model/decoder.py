@@ -303,7 +303,10 @@ class PagedDecoder(nn.Module):
         table (it grows by re-allocation) nor copy from pageable host memory.
         """
         self.rope.ensure(n)
-        return self.rope.cos[:n].to(device), self.rope.sin[:n].to(device)
+        cos, sin = self.rope.cos[:n], self.rope.sin[:n]
+        if torch.device(device).type == "cuda":  # pinned and non-blocking: no host wait
+            return cos.pin_memory().to(device, non_blocking=True), sin.pin_memory().to(device, non_blocking=True)
+        return cos.clone(), sin.clone()
 
     def _attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
