@@ -355,6 +355,64 @@ class TableMachine(RuleBasedStateMachine):
         else:
             raise AssertionError(f"freeing block {b} {times} time(s) with {before['ref'].get(b, 0)} reference(s) was accepted")
 
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data(), op=st.sampled_from(["sync", "evict", "evict_one", "moves", "release", "location"]),
+          junk=st.sampled_from([3.0, 2.5, True, False, "37", b"\x03", None, [1], (), float("nan"), 2 ** 70, -(2 ** 70)]))
+    def bad_input(self, data, op, junk):
+        """A value of the wrong type (or beyond int64) where an id or a list of ids belongs:
+        both refuse with the same code (``not_integer`` / ``bad_move`` / a range code) and
+        neither changes. The junk replaces one entry or the whole argument."""
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        r = self.spec.export_state()["requests"][rid]
+        whole = data.draw(st.booleans(), label="whole_argument")
+        if op == "sync":
+            n = r["length"]
+            bl = list(self.pos[rid]) + [0]
+            j = n // self.S
+            if whole:  # never a list: a list of integers is a real block list, not junk
+                args = (rid, "37" if isinstance(junk, (list, tuple)) else junk, n + 1)
+            else:
+                bl[min(j, len(bl) - 1)] = junk
+                args = (rid, bl, data.draw(st.sampled_from([n + 1, n + 2, n + 1.0]), label="total"))
+            impl_call, spec_call = self.impl.sync_new_tokens, self.spec.sync_new_tokens
+        elif op in ("evict", "evict_one", "location"):
+            ids = junk if whole else [t for t in r["live"][:1]] + [junk]
+            if op == "evict":
+                args, impl_call, spec_call = (rid, ids), self.impl.evict_tokens, self.spec.evict_tokens
+            elif op == "evict_one":
+                args, impl_call, spec_call = (rid, junk), self.impl.evict_token, self.spec.evict_token
+            else:
+                args, impl_call, spec_call = (rid, junk), self.impl.location, self.spec.location
+        elif op == "moves":
+            moves, fresh = self._valid_moves(rid, data)
+            if moves is None:
+                return
+            self.alloc.free(fresh)
+            if whole:
+                moves = junk
+            else:
+                i = data.draw(st.integers(0, len(moves) - 1), label="row")
+                c = data.draw(st.integers(0, 4), label="col")
+                row = list(moves[i])
+                row[c] = junk
+                moves[i] = tuple(row)
+            args, impl_call, spec_call = (rid, moves), self.impl.apply_moves, self.spec.apply_moves
+        else:
+            args = (rid, junk if whole else list(r["blocks"][:1]) + [junk])
+            impl_call, spec_call = self.impl.release_empty_blocks, self.spec.release_empty_blocks
+        before = self.impl.export_state(), self.spec.export_state()
+        TableMachine.ops += 1
+        a, b, err = both(lambda: impl_call(*args), lambda: spec_call(*args))
+        if err is None:  # () is an empty list, [1] a list of integers: a real call, on both
+            assert op != "sync", f"sync_new_tokens{args!r} accepted a bad input"
+            event(f"bad_input accepted: {op}")
+            if op == "release":
+                assert a == b
+                self._free_blocks(rid, a)
+            return
+        event(f"bad input refused: {err}")
+        self._check_unchanged(*before)
+
     @rule()
     def unknown_request(self):
         before = self.impl.export_state(), self.spec.export_state()
