@@ -139,3 +139,18 @@ def test_one_token_sync_after_a_long_sync_has_room():
     t.sync_new_tokens("x", list(range(1, 14)), 200)
     t.sync_new_tokens("x", list(range(1, 14)), 201)
     assert t.slot_mapping("x").tolist() == [16 + p for p in range(201)]
+
+
+def test_read_api_for_per_step_callers():
+    """The unsorted, O(1) / O(blocks) queries a scheduler step uses (no sort per call)."""
+    t = make()
+    t.sync_new_tokens("c", [1, 6], 5)  # shares block 1 with "a"
+    t.evict_tokens("a", [4, 5])  # block 2 now holds no live token
+    assert sorted(t.block_array("a").tolist()) == t.blocks_of("a") == [1, 2]
+    assert t.num_blocks_of("a") == 2 and t.references("a", 2) and not t.references("a", 6)
+    assert t.tail_block("a") == 2 and t.tail_block("c") == 6
+    assert t.releasable_blocks("a").tolist() == [2]  # block 1 is shared, block 2 empty and private
+    ids, slots = t.live_slots("a")
+    assert ids.tolist() == [0, 1, 2, 3] and slots.tolist() == [4, 5, 6, 7]
+    assert t.are_live("a", np.array([5, 0])).tolist() == [False, True]
+    assert t.release_empty_blocks("a", t.releasable_blocks("a")) == [2]

@@ -498,7 +498,8 @@ class _Driver:
         st_ = sp.export_state()["requests"][rid]
         return {
             "length": len(toks), "num_live": len(st_["live"]), "blocks_of": st_["blocks"],
-            "block_array": st_["blocks"], "num_blocks_of": len(st_["blocks"]), "live_mask": [t["live"] for t in toks],
+            "block_array": st_["blocks"], "num_blocks_of": len(st_["blocks"]),
+            "releasable_blocks": [b for b in st_["blocks"] if sp.refs(b) == 1 and sp.block_live_count(b) == 0], "live_mask": [t["live"] for t in toks],
             "slots": [t["block"] * S + t["offset"] for t in toks],
             "tail_block": toks[-1]["block"] if toks else None,
             "live_slots": (st_["live"], [toks[i]["block"] * S + toks[i]["offset"] for i in st_["live"]]),
@@ -542,7 +543,7 @@ class _Driver:
             out = tuple(x.tolist() for x in out)
         elif op == "slot_mapping":
             out = out.tolist()
-        elif op == "block_array":
+        elif op in ("block_array", "releasable_blocks"):
             out = sorted(out.tolist())
         elif op == "waste_ratio":
             out, sout = round(out, 9), round(sout, 9)
@@ -568,7 +569,7 @@ class _Driver:
 OPS = ["sync_new_tokens"] * 4 + ["evict_tokens"] * 3 + ["apply_moves"] * 3 + [
     "evict_token", "release_empty_blocks", "release_empty_blocks", "free_request", "location", "are_live",
     "references", "block_refs", "block_live_count", "length", "num_live", "live_tokens", "live_mask", "slots",
-    "blocks_of", "block_array", "num_blocks_of", "tail_block", "live_slots", "read_view", "slot_mapping",
+    "blocks_of", "block_array", "releasable_blocks", "num_blocks_of", "tail_block", "live_slots", "read_view", "slot_mapping",
     "__contains__", "flush", "waste_ratio"]
 SPEC_SAME = {"sync_new_tokens", "evict_tokens", "evict_token", "apply_moves", "release_empty_blocks", "free_request",
              "location", "block_live_count", "live_tokens", "slot_mapping"}

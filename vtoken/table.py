@@ -38,6 +38,11 @@ gives the live slots in logical order (Eq. 2), cached: appended on ordinary grow
 recomputed on the device only after a structural change (eviction or move). Neither is
 ever stale: every mutation updates or invalidates them before returning.
 
+The host never waits for the device on this path: sizes and indices come from the host's
+own arrays (a recompute gathers the live ids the host lists, never a boolean mask), and
+uploads are pinned and ``non_blocking`` on CUDA. ``tests/test_read_path_no_sync.py``
+checks it (no data-dependent op is dispatched; the same work runs on the ``meta`` device).
+
 Errors
 ------
 Bad input raises :class:`~vtoken.errors.TableError` with a ``code`` from
@@ -364,8 +369,11 @@ class TokenTable:
             raise TableError("bad_request_id", f"request id {_show(req_id)} is not hashable") from None
 
     def _req(self, req_id) -> _Req:
-        """Checks: ``bad_request_id``, ``unknown_request``."""
-        r = self._get(req_id)
+        """Checks: ``bad_request_id``, ``unknown_request``. (``_get`` inlined: every call pays it.)"""
+        try:
+            r = self._reqs.get(req_id)
+        except TypeError:
+            raise TableError("bad_request_id", f"request id {_show(req_id)} is not hashable") from None
         if r is None:
             raise TableError("unknown_request", f"request {req_id!r} is not in the table")
         return r
@@ -730,8 +738,9 @@ class TokenTable:
     # ------------------------------------------------------------------ queries
     # Costs are stated per method. A per-step caller (planner, adapter, engine) uses only the
     # O(1) and O(length)/O(blocks) ones without a sort: num_live, length, num_blocks_of,
-    # references, tail_block, block_refs, block_live_count (O(1)); block_array (O(blocks));
-    # live_slots, are_live (O(length) / O(ids)); slot_mapping (cached). blocks_of sorts.
+    # references, tail_block, block_refs, block_live_count (O(1)); block_array,
+    # releasable_blocks (O(blocks)); live_slots, are_live (O(length) / O(ids)); slot_mapping
+    # (cached). blocks_of sorts: snapshots and checks only.
     # Every request-taking query raises bad_request_id / unknown_request first.
     def __contains__(self, req_id) -> bool:
         """Is ``req_id`` in the table? (O(1); an unhashable id is ``bad_request_id``)"""
@@ -774,6 +783,13 @@ class TokenTable:
         (O(blocks), no sort)."""
         bl = self._req(req_id).blocks
         return np.fromiter(bl, dtype=np.int64, count=len(bl))
+
+    def releasable_blocks(self, req_id) -> np.ndarray:
+        """Blocks only this request references that hold no live token (every token in them
+        was evicted): what :meth:`release_empty_blocks` accepts. Unsorted int64, the tail
+        block included (the caller decides whether to keep it). O(blocks), no sort."""
+        b = self.block_array(req_id)
+        return b[(self.n_b[b] == 0) & (self.refs[b] == 1)]
 
     def num_blocks_of(self, req_id) -> int:
         """How many blocks the request references. O(1)."""
