@@ -439,8 +439,8 @@ class _Driver:
         if op == "apply_moves":
             if known and data.draw(st.booleans(), label="valid_moves"):
                 mv = self.valid_moves(data, rid)
-                how = data.draw(st.sampled_from(["as_is", "entry", "entry", "append", "dup_dst", "dup_tok", "array"]),
-                                label="corrupt")
+                how = data.draw(st.sampled_from(["as_is", "entry", "entry", "append", "dup_dst", "dup_dst", "dup_dst",
+                                                 "dup_tok", "array"]), label="corrupt")
                 if mv and how == "entry":  # one entry replaced: a wrong value or a wrong type
                     i = data.draw(st.integers(0, len(mv) - 1), label="row")
                     j = data.draw(st.integers(0, 4), label="col")
@@ -499,7 +499,8 @@ class _Driver:
         return {
             "length": len(toks), "num_live": len(st_["live"]), "blocks_of": st_["blocks"],
             "block_array": st_["blocks"], "num_blocks_of": len(st_["blocks"]),
-            "releasable_blocks": [b for b in st_["blocks"] if sp.refs(b) == 1 and sp.block_live_count(b) == 0], "live_mask": [t["live"] for t in toks],
+            "releasable_blocks": [b for b in st_["blocks"] if sp.refs(b) == 1 and sp.block_live_count(b) == 0],
+            "live_mask": [t["live"] for t in toks],
             "slots": [t["block"] * S + t["offset"] for t in toks],
             "tail_block": toks[-1]["block"] if toks else None,
             "live_slots": (st_["live"], [toks[i]["block"] * S + toks[i]["offset"] for i in st_["live"]]),
@@ -569,7 +570,8 @@ class _Driver:
 OPS = ["sync_new_tokens"] * 4 + ["evict_tokens"] * 3 + ["apply_moves"] * 3 + [
     "evict_token", "release_empty_blocks", "release_empty_blocks", "free_request", "location", "are_live",
     "references", "block_refs", "block_live_count", "length", "num_live", "live_tokens", "live_mask", "slots",
-    "blocks_of", "block_array", "releasable_blocks", "num_blocks_of", "tail_block", "live_slots", "read_view", "slot_mapping",
+    "blocks_of", "block_array", "releasable_blocks", "num_blocks_of", "tail_block", "live_slots", "read_view",
+    "slot_mapping",
     "__contains__", "flush", "waste_ratio"]
 SPEC_SAME = {"sync_new_tokens", "evict_tokens", "evict_token", "apply_moves", "release_empty_blocks", "free_request",
              "location", "block_live_count", "live_tokens", "slot_mapping"}

@@ -443,7 +443,8 @@ class TokenTable:
             if isinstance(block_ids, torch.Tensor):
                 block_ids = block_ids.detach().cpu().numpy()
             if not _is_sequence(block_ids):
-                raise TableError("not_integer", f"request {req_id!r}: block_ids must be a list of block ids, got {_show(block_ids)}")
+                raise TableError("not_integer",
+                                 f"request {req_id!r}: block_ids must be a list of block ids, got {_show(block_ids)}")
         if total_len < n:
             raise TableError("length_decrease", f"request {req_id!r}: total_len {_fmt(total_len)} < current length {n}")
         if len(block_ids) * self.S < total_len:
