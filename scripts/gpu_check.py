@@ -9,7 +9,8 @@ hides the rest; the JSON file is rewritten after every section (a kill keeps wha
 ``env``            torch, CUDA device, z3 / hypothesis / xxhash versions, where vtoken came from
 ``fuzz_table``     ``vtoken fuzz --machines table --device cuda --minutes 2`` (in the background,
 ``fuzz_planner``   from the start, one worker each; collected after the correctness sections)
-``gpu_tests``      ``pytest -m gpu tests/test_gpu.py`` (streams, events, graphs, probes, sync debug)
+``gpu_tests``      ``pytest -m gpu`` over every test file with gpu-marked tests (tests/test_gpu.py:
+                   streams, events, graphs, probes, sync debug; the table's no-sync test; ...)
 ``sanitizer``      a checked decode (vtoken vs naive-evict) under ``TORCH_CUDA_SANITIZER=1``,
                    eager path and graph path (a replay is one launch: CSAN sees the capture)
 ``i3``             the I3 sentinel probes (clean and each ordering fault), the StepGraph probe
@@ -286,11 +287,19 @@ def fuzz_collect(machine: str, grace_s: float = 60.0) -> dict:
     return out
 
 
+def gpu_test_files() -> list:
+    """Every test file that marks tests ``gpu`` (tests/test_gpu.py and any other), outside
+    tests/vllm (vLLM is not on the GPU image)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                  if "mark.gpu" in p.read_text(errors="replace"))
+
+
 def sec_gpu_tests(dev: str) -> dict:
     xml = Path(tempfile.gettempdir()) / f"vtoken_gpu_tests_{os.getpid()}.xml"
-    r = _run(_self_cmd("--pytest", "tests/test_gpu.py", "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider",
+    files = gpu_test_files()
+    r = _run(_self_cmd("--pytest", *files, "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider",
                        "-q", "-rs", f"--junitxml={xml}"), 170)
-    out = {"rc": r["rc"], "wall_s": r["wall_s"]}
+    out = {"files": files, "rc": r["rc"], "wall_s": r["wall_s"]}
     try:
         import xml.etree.ElementTree as ET
 
@@ -301,8 +310,8 @@ def sec_gpu_tests(dev: str) -> dict:
                                if tc.find("failure") is not None or tc.find("error") is not None]
     except Exception as e:  # noqa: BLE001 -- no xml: pytest did not get that far
         out["xml_error"] = repr(e)
-    out["ok"] = r["rc"] == 0 and out.get("skipped", 1) == 0
-    if not out["ok"]:
+    out["ok"] = r["rc"] == 0 and out.get("tests", 0) > 0  # skips are listed (-rs) in the tail and counted
+    if not out["ok"] or out.get("skipped"):
         out["tail"] = (r["stdout"] + r["stderr"])[-5000:]
     return out
 
@@ -644,10 +653,12 @@ def dry_run(runner: Runner, only: list) -> None:
     runner.run("dry_run_imports", imports, 60)
 
     def collect():
-        r = _run(_self_cmd("--pytest", "tests/test_gpu.py", "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider",
+        files = gpu_test_files()
+        r = _run(_self_cmd("--pytest", *files, "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider",
                            "--collect-only", "-q"), 120)
         n = sum(1 for line in r["stdout"].splitlines() if "::" in line)
-        return {"ok": r["rc"] == 0 and n > 0, "collected": n, "rc": r["rc"],
+        return {"ok": r["rc"] == 0 and n > 0 and "tests/test_gpu.py" in files, "collected": n, "files": files,
+                "rc": r["rc"],
                 **({"tail": (r["stdout"] + r["stderr"])[-2000:]} if r["rc"] else {})}
 
     if "gpu_tests" in only:
