@@ -92,6 +92,9 @@ class _Run:
         self.reports: dict[int, bool] = {}  # plan id -> copy reported done by the worker
         self.plans: dict[int, tuple] = {}  # plan id -> (seq, source ids), every plan ever launched
         self.source_of: dict[int, int] = {}  # block -> plan id, while the block is a pending source
+        self.holder_of: dict[int, str] = {}  # block -> the request holding it now (list or destination)
+        self.leaving: dict[int, tuple] = {}  # block -> (request, fence): left a request, not yet back in the pool
+        self.last_sched: dict[str, int] = {}  # request -> the last step that scheduled it
         self.fence_errors: list = []
         self.steps = 0
         self._instrument()
@@ -99,7 +102,7 @@ class _Run:
     def _instrument(self):
         ad, w = self.ad, self.w
         run_request, execute, synchronize = w._run_request, w.execute, w.synchronize
-        schedule, pool = ad.scheduler.schedule, ad.pool
+        schedule, update, pool = ad.scheduler.schedule, ad.scheduler.update_from_output, ad.pool
         free_blocks = pool.free_blocks
 
         def run_request_spy(r, start, k, rep):
@@ -122,15 +125,32 @@ class _Run:
         def schedule_spy(*a, **kw):
             so = schedule(*a, **kw)
             self._observe_output(so)
+            self._observe_holders()
             return so
+
+        def update_spy(so, out):
+            result = update(so, out)
+            self._observe_holders()
+            return result
 
         def free_spy(blocks):
             blocks = list(blocks)
             processed = ad.scheduler.processed_step_seq
             free_blocks(blocks)
             for b in blocks:
+                if b.ref_cnt != 0:
+                    continue
+                left = self.leaving.pop(b.block_id, None)
+                if left is None and b.block_id in self.holder_of:  # it left its request within this very call
+                    r = self.holder_of.pop(b.block_id)
+                    left = (r, self.last_sched.get(r, 0))
+                if left is not None and left[1] > processed:
+                    self.fence_errors.append(
+                        f"block {b.block_id} of request {left[0]!r} returned to the pool at processed step {processed}, "
+                        f"but step {left[1]}, the last that scheduled the request while it held the block (and may "
+                        f"read it), is not processed yet")
                 pid = self.source_of.get(b.block_id)
-                if pid is None or b.ref_cnt != 0:
+                if pid is None:
                     continue
                 seq, _ = self.plans[pid]
                 del self.source_of[b.block_id]
@@ -150,11 +170,35 @@ class _Run:
         ad._on_request_free = on_free_spy
         w._run_request, w.execute, w.synchronize = run_request_spy, execute_spy, synchronize_spy
         ad.scheduler.schedule = schedule_spy
+        ad.scheduler.update_from_output = update_spy
         pool.free_blocks = free_spy
+
+    def _observe_holders(self):
+        """Who holds each block now (request lists and destinations). A block that left a
+        request must not return to the pool before the last step that scheduled the request
+        while it held the block is processed (vLLM's own rule for a request's blocks)."""
+        ad = self.ad
+        now: dict[int, str] = {}
+        for r, lst in ad.req_to_blocks.items():
+            for b in lst:
+                if not b.is_null:
+                    now[b.block_id] = r
+        for r, v in ad.held.items():
+            for b in v:
+                now[b.block_id] = r
+        for b, r in self.holder_of.items():
+            if b not in now and ad.pool.blocks[b].ref_cnt > 0:
+                self.leaving[b] = (r, self.last_sched.get(r, 0))
+        for b in now:
+            self.leaving.pop(b, None)
+        self.holder_of = now
 
     def _observe_output(self, so):
         ad = self.ad
         self.steps += 1
+        if so.total_num_scheduled_tokens > 0:
+            for r in so.num_scheduled_tokens:
+                self.last_sched[r] = ad.scheduler.sched_step_seq
         for r in so.preempted_req_ids or ():
             self.preempted.add(r)
         c = so.scheduled_cached_reqs

@@ -44,6 +44,7 @@ MACHINES = {"table": "vtoken.fuzz.table_machine:TableMachine",
             "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
             "adapter": "vtoken.fuzz.adapter_machine:AdapterMachine"}
 DEFAULT_BUDGET_S = 60.0
+SHRINK_CAP_S = 30  # a shrunk example is for reading; past this the smallest found so far is reported
 
 
 @contextlib.contextmanager
@@ -87,6 +88,9 @@ def _detect_machine(machine_path: str, seed: int, budget_s: float, shrink: bool 
     from .profiles import load_profile
 
     load_profile("ci")
+    import hypothesis.internal.conjecture.engine as _engine
+
+    _engine.MAX_SHRINKING_SECONDS = SHRINK_CAP_S  # Hypothesis's own cap (300 s), lowered for a measuring run
     mod, cls = machine_path.split(":")
     machine = getattr(importlib.import_module(mod), cls)
     first_fail = []
