@@ -37,6 +37,13 @@ MACHINES = {
 
 
 def load_machine(name: str):
+    """A machine by name, or ``impl:module:Class``: the table or planner machine bound to a
+    user's implementation (``vtoken.fuzz.protocol``)."""
+    if name.startswith("impl:"):
+        from .protocol import kind_of, load_impl, planner_machine_for, table_machine_for
+
+        cls = load_impl(name[len("impl:"):])
+        return table_machine_for(cls) if kind_of(cls) == "table" else planner_machine_for(cls)
     mod, cls = MACHINES[name].split(":")
     return getattr(importlib.import_module(mod), cls)
 
@@ -153,7 +160,8 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=
         q.put(("progress", k, name, m.ops - ops0, time.time() - t0, dict(+hard)))
         if failure is not None:
             n_fail += 1
-            stem = Path(out) / "failures" / f"{name}-w{k}-{n_fail}"
+            safe = re.sub(r"[^A-Za-z0-9_]+", "_", name)  # impl:module:Class -> a file (and module) name
+            stem = Path(out) / "failures" / f"{safe}-w{k}-{n_fail}"
             stem.parent.mkdir(parents=True, exist_ok=True)
             stem.with_suffix(".txt").write_text(failure)
             if hard_states.LAST_SNAPSHOT:
@@ -177,8 +185,15 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     avail, missing = available_machines()
-    if machines:
-        unknown = [m for m in machines if m not in MACHINES]
+    impls = [m for m in machines or () if m.startswith("impl:")]
+    if impls:  # a user's implementation: it must load (a clear error now, not in a worker)
+        for m in impls:
+            load_machine(m)
+        machines = [m for m in machines if m not in impls]
+        avail = avail + impls
+    if machines or impls:
+        machines = machines + impls
+        unknown = [m for m in machines if m not in MACHINES and not m.startswith("impl:")]
         if unknown:
             raise ValueError(f"unknown machines {unknown}; choose from {sorted(MACHINES)}")
         names = [m for m in machines if m in avail]
@@ -278,6 +293,8 @@ def main_fuzz(argv) -> int:
     ap.add_argument("--db", default=None, help="example database: a directory or redis://host:port")
     ap.add_argument("--out", default="reports/fuzz")
     ap.add_argument("--machines", nargs="*", choices=sorted(MACHINES))
+    ap.add_argument("--impl", action="append", default=[], metavar="module:Class",
+                    help="check your own token table or planner class (vtoken.fuzz.protocol); repeatable")
     ap.add_argument("--profile", default="dev", choices=["ci", "dev", "nightly"])
     ap.add_argument("--planted", metavar="NAME|all", help="run the checks against planted faults instead")
     ap.add_argument("--runs", type=int, default=1, help="--planted: independent seeds per fault (the rate's denominator)")
@@ -289,7 +306,17 @@ def main_fuzz(argv) -> int:
         from .planted import main_planted
 
         return main_planted(a)
-    s = run_campaign(a.minutes, a.workers, a.seed, a.db, a.out, a.machines, progress=True, profile=a.profile)
+    machines = list(a.machines or [])
+    if a.impl:
+        from .protocol import ProtocolError, kind_of, load_impl
+
+        for spec in a.impl:
+            try:
+                kind_of(load_impl(spec))
+            except ProtocolError as e:
+                ap.error(f"--impl: {e}")
+        machines += [f"impl:{spec}" for spec in a.impl]
+    s = run_campaign(a.minutes, a.workers, a.seed, a.db, a.out, machines or None, progress=True, profile=a.profile)
     print(f"ops {s['ops']} in {s['seconds']:.0f} s: {s['ops_per_s_per_worker']:.0f} ops/s per worker, "
           f"{s['failures']} failure(s); hard states: " + ", ".join(f"{k} {v}" for k, v in s["hard_states"].items()))
     for m, why in s["machines_unavailable"].items():

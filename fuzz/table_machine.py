@@ -74,10 +74,16 @@ class TableMachine(RuleBasedStateMachine):
 
     ops = 0  # operations checked, summed over all runs in this process (campaign counter)
 
+    @staticmethod
+    def make_impl(block_size: int, num_blocks: int):
+        """The table under test (vtoken's own; ``vtoken.fuzz.protocol.table_machine_for`` binds
+        another implementation here)."""
+        return TokenTable(block_size, num_blocks, device=os.environ.get("VTOKEN_DEVICE", "cpu"))
+
     @initialize(S=st.sampled_from([1, 2, 3, 4]), nb=st.integers(4, 14))
     def setup(self, S, nb):
         self.S = S
-        self.impl = TokenTable(S, nb, device=os.environ.get("VTOKEN_DEVICE", "cpu"))
+        self.impl = self.make_impl(S, nb)
         self.spec = SpecTokenTable(S, nb)
         self.alloc = BlockAllocator(nb)
         self.pos: dict[int, list[int]] = {}  # positional block list, as a scheduler holds it
