@@ -61,6 +61,7 @@ def env_for(shadow: Path, base: Optional[dict] = None) -> dict:
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = str(shadow) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("PYTHONHASHSEED", "0")  # a run is a function of (code, seed): no hash randomization
     return env
 
 
