@@ -188,16 +188,25 @@ class Model:
                 "ref": dict(sorted(self.ref.items()))}
 
 
+def _pick(values):
+    """One of ``values``, copied per draw (no example sees another's mutable value), drawn
+    by index: ``sampled_from`` would label the strategy by its elements' hashes, which for
+    ``object()``, ``None`` or a type are addresses."""
+    values = list(values)
+    return st.integers(0, len(values) - 1).map(lambda i: copy.copy(values[i]))
+
+
 _JUNK = st.one_of(
     st.booleans(), st.floats(allow_nan=True), st.sampled_from([0.0, 1.0, 2.0, 3.9]), st.text(max_size=2),
-    st.binary(max_size=2), st.none(),
-    st.sampled_from([2 ** 63, 2 ** 64, 2 ** 70, -(2 ** 70), np.bool_(True), np.float64(1.0), np.uint64(2 ** 64 - 1),
+    st.binary(max_size=2), _pick([None]),
+    _pick([2 ** 63, 2 ** 64, 2 ** 70, -(2 ** 70), np.bool_(True), np.float64(1.0), np.uint64(2 ** 64 - 1),
                      np.array(2), object()]),
     st.integers(0, NB).map(np.int64),
 )
 _B = st.one_of(st.integers(-1, NB), st.integers(-1, NB), st.integers(-1, NB), _JUNK)
 _LISTS = st.one_of(
-    st.lists(st.integers(0, NB - 1), max_size=4), st.lists(st.integers(0, NB - 1), max_size=4),
+    st.lists(st.integers(0, NB - 1), max_size=4), st.lists(st.integers(-1, NB), max_size=4),
+    st.lists(st.sampled_from([-1, NB, 2 ** 63, 2 ** 70, -(2 ** 70)]), min_size=1, max_size=2),  # out of range
     st.lists(_B, max_size=4), st.lists(_B, max_size=4).map(tuple),
     st.lists(st.integers(0, NB - 1), max_size=4).map(lambda xs: np.array(xs, dtype=np.int64)),
     st.lists(st.integers(0, NB - 1), max_size=4).map(lambda xs: np.array(xs, dtype=np.float64)),
@@ -205,7 +214,7 @@ _LISTS = st.one_of(
     st.lists(st.integers(0, NB - 1), max_size=3).map(torch.tensor),
     st.lists(st.integers(0, NB - 1), max_size=3).map(lambda xs: torch.tensor(xs, dtype=torch.float32)),
     st.sets(st.integers(0, NB - 1), max_size=3), st.lists(st.lists(st.integers(0, 4), max_size=2), max_size=2),
-    _JUNK, st.integers(-1, NB), st.sampled_from(["12", {1: 1}, range(1, 3)]),
+    _JUNK, st.integers(-1, NB), _pick(["12", {1: 1}, range(1, 3)]),
 )
 _COUNTS = st.one_of(st.integers(-1, 4), st.integers(-1, 4), st.integers(NB - 2, NB + 1), _JUNK)
 
@@ -219,7 +228,7 @@ def test_every_public_method_with_arbitrary_input():
     def run(data):
         a, m = BlockAllocator(NB), Model(NB)
         for _ in range(data.draw(st.integers(1, 25), label="calls")):
-            op = data.draw(st.sampled_from(["allocate", "reserve", "incref", "free", "free", "take_reserved",
+            op = data.draw(_pick(["allocate", "reserve", "incref", "free", "free", "take_reserved",
                                             "unreserve"]), label="op")
             if op in ("allocate", "reserve"):
                 arg = data.draw(_COUNTS, label="n")
@@ -259,4 +268,5 @@ def test_every_public_method_with_arbitrary_input():
     assert stats["examples"] >= 500 and stats["accepted"] >= calls // 5
     for code in ALLOCATOR_CODES:
         if code != "bad_config":  # constructor only: the named test above
-            assert stats[f"refused {code}"] >= 5, (code, stats)
+            assert stats[f"refused {code}"] >= 1, (code, stats)
+    assert stats["refused not_integer"] >= 500, stats
