@@ -128,7 +128,7 @@ CATALOGUE: list[Fault] = [
     Fault("copy_flip_byte", "I1 corrupted relocation", "one byte of one moved K/V entry flips", "decode",
           engine="copy_flip_byte"),
     Fault("copy_skip_move", "I1 skipped move", "one move of a plan is not copied", "decode", engine="copy_skip_move"),
-    Fault("copy_write_past_dst", "I2 write outside the plan's slots", "each copy also writes one slot past its last destination",
+    Fault("copy_write_past_dst", "5 wrong-slot write (the scatter's off-by-one)", "each moved entry lands one slot past its destination",
           "decode", engine="copy_write_past_dst"),
     Fault("cuda_release_before_event", "8/I3 copy reported done before it landed",
           "poll reports done without the event (CPU: before the lagged copy ran)", "decode",

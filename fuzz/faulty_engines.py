@@ -8,8 +8,9 @@ these in place. ``ENGINES`` maps the catalogue's names to the classes.
 
 - ``copy_flip_byte``: one byte of one moved entry flips (last layer, K) -- I1;
 - ``copy_skip_move``: one move of each plan is not copied -- I1;
-- ``copy_write_past_dst``: each copy also writes the entry one slot past its last
-  destination (an off-by-one in the scatter) -- I2, a neighbour's bytes overwritten;
+- ``copy_write_past_dst``: the scatter's off-by-one: each moved entry is written one slot
+  past its destination -- I1 (the moved bytes are not where the table says) and I2 (a
+  neighbour's bytes overwritten);
 - ``cuda_wait_dropped``: ``wait_before_attention`` does nothing -- I3 (CUDA only);
 - ``cuda_event_wrong_stream``: the completion event is recorded on the compute stream, so
   it completes without the copy -- I3 (CUDA only);
@@ -60,13 +61,13 @@ class SkipMoveEngine(KVCopyEngine):
 
 
 class WritePastDestinationEngine(KVCopyEngine):
+    """The scatter's off-by-one: every moved entry lands one slot past its destination (the
+    last one overwrites whatever follows the plan's slots)."""
+
     def _copy(self, src_t, dst_t):
-        super()._copy(src_t, dst_t)
         if dst_t.numel():
-            past = int(dst_t.max()) + 1
-            if past < self.kv.flat.shape[2]:
-                flat = self.kv.flat
-                flat[:, :, past] = flat[:, :, int(src_t[-1])]
+            past = (dst_t + 1).clamp(max=self.kv.flat.shape[2] - 1)
+            super()._copy(src_t, past)
 
 
 class DroppedWaitEngine(KVCopyEngine):
