@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Iterable
 
 # repository folder -> import prefix (pyproject's package-dir mapping)
-_MODULE_PREFIX = {"vtoken": "vtoken", "spec": "vtoken.spec", "invariants": "vtoken.invariants", "fuzz": "vtoken.fuzz"}
+_MODULE_PREFIX = {"vtoken": "vtoken", "spec": "vtoken.spec", "invariants": "vtoken.invariants", "fuzz": "vtoken.fuzz",
+                  "reports": "vtoken.reports"}
 
 
 class PatchError(Exception):

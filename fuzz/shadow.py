@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Optional
 
 # pyproject's package-dir mapping: repository folder -> its place in the shadow package
-SUBPACKAGES = {"spec": "vtoken/spec", "invariants": "vtoken/invariants", "fuzz": "vtoken/fuzz"}
+SUBPACKAGES = {"spec": "vtoken/spec", "invariants": "vtoken/invariants", "fuzz": "vtoken/fuzz",
+               "reports": "vtoken/reports"}
 LAYOUT = {"vtoken": "vtoken", **SUBPACKAGES}
 
 
 def _ignore(_dir, names):
-    return [n for n in names if n in ("__pycache__", ".hypothesis", ".pytest_cache") or n.endswith(".pyc")]
+    # report output folders (reports/<timestamp>-...) and caches are not sources
+    return [n for n in names if n in ("__pycache__", ".hypothesis", ".pytest_cache") or n.endswith(".pyc")
+            or ("-vllm-" in n and not n.endswith(".py"))]
 
 
 def snapshot(repo: Path, dest: Path) -> Path:

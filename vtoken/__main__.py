@@ -9,7 +9,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "bench": "vtoken.bench:main_bench",
-        "audit": "vtoken.audit:main_audit",
+        "audit": "vtoken.reports.audit:main_audit",
         "decode": "vtoken.decode_cli:main_decode",
         "simulate": "vtoken.simulate:main_simulate",
         "fuzz": "vtoken.fuzz.campaign:main_fuzz",

@@ -356,7 +356,7 @@ def test_every_block_returned_after_drain(model, async_, caching, lag):
 
 # ---------------------------------------------------------------------------- the audit pieces
 def test_audit_decode_quick(model):
-    from vtoken.vllm_adapter.audit_run import audit_decode
+    from vtoken.reports.vllm_runs import audit_decode
 
     res = audit_decode(quick=True, seed=0)
     assert res["passed"], res["detail"]
@@ -367,7 +367,7 @@ def test_audit_decode_quick(model):
 
 
 def test_sharing_table_reduces_retained_blocks_at_every_degree(model):
-    from vtoken.vllm_adapter.audit_run import sharing_table
+    from vtoken.reports.vllm_runs import sharing_table
 
     res = sharing_table(quick=True, seed=0)
     assert res["passed"], res["detail"]
@@ -381,7 +381,7 @@ def test_sharing_table_reduces_retained_blocks_at_every_degree(model):
 
 def test_check_assumptions_all_hold(model):
     from vtoken.vllm_adapter.adapter import ASSUMPTIONS
-    from vtoken.vllm_adapter.audit_run import check_assumptions
+    from vtoken.reports.vllm_runs import check_assumptions
 
     rows = check_assumptions()
     assert {r["name"] for r in rows} == set(ASSUMPTIONS) - {"outputs_equal"}

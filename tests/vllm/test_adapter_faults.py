@@ -45,7 +45,7 @@ def assert_names(detail: str, check: str, words: str, pattern: str) -> None:
 @pytest.mark.parametrize("fault", list(PLANTED))
 def test_planted_fault_fails_audit_decode(fault):
     require_vllm()
-    from vtoken.vllm_adapter.audit_run import audit_decode
+    from vtoken.reports.vllm_runs import audit_decode
 
     check, words, pattern = PLANTED[fault]
     with planted(fault):
@@ -57,7 +57,7 @@ def test_planted_fault_fails_audit_decode(fault):
 @pytest.mark.parametrize("fault", list(PLANTED))
 def test_planted_fault_fails_sharing_table(fault):
     require_vllm()
-    from vtoken.vllm_adapter.audit_run import sharing_table
+    from vtoken.reports.vllm_runs import sharing_table
 
     check, words, pattern = PLANTED[fault]
     with planted(fault):
@@ -69,7 +69,7 @@ def test_planted_fault_fails_sharing_table(fault):
 @pytest.mark.parametrize("fault", list(PLANTED))
 def test_planted_fault_is_reported_by_check_assumptions(fault):
     require_vllm()
-    from vtoken.vllm_adapter.audit_run import check_assumptions
+    from vtoken.reports.vllm_runs import check_assumptions
 
     check, words, pattern = PLANTED[fault]
     with planted(fault):
@@ -83,7 +83,7 @@ def test_corrupted_copy_fails_hash_and_compare():
     """A relocation that flips a byte (the copy engine's planted fault) is caught by the
     hash-and-compare the worker runs on every relocation."""
     require_vllm()
-    from vtoken.vllm_adapter.audit_run import audit_decode
+    from vtoken.reports.vllm_runs import audit_decode
 
     flip = Patch("vtoken/copy_engine.py", "KVCopyEngine._copy",
                  "                flat.index_copy_(2, dst_t, flat.index_select(2, src_t))\n",

@@ -1,6 +1,6 @@
 """Contract tests of the vLLM surface the vtoken adapter relies on (vLLM 0.33.0).
 
-One test per contract in ``vtoken.vllm_adapter.contracts``, run against a real vLLM
+One test per contract in ``vtoken.invariants.vllm_contracts``, run against a real vLLM
 scheduler and block pool on CPU. Without vLLM these tests FAIL (they do not skip): the
 project's test target installs it with scripts/install_vllm.sh.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from vtoken.vllm_adapter import contracts, harness
+from vtoken.invariants import vllm_contracts as contracts
+from vtoken.vllm_adapter import harness
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,7 @@ name. ``run_contracts()`` runs them and never raises: a broken contract comes ba
 ``{"name", "passed": False, "detail"}`` whose detail names the assumption and where it
 lives in vLLM (symbol and file), so an upgrade audit can tell what to re-check.
 
-    from vtoken.vllm_adapter.contracts import run_contracts
+    from vtoken.invariants.vllm_contracts import run_contracts
     for r in run_contracts():
         print(r["name"], r["passed"], r["detail"])
 
@@ -21,8 +21,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from . import harness as _harness
-from .harness import VLLM_VERSION, VllmHarness
+from vtoken.vllm_adapter import harness as _harness
+from vtoken.vllm_adapter.harness import VLLM_VERSION, VllmHarness
 
 BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool (vllm/v1/core/block_pool.py)"
 KV_BLOCK = "vllm.v1.core.kv_cache_utils.KVCacheBlock (vllm/v1/core/kv_cache_utils.py)"

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+# The checkout the invariants suite runs from (its tests/ folder); reports go elsewhere.
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -65,8 +66,8 @@ def check_vllm(ctx) -> CheckResult:
     if ver is None:
         return CheckResult("vllm-contracts", None, "vLLM is not installed: its contracts were not checked "
                            "(make audit installs it with scripts/install_vllm.sh)")
-    from .vllm_adapter import VLLM_VERSION
-    from .vllm_adapter.contracts import run_contracts
+    from vtoken.invariants.vllm_contracts import run_contracts
+    from vtoken.vllm_adapter import VLLM_VERSION
 
     rows = run_contracts()
     bad = [r for r in rows if not r["passed"]]
@@ -111,7 +112,7 @@ def check_invariants(ctx) -> CheckResult:
 def check_fuzz(ctx) -> CheckResult:
     """A seeded campaign of a fixed number of examples per machine: the same work, hence the
     same verdict, for a given commit on any machine (a time box would not be)."""
-    from .fuzz.campaign import run_campaign
+    from vtoken.fuzz.campaign import run_campaign
 
     n = ctx["fuzz_examples"]
     summary = run_campaign(minutes=0, workers=1, seed=ctx["seed"], out=ctx["out"] / "fuzz", db=None,
@@ -132,7 +133,7 @@ def check_fuzz(ctx) -> CheckResult:
 def check_mutants(ctx) -> CheckResult:
     """The checkers measured on their own mutants (``vtoken check-mutants``): every violating
     snapshot rejected by Python and Z3, every valid one accepted."""
-    from .invariants.mutants import ALL_PATHS, PathUnavailable, format_table, run
+    from vtoken.invariants.mutants import ALL_PATHS, PathUnavailable, format_table, run
 
     paths = ALL_PATHS if vllm_version() is not None else tuple(p for p in ALL_PATHS if p != "adapter")
     try:
@@ -149,7 +150,7 @@ def check_mutants(ctx) -> CheckResult:
 def check_vllm_decode(ctx) -> CheckResult:
     if vllm_version() is None:
         return CheckResult("vllm-decode", None, "vLLM is not installed: the adapter decode was not run")
-    from .vllm_adapter.audit_run import audit_decode
+    from vtoken.reports.vllm_runs import audit_decode
 
     res = audit_decode(quick=ctx["quick"], seed=ctx["seed"], snapshot_dir=ctx["out"] / "snapshots")
     return CheckResult("vllm-decode", res["passed"], res["detail"], metrics=res, figures=res.pop("figures", []))
@@ -158,7 +159,7 @@ def check_vllm_decode(ctx) -> CheckResult:
 def check_sharing(ctx) -> CheckResult:
     if vllm_version() is None:
         return CheckResult("vllm-prefix-sharing", None, "vLLM is not installed: the sharing-degree run was not done")
-    from .vllm_adapter.audit_run import sharing_table
+    from vtoken.reports.vllm_runs import sharing_table
 
     res = sharing_table(quick=ctx["quick"], seed=ctx["seed"])
     return CheckResult("vllm-prefix-sharing", res["passed"], res["detail"], metrics=res, figures=res.pop("figures", []))
@@ -166,7 +167,7 @@ def check_sharing(ctx) -> CheckResult:
 
 def check_waste(ctx) -> CheckResult:
     """Waste under Naive-Evict and retained blocks Naive-Evict vs vToken (quick simulation)."""
-    from .simulate import run_retained, run_waste
+    from vtoken.simulate import run_retained, run_waste
 
     w = run_waste(quick=True, out=ctx["out"] / "simulate")
     r = run_retained(quick=True, out=ctx["out"] / "simulate")
@@ -183,7 +184,7 @@ def check_waste(ctx) -> CheckResult:
 
 
 def check_table_bench(ctx) -> CheckResult:
-    from .bench import bench_table
+    from vtoken.bench import bench_table
 
     res = bench_table(quick=True)
     # A timing: reported, never a verdict (a shared machine's noise must not flip an audit;
@@ -304,7 +305,8 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
 
 def main_audit(argv) -> int:
     ap = argparse.ArgumentParser(prog="vtoken audit", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(REPO / "reports"), help="folder for the report folder")
+    ap.add_argument("--out", default="reports",
+                    help="folder for the report folder (default: ./reports of the directory you run in)")
     ap.add_argument("--compare", metavar="OLD/audit.json", help="add what changed since a previous audit")
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test of the audit itself)")
     ap.add_argument("--seed", type=int, default=0)

@@ -27,8 +27,8 @@ import time
 import traceback
 from typing import Optional
 
-from . import harness as _harness  # noqa: F401 - CPU environment before vLLM
-from .adapter import ASSUMPTIONS, AdapterAssumptionError, AdapterDriver, VTokenAdapter, \
+from vtoken.vllm_adapter import harness as _harness  # noqa: F401 - CPU environment before vLLM
+from vtoken.vllm_adapter.adapter import ASSUMPTIONS, AdapterAssumptionError, AdapterDriver, VTokenAdapter, \
     default_adapter_planner_config
 
 __all__ = ["audit_decode", "sharing_table", "check_assumptions"]
@@ -37,7 +37,7 @@ _MODEL_CACHE: dict = {}
 
 
 def _model():
-    from ..model import DecoderConfig, PagedDecoder
+    from vtoken.model import DecoderConfig, PagedDecoder
 
     if "m" not in _MODEL_CACHE:
         _MODEL_CACHE["m"] = PagedDecoder(DecoderConfig(), batch_invariant=True)
@@ -60,7 +60,7 @@ def _one_thread():
 
 def _broken(exc: BaseException) -> str:
     """A failure as a detail that names the broken assumption."""
-    from ..errors import RelocationCheckError, VTokenError
+    from vtoken.errors import RelocationCheckError, VTokenError
 
     if isinstance(exc, AdapterAssumptionError):
         return str(exc)
@@ -85,7 +85,7 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
          max_num_batched_tokens: int = 2048) -> dict:
     """One decode through the adapter; returns outputs and measurements (raises on a broken
     assumption). ``late``: requests added after the first step (prefix-hit requests)."""
-    from .worker import VTokenWorker
+    from vtoken.vllm_adapter.worker import VTokenWorker
 
     ad = VTokenAdapter(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                        async_scheduling=async_scheduling, reclaim=reclaim,
@@ -94,7 +94,7 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,
                      seed=seed, check_relocations=reclaim, snapshot_dir=snapshot_dir, copy_lag=copy_lag)
     if reclaim:  # every plan of the audited run against the reference planner's contract
-        from ..invariants.plan_contract import check_proposal
+        from vtoken.invariants.plan_contract import check_proposal
 
         ad.plan_hook = check_proposal
     d = AdapterDriver(ad, w)
