@@ -160,18 +160,22 @@ def test_the_headroom_is_topped_up_to_exactly_its_size():
     assert len(mgr.headroom) == 3 and alloc.num_reserved == 3
 
 
-def test_default_config_reserves_eight_blocks_and_plans_at_most_eight_sources():
-    """The defaults (B = 8 sources, 8 headroom blocks, theta_f 0.25, every step, and no
-    snapshots: recording keeps every applied plan in ``history``, memory a long run cannot
-    afford by default). Kills: planner.py `headroom: int = 8` -> 7, `record_snapshots: bool
-    = False` -> True."""
-    table, alloc = TokenTable(S, 64), BlockAllocator(64)
+def test_default_config_reserves_its_headroom_and_plans_at_most_b_sources():
+    """The shipped defaults (B = 32 sources, 64 headroom blocks, theta_f 0.25, every step, the
+    watermark derived, copy_steps 4, no cap on plans per round, and no snapshots: recording
+    keeps every applied plan in ``history``, memory a long run cannot afford by default).
+    Kills: planner.py `headroom: int = 64` -> 63, `max_sources: int = 32` -> 31/33,
+    `record_snapshots: bool = False` -> True."""
+    cfg = PlannerConfig()
+    assert (cfg.theta_f, cfg.check_every, cfg.max_sources, cfg.headroom, cfg.low_watermark, cfg.copy_steps) == \
+        (0.25, 1, 32, 64, None, 4)
+    table, alloc = TokenTable(S, 128), BlockAllocator(128)
     mgr = ReclamationManager(table, alloc)
-    assert len(mgr.headroom) == 8 and not mgr.backpressure
-    sparse(table, alloc, "a", 12, keep=1)  # 11 one-live blocks and a full tail: F > 0.25
+    assert len(mgr.headroom) == 64 and not mgr.backpressure
+    sparse(table, alloc, "a", 41, keep=1)  # 40 one-live blocks and a full tail: F > 0.25
     assert mgr.eligible()
     (plan,) = mgr.step(force_sync=True)
-    assert len(plan.sources) == 8 and len(plan.dests) == 2 and plan.state == APPLIED
+    assert len(plan.sources) == 32 and len(plan.dests) == 8 and plan.state == APPLIED
     assert plan.snapshot is None and mgr.history == []
 
 

@@ -254,12 +254,28 @@ def test_waste_ratio_threshold():
 
 
 def test_low_watermark():
-    table, alloc, mgr, _ = make(nb=8, headroom=1, low_watermark=0)
+    # theta_f = 1.0: the F gate never opens, only pressure plans
+    table, alloc, mgr, _ = make(nb=8, headroom=1, theta_f=1.0, low_watermark=0)
     add(table, alloc, "a", 3)
     table.evict_tokens("a", [0, 1, 2, 3])
     assert alloc.num_free == 3 and not mgr.eligible()  # F is high, but memory is not short
     add(table, alloc, "b", 3)
     assert alloc.num_free == 0 and mgr.eligible()
+
+
+def test_pressure_plans_below_theta_and_the_gate_plans_without_pressure():
+    """The shipped trigger: under pressure any waste is reclaimed (F far below theta_f);
+    with plenty of memory only F > theta_f plans."""
+    table, alloc, mgr, _ = make(nb=16, headroom=1, theta_f=0.25)  # derived watermark
+    add(table, alloc, "a", 12)
+    table.evict_tokens("a", [0])  # F = 1/48: tiny, but 2 free blocks < the footprint of "a"
+    assert alloc.num_free == 2 and table.waste_ratio() < 0.25 and mgr.eligible()
+    table2, alloc2, mgr2, _ = make(nb=64, headroom=1, theta_f=0.25)
+    add(table2, alloc2, "a", 4)
+    table2.evict_tokens("a", [0])  # F = 1/16 and 58 free blocks: not short, under the gate
+    assert not mgr2.eligible()
+    table2.evict_tokens("a", [1, 2, 3, 4])  # F = 5/16 > theta_f: the gate plans without pressure
+    assert mgr2.eligible()
 
 
 def test_check_every_amortises_the_checks():

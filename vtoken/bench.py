@@ -129,10 +129,16 @@ def main_bench(argv) -> int:
 BENCHES = {"table": bench_table}
 
 
-def _planner_setup(R, L, S, evict, headroom, theta_f, seed, max_sources=8):
+def _planner_setup(R, L, S, evict, headroom, theta_f, seed, max_sources=None):
+    """R requests of L tokens with ``evict`` of them evicted at random, in a pool with just
+    the headroom and a block to spare (so the pool is under pressure), and a manager with
+    the shipped planner defaults (``PlannerConfig()``) but for the arguments not None."""
+    from dataclasses import replace
+
     from .planner import PlannerConfig, ReclamationManager
 
     rng = np.random.default_rng(seed)
+    headroom = PlannerConfig().headroom if headroom is None else headroom
     nb = R * (-(-L // S)) + headroom + 2
     table, alloc = TokenTable(S, nb), BlockAllocator(nb)
     held = {}
@@ -144,7 +150,8 @@ def _planner_setup(R, L, S, evict, headroom, theta_f, seed, max_sources=8):
     def on_applied(plan):
         held[plan.req_id] = [b for b in held[plan.req_id] if b not in plan.sources] + list(plan.dests)
 
-    cfg = PlannerConfig(theta_f=theta_f, headroom=headroom, max_sources=max_sources)
+    over = dict(theta_f=theta_f, headroom=headroom, max_sources=max_sources)
+    cfg = replace(PlannerConfig(), **{k: v for k, v in over.items() if v is not None})
     return table, alloc, ReclamationManager(table, alloc, config=cfg, on_applied=on_applied)
 
 
@@ -154,8 +161,11 @@ def bench_planner(seed=0, quick=False, rounds=3) -> dict:
     counts = (16, 64) if quick else (16, 256, 1024)
     out = {"block_size": S, "tokens_per_request": L, "eviction": "random 50%", "plan_ms": {}}
     for R in counts:
-        # headroom for one plan per request per round: each round is a full planning pass
-        table, alloc, mgr = _planner_setup(R, L, S, 0.5, headroom=8 * R, theta_f=0.0, seed=seed)
+        # headroom for one full plan (B destinations at most) per request: each round is a full planning pass
+        from .planner import PlannerConfig
+
+        table, alloc, mgr = _planner_setup(R, L, S, 0.5, headroom=PlannerConfig().max_sources * R, theta_f=0.0,
+                                           seed=seed)
         ts, plans = [], 0
         for _ in range(rounds):
             t0 = time.perf_counter()
@@ -181,10 +191,11 @@ def bench_planner(seed=0, quick=False, rounds=3) -> dict:
     return out
 
 
-def settle_experiment(R=64, L=4096, S=16, evict=0.5, headroom=64, theta_f=0.02, seed=0, max_steps=5000) -> dict:
-    """Random eviction at ``evict`` over R requests of L tokens, then reclamation until it
-    settles (a step with nothing launched and nothing in flight). Retained blocks are the
-    blocks the table references; the ideal is sum(ceil(live_r / S))."""
+def settle_experiment(R=64, L=4096, S=16, evict=0.5, headroom=None, theta_f=None, seed=0, max_steps=5000) -> dict:
+    """Random eviction at ``evict`` over R requests of L tokens, then reclamation with the
+    shipped planner defaults (``PlannerConfig()``; ``headroom`` / ``theta_f`` override them)
+    until it settles (a step with nothing launched and nothing in flight). Retained blocks
+    are the blocks the table references; the ideal is sum(ceil(live_r / S))."""
     table, alloc, mgr = _planner_setup(R, L, S, evict, headroom, theta_f, seed)
     before = table.num_ref_blocks
     steps = 0
@@ -195,7 +206,8 @@ def settle_experiment(R=64, L=4096, S=16, evict=0.5, headroom=64, theta_f=0.02, 
     ideal = sum(-(-table.num_live(r) // S) for r in range(R))
     return {"settled_blocks": table.num_ref_blocks, "blocks_before": before, "ideal_blocks": ideal,
             "settled_over_ideal": table.num_ref_blocks / ideal, "settle_steps": steps,
-            "settle_theta_f": theta_f, "settle_headroom": headroom, "settle_moves": mgr.stats["moves"]}
+            "settle_theta_f": mgr.cfg.theta_f, "settle_headroom": mgr.cfg.headroom, "settle_moves": mgr.stats["moves"],
+            "settle_config": {k: v for k, v in vars(mgr.cfg).items()}}
 
 
 BENCHES["planner"] = bench_planner

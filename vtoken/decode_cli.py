@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -27,7 +28,6 @@ import torch
 from .engine import MODES, DecodeEngine, default_planner_config
 from .errors import AllocatorError, RelocationCheckError, VTokenError
 from .model import DecoderConfig, PagedDecoder
-from .planner import PlannerConfig
 from .policies import POLICIES
 
 __all__ = ["main_decode", "bench_decode", "make_prompts"]
@@ -118,12 +118,12 @@ def main_decode(argv) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("vtoken decode: --device cuda but torch.cuda is not available", file=sys.stderr)
         return 2
-    base = default_planner_config()
-    cfg = PlannerConfig(theta_f=a.theta_f if a.theta_f is not None else base.theta_f,
-                        check_every=a.check_every or base.check_every,
-                        max_sources=a.max_sources or base.max_sources,
-                        headroom=a.headroom if a.headroom is not None else base.headroom,
-                        low_watermark=None, record_snapshots=a.check_relocations)
+    base = default_planner_config()  # the shipped defaults; the flags override single fields
+    cfg = replace(base, theta_f=a.theta_f if a.theta_f is not None else base.theta_f,
+                  check_every=a.check_every or base.check_every,
+                  max_sources=a.max_sources or base.max_sources,
+                  headroom=a.headroom if a.headroom is not None else base.headroom,
+                  record_snapshots=a.check_relocations)
     model = PagedDecoder(DecoderConfig(seed=a.model_seed))
     prompts = make_prompts(a.requests, a.prompt_tokens, model.config.vocab_size, a.seed)
     main = _run(model, a.mode, a, prompts, cfg)

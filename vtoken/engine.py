@@ -89,15 +89,14 @@ __all__ = ["DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config"
 MODES = ("native", "naive-evict", "vtoken")
 
 
-def default_planner_config(record_snapshots: bool = False, headroom: int = 12) -> PlannerConfig:
-    """A config that relocates often (the engine's default; stated in reports).
-
-    theta_f = 0.10 (the paper's default is 0.25): plan as soon as 10% of allocated slots
-    are dead; check_every = 2 steps; up to 8 sources per plan; ``headroom`` reserved
-    destination blocks; no low watermark (plan whenever F > theta_f).
+def default_planner_config(record_snapshots: bool = False, headroom: Optional[int] = None) -> PlannerConfig:
+    """The engine's planner settings: the shipped defaults, ``PlannerConfig()`` (a thin
+    wrapper kept for its callers; there is no engine-only configuration), with
+    ``record_snapshots`` and, when given, ``headroom`` set. ``run`` sizes an unset pool for
+    full retention plus the headroom, so the reservation never competes with the batch.
     """
-    return PlannerConfig(theta_f=0.10, check_every=2, max_sources=8, headroom=headroom, low_watermark=None,
-                         record_snapshots=record_snapshots)
+    kw = {} if headroom is None else {"headroom": int(headroom)}
+    return PlannerConfig(record_snapshots=record_snapshots, **kw)
 
 
 def full_retention_blocks(prompt_lens: Sequence[int], new_tokens: Sequence[int] | int, block_size: int,

@@ -1,12 +1,14 @@
 """The reclamation manager: stages 1-3 of the paper's backend (section 3.3) and the plan lifecycle.
 
 Stage 1 (eligibility): the waste ratio F is read from the table's incremental totals
-(O(1)); eligibility is checked every ``check_every`` scheduler steps.
+(O(1)); eligibility is checked every ``check_every`` scheduler steps by
+:func:`should_reclaim`, the one trigger every driver calls: F > ``theta_f``, or any waste
+once free blocks are at or below the low watermark (derived from the pool and the running
+requests by :func:`low_watermark` unless set; see :class:`PlannerConfig`).
 
 Stage 2 (headroom-aware admission): ``headroom`` blocks are *reserved* in the allocator
-(carved out of the same budget, never extra memory); reclamation is attempted when
-F > ``theta_f`` and free blocks are at or below ``low_watermark``. ``backpressure`` tells
-the scheduler to stop admitting new requests while the headroom is short.
+(carved out of the same budget, never extra memory). ``backpressure`` tells the scheduler
+to stop admitting new requests while the headroom is short.
 
 Stage 3 (planning), per request: candidate sources are the request's blocks that are
 private (referenced only by it), not its tail (the block holding its last position, which
@@ -222,13 +224,95 @@ def snapshot_applied(snap: dict, table: TokenTable, req_id, applied: Applied) ->
 
 @dataclass
 class PlannerConfig:
+    """The planner's settings. ``PlannerConfig()`` is THE shipped default: the manager, the
+    decode engine and the vLLM adapter all start from it (no second set of defaults).
+
+    When to plan (stage 1 and 2) is :func:`should_reclaim`, the one trigger every path calls:
+
+    * ``F > theta_f``: plan whatever the pressure (the paper's stage-1 gate, 0.25 its default):
+      memory may be plentiful, but a quarter of the referenced slots are dead;
+    * ``F > 0`` and free blocks ``<= low_watermark``: the pool is short, so any reclaimable
+      block is capacity the scheduler is about to need: plan until F is 0 (ideal packing).
+
+    ``low_watermark = None`` (default) derives the watermark from the pool and the request mix
+    (:func:`low_watermark`): the larger of the average footprint of a running request and a
+    reaction reserve. A fixed watermark cannot serve both a pool of 100 blocks and one of
+    11,519, nor two requests and two hundred. A negative watermark turns the pressure branch
+    off (the paper's F > theta_f trigger alone).
+
+    Why each default is what it is (measured with ``vtoken simulate frontier|robustness``):
+
+    * ``theta_f = 0.25``: the paper's value; it only governs an unpressed pool (under pressure
+      the watermark branch reclaims everything), so it bounds wasted slots, not capacity.
+    * ``check_every = 1``: a check is O(1) (F and counters) and a round O(requests), so there
+      is nothing to amortise; larger intervals are tolerated (the robustness grid runs 1-4).
+    * ``max_sources = B``: at least 2 S, so a plan can gather the S holes that free one block
+      even when every block misses a single token (one S + 1 block plan per such request);
+      larger B only makes single plans bigger (more bytes in flight per plan).
+    * ``headroom``: destinations are the throughput of reclamation (a plan over one-hole
+      blocks needs S - 1 destinations per block it frees, held for the copy's latency); it is
+      carved out of the budget, and while copies fly the manager tops it up again, so up to
+      twice this is reserved: the value is the smallest that held the frontier at every
+      latency of the grid with margin.
+    * ``copy_steps = 4``: the copy latency (scheduler steps) the reaction reserve is sized for.
+    * ``max_plans_per_round`` unbounded: one plan per request at most anyway (I4), and the
+      headroom bounds the destinations; a cap only delays plans under pressure.
+    * ``record_snapshots = False``: every applied plan would be kept in ``history``.
+    """
+
     theta_f: float = 0.25
     check_every: int = 1  # K: scheduler steps between eligibility checks
-    max_sources: int = 8  # B: source blocks per plan
-    headroom: int = 8  # blocks reserved for compaction destinations
-    low_watermark: Optional[int] = None  # plan when free <= this; None: whenever F > theta_f
+    max_sources: int = 32  # B: source blocks per plan
+    headroom: int = 64  # blocks reserved for compaction destinations
+    low_watermark: Optional[int] = None  # None: derived (low_watermark()); < 0: no pressure branch
+    copy_steps: int = 4  # copy latency (steps) the derived watermark's reaction reserve covers
     max_plans_per_round: int = 1 << 30
     record_snapshots: bool = False
+
+
+def trigger_inputs(table: TokenTable, free_blocks: int) -> dict:
+    """The trigger's inputs, read off a table (O(requests)) and the pool's free-block count."""
+    return dict(waste_ratio=table.waste_ratio(), free_blocks=int(free_blocks), ref_blocks=table.num_ref_blocks,
+                num_requests=len(table.requests()), block_size=table.S)
+
+
+def low_watermark(cfg: PlannerConfig, *, ref_blocks: int, num_requests: int, block_size: int) -> int:
+    """Free blocks at or below which the pool is under pressure (:func:`should_reclaim`).
+
+    ``cfg.low_watermark`` when set; otherwise ``max(footprint, reserve)``:
+
+    * footprint = ``ceil(ref_blocks / num_requests)``, the blocks of an average running
+      request: while the free pool could still take one more such request, fragmentation is
+      left to the ``theta_f`` gate; once it cannot, every reclaimable block is a block the
+      scheduler is short of. At a capacity frontier the free pool is below one request's
+      footprint by definition, so reclamation there runs from the first hole, and the whole
+      slack absorbs the copies' latency rather than only a fixed margin of it.
+    * reserve = ``headroom + ceil(num_requests * (check_every + copy_steps + 1) / S)``: what
+      refilling the headroom and the running requests' growth (one token a step each) take
+      before a plan launched now frees anything; it rules when requests are small.
+
+    O(1).
+    """
+    if cfg.low_watermark is not None:
+        return int(cfg.low_watermark)
+    n = max(1, int(num_requests))
+    footprint = -(-int(ref_blocks) // n)
+    reserve = cfg.headroom + -(-n * (cfg.check_every + cfg.copy_steps + 1) // int(block_size))
+    return max(footprint, reserve)
+
+
+def should_reclaim(cfg: PlannerConfig, *, waste_ratio: float, free_blocks: int, ref_blocks: int,
+                   num_requests: int, block_size: int) -> bool:
+    """The trigger (stage 1 and 2), the one every path calls: plan now?
+
+    True when ``waste_ratio > cfg.theta_f`` (the paper's gate), or when there is any waste
+    (``waste_ratio > 0``) and ``free_blocks <= low_watermark(...)`` (the pool is short). Pure;
+    O(1). Inputs: :func:`trigger_inputs`.
+    """
+    if waste_ratio > cfg.theta_f:
+        return True
+    return waste_ratio > 0.0 and free_blocks <= low_watermark(cfg, ref_blocks=ref_blocks, num_requests=num_requests,
+                                                             block_size=block_size)
 
 
 @dataclass
@@ -324,10 +408,8 @@ class ReclamationManager:
         return len(self.headroom) < self.cfg.headroom
 
     def eligible(self) -> bool:
-        if self.table.waste_ratio() <= self.cfg.theta_f:
-            return False
-        wm = self.cfg.low_watermark
-        return wm is None or self.alloc.num_free <= wm
+        """Should this step plan? :func:`should_reclaim` over the table and the free blocks."""
+        return should_reclaim(self.cfg, **trigger_inputs(self.table, self.alloc.num_free))
 
     def is_busy(self, block_id: int) -> bool:
         """Is the block a source or destination of an in-flight plan? (O(1))"""

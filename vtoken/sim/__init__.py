@@ -6,17 +6,23 @@
 - :func:`run_waste` (paper Fig. 1), :func:`run_retained` (Fig. 7b),
 - :func:`run_frontier` (Fig. 9/10), :func:`run_sweeps` (section 4.5),
 - :func:`run_scaling` (scheduler-side cost against concurrency),
+- :func:`run_robustness` (the defaults' frontier over copy latency x check interval; not
+  part of ``run_all``: it is the long one),
 - :func:`run_all`.
 
-Every one takes ``quick=True`` for a small, fast run (tests), ``seeds`` and ``jobs``.
+Every one takes ``quick=True`` for a small, fast run (tests), ``seeds``, ``jobs`` and
+``progress`` (``progress(label, done, total)``, e.g. :class:`parallel.Progress`).
 """
 
 from .frontier import run_frontier
+from .robustness import run_robustness
 from .scaling import run_scaling
 from .workloads import run_retained, run_sweeps, run_waste
 
-__all__ = ["run_waste", "run_retained", "run_frontier", "run_sweeps", "run_scaling", "run_all", "EXPERIMENTS"]
+__all__ = ["run_waste", "run_retained", "run_frontier", "run_sweeps", "run_scaling", "run_robustness", "run_all",
+           "EXPERIMENTS", "COMMANDS"]
 
+# the figures of ``run_all``, in the order it runs them
 EXPERIMENTS = {
     "waste": run_waste,
     "retained": run_retained,
@@ -24,11 +30,15 @@ EXPERIMENTS = {
     "sweeps": run_sweeps,
     "scaling": run_scaling,
 }
+# every experiment ``vtoken simulate`` runs by name
+COMMANDS = dict(EXPERIMENTS, robustness=run_robustness)
 
 
 def run_all(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
             progress=None) -> dict:
-    """Every experiment into one folder, plus ``README.md`` / ``all.json`` with the timings."""
+    """Every experiment of :data:`EXPERIMENTS` into one folder, plus ``README.md`` /
+    ``all.json`` with the timings. Retained runs first: its Naive-Evict runs are the waste
+    figure's too (the same traces and decisions), so waste does not replay them."""
     import json
     import time
 
@@ -37,16 +47,22 @@ def run_all(quick: bool = False, seeds: int | None = None, out=None, jobs: int |
     d = rep.out_dir(out)
     t0 = time.perf_counter()
     results, timings = {}, {}
-    for name, fn in EXPERIMENTS.items():
+    order = ["retained", "waste"] + [k for k in EXPERIMENTS if k not in ("retained", "waste")]
+    for name in order:
         t = time.perf_counter()
-        results[name] = fn(quick=quick, seeds=seeds, out=d, jobs=jobs)
+        kw = dict(quick=quick, seeds=seeds, out=d, jobs=jobs, progress=progress)
+        if name == "waste":
+            kw["_results"] = results["retained"].pop("_raw")
+        results[name] = EXPERIMENTS[name](**kw)
         timings[name] = time.perf_counter() - t
         if progress:
-            progress(f"{name}: {timings[name]:.1f} s")
+            progress(f"{name} done in {timings[name]:.1f} s; experiments", len(timings), len(order))
+    results["retained"].pop("_raw", None)
     total = time.perf_counter() - t0
+    timings = {k: timings[k] for k in EXPERIMENTS}
     summary = dict(total_s=total, timings_s=timings, quick=quick, out=str(d), headline=headline(results),
                    code=code_state())
-    lines = [f"# vtoken simulate all\n", f"Total wall time: {total:.1f} s ({'quick' if quick else 'full'} mode).\n",
+    lines = ["# vtoken simulate all\n", f"Total wall time: {total:.1f} s ({'quick' if quick else 'full'} mode).\n",
              f"Code: {summary['code']}\n",
              rep.md_table(["experiment", "seconds", "report"],
                           [[k, f"{v:.1f}", f"[{k}.md]({k}.md)"] for k, v in timings.items()]), "",
@@ -87,6 +103,9 @@ def headline(results: dict) -> dict:
     if "frontier" in results:
         h["frontier"] = results["frontier"]["frontier"]
         h["frontier_ideal"] = results["frontier"]["ideal"]
+        h["frontier_moved_over_bound"] = {b: round(t["vtoken_default"]["moved_over_bound"]["median"], 2)
+                                          for b, t in results["frontier"]["traffic"].items()
+                                          if t.get("vtoken_default")}
     if "scaling" in results:
         r = results["scaling"]["per_request_ratio_1024_over_64"]
         h["scaling_per_request_ratio_1024_over_64"] = round(r["median"], 3) if r else None

@@ -94,6 +94,7 @@ class Replay:
         self.phase_timing, self.want_slot_mapping, self.force_sync = phase_timing, slot_mapping, force_sync
         self.active: list[_R] = []
         self.busy: dict[int, int] = {}  # source block -> plan id (in-flight plans)
+        self.busy_mask = np.zeros(self.num_blocks, dtype=bool)  # the same, as a mask (vector lookups)
         self.plan_req: dict[int, int] = {}
         self.mgr = None
         if mode == "vtoken":
@@ -114,13 +115,31 @@ class Replay:
         self.demand_tl: list = []
         self.phase = dict(sync=0.0, evict=0.0, plan=0.0, slot_map=0.0, flush=0.0)
         self.phase_steps = 0
+        self.traffic = dict(plans=0, moved=0, freed=0, bound=0, source_live=0, sources=0, dests=0,
+                            peak_inflight_blocks=0, peak_inflight_dests=0)
 
     # -------------------------------------------------------------- planner hooks
+    def _count_plan(self, p) -> None:
+        """Copy traffic of a plan at launch: tokens moved, blocks it frees (sources - dests),
+        and its lower bound: the live tokens of that many of its emptiest sources (freeing k
+        blocks moves at least the live tokens of k blocks, in place or out of place)."""
+        freed = len(p.sources) - len(p.dests)
+        nb = np.sort(self.table.n_b[np.asarray(p.sources, dtype=np.int64)])
+        tr = self.traffic
+        tr["plans"] += 1
+        tr["moved"] += len(p.moves)
+        tr["freed"] += freed
+        tr["source_live"] += int(nb.sum())
+        tr["bound"] += int(nb[:max(freed, 0)].sum())
+        tr["sources"] += len(p.sources)
+        tr["dests"] += len(p.dests)
+
     def _on_applied(self, plan) -> None:
         r = self.reqs.get(plan.req_id)
         for b in plan.sources:
             if self.busy.get(b) == plan.id:
                 del self.busy[b]
+                self.busy_mask[b] = False
         self.plan_req.pop(plan.id, None)
         if r is None:
             return
@@ -170,7 +189,7 @@ class Replay:
             return
         blk = t.slots(r.id)[v] // self.S
         if self.busy:
-            bz = np.fromiter((b in self.busy for b in blk.tolist()), dtype=bool, count=len(blk))
+            bz = self.busy_mask[blk]
             self.inflight_victims += int(bz.sum())
             if self.defer and bz.any():
                 r.deferred.extend(v[bz].tolist())
@@ -209,6 +228,7 @@ class Replay:
                 if rid == r.id:
                     for b in [b for b, p in self.busy.items() if p == pid]:
                         del self.busy[b]
+                        self.busy_mask[b] = False
                     del self.plan_req[pid]
             self.mgr.finish_request(r.id, sorted(r.held))
         else:
@@ -259,11 +279,19 @@ class Replay:
         if self.mgr is not None:
             c0 = clock() if pt else 0.0
             self.mgr.step(force_sync=self.force_sync)
+            fl_src = fl_dst = 0
             for p in self.mgr.in_flight.values():
+                fl_src += len(p.sources)
+                fl_dst += len(p.dests)
                 if p.id not in self.plan_req:
                     self.plan_req[p.id] = p.req_id
                     for b in p.sources:
                         self.busy[b] = p.id
+                        self.busy_mask[b] = True
+                    self._count_plan(p)
+            if fl_src + fl_dst > self.traffic["peak_inflight_blocks"]:
+                self.traffic["peak_inflight_blocks"] = fl_src + fl_dst
+                self.traffic["peak_inflight_dests"] = fl_dst
             if pt:
                 self.phase["plan"] += clock() - c0
             if self.defer and (self.busy or any(r.deferred for r in self.active)):
@@ -354,6 +382,7 @@ class Replay:
                    inflight_victims=self.inflight_victims)
         if self.mgr is not None:
             out["planner"] = dict(self.mgr.stats)
+            out["traffic"] = dict(self.traffic)
         return out
 
     def sample_array(self) -> np.ndarray:

@@ -5,18 +5,26 @@ per token, 2 MiB per block of 16), block size 16, 12K (12,288-token) outputs, pr
 4,032 tokens so that a fully retained request needs exactly 1,020 blocks, H2O with a keep
 budget of 8,192 tokens (ideal packed footprint 512 blocks; recent window 4,096). All C
 requests are admitted at step 0 and decode in lockstep (the worst case for a shared peak).
-A budget of N blocks has N - 1 usable ones (block 0 is the null block, as in vLLM).
+A budget of N blocks has N - 1 usable ones (block 0 is the null block, as in vLLM). The
+Qwen2.5-14B row is the same trace in blocks on that model's budget (:func:`kv_budget`:
+48 layers, 192 KiB per token, 3 MiB per block).
 
 A concurrency C is **feasible** when every request completes without preemption: a
 request that needs a block when none is free is preempted and the run is infeasible.
-The frontier is the largest feasible C (searched upward from the ideal if feasible there,
-else by bisection; feasibility is assumed monotone in C).
+The frontier is the largest feasible C. No C above the ideal packing ``floor((N - 1) /
+512)`` can be feasible (the live tokens alone need more blocks), so it is never run.
 
 - **Native** and **Naive-Evict** requests do not interact, so one unconstrained run of
   C_max requests gives every C's peak demand (prefix sums of per-request block counts);
   the predicted frontier is then confirmed by budget-constrained runs at C and C + 1.
 - **vToken** requests interact (shared headroom, planner order), so every point is a
-  budget-constrained run. Headroom is reserved out of the same budget.
+  budget-constrained run (from the ideal down: bisection when the ideal fails). Headroom
+  is reserved out of the same budget. ``vtoken_default`` is ``PlannerConfig()`` as shipped;
+  ``vtoken`` the earlier hand-tuned point (kept as the comparison column).
+
+Copy traffic (``traffic``): per plan, tokens moved and the blocks it frees (sources -
+destinations), against the lower bound of that work: the live tokens of that many of its
+emptiest sources (freeing k blocks moves at least k blocks' live tokens).
 
 Normalised demand = peak (used + reserved) blocks / usable blocks.
 """
@@ -37,34 +45,74 @@ from .stats import fmt, int_summary, summary
 from .traces import frontier_request_shape
 from .workloads import method_md
 
-PAPER = {"5427": {"native": 5, "naive_evict": 5, "vtoken": 8}, "11519": {"native": 11, "naive_evict": 11, "vtoken": 22}}
 BUDGETS = (5427, 11519)
-GEOMETRY = dict(model="Llama-3.1-8B", layers=32, kv_heads=8, head_dim=128, dtype="fp16",
-                kv_bytes_per_token=2 * 32 * 8 * 128 * 2)
+QWEN = "qwen-3438"  # the Qwen2.5-14B budget's label (blocks: kv_budget("Qwen2.5-14B", 0.50))
+GEOMETRIES = {
+    # params: what the weights take (bf16/fp16, 2 bytes each); kv_bytes_per_token = 2 (K, V) x layers x kv heads x head dim x 2
+    "Llama-3.1-8B": dict(layers=32, kv_heads=8, head_dim=128, dtype="fp16", params=8.03e9,
+                         kv_bytes_per_token=2 * 32 * 8 * 128 * 2),
+    "Qwen2.5-14B": dict(layers=48, kv_heads=8, head_dim=128, dtype="bf16", params=14.7e9,
+                        kv_bytes_per_token=2 * 48 * 8 * 128 * 2),
+}
+GEOMETRY = dict(model="Llama-3.1-8B", **{k: v for k, v in GEOMETRIES["Llama-3.1-8B"].items() if k != "params"})
+PAPER = {"5427": {"native": 5, "naive_evict": 5, "vtoken": 8}, "11519": {"native": 11, "naive_evict": 11, "vtoken": 22},
+         # the paper: Native and Naive-Evict fail at C = 4, vToken feasible through C = 6 (fails at C = 8)
+         QWEN: {"native": "<4", "naive_evict": "<4", "vtoken": 6}}
 
-# The tuned vToken: reclaim when free blocks fall to the low watermark (no F gate: at the
-# ideal packing F must stay below ~2%), big plans, a 48-block headroom, check every step.
-TUNED = dict(theta_f=0.0, check_every=1, max_sources=128, headroom=48, low_watermark=48, max_plans_per_round=2)
-# The planner module's defaults with the paper's theta_F = 0.25.
-DEFAULT = dict(theta_f=0.25, check_every=1, max_sources=8, headroom=8, low_watermark=None)
-# One factor at a time away from TUNED, at the large budget and C = ideal.
+
+def kv_budget(model: str, gpu_mem_util: float, block_size: int = 16) -> int:
+    """KV blocks vLLM gives ``model`` on the paper's H100 at ``gpu_mem_util``.
+
+    vLLM's budget is ``util x M - weights - other``; M (the memory vLLM sees) and ``other``
+    (activations, CUDA graphs, allocator slack) are solved from the paper's two Llama-3.1-8B
+    budgets (5,427 blocks at 0.35, 11,519 at 0.50: M = 79.3 GiB, other = 2.2 GiB), and
+    ``other`` is assumed the same for the other model (an estimate: a bigger model's
+    activations are somewhat larger). Qwen2.5-14B at 0.50: 3,438 blocks of 3 MiB (at 0.35 its
+    29.4 GB of weights leave no KV memory). The ideal packing there is 6 requests, Native
+    and Naive-Evict hold 3: the paper's "fail at C = 4, vToken through C = 6".
+    """
+    llama = GEOMETRIES["Llama-3.1-8B"]
+    blk_l = llama["kv_bytes_per_token"] * block_size
+    M = (11519 - 5427) * blk_l / 0.15
+    other = 0.35 * M - 5427 * blk_l - 2 * llama["params"]
+    g = GEOMETRIES[model]
+    return int((gpu_mem_util * M - 2 * g["params"] - other) // (g["kv_bytes_per_token"] * block_size))
+
+
+# The earlier hand-tuned point (issue 14's "vToken tuned" column): reclaim only when free blocks
+# fall to 48 (theta_F = 1.0: the F gate never opens on its own), big plans, 48 headroom, 2 plans
+# per round. It reaches the ideal at copy latency 1 / check interval 1 and breaks off it.
+TUNED = dict(theta_f=1.0, check_every=1, max_sources=128, headroom=48, low_watermark=48, max_plans_per_round=2)
+# The shipped defaults: PlannerConfig() as it is.
+DEFAULT: dict = {}
+# One factor at a time away from the shipped defaults, at the large budget and C = ideal
+# (copy latency and check interval: the robustness experiment).
 ABLATIONS = [
-    ("check_every=2", dict(check_every=2), 1), ("check_every=4", dict(check_every=4), 1),
-    ("copy latency 2", {}, 2),
-    ("headroom=16", dict(headroom=16), 1), ("headroom=8", dict(headroom=8), 1),
-    ("max_sources=8", dict(max_sources=8), 1), ("theta_F=0.25", dict(theta_f=0.25), 1),
-    ("low_watermark=16", dict(low_watermark=16), 1), ("no watermark (eager)", dict(low_watermark=None), 1),
+    ("paper trigger: F > 0.25 only (no watermark)", dict(low_watermark=-1), 1),
+    ("fixed watermark 16", dict(low_watermark=16), 1),
+    ("headroom 32", dict(headroom=32), 1), ("headroom 16", dict(headroom=16), 1),
+    ("max_sources 16", dict(max_sources=16), 1), ("max_sources 8", dict(max_sources=8), 1),
 ]
 
 
 def setting(quick: bool) -> dict:
-    if quick:  # 1/16 of the paper's scale: 64-block requests, 32-block ideal, budgets / 16
-        return dict(S=16, full_blocks=64, output=768, keep=512, budgets={"5427": 340, "11519": 720},
-                    window=8, seeds=2, scale=1 / 16, tuned=dict(TUNED, headroom=8, low_watermark=24),
-                    default=dict(DEFAULT), curve={"5427": [], "11519": [8]}, ablations=ABLATIONS[1:2])
-    return dict(S=16, full_blocks=1020, output=12288, keep=8192, budgets={str(b): b for b in BUDGETS},
-                window=16, seeds=5, scale=1.0, tuned=dict(TUNED), default=dict(DEFAULT),
-                curve={"5427": [4, 8], "11519": [8, 16]}, ablations=ABLATIONS)
+    if quick:  # 1/16 of the paper's scale: 64-block requests, 32-block ideal, budgets / 16, headroom / 16
+        return dict(S=16, full_blocks=64, output=768, keep=512,
+                    budgets={"5427": 340, "11519": 720, QWEN: kv_budget("Qwen2.5-14B", 0.5) // 16},
+                    geometry={"5427": "Llama-3.1-8B", "11519": "Llama-3.1-8B", QWEN: "Qwen2.5-14B"},
+                    window=8, seeds=2, robust_seeds=1, robust_grid=((0, 4), (1, 4)), scale=1 / 16, tuned=dict(TUNED, headroom=8, low_watermark=24),
+                    default=dict(headroom=PlannerConfig().headroom // 16), curve={"5427": [], "11519": [8], QWEN: []},
+                    ablations=ABLATIONS[2:3], ablation_seeds=1)
+    return dict(S=16, full_blocks=1020, output=12288, keep=8192,
+                budgets={"5427": 5427, "11519": 11519, QWEN: kv_budget("Qwen2.5-14B", 0.5)},
+                geometry={"5427": "Llama-3.1-8B", "11519": "Llama-3.1-8B", QWEN: "Qwen2.5-14B"},
+                window=16, seeds=5, robust_seeds=2, robust_grid=((0, 1, 2, 3, 4), (1, 2, 3, 4)), scale=1.0, tuned=dict(TUNED), default=dict(DEFAULT),
+                curve={"5427": [4, 8], "11519": [8, 16], QWEN: [2, 4]}, ablations=ABLATIONS, ablation_seeds=2)
+
+
+def geometry_budgets(st) -> dict:
+    """label -> (model, blocks) of the setting's budgets."""
+    return {k: (st["geometry"][k], nb) for k, nb in st["budgets"].items()}
 
 
 def _ideal(st, nb):
@@ -82,14 +130,15 @@ def _compact(res: dict) -> dict:
     keep = ("feasible", "preempted_at", "peak_demand", "peak_norm", "peak_info", "wall_s", "inflight_victims",
             "steps", "usable")
     out = {k: res[k] for k in keep}
-    if "planner" in res:
-        out["planner"] = res["planner"]
+    for k in ("planner", "traffic"):
+        if k in res:
+            out[k] = res[k]
     return out
 
 
 def _run(scheds, mode, nb, C, st, cfg=None, latency=1, timeline=True):
-    rp = Replay(scheds[:C], mode, st["S"], nb, planner=PlannerConfig(**cfg) if cfg else None, latency=latency,
-                sample_every=0, flush_every=64, timeline=timeline, timeline_every=32)
+    rp = Replay(scheds[:C], mode, st["S"], nb, planner=PlannerConfig(**cfg) if cfg is not None else None,
+                latency=latency, sample_every=0, flush_every=1024, timeline=timeline, timeline_every=32)
     out = _compact(rp.run())
     out["C"] = C
     if timeline:
@@ -100,7 +149,7 @@ def _run(scheds, mode, nb, C, st, cfg=None, latency=1, timeline=True):
 def _task_unconstrained(seed, mode, scheds, st):
     """Per-C peak demand of a non-interacting system from one run of all requests."""
     C = len(scheds)
-    rp = Replay(scheds, mode, st["S"], C * st["full_blocks"] + 2, sample_every=0, flush_every=64,
+    rp = Replay(scheds, mode, st["S"], C * st["full_blocks"] + 2, sample_every=0, flush_every=1024,
                 req_timeline=True)
     res = rp.run()
     tl = np.asarray([row for row in rp.req_tl if len(row) == C], dtype=np.int64)
@@ -143,55 +192,71 @@ def _search(run, start: int, cmax: int, lo_hint: int = 0) -> tuple[int, dict]:
     return lo, cache
 
 
-def _task_budget(seed, label, nb, scheds, st, predicted: dict, curve: list):
-    """All constrained runs for one (seed, budget)."""
+def _task_budget(seed, label, nb, scheds, st, predicted: dict):
+    """The frontier searches for one (seed, budget)."""
     t0 = time.perf_counter()
     cmax = len(scheds)
     out = {"seed": seed, "budget": label}
     # native / naive: confirm the unconstrained prediction at C and C + 1
     for mode in ("native", "naive_evict"):
         C = predicted[mode]
-        lo, cache = _search(lambda c: _run(scheds, mode, nb, c, st), C, cmax)
-        out[mode] = dict(frontier=lo, predicted=C, runs={c: {k: v for k, v in r.items() if k != "timeline"}
-                                                         for c, r in cache.items()})
+        lo, cache = _search(lambda c: _run(scheds, mode, nb, c, st, timeline=False), C, cmax)
+        out[mode] = dict(frontier=lo, predicted=C, runs=cache)
     ideal = _ideal(st, nb)
-    per_req = -(-st["keep"] // st["S"])
-    for name, cfg in (("vtoken", st["tuned"]), ("vtoken_default", st["default"])):
-        # first guess: the ideal; with an F > theta_F gate, requests settle near per_req / (1 - theta_F)
-        start = ideal if cfg["theta_f"] <= 0.05 else max(1, int((nb - 1) * (1 - cfg["theta_f"]) // per_req))
-        lo, cache = _search(lambda c: _run(scheds, "vtoken", nb, c, st, cfg), start, cmax,
-                            lo_hint=max(out["naive_evict"]["frontier"], 1))
-        if name == "vtoken":
-            for c in curve:
-                if c not in cache and c <= cmax:
-                    cache[c] = _run(scheds, "vtoken", nb, c, st, cfg)
-        for c, r in cache.items():  # keep one demand timeline: at the frontier, for the plot
-            if c != lo or name != "vtoken":
+    for name, cfg in (("vtoken_default", st["default"]), ("vtoken", st["tuned"])):
+        # from the ideal down (ideal + 1 is infeasible by the live tokens alone)
+        lo, cache = _search(lambda c: _run(scheds, "vtoken", nb, c, st, cfg, timeline=name == "vtoken_default"),
+                            ideal, min(cmax, ideal), lo_hint=max(out["naive_evict"]["frontier"], 1))
+        for c, r in cache.items():  # keep one demand timeline: the defaults' at the frontier, for the plot
+            if c != lo:
                 r.pop("timeline", None)
         out[name] = dict(frontier=lo, runs=cache)
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
-def _dispatch(kind, a):
-    return _task_budget(*a) if kind == "budget" else _task_ablation(*a)
+def _task_curve(seed, label, nb, scheds, st, C):
+    """One point of the defaults' demand curve below the frontier (paper Fig. 10)."""
+    return seed, label, C, _run(scheds, "vtoken", nb, C, st, st["default"], timeline=False)
 
 
 def _task_ablation(seed, label, nb, scheds, st, name, over, latency, C):
-    cfg = dict(st["tuned"], **over)
+    cfg = dict(st["default"], **over)
     r = _run(scheds, "vtoken", nb, C, st, cfg, latency=latency, timeline=False)
     return seed, name, r
 
 
+def _dispatch(kind, a):
+    return {"budget": _task_budget, "curve": _task_curve, "ablation": _task_ablation}[kind](*a)
+
+
+def traffic_summary(runs: list) -> dict:
+    """Copy traffic over runs (one per seed): tokens moved per block freed against the lower
+    bound (the live tokens of the freed-count emptiest sources of each plan), and against the
+    live tokens of all of each plan's sources (every one of them is freed: 1.0 unless a moved
+    token died in flight)."""
+    trs = [r["traffic"] for r in runs if r.get("traffic") and r["traffic"].get("freed")]
+    if not trs:
+        return {}
+    return dict(moved_over_bound=summary([t["moved"] / max(t["bound"], 1) for t in trs]),
+                moved_over_source_live=summary([t["moved"] / max(t["source_live"], 1) for t in trs]),
+                moved_per_block_freed=summary([t["moved"] / t["freed"] for t in trs]),
+                bound_per_block_freed=summary([t["bound"] / t["freed"] for t in trs]),
+                source_fill=summary([t["source_live"] / max(t["sources"], 1) for t in trs]),
+                plans=summary([t["plans"] for t in trs]), moved=summary([t["moved"] for t in trs]),
+                blocks_freed=summary([t["freed"] for t in trs]),
+                peak_inflight_blocks=summary([t["peak_inflight_blocks"] for t in trs]))
+
+
 # ------------------------------------------------------------------------- the experiment
 def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
-                 ablations: bool = True) -> dict:
+                 ablations: bool = True, progress=None) -> dict:
     """Find the highest feasible concurrency per system and budget; returns the result dict
-    (``frontier[budget] = {native, naive_evict, vtoken}``, medians over seeds)."""
+    (``frontier[budget] = {native, naive_evict, vtoken, vtoken_default}``, medians over seeds)."""
     st = setting(quick)
     n_seeds = seeds or st["seeds"]
     jobs = jobs or default_jobs(quick)
-    blist = {str(b): st["budgets"].get(str(b), int(b)) for b in (budgets or BUDGETS)}
+    blist = {str(b): st["budgets"][str(b)] for b in (budgets or st["budgets"])}
     t0 = time.perf_counter()
     ideal = {k: _ideal(st, nb) for k, nb in blist.items()}
     cmax = max(ideal.values()) + 1
@@ -199,7 +264,8 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
 
     # 1. schedules (policy decisions), in parallel chunks
     chunks = [list(range(i, min(cmax, i + 6))) for i in range(0, cmax, 6)]
-    got = run_tasks(_task_schedules, [(s, ids, st) for s in range(n_seeds) for ids in chunks], jobs)
+    got = run_tasks(_task_schedules, [(s, ids, st) for s in range(n_seeds) for ids in chunks], jobs,
+                    progress=progress and (lambda d, n: progress("frontier: schedules", d, n)))
     scheds = {s: [] for s in range(n_seeds)}
     for s, lst in got:
         scheds[s].extend(lst)
@@ -207,54 +273,55 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
 
     # 2. unconstrained curves for the non-interacting systems
     unc = run_tasks(_task_unconstrained, [(s, m, scheds[s], st) for s in range(n_seeds)
-                                          for m in ("native", "naive_evict")], jobs)
+                                          for m in ("native", "naive_evict")], jobs,
+                    progress=progress and (lambda d, n: progress("frontier: unconstrained", d, n)))
     peaks = {(s, m): d for s, m, d in unc}
 
-    # 3. constrained runs: frontier searches (+ vToken curve points), and the ablations
+    # 3. constrained runs: frontier searches, the defaults' demand curve, the ablations
     tasks = []
     for s in range(n_seeds):
         for label, nb in blist.items():
             pred = {m: int(np.sum(np.asarray(peaks[(s, m)]["peaks"]) <= nb - 1)) for m in ("native", "naive_evict")}
-            tasks.append((s, label, nb, scheds[s], st, pred, st["curve"].get(label, [])))
+            tasks.append((s, label, nb, scheds[s], st, pred))
+    ctasks = [(s, label, nb, scheds[s], st, c) for s in range(n_seeds) for label, nb in blist.items()
+              for c in st["curve"].get(label, []) if c < ideal[label]]
     atasks = []
-    if ablations:
-        big = max(blist, key=lambda k: blist[k])
+    big = max(blist, key=lambda k: blist[k]) if blist else None
+    if ablations and big is not None:
         atasks = [(s, big, blist[big], scheds[s], st, name, over, lat, ideal[big])
-                  for s in range(n_seeds) for name, over, lat in st["ablations"]]
-    # one batch, biggest budgets first, so the two workers stay busy to the end
+                  for s in range(min(n_seeds, st["ablation_seeds"])) for name, over, lat in st["ablations"]]
+    # one batch, biggest first, so the two workers stay busy to the end
     tasks.sort(key=lambda a: -a[2])
-    mixed = run_tasks(_dispatch, [("budget", a) for a in tasks] + [("ablation", a) for a in atasks], jobs)
+    jobs_all = [("budget", a) for a in tasks] + [("ablation", a) for a in atasks] + [("curve", a) for a in ctasks]
+    mixed = run_tasks(_dispatch, jobs_all, jobs, progress=progress and (lambda d, n: progress("frontier: runs", d, n)))
     budget_res = mixed[:len(tasks)]
-    abl_res = mixed[len(tasks):]
+    abl_res = mixed[len(tasks):len(tasks) + len(atasks)]
+    curve_res = mixed[len(tasks) + len(atasks):]
 
     # 4. aggregate
-    frontier, spread, detail = {}, {}, {}
+    frontier, spread, detail, traffic = {}, {}, {}, {}
     for label in blist:
         rs = [r for r in budget_res if r["budget"] == label]
         frontier[label], spread[label], detail[label] = {}, {}, {}
         for sysname in ("native", "naive_evict", "vtoken", "vtoken_default"):
             summ = int_summary([r[sysname]["frontier"] for r in rs])
             spread[label][sysname] = summ
-            if sysname != "vtoken_default":
-                frontier[label][sysname] = summ["median"]
-        # peak decomposition of vToken at its frontier (per seed)
-        pk = []
-        for r in rs:
-            c = r["vtoken"]["frontier"]
-            if c in r["vtoken"]["runs"]:
-                pk.append(r["vtoken"]["runs"][c])
-        detail[label]["vtoken_at_frontier"] = _peak_summary(pk, per_req)
-        fails = [r["vtoken"]["runs"].get(r["vtoken"]["frontier"] + 1) for r in rs]
-        detail[label]["vtoken_first_infeasible"] = dict(
-            preempted_step=summary([f["preempted_at"]["step"] for f in fails if f and f.get("preempted_at")]),
-            why="the live tokens alone exceed the budget" if (r["vtoken"]["frontier"] + 1) * per_req > blist[label] - 1
-            else "planner could not keep up")
-        dfl = [r["vtoken_default"]["runs"].get(r["vtoken_default"]["frontier"] + 1) for r in rs]
-        detail[label]["vtoken_default_first_infeasible"] = _peak_summary([f for f in dfl if f], per_req)
+            frontier[label][sysname] = summ["median"]
+        for sysname in ("vtoken_default", "vtoken"):
+            at = [r[sysname]["runs"][r[sysname]["frontier"]] for r in rs if r[sysname]["frontier"] in r[sysname]["runs"]]
+            detail[label][f"{sysname}_at_frontier"] = _peak_summary(at, per_req)
+            fails = [r[sysname]["runs"].get(r[sysname]["frontier"] + 1) for r in rs]
+            fails = [f for f in fails if f]
+            detail[label][f"{sysname}_first_infeasible"] = dict(
+                _peak_summary(fails, per_req),
+                preempted_step=summary([f["preempted_at"]["step"] for f in fails if f.get("preempted_at")]),
+                why="the live tokens alone exceed the budget (not run)" if not fails else "the planner could not keep up")
+            traffic[label] = traffic.get(label, {})
+            traffic[label][sysname] = traffic_summary(at)
         detail[label]["predicted"] = {m: [r[m]["predicted"] for r in rs] for m in ("native", "naive_evict")}
         detail[label]["confirmed"] = {m: all(r[m]["predicted"] == r[m]["frontier"] for r in rs)
                                       for m in ("native", "naive_evict")}
-    curves = _curves(blist, budget_res, peaks, n_seeds, st)
+    curves = _curves(blist, budget_res, curve_res, peaks, n_seeds, st)
     abl = {}
     for s, name, r in abl_res:
         abl.setdefault(name, []).append(r)
@@ -267,9 +334,11 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
                  for name, rs in abl.items()}
     paper = {k: PAPER.get(k) for k in blist}
     result = dict(experiment="frontier", quick=quick, seeds=n_seeds, budgets=blist, frontier=frontier,
-                  ideal=ideal, paper=paper, spread=spread, detail=detail, curves=curves,
-                  ablations=dict(budget=max(blist, key=lambda k: blist[k]) if blist else None,
-                                 C=ideal[max(blist, key=lambda k: blist[k])] if blist else None, table=abl_table),
+                  ideal=ideal, paper=paper, spread=spread, detail=detail, curves=curves, traffic=traffic,
+                  geometry_of={k: st["geometry"][k] for k in blist}, geometries=GEOMETRIES,
+                  planner=dict(default=dict(vars(PlannerConfig(**st["default"]))), tuned=dict(st["tuned"])),
+                  ablations=dict(budget=big, C=ideal[big] if big else None, seeds=min(n_seeds, st["ablation_seeds"]),
+                                 table=abl_table),
                   setting={k: v for k, v in st.items() if k not in ("ablations",)}, geometry=GEOMETRY,
                   copy_engine="NullCopyEngine(latency=1): sources freed two scheduler steps after the plan, never before the copy",
                   schedule_s=t_sched, wall_s=time.perf_counter() - t0)
@@ -295,7 +364,7 @@ def _peak_summary(runs, per_req) -> dict:
     return out
 
 
-def _curves(blist, budget_res, peaks, n_seeds, st) -> dict:
+def _curves(blist, budget_res, curve_res, peaks, n_seeds, st) -> dict:
     out = {}
     for label, nb in blist.items():
         usable = nb - 1
@@ -307,7 +376,10 @@ def _curves(blist, budget_res, peaks, n_seeds, st) -> dict:
         for r in budget_res:
             if r["budget"] != label:
                 continue
-            for c, run in r["vtoken"]["runs"].items():
+            for c, run in r["vtoken_default"]["runs"].items():
+                vt.setdefault(int(c), []).append(run)
+        for _, lab, c, run in curve_res:
+            if lab == label:
                 vt.setdefault(int(c), []).append(run)
         cur["vtoken"] = {str(c): dict(peak_norm=summary([x["peak_norm"] for x in rs]),
                                       feasible=sum(x["feasible"] for x in rs), n=len(rs))
@@ -333,30 +405,31 @@ def _plot(result, budget_res, peaks, st):
         vt = cur["vtoken"]
         cs = [int(c) for c in vt]
         ax.plot(cs, [vt[str(c)]["peak_norm"]["median"] for c in cs], "o-", color="C3",
-                label=f"vToken (C={result['frontier'][label]['vtoken']})")
+                label=f"vToken, defaults (C={result['frontier'][label]['vtoken_default']})")
         bad = [c for c in cs if vt[str(c)]["feasible"] < vt[str(c)]["n"]]
         ax.plot(bad, [vt[str(c)]["peak_norm"]["median"] for c in bad], "x", color="k", ms=10, mew=2,
                 label="infeasible (preempted)")
         cs_all = np.arange(1, max(int(c) for c in cur["native"]) + 1)
         ax.plot(cs_all, cs_all * per_req / usable, ":", color="grey", label=f"ideal packing (C={result['ideal'][label]})")
         pv = (result["paper"].get(label) or {}).get("vtoken")
-        if pv:
+        if isinstance(pv, int):
             ax.plot([pv], [1.0], "*", color="C2", ms=14, label=f"paper's vToken (C={pv})")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_ylim(0, 2.2)
         ax.set_xlabel("concurrency C")
         ax.set_ylabel("peak blocks / budget")
-        ax.set_title(f"budget {label} blocks" + (f" (simulated {result['budgets'][label]})" if st["scale"] != 1 else ""))
+        ax.set_title(f"{result['geometry_of'][label]}, budget {label}"
+                     + (f" (simulated {result['budgets'][label]})" if st["scale"] != 1 else ""), fontsize=9)
         ax.legend(fontsize=7)
         # timeline at vToken's frontier, seed 0
         ax = axes[1][j]
         r0 = next((r for r in budget_res if r["budget"] == label and r["seed"] == 0), None)
         if r0 is not None:
-            C = r0["vtoken"]["frontier"]
-            run = r0["vtoken"]["runs"].get(C, {})
+            C = r0["vtoken_default"]["frontier"]
+            run = r0["vtoken_default"]["runs"].get(C, {})
             if "timeline" in run:
                 tl = np.asarray(run["timeline"])[:-2]  # the last samples are after the requests finished
-                ax.plot(tl[:, 0], tl[:, 1] / usable, color="C3", label=f"vToken, C={C}")
+                ax.plot(tl[:, 0], tl[:, 1] / usable, color="C3", label=f"vToken (defaults), C={C}")
             for m, lab in (("native", "Native"), ("naive_evict", "Naive-Evict")):
                 pt = np.asarray(peaks[(0, m)]["prefix_timeline"])
                 if C >= 1 and pt.size:
@@ -376,6 +449,7 @@ def _plot(result, budget_res, peaks, st):
 
 def _markdown(res, st) -> str:
     P, O = frontier_request_shape(st["full_blocks"], st["S"], st["output"])
+    dflt = res["planner"]["default"]
     L = []
     L.append("# Capacity frontier (paper Fig. 9 and 10)\n")
     L.append(f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head dim 128, fp16: "
@@ -383,24 +457,49 @@ def _markdown(res, st) -> str:
              f"tokens (fully retained: {st['full_blocks']} blocks), H2O keep budget {st['keep']} tokens "
              f"(ideal packed footprint {-(-st['keep'] // st['S'])} blocks, recent window {st['keep'] // 2}). All C "
              f"requests start together. Feasible = no request ever finds no free block. Median [min, max] over "
-             f"{res['seeds']} seeds.\n")
+             f"{res['seeds']} seeds. The {QWEN} row is Qwen2.5-14B (48 layers, 8 KV heads, head dim 128: "
+             f"{GEOMETRIES['Qwen2.5-14B']['kv_bytes_per_token'] // 1024} KiB/token) on its budget at gpu_mem_util "
+             f"0.50 ({kv_budget('Qwen2.5-14B', 0.5)} blocks, `vtoken.sim.frontier.kv_budget`), the same trace.\n")
     if st["scale"] != 1:
-        L.append(f"*Quick mode: 1/16 scale; budgets simulated as {res['budgets']}.*\n")
+        L.append(f"*Quick mode: 1/16 scale; budgets simulated as {res['budgets']}; the defaults' headroom / 16 "
+                 f"({st['default']}).*\n")
     rows = []
     for label in res["budgets"]:
         sp = res["spread"][label]
         pp = res["paper"].get(label) or {}
-        rows.append([label] + [f"{sp[m]['median']} [{sp[m]['min']}, {sp[m]['max']}] (paper {pp.get(m, '-')})"
-                               for m in ("native", "naive_evict", "vtoken")]
-                    + [f"{sp['vtoken_default']['median']} [{sp['vtoken_default']['min']}, {sp['vtoken_default']['max']}]",
-                       res["ideal"][label]])
-    L.append(rep.md_table(["budget", "Native", "Naive-Evict", "vToken (tuned)", "vToken (planner defaults)", "ideal"], rows))
-    L.append(f"\nvToken (tuned) planner: `{st['tuned']}`; planner defaults: `{st['default']}` "
-             f"(theta_F = 0.25, B = 8, headroom 8, no watermark). Copy engine: {res['copy_engine']}.\n")
-    L.append("## What the peak is made of (vToken tuned, at its frontier)\n")
+
+        def cell(m):
+            return f"{sp[m]['median']} [{sp[m]['min']}, {sp[m]['max']}]"
+        rows.append([f"{label} ({res['geometry_of'][label]})"]
+                    + [f"{cell(m)} (paper {pp.get(m, '-')})" for m in ("native", "naive_evict")]
+                    + [cell("vtoken"), f"**{cell('vtoken_default')}**", pp.get("vtoken", "-"), res["ideal"][label]])
+    L.append(rep.md_table(["budget", "Native", "Naive-Evict", "vToken (earlier tuned point)",
+                           "vToken (shipped defaults)", "paper's vToken", "ideal"], rows))
+    L.append(f"\nShipped defaults: `PlannerConfig()` = `{ {k: v for k, v in dflt.items() if k != 'record_snapshots'} }` "
+             f"(trigger `vtoken.planner.should_reclaim`: F > theta_F, or any waste once free blocks are at or below "
+             f"the derived watermark). Earlier tuned point: `{st['tuned']}`. Copy engine: {res['copy_engine']}.\n")
+    L.append("## Copy traffic at the frontier (shipped defaults)\n")
+    L.append("Per plan the lower bound of the work is the live tokens of the blocks it frees: for a plan with s "
+             "sources and d destinations, the live tokens of its s - d emptiest sources. Out-of-place compaction "
+             "also moves the tokens of the d fullest sources, so a plan over sources filled to f of S moves at least "
+             "1 / (1 - f) times the bound. Every moved token is a live token of a source the plan frees "
+             "(moved / source live).\n")
     rows = []
     for label in res["budgets"]:
-        d = res["detail"][label]["vtoken_at_frontier"]
+        for sysname, name in (("vtoken_default", "defaults"), ("vtoken", "tuned")):
+            t = res["traffic"][label].get(sysname) or {}
+            if not t:
+                continue
+            rows.append([label, name, fmt(t["moved_over_bound"], digits=2), fmt(t["moved_per_block_freed"]),
+                         fmt(t["bound_per_block_freed"]), fmt(t["source_fill"]), fmt(t["moved_over_source_live"], digits=3),
+                         fmt(t["plans"], digits=0), fmt(t["moved"], digits=0), fmt(t["blocks_freed"], digits=0)])
+    L.append(rep.md_table(["budget", "planner", "moved / bound", "tokens moved per block freed", "bound per block freed",
+                           "mean live tokens per source", "moved / source live", "plans", "tokens moved",
+                           "blocks freed"], rows))
+    L.append("\n## What the peak is made of (shipped defaults, at the frontier)\n")
+    rows = []
+    for label in res["budgets"]:
+        d = res["detail"][label]["vtoken_default_at_frontier"]
         if not d:
             continue
         rows.append([label, fmt(d["demand"], digits=0), fmt(d["ideal_packed"], digits=0),
@@ -411,29 +510,25 @@ def _markdown(res, st) -> str:
     L.append(rep.md_table(["budget", "peak demand", "ideal packed (live)", "fragmentation (held - ideal)",
                            "reserved (headroom + in-flight dests)", "in-flight sources", "partial tails",
                            "peak / budget", "moves", "plans", "victims deferred (in a copying source)"], rows))
-    L.append("\nThe lazy planner lets demand rise to the watermark and then reclaims just enough, so at the "
-             "frontier the peak sits at the budget: the slack above the ideal is spent on fragmentation between "
-             "plans, the reserved headroom and in-flight copies (sources still held until their copy lands).\n")
+    L.append("\nUnder pressure the planner reclaims every wasted block it can, so at the frontier the peak is the "
+             "live tokens plus the reserved headroom (topped up again while copies fly), the in-flight copies' "
+             "sources and the partial tails.\n")
     for label in res["budgets"]:
-        d = res["detail"][label].get("vtoken_default_first_infeasible") or {}
-        if d:
-            L.append(f"- budget {label}: vToken with the planner defaults fails at C = {d['C']} with fragmentation "
-                     f"{fmt(d['fragmentation'], digits=0)} blocks held above the ideal "
-                     f"({d['fragmentation']['median'] / max(d['demand']['median'], 1) * 100:.0f}% of the budget): "
-                     f"the F > theta_F gate never lets F fall below ~theta_F, so each request holds ~1/(1 - theta_F) "
-                     f"of its packed footprint.")
-    for label in res["budgets"]:
-        f1 = res["detail"][label]["vtoken_first_infeasible"]
-        L.append(f"- budget {label}: vToken at C+1 fails because {f1['why']} "
-                 f"(preempted at step {fmt(f1['preempted_step'], digits=0)}).")
+        for sysname, name in (("vtoken_default", "the shipped defaults"), ("vtoken", "the earlier tuned point")):
+            f1 = res["detail"][label][f"{sysname}_first_infeasible"]
+            C = res["spread"][label][sysname]["min"]
+            L.append(f"- budget {label}, {name}: C = {C + 1} fails because {f1['why']}"
+                     + (f" (preempted at step {fmt(f1['preempted_step'], digits=0)})." if f1.get("preempted_step", {})
+                        .get("median") is not None else "."))
     L.append("")
     ab = res["ablations"]
     if ab["table"]:
-        L.append(f"## What holds vToken back: one factor at a time (budget {ab['budget']}, C = {ab['C']})\n")
+        L.append(f"## One factor at a time away from the defaults (budget {ab['budget']}, C = {ab['C']}, "
+                 f"{ab['seeds']} seed(s); copy latency and check interval: `vtoken simulate robustness`)\n")
         rows = [[name, f"{v['feasible_seeds']}/{v['seeds']}", fmt(v["preempted_step"], digits=0),
                  fmt(v["moves"], digits=0), fmt(v["plans"], digits=0), fmt(v["deferred"], digits=0)]
                 for name, v in ab["table"].items()]
-        L.append(rep.md_table(["change from tuned", "feasible seeds", "preempted at step", "moves", "plans",
+        L.append(rep.md_table(["change from the defaults", "feasible seeds", "preempted at step", "moves", "plans",
                                "plans deferred (headroom short)"], rows))
         L.append("")
     L.append("## Normalised demand against concurrency\n")
@@ -444,7 +539,7 @@ def _markdown(res, st) -> str:
             rows.append([c, fmt(cur["native"].get(c, {"median": None}), pct=True) if c in cur["native"] else "-",
                          fmt(cur["naive_evict"][c], pct=True) if c in cur["naive_evict"] else "-",
                          fmt(v["peak_norm"], pct=True), f"{v['feasible']}/{v['n']}"])
-        L.append(f"Budget {label} (Native / Naive-Evict: unconstrained need; vToken: constrained run):\n")
+        L.append(f"Budget {label} (Native / Naive-Evict: unconstrained need; vToken, defaults: constrained run):\n")
         L.append(rep.md_table(["C", "Native", "Naive-Evict", "vToken", "vToken feasible seeds"], rows))
         L.append("")
     L.append(method_md(st["window"]))

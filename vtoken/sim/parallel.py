@@ -9,7 +9,8 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Callable, Iterable
 
 
@@ -47,12 +48,46 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def run_tasks(fn: Callable, args: Iterable[tuple], jobs: int) -> list:
-    """``[fn(*a) for a in args]``, in ``jobs`` processes when ``jobs > 1`` (results in input order)."""
+def run_tasks(fn: Callable, args: Iterable[tuple], jobs: int, progress: Callable | None = None) -> list:
+    """``[fn(*a) for a in args]``, in ``jobs`` processes when ``jobs > 1`` (results in input order).
+
+    ``progress(done, total)`` is called after each task finishes (in this process)."""
     args = list(args)
     if jobs <= 1 or len(args) <= 1:
         _init()
-        return [fn(*a) for a in args]
+        out = []
+        for a in args:
+            out.append(fn(*a))
+            if progress:
+                progress(len(out), len(args))
+        return out
     ex = _pool(jobs)
     futs = [ex.submit(fn, *a) for a in args]
+    if progress:
+        for i, _ in enumerate(as_completed(futs), 1):
+            progress(i, len(futs))
     return [f.result() for f in futs]
+
+
+class Progress:
+    """A progress display on a stream: ``progress(label, done, total)`` prints one line per
+    call at most every ``every`` seconds (and always the last one of a phase), with the time
+    since the display started."""
+
+    def __init__(self, stream=None, every: float = 5.0):
+        import sys
+
+        self.stream = stream or sys.stderr
+        self.every = every
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done < total and now - self._last < self.every:
+            return
+        self._last = now
+        print(f"[{now - self.t0:6.0f} s] {label} {done}/{total}", file=self.stream, flush=True)
+
+    def note(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.0f} s] {msg}", file=self.stream, flush=True)

@@ -32,7 +32,7 @@ from .stats import fmt, summary
 
 PHASES = ("sync", "evict", "plan", "slot_map", "flush")
 SIZES = (16, 64, 256, 1024)
-CFG = dict(theta_f=0.25, check_every=1, max_sources=128, headroom=48, low_watermark=None)
+CFG = dict(theta_f=0.25, check_every=1, max_sources=128, headroom=48, low_watermark=-1)  # the paper's trigger alone
 
 
 def _setting(quick):
@@ -82,7 +82,7 @@ def measure(R, st, seed) -> dict:
 
 
 def run_scaling(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
-                sizes=SIZES) -> dict:
+                sizes=SIZES, progress=None) -> dict:
     """Per-step scheduler-side cost by phase at 16-1,024 requests; always sequential (timing)."""
     st = _setting(quick)
     n_seeds = seeds or st["seeds"]
@@ -90,7 +90,12 @@ def run_scaling(quick: bool = False, seeds: int | None = None, out=None, jobs: i
     from .parallel import _init
 
     _init()
-    runs = [measure(R, st, s) for s in range(n_seeds) for R in sizes]
+    runs = []
+    for s in range(n_seeds):
+        for R in sizes:
+            runs.append(measure(R, st, s))
+            if progress:
+                progress("scaling: sizes x seeds", len(runs), n_seeds * len(sizes))
     table = {}
     for R in sizes:
         rs = [r for r in runs if r["R"] == R]

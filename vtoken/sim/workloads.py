@@ -29,9 +29,10 @@ WORKLOAD_NAMES = ("sharegpt", "longbench")
 PAPER_WASTE = {"band": [0.56, 0.67], "random": {"sharegpt": 0.58, "longbench": 0.67}}
 PAPER_RETAINED = [-0.272, -0.723]
 
-# vToken in the unconstrained experiments: the paper's trigger (F > theta_F = 0.25), no low
-# watermark (memory is never short here), with the frontier's planner mechanics.
-RETAINED_CFG = dict(theta_f=0.25, check_every=1, max_sources=128, headroom=48, low_watermark=None)
+# vToken in the unconstrained experiments: the paper's trigger (F > theta_F = 0.25) alone
+# (low_watermark -1: no pressure branch; memory is never short here), with the earlier
+# frontier planner's mechanics (B 128, headroom 48), so the figures stay comparable.
+RETAINED_CFG = dict(theta_f=0.25, check_every=1, max_sources=128, headroom=48, low_watermark=-1)
 
 
 def _setting(quick: bool) -> dict:
@@ -98,14 +99,15 @@ def _collect(results, keyfn):
 
 # ------------------------------------------------------------------------- waste
 def run_waste(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
-              _results=None) -> dict:
+              _results=None, progress=None) -> dict:
     """Fig. 1: blocks at <= 50% utilisation and F under Naive-Evict, per policy and workload."""
     st = _setting(quick)
     n_seeds = seeds or st["seeds"]
     jobs = jobs or default_jobs(quick)
     t0 = time.perf_counter()
     results = _results or run_tasks(_task_policy, [(w, s, p, st, False) for w in WORKLOAD_NAMES
-                                                    for p in POLICY_NAMES for s in range(n_seeds)], jobs)
+                                                    for p in POLICY_NAMES for s in range(n_seeds)], jobs,
+                                    progress=progress and (lambda d, n: progress("waste: traces", d, n)))
     agg = _collect(results, lambda k: (k[0], k[2]))
     table = {}
     for (w, p), outs in agg.items():
@@ -151,14 +153,16 @@ def _plot_waste(table):
 
 
 # ------------------------------------------------------------------------- retained
-def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None) -> dict:
+def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
+                 progress=None) -> dict:
     """Fig. 7b: retained blocks per request, Naive-Evict vs vToken, against the ideal packing."""
     st = _setting(quick)
     n_seeds = seeds or st["seeds"]
     jobs = jobs or default_jobs(quick)
     t0 = time.perf_counter()
     results = run_tasks(_task_policy, [(w, s, p, st, True) for w in WORKLOAD_NAMES
-                                       for p in POLICY_NAMES for s in range(n_seeds)], jobs)
+                                       for p in POLICY_NAMES for s in range(n_seeds)], jobs,
+                        progress=progress and (lambda d, n: progress("retained: traces", d, n)))
     agg = _collect(results, lambda k: (k[0], k[2]))
     table = {}
     for (w, p), outs in agg.items():
@@ -186,7 +190,7 @@ def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: 
                          fmt(c["vtoken_ratio_to_ideal"], digits=2), fmt(c["moves"], digits=0)])
     md = (f"# Retained blocks per request (paper Fig. 7b)\n\nSame traces and the *same eviction decisions* "
           f"(precomputed per request) replayed through Naive-Evict and vToken. vToken planner: "
-          f"`{RETAINED_CFG}` (the paper's trigger F > 0.25; memory is unconstrained so no watermark). "
+          f"`{RETAINED_CFG}` (the paper's trigger F > 0.25 alone; memory is unconstrained). "
           f"Ideal = sum over running requests of ceil(live / 16). Time-averaged blocks per running request; "
           f"median [min, max] over {n_seeds} seeds.\n\n"
           + rep.md_table(["workload", "policy", "Naive-Evict", "vToken", "ideal", "vToken vs Naive",
@@ -195,6 +199,7 @@ def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: 
             f"(paper: -27.2% to -72.3%; utilisation +21.9%).\n")
     fig = _plot_retained(table)
     result["files"] = rep.write(rep.out_dir(out), "retained", result, md + _method_md(quick), fig)
+    result["_raw"] = results  # the Naive-Evict runs are waste's too (run_all hands them on); never written
     return result
 
 
@@ -239,7 +244,8 @@ def _task_sweep(seed, ratio, st, thetas, block_sizes):
     return seed, out
 
 
-def run_sweeps(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None) -> dict:
+def run_sweeps(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
+               progress=None) -> dict:
     """theta_F 0.05-0.9, block size 16/32/48, eviction ratio 0.3-0.7 (H2O, LongBench-like)."""
     st = _setting(quick)
     n_seeds = seeds or st["seeds"]
@@ -248,7 +254,8 @@ def run_sweeps(quick: bool = False, seeds: int | None = None, out=None, jobs: in
     bss = (16, 32) if quick else BLOCK_SIZES
     ratios = (0.3, 0.5, 0.7) if quick else EVICTION_RATIOS
     t0 = time.perf_counter()
-    res = run_tasks(_task_sweep, [(s, r, st, thetas, bss) for s in range(n_seeds) for r in ratios], jobs)
+    res = run_tasks(_task_sweep, [(s, r, st, thetas, bss) for s in range(n_seeds) for r in ratios], jobs,
+                    progress=progress and (lambda d, n: progress("sweeps: traces", d, n)))
     per: dict = {}
     for _, o in res:
         for k, m in o.items():

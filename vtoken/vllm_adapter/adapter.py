@@ -118,7 +118,7 @@ import numpy as np
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
 from .harness import VllmHarness
-from ..planner import PlannerConfig, Proposal, plan_snapshot, propose, reclaim_bound
+from ..planner import PlannerConfig, Proposal, plan_snapshot, propose, reclaim_bound, should_reclaim, trigger_inputs
 from ..table import TokenTable
 
 __all__ = [
@@ -165,11 +165,9 @@ class AdapterAssumptionError(AssertionError):
 
 
 def default_adapter_planner_config(**kw) -> PlannerConfig:
-    """The planner settings the adapter uses by default (stated in reports): plan as soon as
-    10% of the referenced slots are dead, every step, up to 8 sources per plan."""
-    base = dict(theta_f=0.10, check_every=1, max_sources=8, headroom=8, low_watermark=None)
-    base.update(kw)
-    return PlannerConfig(**base)
+    """``PlannerConfig(**kw)``: the adapter runs the shipped planner defaults (no adapter-only
+    configuration; kept as a name so callers can override fields, e.g. ``headroom``)."""
+    return PlannerConfig(**kw)
 
 
 # ------------------------------------------------------------------------ data passed to the worker
@@ -553,12 +551,12 @@ class VTokenAdapter:
                 self.stats["released_empty"] += len(out)
 
     def _plan(self, meta: StepMeta, running: list[str]) -> None:
-        """Stages 1-3: eligibility (waste ratio over ``theta_f`` every ``check_every`` steps),
+        """Stages 1-3: eligibility (``planner.should_reclaim`` every ``check_every`` steps),
         requests by their reclaimable-block bound (``planner.reclaim_bound``), then one plan
         per request (``planner.propose``, the planner every path runs), with the blocks vLLM
         shares or the scheduler side does not hold for the request excluded."""
         t, cfg = self.table, self.cfg
-        if not self.headroom or self.steps % cfg.check_every or t.waste_ratio() <= cfg.theta_f:
+        if not self.headroom or self.steps % cfg.check_every or not should_reclaim(cfg, **trigger_inputs(t, self.pool.get_num_free_blocks())):
             return
         processed = self.scheduler.processed_step_seq
         scored = []
