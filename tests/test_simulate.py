@@ -221,3 +221,21 @@ def test_robustness_quick(tmp_path):
     worst = min(c["frontier"]["min"] / c["ideal"] for g in obj["grid"].values() for c in g.values())
     assert obj["min_over_ideal"] == pytest.approx(worst)
     assert (tmp_path / "robustness.md").exists() and (tmp_path / "robustness.png").exists()
+
+
+def test_schedule_cache_returns_what_make_schedule_makes(tmp_path, monkeypatch):
+    from vtoken.sim.schedule import cached_schedule
+
+    monkeypatch.setenv("VTOKEN_SIM_CACHE", str(tmp_path))
+    args = (300, 120, "h2o", fixed_budget(200), 3, 11)
+    want = make_schedule(*args, window=8, recent=64)
+    first = cached_schedule(*args, window=8, recent=64)  # made and written
+    assert len(list((tmp_path / "schedules").glob("*.npz"))) == 1
+    again = cached_schedule(*args, window=8, recent=64)  # read back
+    for got in (first, again):
+        assert np.array_equal(got.victims, want.victims) and np.array_equal(got.offsets, want.offsets)
+    other = cached_schedule(300, 120, "h2o", fixed_budget(201), 3, 11, window=8, recent=64)  # another key
+    assert len(list((tmp_path / "schedules").glob("*.npz"))) == 2 and other.live_after(other.steps - 1) == 201
+    monkeypatch.setenv("VTOKEN_SIM_CACHE", "off")
+    cached_schedule(*args, window=8, recent=64)
+    assert len(list((tmp_path / "schedules").glob("*.npz"))) == 2

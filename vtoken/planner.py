@@ -240,24 +240,36 @@ class PlannerConfig:
     11,519, nor two requests and two hundred. A negative watermark turns the pressure branch
     off (the paper's F > theta_f trigger alone).
 
-    Why each default is what it is (measured with ``vtoken simulate frontier|robustness``):
+    Why each default is what it is (the frontier trace of ``vtoken simulate frontier`` and
+    ``robustness``: H2O, 22 requests in 11,519 blocks is the tight case; measured, seed 0):
 
-    * ``theta_f = 0.25``: the paper's value; it only governs an unpressed pool (under pressure
-      the watermark branch reclaims everything), so it bounds wasted slots, not capacity.
-    * ``check_every = 1``: a check is O(1) (F and counters) and a round O(requests), so there
-      is nothing to amortise; larger intervals are tolerated (the robustness grid runs 1-4).
-    * ``max_sources = B``: at least 2 S, so a plan can gather the S holes that free one block
-      even when every block misses a single token (one S + 1 block plan per such request);
-      larger B only makes single plans bigger (more bytes in flight per plan).
-    * ``headroom``: destinations are the throughput of reclamation (a plan over one-hole
-      blocks needs S - 1 destinations per block it frees, held for the copy's latency); it is
-      carved out of the budget, and while copies fly the manager tops it up again, so up to
-      twice this is reserved: the value is the smallest that held the frontier at every
-      latency of the grid with margin.
-    * ``copy_steps = 4``: the copy latency (scheduler steps) the reaction reserve is sized for.
-    * ``max_plans_per_round`` unbounded: one plan per request at most anyway (I4), and the
-      headroom bounds the destinations; a cap only delays plans under pressure.
+    * ``theta_f = 0.25``: the paper's value. It only governs a pool that is not short (under
+      pressure the watermark branch reclaims everything), so it bounds wasted slots and copy
+      traffic there, never capacity. On its own (``low_watermark=-1``) it loses the frontier:
+      F hovers at theta_f, each request holds ~1/(1 - theta_f) of its packed footprint.
+    * ``check_every = 1``: a check is O(requests) counters and reads, nothing to amortise;
+      intervals 1-4 all hold the frontier (the robustness grid).
+    * ``max_sources = 32`` (B = 2 S): a plan needs S sources to free one block when every
+      block misses a single token (S (S - 1) live tokens fill S - 1 destinations), which is
+      what H2O leaves right after it starts evicting. B = 8 loses the frontier (preempted at
+      step ~4,450), 16 holds; more only makes single plans, and bytes in flight, bigger.
+    * ``headroom = 64`` (4 S): destinations are reclamation's throughput (a plan over one-hole
+      blocks needs S - 1 of them per block it frees, held for the copy's latency, and the
+      manager tops the headroom up again while they fly, so up to twice this is reserved).
+      48 loses the frontier at check interval 4 with copy latency 4 (preempted at step
+      4,673), 64 holds every cell of the grid. It is a block count sized for pools of
+      thousands of blocks (the paper's 3,438-11,519); a pool of a few hundred blocks should
+      pass a smaller one (the adapter and the decode engine take it as an argument).
+    * ``low_watermark = None``: derived, see above and :func:`low_watermark`. A fixed 16
+      loses the frontier at copy latency 1 (preempted at step ~4,340).
+    * ``copy_steps = 4``: the copy latency (steps) the watermark's reaction reserve covers.
+    * ``max_plans_per_round`` unbounded: at most one plan per request flies anyway (I4) and
+      the headroom bounds the destinations; a cap only delays plans under pressure.
     * ``record_snapshots = False``: every applied plan would be kept in ``history``.
+
+    The price of reclaiming everything under pressure is copy traffic: ~131 tokens moved per
+    block freed at the frontier (the earlier lazy tuned point, watermark 48: ~97, but it
+    breaks at copy latency 4 or check interval 4).
     """
 
     theta_f: float = 0.25

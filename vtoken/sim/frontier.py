@@ -40,7 +40,7 @@ from vtoken.planner import PlannerConfig
 from . import report as rep
 from .engine import Replay
 from .parallel import default_jobs, run_tasks
-from .schedule import fixed_budget, make_schedule
+from .schedule import cached_schedule, fixed_budget
 from .stats import fmt, int_summary, summary
 from .traces import frontier_request_shape
 from .workloads import method_md
@@ -122,7 +122,7 @@ def _ideal(st, nb):
 # ------------------------------------------------------------------------- tasks
 def _task_schedules(seed, ids, st):
     P, O = frontier_request_shape(st["full_blocks"], st["S"], st["output"])
-    return seed, [make_schedule(P, O, "h2o", fixed_budget(st["keep"]), seed, 10_000 + i, window=st["window"],
+    return seed, [cached_schedule(P, O, "h2o", fixed_budget(st["keep"]), seed, 10_000 + i, window=st["window"],
                                 recent=st["keep"] // 2) for i in ids]
 
 

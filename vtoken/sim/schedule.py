@@ -20,7 +20,9 @@ most ``window`` steps stale. The victim order within a window is logical order.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -52,13 +54,86 @@ class Schedule:
         return self.prompt + s - int(self.offsets[s + 1])
 
 
+class _Budget:
+    """A budget rule with a ``key`` naming it (for the schedule cache)."""
+
+    def __init__(self, fn: Callable[[int], int], key: str):
+        self.fn, self.key = fn, key
+
+    def __call__(self, n: int) -> int:
+        return self.fn(n)
+
+
 def ratio_budget(keep: float, min_keep: int = 64) -> Callable[[int], int]:
     """Keep ``ceil(keep * length)`` tokens (at least ``min_keep``)."""
-    return lambda n: max(min_keep, int(math.ceil(keep * n)))
+    return _Budget(lambda n: max(min_keep, int(math.ceil(keep * n))), f"ratio({keep!r},{min_keep!r})")
 
 
 def fixed_budget(b: int) -> Callable[[int], int]:
-    return lambda n: b
+    return _Budget(lambda n: b, f"fixed({b!r})")
+
+
+# ---------------------------------------------------------------- the schedule cache
+# A schedule is a pure function of its arguments and of the code that makes it (the
+# policies, the attention model, this module), so it is cached on disk keyed by both: the
+# frontier and robustness experiments replay the same 12K-step H2O schedules (~1.5 s each).
+_CODE_KEY: list = []
+
+
+def _code_key() -> str:
+    if not _CODE_KEY:
+        from pathlib import Path
+
+        import vtoken.policies as pol
+
+        h = hashlib.sha256()
+        files = sorted(Path(pol.__file__).parent.glob("*.py")) + [Path(__file__), Path(__file__).with_name("attention.py")]
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        _CODE_KEY.append(h.hexdigest()[:16])
+    return _CODE_KEY[0]
+
+
+def cache_dir():
+    """``$VTOKEN_SIM_CACHE`` (``off``: no cache), else ``<repo>/.vtoken/sim-cache`` when run
+    from the repository, else ``~/.cache/vtoken/sim``."""
+    from pathlib import Path
+
+    env = os.environ.get("VTOKEN_SIM_CACHE")
+    if env:
+        return None if env.lower() in ("off", "0", "no") else Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "vtoken").is_dir() and (repo / ".git").exists():
+        return repo / ".vtoken" / "sim-cache"
+    return Path.home() / ".cache" / "vtoken" / "sim"
+
+
+def cached_schedule(prompt: int, output: int, policy: str, budget, seed: int, req_key: int,
+                    model: AttentionModel | None = None, window: int = 16, recent: int | None = None) -> Schedule:
+    """:func:`make_schedule`, read from the cache when it was made before with the same
+    arguments and code (``budget`` must come from :func:`fixed_budget` / :func:`ratio_budget`)."""
+    d = cache_dir()
+    key_budget = getattr(budget, "key", None)
+    if d is None or key_budget is None:
+        return make_schedule(prompt, output, policy, budget, seed, req_key, model=model, window=window, recent=recent)
+    model = model or AttentionModel()
+    args = repr((prompt, output, policy, key_budget, seed, req_key, sorted(model.describe().items()), window, recent))
+    name = hashlib.sha256((_code_key() + args).encode()).hexdigest()[:32]
+    path = d / "schedules" / f"{name}.npz"
+    try:
+        with np.load(path) as z:
+            return Schedule(prompt, output, z["victims"], z["offsets"], policy)
+    except (OSError, KeyError, ValueError):
+        pass
+    sch = make_schedule(prompt, output, policy, budget, seed, req_key, model=model, window=window, recent=recent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{name}.{os.getpid()}.npz")
+        np.savez(tmp, victims=sch.victims, offsets=sch.offsets)
+        os.replace(tmp, path)  # atomic: concurrent workers never read half a file
+    except OSError:
+        pass
+    return sch
 
 
 def policy_kwargs(name: str, seed: int, req_key: int, recent: int | None = None) -> dict:

@@ -20,7 +20,7 @@ from . import report as rep
 from .attention import AttentionModel
 from .engine import Replay
 from .parallel import default_jobs, run_tasks
-from .schedule import make_schedule, ratio_budget
+from .schedule import cached_schedule, ratio_budget
 from .stats import fmt, summary
 from .traces import describe_workloads, make_trace
 
@@ -44,7 +44,7 @@ def _setting(quick: bool) -> dict:
 def _schedules(workload, seed, policy, keep, st):
     trace = make_trace(workload, st["n_requests"], seed, st["scale"])
     bud = ratio_budget(keep, min_keep=max(8, int(64 * st["scale"])))
-    return [make_schedule(r.prompt, r.output, policy, bud, seed, 1000 * seed + r.id, window=st["window"])
+    return [cached_schedule(r.prompt, r.output, policy, bud, seed, 1000 * seed + r.id, window=st["window"])
             for r in trace]
 
 
