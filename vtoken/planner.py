@@ -246,7 +246,7 @@ class PlannerConfig:
     * ``theta_f = 0.25``: the paper's value. It only governs a pool that is not short (under
       pressure the watermark branch reclaims everything), so it bounds wasted slots and copy
       traffic there, never capacity. On its own (``low_watermark=-1``) it loses the frontier:
-      F hovers at theta_f, each request holds ~1/(1 - theta_f) of its packed footprint.
+      F stays under 0.25 while the free blocks run out (preempted at step 4,289, no plan).
     * ``check_every = 1``: a check is O(requests) counters and reads, nothing to amortise;
       intervals 1-4 all hold the frontier (the robustness grid).
     * ``max_sources = 32`` (B = 2 S): a plan needs S sources to free one block when every
