@@ -191,9 +191,11 @@ def bench_planner(seed=0, quick=False, rounds=3) -> dict:
     return out
 
 
-def settle_experiment(R=64, L=4096, S=16, evict=0.5, headroom=None, theta_f=None, seed=0, max_steps=5000) -> dict:
+def settle_experiment(R=64, L=4096, S=16, evict=0.5, headroom=None, theta_f=0.02, seed=0, max_steps=5000) -> dict:
     """Random eviction at ``evict`` over R requests of L tokens, then reclamation with the
-    shipped planner defaults (``PlannerConfig()``; ``headroom`` / ``theta_f`` override them)
+    shipped planner defaults (``PlannerConfig()``) but ``theta_f`` 0.02 -- the question is how
+    close to ideal packing the planner gets when asked to pack, and once its first plans
+    free memory the pool is no longer short, so the defaults' 0.25 would stop at F = 0.25 --
     until it settles (a step with nothing launched and nothing in flight). Retained blocks
     are the blocks the table references; the ideal is sum(ceil(live_r / S))."""
     table, alloc, mgr = _planner_setup(R, L, S, evict, headroom, theta_f, seed)
