@@ -399,7 +399,13 @@ class AdapterMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._live_requests())
     @rule(data=st.data())
     def abort(self, data):
-        rid = data.draw(st.sampled_from(self._live_requests()), label="rid")
+        """An abort from the API server, mostly of a request holding relocated blocks (its
+        destinations must go back at vLLM's fence, like its list)."""
+        live = self._live_requests()
+        holding = [r for r in live if self.vt.ad.held.get(r)]
+        if holding and data.draw(st.sampled_from([True, True, False]), label="one holding destinations"):
+            live = holding
+        rid = data.draw(st.sampled_from(live), label="rid")
         self._both(lambda run: run.abort(rid))
 
     @rule(k=st.integers(1, 16))
@@ -410,6 +416,33 @@ class AdapterMachine(RuleBasedStateMachine):
     @rule()
     def release_blocks(self):
         self._both(lambda run: run.release())
+
+    @precondition(lambda self: self._live_requests())
+    @rule(k=st.integers(2, 64), n=st.integers(1, 5), m=st.integers(1, 5), wait_for_plan=st.booleans())
+    def pressure_episode(self, k, n, m, wait_for_plan):
+        """Pressure, then relief, in one rule (uniform rule choice rarely strings these
+        together): optionally a few steps until a plan is in flight, then blocks taken from
+        the pool (all of them for a large ``k``), ``n`` steps (running requests are preempted
+        when they cannot grow), blocks given back, ``m`` steps (they resume with new lists)."""
+        for _ in range(4 if wait_for_plan else 0):
+            if self.vt.ad.plans:
+                break
+            self.step(1)
+        self._both(lambda run: run.grab(k))
+        for _ in range(n):
+            self.step(1)
+        self._both(lambda run: run.release())
+        for _ in range(m):
+            self.step(1)
+
+    @precondition(lambda self: any(self.vt.ad.held.get(r) for r in self._live_requests()))
+    @rule(data=st.data())
+    def abort_mid_pipeline(self, data):
+        """Abort a request that holds relocated blocks right after a step was scheduled (with
+        async scheduling that step is still in flight: everything it holds must wait for it)."""
+        rid = data.draw(st.sampled_from([r for r in self._live_requests() if self.vt.ad.held.get(r)]), label="rid")
+        self.step(1)
+        self._both(lambda run: run.abort(rid))
 
     # ---------------------------------------------------------------- checks
     def _check(self):

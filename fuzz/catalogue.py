@@ -23,6 +23,7 @@ from .patches import Patch
 T, A, P, L = "vtoken/table.py", "vtoken/allocator.py", "vtoken/planner.py", "vtoken/placement.py"
 E = "vtoken/engine.py"
 AD, W = "vtoken/vllm_adapter/adapter.py", "vtoken/vllm_adapter/worker.py"
+MI, PH = "vtoken/vllm_adapter/mirror.py", "vtoken/vllm_adapter/prefix_hash.py"
 
 
 @dataclass(frozen=True)
@@ -153,16 +154,16 @@ CATALOGUE: list[Fault] = [
                          "        self.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)\n", ""))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
           "a source's prefix-cache hash moves to the destination at launch (the tokens moved, the hash follows)",
-          "adapter", (_p(AD, "VTokenAdapter._launch", "                self.pool.evict_blocks({blk.block_id})\n",
-                         "                if dests and dests[0].block_hash is None:\n"
-                         "                    self.pool.move_block_hashes(blk, dests[0])\n"
-                         "                else:\n                    self.pool.evict_blocks({blk.block_id})\n"),)),
+          "adapter", (_p(AD, "VTokenAdapter._launch", "            self.hashes.drop_source(blk)\n",
+                         "            if dests and dests[0].block_hash is None and blk.block_hash is not None:\n"
+                         "                self.pool.move_block_hashes(blk, dests[0])\n"
+                         "            else:\n                self.hashes.drop_source(blk)\n"),)),
     Fault("adapter_source_keeps_hash", "7/I4 in-flight prefix hit on a source",
           "a source keeps its prefix-cache hash while its copy flies (vLLM can hand it out as a hit)", "adapter",
-          (_p(AD, "VTokenAdapter._launch", "                self.pool.evict_blocks({blk.block_id})\n", "                pass\n"),)),
+          (_p(PH, "PrefixHashRules.drop_source", "            self.pool.evict_blocks({blk.block_id})\n", "            pass\n"),)),
     Fault("adapter_pop_not_null", "positional block list broken",
           "a source is popped from vLLM's block list instead of null-substituted", "adapter",
-          (_p(AD, "VTokenAdapter._detach", "lst[i] = self.pool.null_block", "lst.pop(i)"),)),
+          (_p(MI, "BlockMirror.detach", "lst[i] = self.null", "lst.pop(i)"),)),
     Fault("adapter_headroom_to_allocate", "3 reservation leak", "headroom blocks are handed back to vLLM's allocate_slots",
           "adapter", (_p(AD, "VTokenAdapter._before_schedule", "self.headroom += self.pool.get_new_blocks(take)",
                          "got = self.pool.get_new_blocks(take)\n                self.headroom += got\n"
@@ -173,8 +174,13 @@ CATALOGUE: list[Fault] = [
     Fault("worker_preempt_no_reset", "preemption reset missed", "the worker keeps a preempted request's token table",
           "adapter", (_p(W, "VTokenWorker.execute", "        for r in so.preempted_req_ids or ():\n            self._drop(r, forget=False)\n", ""),
                       _p(W, "VTokenWorker.execute", "                if r in t:\n                    self._drop(r, forget=False)\n", ""))),
-    Fault("worker_resume_appends", "resumed block list appended", "a resumed request's new block list is appended, not replaced",
-          "adapter", (_p(W, "VTokenWorker.execute", "                w.blocks = ids\n", "                w.blocks += ids\n"),)),
+    Fault("adapter_resume_appends", "resumed block list appended",
+          "preemption is taken for a pause: the adapter keeps the preempted request's mirror and appends the "
+          "resumed request's new block list to it instead of replacing it", "adapter",
+          (_p(MI, "BlockMirror.observe", "            if r in c.resumed_req_ids:\n",
+              "            if False:\n"),
+           _p(AD, "VTokenAdapter._on_request_free", "        self.mirror.forget(r)\n",
+              "        if request.is_finished():\n            self.mirror.forget(r)\n"))),
     Fault("adapter_release_unfenced", "8 released block freed before its fence (async step offsets)",
           "blocks whose tokens all died are freed with the previous step's fence", "adapter",
           (_p(AD, "VTokenAdapter._release_empty", "self.scheduler._free_cow_retained_blocks([blk], meta.seq)",

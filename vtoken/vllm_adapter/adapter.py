@@ -2,122 +2,71 @@
 
 ``VTokenAdapter`` drives ``vllm.v1.core.sched.scheduler.Scheduler`` (or its
 ``AsyncScheduler``) with its own ``KVCacheManager`` / ``BlockPool``: vLLM's pool is the
-allocator, nothing of vLLM is mocked. The worker side (``worker.VTokenWorker``: this
-project's ``PagedDecoder`` over a real ``KVCache``) executes the ``SchedulerOutput``s and
-returns real ``ModelRunnerOutput``s. Paper sections 3.3-3.5 and 4.6.
+allocator, nothing of vLLM is mocked. The worker (``worker.VTokenWorker``: this project's
+``PagedDecoder`` over a real ``KVCache``) executes the ``SchedulerOutput``s and returns real
+``ModelRunnerOutput``s. Paper sections 3.3-3.5 and 4.6.
 
-Where each hook sits
---------------------
-The scheduler is a subclass of vLLM's own class (``scheduler_class(base)``), built from the
-harness's configs, with three overrides that only call out to the adapter around vLLM's code:
+The rooms of the adapter
+------------------------
+- ``hooks``: the scheduler subclass and its three hooks (before/after ``schedule()``, after
+  ``update_from_output()``, before ``_free_request_blocks()``), which call the methods here;
+- this module: the orchestration and the ownership of blocks (the headroom, applied
+  destinations, plans in flight) and the planning through ``vtoken.planner``
+  (``should_reclaim``, ``reclaim_bound``, ``propose``: the planner every path runs; the worker
+  applies with ``apply_completed``);
+- ``mirror``: each request's positional block list as the outputs sent it, and null
+  substitution (a moved or released block's entry becomes ``null_block``, never popped);
+- ``fence``: no plan source goes back to the pool before its step is processed and its
+  copy reported done;
+- ``prefix_hash``: sources lose their hash at launch, released blocks keep it only with full
+  context, hashes of blocks computed after a request's first eviction are dropped;
+- ``checks``: the runtime checks against vLLM's pool (``ASSUMPTIONS`` in ``assumptions``);
+- ``messages``: what rides on the outputs (``StepMeta``, ``AdapterPlan``) and comes back
+  (``WorkerReport``); ``driver``: the engine-core loop for tests and audits.
 
-``schedule()``
-    *before*: the reservation hook. The headroom is topped up to ``headroom`` blocks taken
-    with ``BlockPool.get_new_blocks`` and held by the adapter (ref_cnt 1, in no request's
-    block list), so ``allocate_slots`` cannot see them. Admission back-pressure: new
-    requests are held in the adapter's own queue (``add_request``) and handed to
-    ``Scheduler.add_request`` only while the headroom is full (or when the scheduler is
-    idle, so a pool too small for the headroom cannot deadlock); preempted requests stay in
-    vLLM's waiting queue untouched.
-    *after*: the scheduler's output is mirrored (positional block ids per request:
-    ``scheduled_new_reqs.block_ids``, ``scheduled_cached_reqs.new_block_ids`` appended,
-    replaced for ``resumed_req_ids``); then, for a non-empty step with sequence number
-    ``seq`` (``Scheduler.sched_step_seq``): blocks whose tokens were all evicted are
-    released, and compaction plans are made over the token table (stage 3: the rule of
-    ``ReclamationManager.plan_request`` with an explicit exclusion set, destinations placed
-    by ``vtoken.placement.place``, taken from the adapter's headroom).
-    A moved or released block's entry in ``req_to_blocks`` becomes ``null_block`` (list
-    length kept, never popped). The step's plans and releases ride on the output as
-    ``so.vtoken`` (a :class:`StepMeta`); the worker executes them in step order.
-``update_from_output()``
-    *after* vLLM's own processing (which advances ``processed_step_seq`` and drains
-    ``deferred_frees``): the worker's report (``ModelRunnerOutput.vtoken_report``) says
-    which plans were applied, with which destinations, and which copies completed.
-``_free_request_blocks()`` (preemption and finish)
-    *before* vLLM frees the request's list: the request's destination blocks (which are not
-    in ``req_to_blocks``) are freed with the same fence vLLM uses for the list, and its
-    in-flight plans are orphaned (their blocks are freed when the worker reports them). The
-    worker resets the request's token table when it executes the output that carries the
-    preemption / finish (``preempted_req_ids`` / ``finished_req_ids``).
+A step
+------
+*Before* ``schedule()``: the headroom is topped up to ``headroom`` blocks taken with
+``BlockPool.get_new_blocks`` and held by the adapter (ref_cnt 1, in no request's list), so
+``allocate_slots`` cannot see them; new requests wait in the adapter's queue while the
+headroom is short (admission back-pressure; released when the scheduler is idle, so a pool
+too small for the headroom cannot deadlock). *After* it: the output is mirrored; for a
+non-empty step ``seq``, blocks whose tokens were all evicted are released (fenced at
+``seq``), and compaction plans are made and ride on the output as ``so.vtoken``. *After*
+``update_from_output()`` (vLLM has advanced ``processed_step_seq`` and drained
+``deferred_frees``): the worker's report says which plans were applied, with which
+destinations, and which copies completed; sources go back through vLLM's own fenced path
+(``_free_cow_retained_blocks(sources, seq)``). *Before* a request's blocks are freed
+(preemption, finish): its destinations go back with vLLM's fence for its list and its
+in-flight plans are orphaned (their blocks return when the worker reports them).
 
-The fence
----------
-The adapter sets ``Scheduler.defer_block_free = True`` (the switch vLLM itself sets for a
+The adapter sets ``Scheduler.defer_block_free = True`` (the switch vLLM sets for a
 KV-consumer connector with overlapping batches), so ``sched_step_seq`` /
-``processed_step_seq`` run and a finished or preempted request's blocks return to the pool
-only once every step that may still write them has been processed. A plan made after
-``schedule()`` returned rides on step ``seq``; that step's forward still reads the sources,
-the copy runs after it (stage 4), and later steps read the destinations. A plan's source
-blocks are therefore freed only when BOTH hold: ``processed_step_seq >= seq`` (every step
-that reads them is done) and the worker reported the copy completed (on CUDA a copy may
-outlive its step: the report comes with a later step, or from ``synchronize`` at idle).
-They are then handed to vLLM's ``_free_cow_retained_blocks(blocks, seq)``, the path vLLM
-uses for copy-on-write retentions. Released empty blocks (no copy) go through the same call
-with fence ``seq``: vLLM defers them to ``deferred_frees`` and frees them at
-``update_from_output`` of step ``seq``. A fence ledger records, per source block, its fence
-and when it was freed; it is checked every hook.
+``processed_step_seq`` / ``deferred_frees`` run.
 
-Prefix caching
---------------
-Shared-prefix blocks are never moved or released: a candidate must have ``ref_cnt == 1`` in
-vLLM's pool (a request that got a prefix hit but whose tokens the worker has not synced yet
-still counts) and be referenced by one request in the token table. Destinations hold
-tokens of mixed positions: they never enter ``req_to_blocks``, so vLLM never hashes them,
-and the checks require ``block_hash is None`` on every destination and headroom block. A
-plan's sources lose their prefix-cache hash when the plan launches (``_launch``): a block
-in flight must never be handed out as a prefix-cache hit, since a hit makes it shared and
-shared blocks never move (the rule that closes the in-flight prefix-hit race: with the
-hash gone, ``find_longest_cache_hit`` cannot return it). A released block (all its tokens
-evicted, no copy) keeps its hash only if it was computed with full context (it lies before
-the request's first eviction: a token computed after an eviction attended to fewer tokens
-than a fresh prefill would, so its K/V is not what the token ids promise); its bytes are
-never written again before it is freed. Otherwise ``BlockPool.evict_blocks`` drops the
-hash before the block is freed. The same reasoning applies to any block vLLM hashes after a
-request's first eviction, moved or not: with ``evict_unfaithful_hashes`` (default) the
-adapter drops those hashes as soon as it learns the request's full-context length from the
-worker, and when the request is preempted or finishes (a window of about one step remains
-in which another request with the very same token ids could hit such a block).
-
-Runtime checks
---------------
-Every hook checks the adapter's assumptions against the pool, not against the adapter's
-intentions (``ASSUMPTIONS``; ``check_all()`` runs them on demand). A broken one raises
-:class:`AdapterAssumptionError` whose message starts ``assumption broken: <statement> [<name>]``:
-
-- ``fence``: the fence ledger (every freed source: freed at processed step >= its fence,
-  copy completed) and the pool's reference count of every source still held by a plan
-  (it must equal the adapter's reference plus the request lists' and deferred frees');
-- ``reservation``: every headroom block has ref_cnt 1, no hash, and is in no request list;
-- ``null_substitution``: every request's ``req_to_blocks`` equals, entry for entry, the
-  block ids its scheduler outputs gave it, with ``null_block`` exactly where the adapter
-  substituted (same length);
-- ``prefix_hash``: no destination (held or in flight) carries a hash or a cache entry, and
-  no source carries one when it is freed (dropped at launch);
-- ``shared_never_moved``: at plan time (vLLM ref_cnt and table refs) and at copy time
-  (the worker refuses a source another request references);
-- ``table_in_step``: the token table references, per live request, only blocks the
-  scheduler side holds for it (list, destinations, in-flight plan, pending release);
-- ``ownership``: the reference count of every other block the adapter holds;
-- ``all_returned``: ``close()`` finds the pool at N-1 free blocks, nothing referenced;
-- ``plan_contract``: with a ``plan_hook`` attached (the toolkit attaches
-  ``spec.planner``'s contract), every proposal is checked before launch.
-
-Planning and applying are ``vtoken.planner``'s ``propose`` / ``reclaim_bound`` (here) and
-``apply_completed`` (in the worker): the same functions every other path runs.
+Prefix caching: shared-prefix blocks are never moved or released (a candidate must have
+``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the token table);
+destinations never enter a request's list, so vLLM never hashes them.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from collections import deque
+from typing import Any, Iterable
 
 import numpy as np
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
+from .assumptions import ASSUMPTIONS, AdapterAssumptionError
+from .checks import RuntimeChecks
+from .driver import AdapterDriver
+from .fence import FenceLedger
 from .harness import VllmHarness
+from .hooks import scheduler_class
+from .messages import AdapterPlan, StepMeta
+from .mirror import BlockMirror
+from .prefix_hash import PrefixHashRules
 from ..planner import PlannerConfig, Proposal, plan_snapshot, propose, reclaim_bound, should_reclaim, trigger_inputs
 from ..table import TokenTable
 
@@ -132,37 +81,6 @@ __all__ = [
     "scheduler_class",
 ]
 
-# name -> the assumption, as a report states it.
-ASSUMPTIONS: dict[str, str] = {
-    "fence": "sources freed only after the fence (their copy completed and the step that "
-             "carried the plan processed)",
-    "prefix_hash": "no relocated block keeps a stale prefix-cache hash (destinations are "
-                   "never hashed; sources lose their hash at launch; a released block keeps it "
-                   "only if it was computed with full context)",
-    "null_substitution": "moved or released blocks are null-substituted in req_to_blocks, "
-                         "list length kept (never popped)",
-    "reservation": "headroom blocks are held with ref_cnt 1, unhashed, and never handed to "
-                   "allocate_slots (in no request's block list)",
-    "shared_never_moved": "shared-prefix blocks are never moved",
-    "table_in_step": "the token table is in step with the scheduler's block lists",
-    "ownership": "every reference the adapter holds is accounted for in the pool",
-    "all_returned": "every block returns to the pool after drain (free count N-1)",
-    "plan_contract": "every plan satisfies the planner contract (vtoken.spec.planner) and is optimal",
-    "hash_and_compare": "every relocation preserves the ordered live token ids and their K/V "
-                        "bytes (hash-and-compare)",
-    "outputs_equal": "reclamation does not change the output (same eviction decisions, "
-                     "token for token)",
-}
-
-
-class AdapterAssumptionError(AssertionError):
-    """A runtime check of the adapter failed; ``check`` is the assumption's name."""
-
-    def __init__(self, check: str, detail: str):
-        self.check = check
-        self.detail = detail
-        super().__init__(f"assumption broken: {ASSUMPTIONS.get(check, check)} [{check}]: {detail}")
-
 
 def default_adapter_planner_config(**kw) -> PlannerConfig:
     """``PlannerConfig(**kw)``: the adapter runs the shipped planner defaults (no adapter-only
@@ -170,84 +88,6 @@ def default_adapter_planner_config(**kw) -> PlannerConfig:
     return PlannerConfig(**kw)
 
 
-# ------------------------------------------------------------------------ data passed to the worker
-@dataclass
-class AdapterPlan:
-    """One compaction plan as the scheduler side made it (block ids)."""
-
-    id: int
-    req_id: str
-    seq: int  # the step that carries it (its fence)
-    sources: list  # KVCacheBlock
-    dests: list  # KVCacheBlock (from the headroom)
-    moves: np.ndarray  # (k, 5): token, src_block, src_offset, dst_block, dst_offset
-    source_index: dict = field(default_factory=dict)  # source block id -> positional index (or -1: a held dest)
-    snapshot: Optional[dict] = None  # the plan snapshot (planner_config.record_snapshots)
-    orphaned: bool = False  # the request was freed while the plan flew
-
-    @property
-    def source_ids(self) -> list[int]:
-        return [b.block_id for b in self.sources]
-
-    @property
-    def dest_ids(self) -> list[int]:
-        return [b.block_id for b in self.dests]
-
-
-@dataclass
-class StepMeta:
-    """What the adapter attaches to a ``SchedulerOutput`` (``so.vtoken``)."""
-
-    seq: int  # Scheduler.sched_step_seq of this step (0: an empty step, nothing attached)
-    plans: list = field(default_factory=list)  # AdapterPlan, to copy after this step's forward
-    releases: dict = field(default_factory=dict)  # req_id -> [block ids] released (all tokens dead)
-    reclaim: bool = True
-
-
-@dataclass
-class _FenceEntry:
-    block: int
-    plan: int
-    req_id: str
-    fence: int  # the plan's step seq
-    copy_done: bool = False
-    freed_at: Optional[int] = None  # processed_step_seq when it was handed back to the pool
-    freed_copy_done: Optional[bool] = None
-
-
-def scheduler_class(base: type) -> type:
-    """A subclass of vLLM's ``base`` scheduler class with the adapter's three hooks."""
-
-    class VTokenScheduler(base):  # type: ignore[misc, valid-type]
-        vtoken_adapter: "VTokenAdapter | None" = None
-
-        def schedule(self, *args, **kwargs):
-            ad = self.vtoken_adapter
-            if ad is not None:
-                ad._before_schedule()
-            so = super().schedule(*args, **kwargs)
-            if ad is not None:
-                ad._after_schedule(so)
-            return so
-
-        def update_from_output(self, scheduler_output, model_runner_output):
-            result = super().update_from_output(scheduler_output, model_runner_output)
-            ad = self.vtoken_adapter
-            if ad is not None:
-                ad._after_update(scheduler_output, model_runner_output)
-            return result
-
-        def _free_request_blocks(self, request):
-            ad = self.vtoken_adapter
-            if ad is not None:
-                ad._on_request_free(request)
-            return super()._free_request_blocks(request)
-
-    VTokenScheduler.__name__ = VTokenScheduler.__qualname__ = f"VToken{base.__name__}"
-    return VTokenScheduler
-
-
-# ------------------------------------------------------------------------ the adapter
 class VTokenAdapter:
     """A real vLLM scheduler with token-level reclamation (see the module docstring).
 
@@ -257,12 +97,15 @@ class VTokenAdapter:
         reclaim: plan compactions (False: Naive-Evict, same eviction decisions, no headroom).
         planner_config: ``PlannerConfig`` (its ``headroom`` is the reservation size).
         max_plans_per_step: plans launched per scheduler step at most.
-        checks: run the runtime assumption checks at every hook (O(blocks) per step).
+        checks: run the runtime assumption checks at every hook (``checks.RuntimeChecks``).
         evict_unfaithful_hashes: drop the prefix-cache hash of blocks computed after the
-            request's first eviction (see the module docstring).
+            request's first eviction (``prefix_hash``).
 
-    The worker (``worker.VTokenWorker``) is attached with ``attach_worker`` (the driver does
-    it); the adapter calls it only to host-sync copies at idle (``drain_idle``).
+    Ownership: the adapter holds one reference on every headroom block, every applied
+    destination (``held``), and every block of a plan in flight (``plans``); vLLM holds the
+    request lists. The worker is attached with ``attach_worker`` (the driver does it); the
+    adapter calls it only to host-sync copies at idle (``drain_idle``). ``plan_hook``: a
+    callable the toolkit attaches to check every proposal before launch.
     """
 
     def __init__(self, *, block_size: int = 16, num_blocks: int = 128, prefix_caching: bool = True,
@@ -275,8 +118,7 @@ class VTokenAdapter:
         self.h = VllmHarness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, async_scheduling=async_scheduling)
-        base = type(self.h.scheduler)
-        cls = scheduler_class(base)
+        cls = scheduler_class(type(self.h.scheduler))
         sched = cls(vllm_config=self.h.vllm_config, kv_cache_config=self.h.kv_cache_config,
                     block_size=block_size, log_stats=False,
                     structured_output_manager=StructuredOutputManager(self.h.vllm_config))
@@ -284,47 +126,41 @@ class VTokenAdapter:
         sched.defer_block_free = True  # run sched_step_seq / processed_step_seq / deferred_frees
         sched.vtoken_adapter = self
         self.scheduler = sched
-        self.S = int(block_size)
-        self.N = int(num_blocks)
-        self.async_scheduling = async_scheduling
-        self.prefix_caching = prefix_caching
+        self.S, self.N = int(block_size), int(num_blocks)
+        self.async_scheduling, self.prefix_caching = async_scheduling, prefix_caching
         self.reclaim = bool(reclaim)
         self.cfg = planner_config or default_adapter_planner_config()
         self.H = int(self.cfg.headroom) if self.reclaim else 0
         self.max_plans_per_step = int(max_plans_per_step)
         self.checks = checks
-        self.evict_unfaithful_hashes = evict_unfaithful_hashes
         self.table = TokenTable(self.S, self.N, device=table_device)
         self.worker = None
-        # scheduler-side state
-        self.headroom: list = []  # KVCacheBlock, ref_cnt 1, held by the adapter
-        self.held: dict[str, list] = {}  # req -> applied destination blocks (adapter holds the ref)
-        self.mirror: dict[str, list[int]] = {}  # req -> positional block ids as the outputs gave them
-        self.pos_of: dict[str, dict[int, int]] = {}  # req -> block id -> index (not substituted)
-        self.subst: dict[str, dict[int, int]] = {}  # req -> index -> block id substituted by null
-        self.incarnation: dict[str, int] = {}  # req -> seq of the output that (re)started its block list
-        self.plans: dict[int, AdapterPlan] = {}  # in flight (not yet reported)
-        self.busy: dict[str, int] = {}  # req -> plan id in flight (one per request: I4)
-        self.ledger: dict[int, _FenceEntry] = {}  # source block id -> entry (pending ones)
-        self.ledger_done: deque = deque(maxlen=4096)  # freed entries (checked once, kept for reports)
-        self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
-        self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
-        self.faithful: dict[str, int] = {}  # req -> tokens computed with full context (worker report)
-        self.kept_hashes: list[tuple[int, str]] = []  # (block, why) hashes kept on freed (released) blocks
-        self.history: list[dict] = []  # snapshots of applied plans (planner_config.record_snapshots)
-        self.plan_hook = None  # called with every proposal before launch (the toolkit's contract check)
-        self.waiting_new: deque = deque()  # requests held back by admission back-pressure
-        self.requests: dict[str, Any] = {}  # every vLLM Request made (outputs stay readable)
-        self._ids = itertools.count(1)
-        self.steps = 0  # non-empty steps scheduled
-        self.retained: list[tuple[int, int, int]] = []  # (seq, retained blocks, running requests)
         self.stats = dict(plans=0, applied=0, aborted=0, moves=0, sources_freed=0, dests_used=0,
                           dests_returned=0, released_empty=0, hashes_kept=0, hashes_evicted=0,
                           shared_blocks_moved=0, backpressure_steps=0, held_back_max=0,
                           orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
                           unfaithful_hashes_evicted=0, source_hashes_dropped=0)
+        # blocks the adapter holds (one reference each)
+        self.headroom: list = []  # KVCacheBlock, ref_cnt 1, in no request's list
+        self.held: dict[str, list] = {}  # req -> applied destination blocks
+        self.plans: dict[int, AdapterPlan] = {}  # in flight (not yet reported by the worker)
+        self.busy: dict[str, int] = {}  # req -> its plan in flight (one per request: I4)
+        self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
+        self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
+        # the rooms
+        self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, on_start=self._on_list_start)
+        self.fence = FenceLedger()
+        self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=evict_unfaithful_hashes)
+        self.check = RuntimeChecks(self)
+        self.history: list[dict] = []  # snapshots of applied plans (planner_config.record_snapshots)
+        self.plan_hook = None
+        self.waiting_new: deque = deque()  # requests held back by admission back-pressure
+        self.requests: dict[str, Any] = {}  # every vLLM Request made (outputs stay readable)
+        self._ids = itertools.count(1)
+        self._clock = itertools.count().__next__  # snapshot event times
+        self.steps = 0  # non-empty steps scheduled
+        self.retained: list[tuple[int, int, int]] = []  # (seq, retained blocks, running requests)
         self._starved = False
-        self._hash_scan: dict[str, int] = {}  # req -> positional index scanned for unfaithful hashes
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -339,6 +175,10 @@ class VTokenAdapter:
     def req_to_blocks(self):
         return self.h.req_to_blocks
 
+    @property
+    def kept_hashes(self) -> list:
+        return self.hashes.kept
+
     def attach_worker(self, worker) -> None:
         self.worker = worker
 
@@ -349,6 +189,10 @@ class VTokenAdapter:
         """Blocks in use by requests: the pool's used blocks less the adapter's headroom
         (plan-held blocks waiting for their fence count: they are still allocated)."""
         return (self.N - 1) - self.pool.get_num_free_blocks() - len(self.headroom)
+
+    def check_all(self) -> None:
+        """Run every runtime check now (tests call this between steps)."""
+        self.check.check_all()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt_token_ids: Iterable[int], max_tokens: int = 16):
@@ -376,6 +220,40 @@ class VTokenAdapter:
     def output_tokens(self, req_id: str) -> list[int]:
         return list(self.requests[req_id].output_token_ids)
 
+    def _on_list_start(self, r: str, seq: int) -> None:
+        """A request's block list (re)started (new or resumed): a new incarnation."""
+        self.held.setdefault(r, [])
+        self.gone_fence.pop(r, None)
+        self.hashes.restart(r)
+
+    def _accounted(self, r: str, b: int) -> str | None:
+        """Where the adapter holds block ``b`` for ``r``: 'list', 'held' or None."""
+        if self.mirror.index(r, b) is not None:
+            return "list"
+        if any(x.block_id == b for x in self.held.get(r, ())):
+            return "held"
+        return None
+
+    def _detach(self, r: str, blk) -> int:
+        """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
+        entry (``mirror.detach``) or drop it from the held destinations. Returns the index
+        (-1 for a held destination)."""
+        if self.mirror.index(r, blk.block_id) is not None:
+            return self.mirror.detach(r, blk)
+        held = self.held.get(r, [])
+        for j, x in enumerate(held):
+            if x is blk:
+                held.pop(j)
+                return -1
+        raise AdapterAssumptionError("table_in_step",
+                                     f"request {r!r}: the table references block {blk.block_id}, which the "
+                                     f"scheduler side does not hold for it")
+
+    def _current(self, r: str) -> bool:
+        """Is ``r`` mirrored, in the table, and has the worker seen its incarnation's first step?"""
+        return (r in self.mirror and r in self.table
+                and self.mirror.incarnation.get(r, 0) <= self.scheduler.processed_step_seq)
+
     # ------------------------------------------------------------------ hook: before schedule
     def _before_schedule(self) -> None:
         if self.reclaim and not self._starved:
@@ -393,8 +271,8 @@ class VTokenAdapter:
     # ------------------------------------------------------------------ hook: after schedule
     def _after_schedule(self, so) -> None:
         self.stats["preemptions"] += len(so.preempted_req_ids or ())
-        self._mirror_output(so)
         sched = self.scheduler
+        self.mirror.observe(so, sched.sched_step_seq)  # schedule() already counted this step
         if so.total_num_scheduled_tokens <= 0:
             so.vtoken = StepMeta(seq=0, reclaim=self.reclaim)
             if self.headroom and not sched.running and len(sched.waiting) and not sched.deferred_frees:
@@ -405,7 +283,7 @@ class VTokenAdapter:
                 self._starved = True
                 self.stats["headroom_yielded"] += 1
             if self.checks:
-                self._check_pool("after schedule (empty step)")
+                self.check.check_pool("after schedule (empty step)")
             return
         seq = sched.sched_step_seq
         self.steps += 1
@@ -413,135 +291,29 @@ class VTokenAdapter:
         running = [r.request_id for r in sched.running]
         if sched.running:
             self._starved = False
-        if self.evict_unfaithful_hashes:
-            for r in running:
-                self._evict_unfaithful(r)
+        for r in running:
+            self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r))
         self._release_empty(meta, running)
         if self.reclaim:
             self._plan(meta, running)
         so.vtoken = meta
         if self.checks:
-            self._check_pool(f"after scheduling step {seq}")
-
-    def _mirror_output(self, so) -> None:
-        """Keep the positional block ids per request exactly as the outputs send them."""
-        seq_next = self.scheduler.sched_step_seq  # schedule() already counted this step
-        for d in so.scheduled_new_reqs:
-            self._set_mirror(d.req_id, list(d.block_ids[0]), seq_next)
-        c = so.scheduled_cached_reqs
-        for r, nb in zip(c.req_ids, c.new_block_ids):
-            ids = list(nb[0]) if nb else []
-            if r in c.resumed_req_ids:
-                self._set_mirror(r, ids, seq_next)
-            else:
-                m = self.mirror.setdefault(r, [])
-                pos = self.pos_of.setdefault(r, {})
-                for b in ids:
-                    pos[b] = len(m)
-                    m.append(b)
-
-    def _set_mirror(self, r: str, ids: list[int], seq: int) -> None:
-        self.mirror[r] = ids
-        self.pos_of[r] = {b: i for i, b in enumerate(ids)}
-        self.subst[r] = {}
-        self.held.setdefault(r, [])
-        self.incarnation[r] = seq
-        self.gone_fence.pop(r, None)
-        self._hash_scan.pop(r, None)
-
-    def _tail_block(self, r: str) -> Optional[int]:
-        """The block holding the request's newest token (still being written; never evicted)."""
-        n = self.table.length(r)
-        if n == 0:
-            return None
-        return self.table.location(r, n - 1)[0]
-
-    def _accounted(self, r: str, b: int) -> str | None:
-        """Where the adapter holds block ``b`` for ``r``: 'list', 'held' or None."""
-        if b in self.pos_of.get(r, {}):
-            return "list"
-        if any(x.block_id == b for x in self.held.get(r, ())):
-            return "held"
-        return None
-
-    def _detach(self, r: str, blk) -> int:
-        """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
-        entry (list length kept) or drop it from the held destinations. Returns the index
-        (-1 for a held destination)."""
-        b = blk.block_id
-        pos = self.pos_of.get(r, {})
-        if b in pos:
-            lst = self.req_to_blocks.get(r)
-            m = self.mirror.get(r, [])
-            if lst is not None and len(lst) != len(m):
-                raise AdapterAssumptionError(
-                    "null_substitution", f"request {r!r}'s block list has {len(lst)} entries, the scheduler "
-                    f"outputs gave it {len(m)} (an entry was popped instead of null-substituted)")
-            i = pos.pop(b)
-            if lst is None or i >= len(lst) or lst[i] is not blk:
-                got = None if lst is None or i >= len(lst) else lst[i].block_id
-                raise AdapterAssumptionError(
-                    "table_in_step", f"request {r!r}: block {b} expected at req_to_blocks index {i}, found {got}")
-            lst[i] = self.pool.null_block
-            self.subst.setdefault(r, {})[i] = b
-            return i
-        held = self.held.get(r, [])
-        for j, x in enumerate(held):
-            if x is blk:
-                held.pop(j)
-                return -1
-        raise AdapterAssumptionError("table_in_step",
-                                     f"request {r!r}: the table references block {b}, which the scheduler "
-                                     f"side does not hold for it")
-
-    def _evict_unfaithful(self, r: str, upto: Optional[int] = None) -> None:
-        """Drop the prefix-cache hash of ``r``'s blocks computed after its first eviction
-        (vLLM hashes every full block by its token ids; K/V computed with evicted context is
-        not what those ids promise). Only private blocks (ref_cnt 1); scanned once each."""
-        f = self.faithful.get(r)
-        lst = self.req_to_blocks.get(r)
-        if f is None or not lst:
-            return
-        end = len(lst) if upto is None else min(upto, len(lst))
-        if upto is None:
-            end = min(end, self.manager.num_cached_block.get(r, 0))
-        start = max(self._hash_scan.get(r, 0), f // self.S)
-        for i in range(start, end):
-            blk = lst[i]
-            if not blk.is_null and blk.block_hash is not None and blk.ref_cnt == 1:
-                self.pool.evict_blocks({blk.block_id})
-                self.stats["unfaithful_hashes_evicted"] += 1
-        self._hash_scan[r] = max(start, end)
-
-    def _faithful(self, r: str, index: int) -> bool:
-        """Was positional block ``index`` of ``r`` computed with full context?"""
-        if index < 0:
-            return False
-        return (index + 1) * self.S <= self.faithful.get(r, math.inf)
+            self.check.check_pool(f"after scheduling step {seq}")
 
     def _release_empty(self, meta: StepMeta, running: list[str]) -> None:
         """Blocks whose tokens were all evicted: null-substituted and freed at fence ``seq``
         (Naive-Evict does this too; it needs no copy)."""
         t = self.table
         for r in running:
-            if r not in t or r in self.busy or r not in self.mirror:
+            if r in self.busy or not self._current(r):
                 continue
-            if self.incarnation.get(r, 0) > self.scheduler.processed_step_seq:
-                continue  # the worker has not seen this incarnation's first step yet
-            tail = self._tail_block(r)
-            cands = [b for b in t.blocks_of(r) if b != tail and t.n_b[b] == 0 and t.refs[b] == 1]
+            tail = t.tail_block(r)
             out = []
-            for b in cands:
+            for b in sorted(t.releasable_blocks(r).tolist()):  # block order: a deterministic free order
                 blk = self.block(b)
-                if blk.ref_cnt != 1 or self._accounted(r, b) is None:
-                    continue  # shared in vLLM (a prefix hit not synced yet) or not ours to free
-                i = self._detach(r, blk)
-                if blk.block_hash is not None and not self._faithful(r, i):
-                    self.pool.evict_blocks({b})
-                    self.stats["hashes_evicted"] += 1
-                elif blk.block_hash is not None:
-                    self.stats["hashes_kept"] += 1
-                    self.kept_hashes.append((b, "released empty, bytes untouched, full context"))
+                if b == tail or blk.ref_cnt != 1 or self._accounted(r, b) is None:
+                    continue  # still written, shared in vLLM (a prefix hit not synced yet), or not ours
+                self.hashes.on_release(r, blk, self._detach(r, blk))
                 out.append(b)
                 self.pending_release.append((meta.seq, r, b))
                 self.scheduler._free_cow_retained_blocks([blk], meta.seq)
@@ -556,14 +328,12 @@ class VTokenAdapter:
         per request (``planner.propose``, the planner every path runs), with the blocks vLLM
         shares or the scheduler side does not hold for the request excluded."""
         t, cfg = self.table, self.cfg
-        if not self.headroom or self.steps % cfg.check_every or not should_reclaim(cfg, **trigger_inputs(t, self.pool.get_num_free_blocks())):
+        if not self.headroom or self.steps % cfg.check_every or \
+                not should_reclaim(cfg, **trigger_inputs(t, self.pool.get_num_free_blocks())):
             return
-        processed = self.scheduler.processed_step_seq
         scored = []
         for r in running:
-            if r not in t or r in self.busy or r not in self.mirror:
-                continue
-            if self.incarnation.get(r, 0) > processed:
+            if r in self.busy or not self._current(r):
                 continue
             gain = reclaim_bound(t, r, t.tail_block(r))
             if gain > 0:
@@ -591,14 +361,8 @@ class VTokenAdapter:
 
     def _launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
         """Take the proposal's destinations from the headroom, null-substitute its sources in
-        the request's list, drop the sources' prefix-cache hashes, and ride it on step ``seq``.
-
-        Why the hashes go now: a source keeps its bytes until it is freed, so while its copy
-        flies vLLM could hand it to a new request as a prefix-cache hit (``touch``: ref_cnt
-        2); the worker would sync that request onto it and the plan would then have to move
-        a shared block. With no hash, no hit can land on a block in flight. The cost is at
-        most one recomputed block per source for a later request with the same prefix.
-        """
+        the request's list, drop the sources' prefix-cache hashes (``prefix_hash``: no hit
+        may land on a block in flight), open their fence entries, and ride on step ``seq``."""
         taken = set(p.dests)
         by_id = {b.block_id: b for b in self.headroom}
         dests = [by_id[d] for d in p.dests]
@@ -611,18 +375,16 @@ class VTokenAdapter:
                     "shared_never_moved", f"plan for request {r!r} takes block {blk.block_id} as a source "
                     f"(vLLM ref_cnt {blk.ref_cnt}, table refs {int(self.table.refs[blk.block_id])}) at step {meta.seq}")
         plan = AdapterPlan(id=next(self._ids), req_id=r, seq=meta.seq, sources=sources, dests=dests,
-                           moves=np.asarray(p.moves, dtype=np.int64).reshape(-1, 5))
+                           moves=np.asarray(p.moves, dtype=np.int64).reshape(-1, 5), clock=self._clock)
         if self.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(
                 self.table, r, plan.id, p, tail, head,
                 [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids}
                  for q in self.plans.values()])
         for blk in sources:
-            if blk.block_hash is not None:
-                self.pool.evict_blocks({blk.block_id})
-                self.stats["source_hashes_dropped"] += 1
+            self.hashes.drop_source(blk)
             plan.source_index[blk.block_id] = self._detach(r, blk)
-            self.ledger[blk.block_id] = _FenceEntry(blk.block_id, plan.id, r, meta.seq)
+        self.fence.open(plan)
         self.plans[plan.id] = plan
         self.busy[r] = plan.id
         meta.plans.append(plan)
@@ -634,9 +396,8 @@ class VTokenAdapter:
         list, orphan its in-flight plans, forget its mirror."""
         r = request.request_id
         sched = self.scheduler
-        if self.evict_unfaithful_hashes:
-            self._evict_unfaithful(r, upto=1 << 30)
-        self.faithful.pop(r, None)
+        self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r), upto=1 << 30)
+        self.hashes.forget(r)
         fence = sched.sched_step_seq if not sched._request_blocks_can_be_freed(request) else 0
         dests = self.held.pop(r, [])
         if dests:
@@ -647,10 +408,7 @@ class VTokenAdapter:
                 self.stats["orphaned_plans"] += 1
         self.busy.pop(r, None)
         self.gone_fence[r] = fence
-        self.mirror.pop(r, None)
-        self.pos_of.pop(r, None)
-        self.subst.pop(r, None)
-        self.incarnation.pop(r, None)
+        self.mirror.forget(r)
 
     def _free_blocks(self, blocks: list, fence: int) -> None:
         """Return blocks the adapter holds, through vLLM's own fenced path."""
@@ -669,13 +427,15 @@ class VTokenAdapter:
         if meta is not None and meta.seq:
             self.retained.append((meta.seq, self.retained_now(), len(self.scheduler.running)))
         if self.checks:
-            self._check_pool(f"after processing step {meta.seq if meta else '?'}")
-            self._check_table()
+            self.check.check_pool(f"after processing step {meta.seq if meta else '?'}")
+            self.check.check_table()
 
     def _absorb(self, rep) -> None:
+        """The worker's report: per finished plan, destinations to the request (or back to
+        the headroom), sources back through the fence; full-context lengths for the hashes."""
         processed = self.scheduler.processed_step_seq  # the worker has executed up to here
-        self.faithful = {r: v for r, v in rep.faithful.items()
-                         if r in self.mirror and self.incarnation.get(r, 1 << 62) <= processed}
+        m = self.mirror
+        self.hashes.absorb(rep.faithful, lambda r: r in m and m.incarnation.get(r, 1 << 62) <= processed)
         for pid, res in rep.plans.items():
             plan = self.plans.pop(pid, None)
             if plan is None:
@@ -687,11 +447,8 @@ class VTokenAdapter:
                 raise AdapterAssumptionError(
                     "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources "
                     f"{res.shared_sources} are referenced by another request at copy time")
-            for blk in plan.sources:
-                e = self.ledger.get(blk.block_id)
-                if e is not None and e.plan == pid:
-                    e.copy_done = bool(res.copy_done)
-            alive = not plan.orphaned and plan.req_id in self.mirror
+            self.fence.copy_reported(plan, res.copy_done)
+            alive = not plan.orphaned and plan.req_id in m
             if res.status == "applied":
                 used_ids = set(res.used_dests)
                 used = [d for d in plan.dests if d.block_id in used_ids]
@@ -711,36 +468,32 @@ class VTokenAdapter:
             else:  # aborted: nothing moved (or the request is gone)
                 self.stats["aborted"] += 1
                 self.headroom += plan.dests
-                for blk in plan.sources:
-                    self.ledger.pop(blk.block_id, None)
+                self.fence.drop(plan)
                 if alive and res.table_kept:
                     self.held.setdefault(plan.req_id, []).extend(plan.sources)  # still read by the request
                 else:
                     self._free_blocks(plan.sources, max(plan.seq, self.gone_fence.get(plan.req_id, 0)))
 
     def _free_sources(self, plan: AdapterPlan, copy_done: bool) -> None:
-        """Hand a plan's sources back to the pool at their fence (see the module docstring):
+        """Hand a plan's sources back to the pool at their fence: vLLM's
         ``_free_cow_retained_blocks(sources, plan.seq)`` frees them at once when step
         ``plan.seq`` has been processed, else defers them to it. A source carries no
         prefix-cache hash (dropped at launch, and vLLM never hashes a block outside a
         request's list): one that does was re-hashed under the adapter (``prefix_hash``)."""
         processed = self.scheduler.processed_step_seq
         for blk in plan.sources:
-            b = blk.block_id
             if blk.block_hash is not None:
                 raise AdapterAssumptionError(
-                    "prefix_hash", f"source block {b} of plan {plan.id} (request {plan.req_id!r}) carries a "
-                    f"prefix-cache hash at its free: its hash was dropped at launch, so it was re-hashed while in flight")
-            e = self.ledger.pop(b, None)
-            if e is not None:
-                e.freed_at = processed
-                e.freed_copy_done = copy_done
-                self.ledger_done.append(e)
+                    "prefix_hash", f"source block {blk.block_id} of plan {plan.id} (request {plan.req_id!r}) carries "
+                    f"a prefix-cache hash at its free: its hash was dropped at launch, so it was re-hashed while in "
+                    f"flight")
+            self.fence.close(blk.block_id, processed, copy_done)
+        plan.record("free", blocks=plan.source_ids)
         self.stats["sources_freed"] += len(plan.sources)
         self.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)
         self.stats["deferred_free_calls"] += 1
         if self.checks:
-            self._check_fence_ledger()
+            self.fence.check()
 
     # ------------------------------------------------------------------ driving
     def schedule(self):
@@ -753,10 +506,9 @@ class VTokenAdapter:
         """At idle (nothing scheduled, nothing in flight): let the worker host-sync its
         copies and absorb the report, so copies that outlived their step are fenced too."""
         if self.plans and self.worker is not None:
-            rep = self.worker.synchronize()
-            self._absorb(rep)
+            self._absorb(self.worker.synchronize())
             if self.checks:
-                self._check_pool("after synchronize")
+                self.check.check_pool("after synchronize")
 
     def close(self) -> dict:
         """Give the headroom back and check that every block returned (``all_returned``)."""
@@ -771,183 +523,9 @@ class VTokenAdapter:
         free = self.pool.get_num_free_blocks()
         held = [b.block_id for b in self.pool.blocks if not b.is_null and b.ref_cnt != 0]
         left = {r: [b.block_id for b in v] for r, v in self.held.items() if v}
-        if free != self.N - 1 or held or left or sched.deferred_frees or self.plans or self.ledger:
+        if free != self.N - 1 or held or left or sched.deferred_frees or self.plans or len(self.fence):
             raise AdapterAssumptionError(
                 "all_returned", f"free count {free} (want {self.N - 1}); referenced blocks {held[:10]}; "
                 f"adapter still holds {left}; deferred_frees {len(sched.deferred_frees)}; "
-                f"plans in flight {list(self.plans)}; fence ledger {sorted(self.ledger)}")
+                f"plans in flight {list(self.plans)}; fence ledger {sorted(self.fence.pending)}")
         return {"free": free, "N": self.N}
-
-    # ------------------------------------------------------------------ checks
-    def _holders(self) -> Counter:
-        """References on each block from request lists and vLLM's deferred frees."""
-        c: Counter = Counter()
-        for lst in self.req_to_blocks.values():
-            for b in lst:
-                if not b.is_null:
-                    c[b.block_id] += 1
-        for _, blocks in self.scheduler.deferred_frees:
-            for b in blocks:
-                if not b.is_null:
-                    c[b.block_id] += 1
-        return c
-
-    def _check_fence_ledger(self) -> None:
-        while self.ledger_done:
-            e = self.ledger_done.popleft()
-            if e.freed_at is None or e.freed_at < e.fence or not e.freed_copy_done:
-                raise AdapterAssumptionError(
-                    "fence", f"block {e.block} (source of plan {e.plan}, request {e.req_id!r}) freed at step "
-                    f"{e.freed_at} (the last processed step), fence {e.fence}: step {e.fence} processed and the "
-                    f"copy completed (copy completed: {'yes' if e.freed_copy_done else 'no'})")
-
-    def _check_pool(self, where: str) -> None:
-        """Reservation, ownership, fence and prefix-hash checks against the pool itself."""
-        self._check_fence_ledger()
-        holders = self._holders()
-        mine: Counter = Counter()
-        kind: dict[int, str] = {}
-        for b in self.headroom:
-            mine[b.block_id] += 1
-            kind[b.block_id] = "headroom"
-        for r, v in self.held.items():
-            for b in v:
-                mine[b.block_id] += 1
-                kind[b.block_id] = f"destination of request {r!r}"
-        for p in self.plans.values():
-            for b in p.sources:
-                mine[b.block_id] += 1
-                kind[b.block_id] = f"source of plan {p.id} (request {p.req_id!r}, fence {p.seq})"
-            for b in p.dests:
-                mine[b.block_id] += 1
-                kind[b.block_id] = f"destination of in-flight plan {p.id} (request {p.req_id!r})"
-        in_lists = {}
-        for r, lst in self.req_to_blocks.items():
-            for b in lst:
-                if not b.is_null:
-                    in_lists.setdefault(b.block_id, r)
-        for b in self.headroom:
-            bid = b.block_id
-            if bid in in_lists:
-                raise AdapterAssumptionError(
-                    "reservation", f"{where}: headroom block {bid} is in request {in_lists[bid]!r}'s block list "
-                    f"(ref_cnt {b.ref_cnt})")
-            if b.ref_cnt != 1 or b.block_hash is not None:
-                raise AdapterAssumptionError(
-                    "reservation", f"{where}: headroom block {bid} has ref_cnt {b.ref_cnt} (want 1), "
-                    f"hash {'set' if b.block_hash is not None else 'none'}")
-        for bid, n in mine.items():
-            blk = self.block(bid)
-            want = n + holders.get(bid, 0)
-            k = kind[bid]
-            if blk.ref_cnt != want:
-                check = "fence" if k.startswith("source") else "ownership"
-                raise AdapterAssumptionError(
-                    check, f"{where}: block {bid} ({k}) has ref_cnt {blk.ref_cnt}, but the adapter holds {n} and "
-                    f"request lists / deferred frees hold {holders.get(bid, 0)}: it was returned to the pool "
-                    f"while still held (freed before its fence)")
-            if "destination" in k and (blk.block_hash is not None or bid in self.pool.cached_block_hashes_by_block):
-                raise AdapterAssumptionError(
-                    "prefix_hash", f"{where}: block {bid} ({k}) carries a prefix-cache hash "
-                    f"({blk.block_hash!r}) although it holds relocated tokens of mixed positions")
-        for p in self.plans.values():
-            own = self.req_to_blocks.get(p.req_id, []) if not p.orphaned else []
-            for b in p.sources:
-                if any(x is b for x in own):
-                    raise AdapterAssumptionError(
-                        "null_substitution", f"{where}: source block {b.block_id} of plan {p.id} is still in "
-                        f"request {p.req_id!r}'s block list")
-        self._check_lists(where)
-
-    def _check_lists(self, where: str) -> None:
-        """Every request's ``req_to_blocks`` list equals the outputs' mirror, with null
-        exactly where the adapter substituted: same length, same order."""
-        null = self.pool.null_block
-        for r, m in self.mirror.items():
-            lst = self.req_to_blocks.get(r)
-            if lst is None:
-                continue
-            if len(lst) != len(m):
-                raise AdapterAssumptionError(
-                    "null_substitution", f"{where}: request {r!r}'s block list has {len(lst)} entries, the scheduler "
-                    f"outputs gave it {len(m)} (an entry was popped instead of null-substituted, or the list "
-                    f"re-grew): {[b.block_id for b in lst]} vs {m}")
-            sub = self.subst.get(r, {})
-            for i, (blk, bid) in enumerate(zip(lst, m)):
-                if i in sub:
-                    if blk is not null:
-                        raise AdapterAssumptionError(
-                            "null_substitution", f"{where}: request {r!r} index {i}: block {blk.block_id} where "
-                            f"null_block was substituted for block {sub[i]}")
-                elif blk.block_id != bid:
-                    raise AdapterAssumptionError(
-                        "null_substitution", f"{where}: request {r!r} index {i}: req_to_blocks has block "
-                        f"{blk.block_id}, the outputs gave {bid}")
-
-    def _check_table(self) -> None:
-        """Every block the token table references for a live request is one the scheduler
-        side holds for it (its list, its destinations, an in-flight plan, a pending release)."""
-        t = self.table
-        processed = self.scheduler.processed_step_seq
-        pend: dict[str, set] = {}
-        for _, r, b in self.pending_release:
-            pend.setdefault(r, set()).add(b)
-        inflight: dict[str, set] = {}
-        for p in self.plans.values():
-            inflight.setdefault(p.req_id, set()).update(p.source_ids + p.dest_ids)
-        for r in self.mirror:
-            if r not in t or self.incarnation.get(r, 0) > processed:
-                continue
-            ok = set(self.pos_of.get(r, {})) | {b.block_id for b in self.held.get(r, ())} | \
-                pend.get(r, set()) | inflight.get(r, set())
-            extra = [b for b in t.blocks_of(r) if b not in ok]
-            if extra:
-                raise AdapterAssumptionError(
-                    "table_in_step", f"request {r!r}: the token table references blocks {extra} that the scheduler "
-                    f"side does not hold for it (step {processed})")
-
-    def check_all(self) -> None:
-        """Run every runtime check now (tests call this between steps)."""
-        self._check_pool("check_all")
-        self._check_table()
-
-
-# ------------------------------------------------------------------------ a driver
-class AdapterDriver:
-    """Runs an adapter and its worker the way vLLM's engine core does: with async
-    scheduling a second step is scheduled before the first step's output is processed
-    (two in flight), outputs are applied in FIFO order; the worker executes a step when its
-    output is needed (so the scheduler always plans from a table one step stale, the
-    adversarial interleaving for the fence)."""
-
-    def __init__(self, adapter: VTokenAdapter, worker):
-        self.ad = adapter
-        self.worker = worker
-        adapter.attach_worker(worker)
-        self.in_flight: deque = deque()
-        self.depth = 2 if adapter.async_scheduling else 1
-        self.steps = 0
-
-    def step(self) -> None:
-        so = self.ad.schedule()
-        self.in_flight.append(so)
-        self.steps += 1
-        if len(self.in_flight) >= self.depth or not self.ad.has_work():
-            self._finish_one()
-
-    def _finish_one(self) -> None:
-        so = self.in_flight.popleft()
-        out = self.worker.execute(so)
-        self.ad.update_from_output(so, out)
-
-    def drain(self, max_steps: int = 20000) -> int:
-        n = 0
-        while self.ad.has_work():
-            if n >= max_steps:
-                raise RuntimeError(f"requests still pending after {max_steps} steps")
-            self.step()
-            n += 1
-        while self.in_flight:
-            self._finish_one()
-        self.ad.drain_idle()
-        return n

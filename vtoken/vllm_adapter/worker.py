@@ -40,13 +40,14 @@ reclamation and one without give the same tokens (for the same prefill chunking)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
 from ..copy_engine import KVCopyEngine
+from .messages import PlanResult, WorkerReport
 from ..errors import PlanError
 from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
 from ..planner import apply_completed, snapshot_applied
@@ -54,23 +55,6 @@ from ..policies import make_policy
 from ..table import TokenTable
 
 __all__ = ["PlanResult", "VTokenWorker", "WorkerReport"]
-
-
-@dataclass
-class PlanResult:
-    status: str  # "applied" | "aborted"
-    used_dests: list = field(default_factory=list)
-    moved: int = 0
-    copy_done: bool = True  # the copy out of the sources has completed (or never ran)
-    table_kept: bool = False  # aborted with the request still reading its sources
-    shared_sources: list = field(default_factory=list)
-    reason: str = ""
-
-
-@dataclass
-class WorkerReport:
-    plans: dict = field(default_factory=dict)  # plan id -> PlanResult (plans finished now)
-    faithful: dict = field(default_factory=dict)  # req -> leading tokens computed with full context
 
 
 @dataclass
@@ -230,7 +214,7 @@ class VTokenWorker:
         return out
 
     def _run_request(self, r: str, start: int, k: int, rep: WorkerReport) -> Optional[int]:
-        t, S = self.table, self.S
+        t = self.table
         w = self.reqs[r]
         toks = w.tokens
         if r not in t:
@@ -324,6 +308,7 @@ class VTokenWorker:
             m = m[t.are_live(r, m[:, 0])]  # tokens evicted since planning stay dead where they were
         wp = _WPlan(ap.id, r, srcs, list(ap.dest_ids), m, snapshot=ap.snapshot)
         handle = self.engine.launch(wp)
+        ap.record("launch", plan=ap.id)
         self.pending[ap.id] = (wp, handle, ap, w.gen)
         self._poll_one(ap.id, rep, force=False)
 
@@ -348,6 +333,7 @@ class VTokenWorker:
             rep.plans[pid] = PlanResult("aborted", copy_done=True, table_kept=True, reason="copy failed")
             self.stats["aborted"] += 1
             return
+        ap.record("fence", plan=ap.id)  # the copy is observed complete: every later event is after it
         try:
             # the planned moves: apply_completed drops those whose token died since planning
             # (before the copy, or while it flew) and records them as evicted in flight
@@ -363,6 +349,7 @@ class VTokenWorker:
             self.stats["aborted"] += 1
             return
         wp.moves = res.moves
+        ap.record("apply", plan=ap.id)
         if self.checker is not None:
             self.checker.after_apply(wp)
         if ap.snapshot is not None:

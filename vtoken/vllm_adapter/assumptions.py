@@ -1,0 +1,39 @@
+"""The adapter's assumptions about vLLM and about itself, as a report states them.
+
+Owns nothing but the names: :data:`ASSUMPTIONS` (name -> statement) and
+:class:`AdapterAssumptionError`, which every runtime check raises (its message starts
+``assumption broken: <statement> [<name>]``). Imported by every module of the adapter.
+"""
+
+from __future__ import annotations
+
+# name -> the assumption, as a report states it.
+ASSUMPTIONS: dict[str, str] = {
+    "fence": "sources freed only after the fence (their copy completed and the step that "
+             "carried the plan processed)",
+    "prefix_hash": "no relocated block keeps a stale prefix-cache hash (destinations are "
+                   "never hashed; sources lose their hash at launch; a released block keeps it "
+                   "only if it was computed with full context)",
+    "null_substitution": "moved or released blocks are null-substituted in req_to_blocks, "
+                         "list length kept (never popped)",
+    "reservation": "headroom blocks are held with ref_cnt 1, unhashed, and never handed to "
+                   "allocate_slots (in no request's block list)",
+    "shared_never_moved": "shared-prefix blocks are never moved",
+    "table_in_step": "the token table is in step with the scheduler's block lists",
+    "ownership": "every reference the adapter holds is accounted for in the pool",
+    "all_returned": "every block returns to the pool after drain (free count N-1)",
+    "plan_contract": "every plan satisfies the planner contract (vtoken.spec.planner) and is optimal",
+    "hash_and_compare": "every relocation preserves the ordered live token ids and their K/V "
+                        "bytes (hash-and-compare)",
+    "outputs_equal": "reclamation does not change the output (same eviction decisions, "
+                     "token for token)",
+}
+
+
+class AdapterAssumptionError(AssertionError):
+    """A runtime check of the adapter failed; ``check`` is the assumption's name."""
+
+    def __init__(self, check: str, detail: str):
+        self.check = check
+        self.detail = detail
+        super().__init__(f"assumption broken: {ASSUMPTIONS.get(check, check)} [{check}]: {detail}")

@@ -1,0 +1,46 @@
+"""The engine-core loop around an adapter and its worker (tests, audits, benchmarks).
+
+``AdapterDriver`` runs an adapter and its worker the way vLLM's engine core does: with
+async scheduling a second step is scheduled before the first step's output is processed
+(two in flight); outputs are applied in FIFO order; the worker executes a step when its
+output is needed, so the scheduler always plans from a table one step stale (the
+adversarial interleaving for the fence). Owns only the queue of outputs in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class AdapterDriver:
+    def __init__(self, adapter, worker):
+        self.ad = adapter
+        self.worker = worker
+        adapter.attach_worker(worker)
+        self.in_flight: deque = deque()
+        self.depth = 2 if adapter.async_scheduling else 1
+        self.steps = 0
+
+    def step(self) -> None:
+        so = self.ad.schedule()
+        self.in_flight.append(so)
+        self.steps += 1
+        if len(self.in_flight) >= self.depth or not self.ad.has_work():
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        so = self.in_flight.popleft()
+        out = self.worker.execute(so)
+        self.ad.update_from_output(so, out)
+
+    def drain(self, max_steps: int = 20000) -> int:
+        n = 0
+        while self.ad.has_work():
+            if n >= max_steps:
+                raise RuntimeError(f"requests still pending after {max_steps} steps")
+            self.step()
+            n += 1
+        while self.in_flight:
+            self._finish_one()
+        self.ad.drain_idle()
+        return n

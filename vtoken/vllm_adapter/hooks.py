@@ -1,0 +1,41 @@
+"""Where vtoken sits in vLLM's scheduler: a subclass of vLLM's own class with three hooks.
+
+``scheduler_class(base)`` returns ``VToken<Base>``: ``schedule()`` calls the adapter before
+and after vLLM's own code, ``update_from_output()`` after it, and ``_free_request_blocks()``
+(preemption and finish) before it. The hooks only call out; everything else is vLLM's.
+Cost: three attribute lookups per call when no adapter is attached.
+"""
+
+from __future__ import annotations
+
+
+def scheduler_class(base: type) -> type:
+    """A subclass of vLLM's ``base`` scheduler class with the adapter's three hooks."""
+
+    class VTokenScheduler(base):  # type: ignore[misc, valid-type]
+        vtoken_adapter = None
+
+        def schedule(self, *args, **kwargs):
+            ad = self.vtoken_adapter
+            if ad is not None:
+                ad._before_schedule()
+            so = super().schedule(*args, **kwargs)
+            if ad is not None:
+                ad._after_schedule(so)
+            return so
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            result = super().update_from_output(scheduler_output, model_runner_output)
+            ad = self.vtoken_adapter
+            if ad is not None:
+                ad._after_update(scheduler_output, model_runner_output)
+            return result
+
+        def _free_request_blocks(self, request):
+            ad = self.vtoken_adapter
+            if ad is not None:
+                ad._on_request_free(request)
+            return super()._free_request_blocks(request)
+
+    VTokenScheduler.__name__ = VTokenScheduler.__qualname__ = f"VToken{base.__name__}"
+    return VTokenScheduler

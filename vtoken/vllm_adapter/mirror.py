@@ -1,0 +1,114 @@
+"""The block-list mirror: each request's positional block ids exactly as vLLM's outputs sent
+them, and null substitution.
+
+Owns, per request: ``ids`` (the positional block ids: ``scheduled_new_reqs.block_ids``,
+``scheduled_cached_reqs.new_block_ids`` appended, replaced for ``resumed_req_ids``), ``pos``
+(block id -> index, for the entries not substituted), ``subst`` (index -> block id the
+adapter replaced by ``null_block``) and ``incarnation`` (the step that (re)started the list).
+It never frees a block. ``detach`` is the one place a request's list changes under vLLM:
+the entry becomes ``null_block``, the list keeps its length (vLLM's allocator grows lists
+positionally; popping would break that). Cost: O(new block ids) per output, O(1) per
+detach, O(list) per :meth:`check_lists`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .assumptions import AdapterAssumptionError
+
+
+class BlockMirror:
+    def __init__(self, req_to_blocks, null_block, on_start: Optional[Callable[[str, int], None]] = None):
+        self.req_to_blocks = req_to_blocks  # vLLM's live dict: request -> list of KVCacheBlock
+        self.null = null_block
+        self.on_start = on_start  # called with (request, seq) when a list (re)starts
+        self.ids: dict[str, list[int]] = {}
+        self.pos: dict[str, dict[int, int]] = {}
+        self.subst: dict[str, dict[int, int]] = {}
+        self.incarnation: dict[str, int] = {}
+
+    def __contains__(self, r) -> bool:
+        return r in self.ids
+
+    def __getitem__(self, r) -> list[int]:
+        """``r``'s positional block ids as the outputs gave them."""
+        return self.ids[r]
+
+    def observe(self, so, seq_next: int) -> None:
+        """Mirror one ``SchedulerOutput`` (``seq_next``: the step it carries)."""
+        for d in so.scheduled_new_reqs:
+            self.start(d.req_id, list(d.block_ids[0]), seq_next)
+        c = so.scheduled_cached_reqs
+        for r, nb in zip(c.req_ids, c.new_block_ids):
+            ids = list(nb[0]) if nb else []
+            if r in c.resumed_req_ids:
+                self.start(r, ids, seq_next)
+            else:
+                m = self.ids.setdefault(r, [])
+                pos = self.pos.setdefault(r, {})
+                for b in ids:
+                    pos[b] = len(m)
+                    m.append(b)
+
+    def start(self, r: str, ids: list[int], seq: int) -> None:
+        """A new block list for ``r`` (a new request or a resumed one)."""
+        self.ids[r] = ids
+        self.pos[r] = {b: i for i, b in enumerate(ids)}
+        self.subst[r] = {}
+        self.incarnation[r] = seq
+        if self.on_start is not None:
+            self.on_start(r, seq)
+
+    def forget(self, r: str) -> None:
+        for d in (self.ids, self.pos, self.subst, self.incarnation):
+            d.pop(r, None)
+
+    def index(self, r: str, b: int) -> Optional[int]:
+        """The positional index of block ``b`` in ``r``'s list (not substituted), or None."""
+        return self.pos.get(r, {}).get(b)
+
+    def detach(self, r: str, blk) -> int:
+        """Null-substitute ``blk``'s entry in ``r``'s list (the adapter takes the request's
+        reference over); returns its index."""
+        b = blk.block_id
+        pos = self.pos.get(r, {})
+        lst = self.req_to_blocks.get(r)
+        m = self.ids.get(r, [])
+        if lst is not None and len(lst) != len(m):
+            raise AdapterAssumptionError(
+                "null_substitution", f"request {r!r}'s block list has {len(lst)} entries, the scheduler "
+                f"outputs gave it {len(m)} (an entry was popped instead of null-substituted)")
+        i = pos.pop(b)
+        if lst is None or i >= len(lst) or lst[i] is not blk:
+            got = None if lst is None or i >= len(lst) else lst[i].block_id
+            raise AdapterAssumptionError(
+                "table_in_step", f"request {r!r}: block {b} expected at req_to_blocks index {i}, found {got}")
+        lst[i] = self.null
+        self.subst.setdefault(r, {})[i] = b
+        return i
+
+    def check_lists(self, where: str, requests=None) -> None:
+        """Every mirrored request's ``req_to_blocks`` equals its mirror, with null exactly
+        where the adapter substituted: same length, same order. ``requests``: only these."""
+        for r in (self.ids if requests is None else requests):
+            m = self.ids.get(r)
+            lst = self.req_to_blocks.get(r)
+            if m is None or lst is None:
+                continue
+            if len(lst) != len(m):
+                raise AdapterAssumptionError(
+                    "null_substitution", f"{where}: request {r!r}'s block list has {len(lst)} entries, the scheduler "
+                    f"outputs gave it {len(m)} (an entry was popped instead of null-substituted, or the list "
+                    f"re-grew): {[b.block_id for b in lst]} vs {m}")
+            sub = self.subst.get(r, {})
+            for i, (blk, bid) in enumerate(zip(lst, m)):
+                if i in sub:
+                    if blk is not self.null:
+                        raise AdapterAssumptionError(
+                            "null_substitution", f"{where}: request {r!r} index {i}: block {blk.block_id} where "
+                            f"null_block was substituted for block {sub[i]}")
+                elif blk.block_id != bid:
+                    raise AdapterAssumptionError(
+                        "null_substitution", f"{where}: request {r!r} index {i}: req_to_blocks has block "
+                        f"{blk.block_id}, the outputs gave {bid}")

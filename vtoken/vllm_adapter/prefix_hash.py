@@ -1,0 +1,88 @@
+"""Prefix-hash hygiene: a block keeps its prefix-cache hash only while its bytes are what its
+token ids promise.
+
+vLLM hashes every full block of a request's list by its token ids. Three rules keep the
+prefix cache honest under token eviction and relocation:
+
+- a plan's sources lose their hash at launch (:meth:`PrefixHashRules.drop_source`): a block
+  in flight must never be handed out as a prefix hit (a hit makes it shared, and shared
+  blocks never move); destinations are never hashed (they never enter a request's list);
+- a released block (all tokens evicted, no copy) keeps its hash only if it was computed
+  with full context (:meth:`on_release`): a token computed after an eviction attended to
+  fewer tokens than a fresh prefill would, so its K/V is not what the token ids promise;
+- any block hashed after the request's first eviction is unfaithful for the same reason:
+  :meth:`evict_unfaithful` drops those hashes once the worker reports the request's
+  full-context length, and when the request is preempted or finishes.
+
+Owns: per request the full-context length (``faithful``) and how far its list was scanned;
+the record of kept hashes. Calls ``BlockPool.evict_blocks`` only. Cost: each positional
+block is scanned once per incarnation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+class PrefixHashRules:
+    def __init__(self, pool, manager, block_size: int, stats: dict, enabled: bool = True):
+        self.pool, self.manager, self.S = pool, manager, int(block_size)
+        self.stats = stats  # the adapter's counters (hashes_kept, hashes_evicted, ...)
+        self.enabled = enabled  # evict_unfaithful_hashes
+        self.faithful: dict[str, int] = {}  # req -> tokens computed with full context (worker report)
+        self.scanned: dict[str, int] = {}  # req -> positional index scanned for unfaithful hashes
+        self.kept: list[tuple[int, str]] = []  # (block, why) hashes kept on released blocks
+
+    def restart(self, r: str) -> None:
+        """A new block list for ``r`` (new or resumed): nothing of it was scanned."""
+        self.scanned.pop(r, None)
+
+    def forget(self, r: str) -> None:
+        self.faithful.pop(r, None)
+        self.scanned.pop(r, None)
+
+    def absorb(self, reported: dict, alive) -> None:
+        """The worker's full-context lengths, for the requests ``alive(r)`` says are current."""
+        self.faithful = {r: v for r, v in reported.items() if alive(r)}
+
+    def is_faithful(self, r: str, index: int) -> bool:
+        """Was positional block ``index`` of ``r`` computed with full context?"""
+        if index < 0:
+            return False
+        return (index + 1) * self.S <= self.faithful.get(r, math.inf)
+
+    def evict_unfaithful(self, r: str, lst, upto: Optional[int] = None) -> None:
+        """Drop the hash of ``r``'s private blocks computed after its first eviction; each
+        positional block scanned once (up to vLLM's cached count, or ``upto`` at the end)."""
+        f = self.faithful.get(r)
+        if not self.enabled or f is None or not lst:
+            return
+        end = len(lst) if upto is None else min(upto, len(lst))
+        if upto is None:
+            end = min(end, self.manager.num_cached_block.get(r, 0))
+        start = max(self.scanned.get(r, 0), f // self.S)
+        for i in range(start, end):
+            blk = lst[i]
+            if not blk.is_null and blk.block_hash is not None and blk.ref_cnt == 1:
+                self.pool.evict_blocks({blk.block_id})
+                self.stats["unfaithful_hashes_evicted"] += 1
+        self.scanned[r] = max(start, end)
+
+    def on_release(self, r: str, blk, index: int) -> None:
+        """A block of ``r`` at ``index`` released with all its tokens dead: keep its hash
+        only if it was computed with full context."""
+        if blk.block_hash is None:
+            return
+        if self.is_faithful(r, index):
+            self.stats["hashes_kept"] += 1
+            self.kept.append((blk.block_id, "released empty, bytes untouched, full context"))
+        else:
+            self.pool.evict_blocks({blk.block_id})
+            self.stats["hashes_evicted"] += 1
+
+    def drop_source(self, blk) -> None:
+        """A plan launches with ``blk`` as a source: no prefix hit may land on it in flight."""
+        if blk.block_hash is not None:
+            self.pool.evict_blocks({blk.block_id})
+            self.stats["source_hashes_dropped"] += 1
