@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from vtoken.planner import PlannerConfig
+
 from . import report as rep
 from .frontier import GEOMETRIES, _run, _search, _task_schedules, geometry_budgets, setting
 from .parallel import default_jobs, run_tasks
@@ -97,7 +99,8 @@ def run_robustness(quick: bool = False, seeds: int | None = None, out=None, jobs
         worst[label] = min(c["over_ideal"] for c in g.values())
     result = dict(experiment="robustness", quick=quick, seeds=n_seeds, budgets={k: nb for k, (_, nb) in budgets.items()},
                   geometry={k: geo for k, (geo, _) in budgets.items()}, ideal=ideal, latencies=list(latencies),
-                  intervals=list(intervals), planner=dict(st["default"]), grid=grid, min_over_ideal_by_budget=worst,
+                  intervals=list(intervals), planner=dict(vars(PlannerConfig(**st["default"]))), grid=grid,
+                  min_over_ideal_by_budget=worst,
                   min_over_ideal=min(worst.values()), wall_s=time.perf_counter() - t0)
     md = _markdown(result, st)
     fig = _plot(result)
@@ -111,14 +114,16 @@ def _ratio(tr: dict):
 
 def _markdown(res, st) -> str:
     L = ["# Robustness of the planner defaults: copy latency x check interval\n",
-         f"`PlannerConfig()` ({res['planner'] or 'the defaults'}, only `check_every` = K changed) on the frontier "
+         f"`PlannerConfig()` (`{ {k: v for k, v in res['planner'].items() if k != 'record_snapshots'} }`, only "
+         f"`check_every` = K changed) on the frontier "
          f"trace, `NullCopyEngine(latency)`: a plan launched at step t frees its sources at step t + latency + 1. "
          f"Each cell: the frontier C (median [min, max] over {res['seeds']} seeds) against the ideal packing; one run "
          f"at C = ideal per seed (ideal + 1 is infeasible by the live tokens alone), a search below it where it "
          f"fails. `min_over_ideal` = {res['min_over_ideal']:.3f}.\n"]
     for label, g in res["grid"].items():
         lat = res["latencies"]
-        L.append(f"## {res['geometry'][label]}, budget {label} blocks (ideal C = {res['ideal'][label]})\n")
+        L.append(f"## {res['geometry'][label]}, budget {res['budgets'][label]} blocks (`{label}`, ideal C = "
+                 f"{res['ideal'][label]})\n")
         rows = []
         for K in res["intervals"]:
             row = [f"K = {K}"]
