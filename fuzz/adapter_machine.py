@@ -48,6 +48,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from vtoken.vllm_adapter import harness  # noqa: F401 - the CPU environment before vLLM loads
 
 from .hard_states import hard
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 _MODEL = None
 
@@ -81,7 +82,7 @@ class _Run:
                                                                               record_snapshots=reclaim),
                                 checks=checks)
         self.w = VTokenWorker(_model(), self.ad.table, N, S, policy="random", evict_ratio=ratio, seed=0,
-                              check_relocations=reclaim, copy_lag=lag)
+                              check_relocations=RelocationChecker if reclaim else None, copy_lag=lag)
         self.d = AdapterDriver(self.ad, self.w)
         if reclaim:
             self.ad.plan_hook = check_proposal
@@ -448,6 +449,9 @@ class AdapterMachine(RuleBasedStateMachine):
     def _check(self):
         for run in (self.vt, self.ref):
             run.check_ledger()
+            # the runtime checks' incremental view (a cache of the full scan) must never
+            # disagree with the full scan: a false alarm is a bug in the checks
+            assert not run.ad.check.false_alarms, f"incremental runtime check false alarm: {run.ad.check.false_alarms[0]}"
         self.snapshots_done = self.vt.check_snapshots(self.snapshots_done)
 
     @invariant()

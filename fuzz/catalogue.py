@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .patches import Patch
 
 T, A, P, L = "vtoken/table.py", "vtoken/allocator.py", "vtoken/planner.py", "vtoken/placement.py"
-E = "vtoken/engine.py"
+E = "vtoken/decode.py"
 AD, W = "vtoken/vllm_adapter/adapter.py", "vtoken/vllm_adapter/worker.py"
 MI, PH = "vtoken/vllm_adapter/mirror.py", "vtoken/vllm_adapter/prefix_hash.py"
 

@@ -17,7 +17,7 @@ these in place. ``ENGINES`` maps the catalogue's names to the classes.
 - ``cuda_release_before_event``: ``poll`` reports done without asking the device (on the
   CPU with ``lag``: before the deferred copy ran; it still runs when its lag expires) -- I3.
 
-Faulty decode engines (``DECODE_ENGINES``): :class:`vtoken.engine.DecodeEngine` with one
+Faulty decode engines (``DECODE_ENGINES``): :class:`vtoken.decode.DecodeEngine` with one
 host-side hook of its graph path overridden (bug class 10, a replay that skips a host-side
 hook and reads stale KV):
 
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from vtoken.copy_engine import KVCopyEngine
-from vtoken.engine import DecodeEngine
+from vtoken.decode import DecodeEngine
 
 __all__ = ["ENGINES", "FlipByteEngine", "SkipMoveEngine", "WritePastDestinationEngine", "DroppedWaitEngine",
            "WrongStreamEventEngine", "ReleaseBeforeEventEngine", "factory", "DECODE_ENGINES",

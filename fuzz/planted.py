@@ -39,6 +39,7 @@ from pathlib import Path
 from .catalogue import BY_NAME, CATALOGUE, Fault, cpu_faults
 from .patches import PatchError, apply_to_tree
 from .patches import planted as _planted_patches
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 MACHINES = {"table": "vtoken.fuzz.table_machine:TableMachine",
             "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
@@ -140,7 +141,7 @@ def _detect_decode(seed: int, budget_s: float, engine: str | None) -> dict:
     """A small decode (vtoken, copy lag 2, hash-and-compare) against naive-evict's outputs."""
     import numpy as np
 
-    from vtoken.engine import DecodeEngine, default_planner_config
+    from vtoken.decode import DecodeEngine, default_planner_config
     from vtoken.errors import RelocationCheckError
     from vtoken.model import PagedDecoder
 
@@ -152,7 +153,7 @@ def _detect_decode(seed: int, budget_s: float, engine: str | None) -> dict:
     outs, detail = {}, ""
     for mode in ("vtoken", "naive-evict"):  # vtoken first: hash-and-compare stops at the first bad relocation
         eng = DecodeEngine(model, mode=mode, policy="random", evict_ratio=0.5, block_size=4,
-                           check_relocations=(mode == "vtoken"), planner_config=default_planner_config(), seed=seed,
+                           check_relocations=RelocationChecker if mode == "vtoken" else None, planner_config=default_planner_config(), seed=seed,
                            copy_kwargs={"lag": 2} if mode == "vtoken" else None,
                            copy_engine_factory=factory(engine) if mode == "vtoken" else None)
         try:

@@ -16,7 +16,7 @@ What it does (``run``):
      a seeded scheduler stand-in: shared prefixes, growth and evictions while copies are in
      flight, attention reads through the table's slot mapping recorded while plans fly.
      Snapshots at launch (``post`` null) and after apply.
-   - ``engine``: ``vtoken.engine.DecodeEngine(check_relocations=True)`` decoding with the
+   - ``engine``: ``vtoken.decode.DecodeEngine(check_relocations=RelocationChecker)`` decoding with the
      small paged decoder on the CPU (several policies, block sizes, copy lags): applied
      snapshots with the engine's events and the relocation checker's K/V digests.
    - ``adapter``: the vLLM adapter (``VTokenAdapter(planner_config=
@@ -56,6 +56,7 @@ from vtoken.errors import SnapshotError
 from vtoken.snapshot import validate
 
 from . import snapshot_checks, z3_checks
+from .relocation_hash import RelocationChecker
 
 ALL_PATHS = ("planner", "engine", "adapter")
 CHECKERS: dict[str, Callable] = {"python": snapshot_checks.check_snapshot, "z3": z3_checks.check_snapshot}
@@ -135,11 +136,11 @@ def collect_planner(seed: int = 0, runs: int = 4, steps: int = 14) -> list[dict]
 
 
 def collect_engine(seed: int = 0, runs: int = 4, new_tokens: int = 40) -> list[dict]:
-    """Applied snapshots of ``DecodeEngine(check_relocations=True)`` (digests included)."""
+    """Applied snapshots of ``DecodeEngine(check_relocations=RelocationChecker)`` (digests included)."""
     import torch
 
-    from vtoken.decode_cli import make_prompts
-    from vtoken.engine import DecodeEngine
+    from vtoken.decode import make_prompts
+    from vtoken.decode import DecodeEngine
     from vtoken.model import PagedDecoder
     from vtoken.planner import PlannerConfig
 
@@ -156,7 +157,7 @@ def collect_engine(seed: int = 0, runs: int = 4, new_tokens: int = 40) -> list[d
             cfg = PlannerConfig(theta_f=0.1, check_every=1, max_sources=8, headroom=8, low_watermark=None,
                                 record_snapshots=True)
             eng = DecodeEngine(model, mode="vtoken", policy=policy, evict_ratio=0.5, block_size=S, seed=seed + run,
-                               check_relocations=True, planner_config=cfg, copy_kwargs={"lag": lag})
+                               check_relocations=RelocationChecker, planner_config=cfg, copy_kwargs={"lag": lag})
             eng.run(prompts, new_tokens)
             out += [_roundtrip(p.snapshot) for p in eng.manager.history if p.snapshot is not None]
         return out
@@ -195,7 +196,7 @@ def collect_adapter(seed: int = 0, runs: int = 1, max_tokens: int = 40) -> list[
                         "dicts when built with default_adapter_planner_config(record_snapshots=True)); the adapter "
                         "does not record snapshots yet, so its plans cannot be checked here")
                 w = VTokenWorker(model, ad.table, 160, 4, policy="random", evict_ratio=0.5, seed=seed + run,
-                                 check_relocations=True, copy_lag=1)
+                                 check_relocations=RelocationChecker, copy_lag=1)
                 d = AdapterDriver(ad, w)
                 rng = np.random.default_rng([seed, run])
                 for i in range(4):

@@ -167,7 +167,7 @@ def check_sharing(ctx) -> CheckResult:
 
 def check_waste(ctx) -> CheckResult:
     """Waste under Naive-Evict and retained blocks Naive-Evict vs vToken (quick simulation)."""
-    from vtoken.simulate import run_retained, run_waste
+    from vtoken.cli.simulate import run_retained, run_waste
 
     w = run_waste(quick=True, out=ctx["out"] / "simulate")
     r = run_retained(quick=True, out=ctx["out"] / "simulate")
@@ -184,7 +184,7 @@ def check_waste(ctx) -> CheckResult:
 
 
 def check_table_bench(ctx) -> CheckResult:
-    from vtoken.bench import bench_table
+    from vtoken.cli.bench import bench_table
 
     res = bench_table(quick=True)
     # A timing: reported, never a verdict (a shared machine's noise must not flip an audit;

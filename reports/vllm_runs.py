@@ -30,6 +30,7 @@ from typing import Optional
 from vtoken.vllm_adapter import harness as _harness  # noqa: F401 - CPU environment before vLLM
 from vtoken.vllm_adapter.adapter import ASSUMPTIONS, AdapterAssumptionError, AdapterDriver, VTokenAdapter, \
     default_adapter_planner_config
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 __all__ = ["audit_decode", "sharing_table", "check_assumptions"]
 
@@ -92,7 +93,7 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
                        planner_config=default_adapter_planner_config(headroom=headroom),
                        max_num_batched_tokens=max_num_batched_tokens)
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,
-                     seed=seed, check_relocations=reclaim, snapshot_dir=snapshot_dir, copy_lag=copy_lag)
+                     seed=seed, check_relocations=RelocationChecker if reclaim else None, snapshot_dir=snapshot_dir, copy_lag=copy_lag)
     if reclaim:  # every plan of the audited run against the reference planner's contract
         from vtoken.invariants.plan_contract import check_proposal
 

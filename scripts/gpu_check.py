@@ -194,8 +194,9 @@ def _decode_case(device="cuda", mode="vtoken", policy="h2o", requests=4, prompt=
                  check=False, method=None, full_bytes=False, copy_kwargs=None, sentinel_check=False, seed=1,
                  engine_cls=None, sample=None, headroom=8):
     """A small batch through DecodeEngine; returns (engine, result)."""
-    from vtoken.decode_cli import make_prompts
-    from vtoken.engine import DecodeEngine
+    from vtoken.decode import make_prompts
+    from vtoken.decode import DecodeEngine
+    from vtoken.invariants.relocation_hash import RelocationChecker
     from vtoken.model import PagedDecoder
     from vtoken.planner import PlannerConfig
 
@@ -204,7 +205,7 @@ def _decode_case(device="cuda", mode="vtoken", policy="h2o", requests=4, prompt=
     cfg = PlannerConfig(theta_f=0.1, check_every=1, max_sources=8, headroom=headroom)
     eng = (engine_cls or DecodeEngine)(
         model, mode=mode, policy=policy, evict_ratio=0.5, block_size=S, device=device, planner_config=cfg,
-        check_relocations=check, check_method=method, full_bytes=full_bytes, copy_kwargs=copy_kwargs,
+        check_relocations=RelocationChecker if check else None, check_method=method, full_bytes=full_bytes, copy_kwargs=copy_kwargs,
         sentinel_check=sentinel_check, cuda_graph=cuda_graph)
     if check and sample is not None:  # the spot check's size is the checker's: build it first
         eng.setup(_budget(prompts, new, S, headroom, mode))
@@ -213,7 +214,7 @@ def _decode_case(device="cuda", mode="vtoken", policy="h2o", requests=4, prompt=
 
 
 def _budget(prompts, new, S, headroom, mode):
-    from vtoken.engine import full_retention_blocks
+    from vtoken.decode import full_retention_blocks
 
     return full_retention_blocks([len(p) for p in prompts], new, S, headroom if mode == "vtoken" else 0) + 2
 
@@ -426,8 +427,9 @@ def sec_sync_debug(dev: str) -> dict:
     are recorded as figures (both read data back to the host by design)."""
     import torch
 
-    from vtoken.decode_cli import make_prompts
-    from vtoken.engine import DecodeEngine, full_retention_blocks
+    from vtoken.decode import make_prompts
+    from vtoken.decode import DecodeEngine, full_retention_blocks
+    from vtoken.invariants.relocation_hash import RelocationChecker
     from vtoken.model import PagedDecoder
     from vtoken.planner import PlannerConfig
 
@@ -594,8 +596,8 @@ def _smoke_fuzz():
     return fuzz_collect("table", grace_s=60)
 
 
-NEEDS_COMMON = ["torch", "numpy", "xxhash", "vtoken.engine:DecodeEngine", "vtoken.engine:StepGraph",
-                "vtoken.decode_cli:make_prompts", "vtoken.model:PagedDecoder", "vtoken.planner:PlannerConfig"]
+NEEDS_COMMON = ["torch", "numpy", "xxhash", "vtoken.decode:DecodeEngine", "vtoken.decode:StepGraph",
+                "vtoken.decode:make_prompts", "vtoken.model:PagedDecoder", "vtoken.planner:PlannerConfig"]
 SECTIONS = {
     "env": (sec_env, 20, False, lambda: sec_env("cpu"), ["torch"]),
     "gpu_tests": (sec_gpu_tests, 180, True, None, ["pytest", "tests/test_gpu.py"]),
@@ -605,7 +607,7 @@ SECTIONS = {
     "graph_replay": (sec_graph_replay, 120, True, _smoke_graph,
                      ["vtoken.invariants.snapshot_checks:check_snapshot", "vtoken.invariants.z3_checks:check_snapshot",
                       "z3"]),
-    "sync_debug": (sec_sync_debug, 90, True, None, ["vtoken.engine:full_retention_blocks"]),
+    "sync_debug": (sec_sync_debug, 90, True, None, ["vtoken.decode:full_retention_blocks"]),
     "fuzz_table": (lambda dev: fuzz_collect("table"), 200, True, _smoke_fuzz,
                    ["vtoken.fuzz.campaign:main_fuzz", "vtoken.fuzz.table_machine", "hypothesis"]),
     "fuzz_planner": (lambda dev: fuzz_collect("planner"), 200, True, None,

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.invariants
 
 def test_one_set_of_defaults_for_every_path():
     """The decode engine's and the vLLM adapter's defaults are PlannerConfig()'s."""
-    from vtoken.engine import default_planner_config
+    from vtoken.decode import default_planner_config
 
     assert default_planner_config() == PlannerConfig()
     assert default_planner_config(record_snapshots=True, headroom=8) == PlannerConfig(record_snapshots=True, headroom=8)

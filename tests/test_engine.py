@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from vtoken.copy_engine import KVCopyEngine
-from vtoken.decode_cli import bench_decode, main_decode, make_prompts
-from vtoken.engine import DecodeEngine, default_planner_config
+from vtoken.cli.decode import bench_decode, main_decode, make_prompts
+from vtoken.decode import DecodeEngine, default_planner_config
 from vtoken.errors import PlanError, RelocationCheckError, TableError
 from vtoken.fuzz.faulty_engines import factory
 from vtoken.fuzz.patches import Patch
@@ -27,6 +27,7 @@ from vtoken.kvcache import KVCache
 from vtoken.model import PagedDecoder
 from vtoken.planner import Plan, PlannerConfig
 from vtoken.snapshot import load as load_snapshot
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 POLICIES = ["h2o", "streaming", "scissorhands", "random"]
 R, P, N = 4, 32, 48
@@ -76,7 +77,7 @@ def vtoken(model, prompts, policy, S, n=N, **kw):
     kw.setdefault("planner_config", cfg())
     kw.setdefault("num_blocks", BUDGET[S])
     return DecodeEngine(model, mode="vtoken", policy=policy, evict_ratio=0.5, block_size=S, seed=0,
-                        check_relocations=kw.pop("check_relocations", True), **kw)
+                        check_relocations=kw.pop("check_relocations", RelocationChecker), **kw)
 
 
 def assert_all_returned(eng):
@@ -117,7 +118,7 @@ def test_eviction_modes_retain_fewer_blocks_and_native_keeps_all(model, prompts)
 def test_indirection_only_equals_native(model, prompts):
     """vToken hooks on (table, slot mapping, planner), evict ratio 0: bitwise the native run."""
     nat = DecodeEngine(model, mode="native", block_size=4).run(prompts, 24)
-    ind = DecodeEngine(model, mode="vtoken", evict_ratio=0.0, block_size=4, check_relocations=True).run(prompts, 24)
+    ind = DecodeEngine(model, mode="vtoken", evict_ratio=0.0, block_size=4, check_relocations=RelocationChecker).run(prompts, 24)
     assert ind.outputs == nat.outputs
     assert ind.relocations == 0
 
@@ -321,7 +322,7 @@ def _source_reused_before_copy(model, prompts, check: bool, plant: bool):
     # lag 1: the copy runs at the first poll after the launch, i.e. after the new request's
     # prefill and one more decode step. The budget leaves free blocks ahead of the early-freed
     # sources in the free queue, so ordinary allocations in that step do not reach them.
-    eng = vtoken(model, prompts, "random", 4, copy_kwargs={"lag": 1}, check_relocations=check,
+    eng = vtoken(model, prompts, "random", 4, copy_kwargs={"lag": 1}, check_relocations=RelocationChecker if check else None,
                  num_blocks=BUDGET[4] + 16)
     names = ("free_sources_at_plan",) if plant else ()
     with planted(*names):
@@ -452,7 +453,7 @@ def test_acceptance_32x512(model, policy):
     t0 = time.perf_counter()
     ref = DecodeEngine(model, mode="naive-evict", policy=policy, evict_ratio=0.5, block_size=16).run(prompts, 512)
     t1 = time.perf_counter()
-    eng = DecodeEngine(model, mode="vtoken", policy=policy, evict_ratio=0.5, block_size=16, check_relocations=True,
+    eng = DecodeEngine(model, mode="vtoken", policy=policy, evict_ratio=0.5, block_size=16, check_relocations=RelocationChecker,
                        planner_config=default_planner_config())
     res = eng.run(prompts, 512)
     t2 = time.perf_counter()

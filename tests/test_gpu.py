@@ -25,6 +25,7 @@ from vtoken.fuzz.faulty_engines import factory  # noqa: E402
 from vtoken.invariants.i3_probe import ProbePlan as _ProbePlan  # noqa: E402
 from vtoken.invariants.i3_probe import i3_probe  # noqa: E402
 from vtoken.kvcache import KVCache  # noqa: E402
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 SLEEP = 400_000_000  # cycles: ~0.2 s at 2 GHz, far longer than anything the host does meanwhile
 
@@ -170,9 +171,9 @@ def test_fingerprint_same_on_cuda_and_cpu():
 
 
 def _engine_run(mode, policy="random", cls=None, new_tokens=32, **kw):
-    from vtoken.engine import DecodeEngine
+    from vtoken.decode import DecodeEngine
     from vtoken.model import PagedDecoder
-    from vtoken.decode_cli import make_prompts
+    from vtoken.decode import make_prompts
     from vtoken.planner import PlannerConfig
 
     model = PagedDecoder()
@@ -185,16 +186,16 @@ def _engine_run(mode, policy="random", cls=None, new_tokens=32, **kw):
 
 def test_engine_on_cuda_equals_naive_with_checks():
     _, ref = _engine_run("naive-evict")
-    eng, res = _engine_run("vtoken", check_relocations=True)
+    eng, res = _engine_run("vtoken", check_relocations=RelocationChecker)
     assert res.relocations > 0 and res.hash_failures == 0 and res.hash_checks == 2 * res.relocations
     assert eng.checker.method == "fingerprint"
     assert res.outputs == ref.outputs
     # the sentinel mode with the attention-input check: no sentinel ever reaches attention
     _, res2 = _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000},
-                          sentinel_check=True, check_relocations=True)
+                          sentinel_check=True, check_relocations=RelocationChecker)
     assert res2.outputs == ref.outputs and res2.hash_failures == 0
     # full-bytes audit mode
-    eng3, res3 = _engine_run("vtoken", check_relocations=True, full_bytes=True)
+    eng3, res3 = _engine_run("vtoken", check_relocations=RelocationChecker, full_bytes=True)
     assert eng3.checker.method == "xxh3" and res3.hash_failures == 0
 
 
@@ -215,7 +216,7 @@ def test_engine_ordering_faults_caught(names):
     assert ei.value.code == "i3_sentinel"
     with pytest.raises(RelocationCheckError) as ei:
         _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 2_000_000_000},
-                    check_relocations=True, copy_engine_factory=eng)
+                    check_relocations=RelocationChecker, copy_engine_factory=eng)
     assert ei.value.code == "relocation_mismatch"
 
 
@@ -225,7 +226,7 @@ def test_engine_single_ordering_fault_is_masked_by_the_other_guard(fault):
     scenarios are what catch each fault on its own)."""
     _, ref = _engine_run("naive-evict")
     _, res = _engine_run("vtoken", copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000},
-                         sentinel_check=True, check_relocations=True, copy_engine_factory=factory(fault))
+                         sentinel_check=True, check_relocations=RelocationChecker, copy_engine_factory=factory(fault))
     assert res.outputs == ref.outputs and res.hash_failures == 0
 
 
@@ -234,7 +235,7 @@ def graph_probe(patches=()) -> dict:
     """I3 through a StepGraph: a captured gather over the slot buffer, then a sentinel copy on
     a late relocation stream, the slot buffer pointed at its destinations (landed), the
     device-side wait, and a replay. ``patches``: a planted fault swapped in for the replay."""
-    from vtoken.engine import StepGraph
+    from vtoken.decode import StepGraph
     from vtoken.fuzz.patches import planted
 
     kv = cuda_cache()
@@ -270,8 +271,8 @@ def test_graph_replay_on_capture_stream_caught_by_the_probe():
 
 
 def test_graph_replay_equals_eager_with_relocations():
-    _, eager = _engine_run("vtoken", cuda_graph=False, check_relocations=True)
-    eng, g = _engine_run("vtoken", cuda_graph=True, check_relocations=True)
+    _, eager = _engine_run("vtoken", cuda_graph=False, check_relocations=RelocationChecker)
+    eng, g = _engine_run("vtoken", cuda_graph=True, check_relocations=RelocationChecker)
     assert g.cuda_graph and g.graph_captures >= 1 and g.graph_replays == g.steps
     assert g.relocations > 0 and g.hash_failures == 0 and g.hash_checks == 2 * g.relocations + g.plans_aborted
     assert g.outputs == eager.outputs, "graph replay tokens differ from the eager path's"
@@ -279,7 +280,7 @@ def test_graph_replay_equals_eager_with_relocations():
     assert naive.outputs == g.outputs
     # sentinel mode, a late relocation stream, every replay's slot buffer checked
     _, s = _engine_run("vtoken", cuda_graph=True, copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000},
-                       sentinel_check=True, check_relocations=True)
+                       sentinel_check=True, check_relocations=RelocationChecker)
     assert s.outputs == eager.outputs and s.hash_failures == 0
 
 
@@ -305,8 +306,8 @@ def _sync_debug(fn):
 def test_graph_decode_loop_has_no_hidden_host_sync():
     """Relocations on, the decode steps under set_sync_debug_mode("error"): the only host wait
     is the step's event for the sampled tokens (StepGraph.fetch)."""
-    from vtoken.decode_cli import make_prompts
-    from vtoken.engine import DecodeEngine, full_retention_blocks
+    from vtoken.decode import make_prompts
+    from vtoken.decode import DecodeEngine, full_retention_blocks
     from vtoken.model import PagedDecoder
     from vtoken.planner import PlannerConfig
 

@@ -105,7 +105,7 @@ def test_dry_run_checks_imports_collects_the_gpu_tests_and_writes_the_json(tmp_p
 
 def test_dry_run_names_a_missing_import(gc, monkeypatch):
     """What the dry run is for: a section that needs something absent is reported by name."""
-    assert gc._check_need("vtoken.engine:NoSuchThing") == "vtoken.engine has no NoSuchThing"
+    assert gc._check_need("vtoken.decode:NoSuchThing") == "vtoken.decode has no NoSuchThing"
     assert "ModuleNotFoundError" in gc._check_need("no_such_module_here")
     assert gc._check_need("tests/test_gpu.py") is None and gc._check_need("tests/nope.py")
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken.decode_cli import make_prompts
-from vtoken.engine import DecodeEngine, StepGraph
+from vtoken.decode import make_prompts
+from vtoken.decode import DecodeEngine, StepGraph
 from vtoken.errors import RelocationCheckError
 from vtoken.fuzz.catalogue import BY_NAME
 from vtoken.fuzz.faulty_engines import DECODE_ENGINES
@@ -21,6 +21,7 @@ from vtoken.fuzz.patches import planted
 from vtoken.model import PagedDecoder
 from vtoken.model.decoder import DecodeItem
 from vtoken.planner import PlannerConfig
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 POLICIES = ["h2o", "streaming", "scissorhands", "random"]
 S_OF = {"h2o": 4, "streaming": 8, "scissorhands": 4, "random": 16}
@@ -65,7 +66,7 @@ def test_graph_cpu_fallback_equals_plain_path_with_relocations(model, prompts, p
     comparable: same shapes, same bytes)."""
     ref = engine(model, "naive-evict", policy).run(prompts, LENS)
     assert ref.cuda_graph is False and ref.graph_replays == 0
-    eng = engine(model, "vtoken", policy, cuda_graph=True, check_relocations=True, copy_kwargs={"lag": 2})
+    eng = engine(model, "vtoken", policy, cuda_graph=True, check_relocations=RelocationChecker, copy_kwargs={"lag": 2})
     res = eng.run(prompts, LENS)
     assert res.cuda_graph is True and res.graph_replays == res.steps and res.graph_captures == 0  # CPU: eager
     assert res.relocations > 0 and res.hash_failures == 0
@@ -136,7 +137,7 @@ class Spy(DecodeEngine):
 
 def test_hook_order_and_slot_buffer_in_place(model, prompts):
     eng = Spy(model, mode="vtoken", policy="random", evict_ratio=0.5, block_size=4, num_blocks=BUDGET[4],
-              planner_config=cfg(), cuda_graph=True, check_relocations=True, copy_kwargs={"lag": 1})
+              planner_config=cfg(), cuda_graph=True, check_relocations=RelocationChecker, copy_kwargs={"lag": 1})
     res = eng.run(prompts, LENS)
     assert res.relocations > 0
     # one slot buffer per batch shape, reused (the same storage) on every step of that shape
@@ -175,11 +176,11 @@ def test_append_only_slot_buffer_caught_by_sentinel(model, prompts):
     assert res.outputs != ref.outputs
     # controls: the shipped engine passes the same sentinel run ...
     ok = engine(model, "vtoken", "random", cuda_graph=True, copy_kwargs={"lag": 2, "sentinel": True},
-                sentinel_check=True, check_relocations=True).run(prompts, LENS)
+                sentinel_check=True, check_relocations=RelocationChecker).run(prompts, LENS)
     assert ok.outputs == ref.outputs and ok.hash_failures == 0 and ok.relocations > 0
     # ... and hash-and-compare alone is blind to it (the table's read path is right and the
     # stale sources still hold the old bytes): why the sentinel poisons freed blocks
-    blind = engine(model, "vtoken", "random", cls=bad, cuda_graph=True, check_relocations=True).run(prompts, LENS)
+    blind = engine(model, "vtoken", "random", cls=bad, cuda_graph=True, check_relocations=RelocationChecker).run(prompts, LENS)
     assert blind.hash_failures == 0 and blind.relocations > 0
 
 
@@ -187,7 +188,7 @@ def test_catalogue_graph_fault_is_cuda_only(model, prompts):
     """graph_replay_on_capture_stream patches the CUDA branch of StepGraph.run: on the CPU the
     patched engine behaves as the shipped one (hence cuda_only, detector gpu)."""
     f = BY_NAME["graph_replay_on_capture_stream"]
-    assert f.cuda_only and f.detector == "gpu" and f.patches[0].file == "vtoken/engine.py"
+    assert f.cuda_only and f.detector == "gpu" and f.patches[0].file == "vtoken/decode.py"
     ref = engine(model, "vtoken", "random", cuda_graph=True).run(prompts, 24)
     before = StepGraph.run
     with planted(f.patches):

@@ -16,7 +16,7 @@ import pytest
 from vtoken.planner import PlannerConfig
 from vtoken.sim import run_retained, run_scaling, run_sweeps, run_waste
 from vtoken.sim.attention import AttentionModel
-from vtoken.sim.engine import Replay
+from vtoken.sim.replay import Replay
 from vtoken.sim.frontier import QWEN, kv_budget
 from vtoken.sim.schedule import fixed_budget, make_schedule, ratio_budget
 from vtoken.sim.traces import frontier_request_shape, make_trace

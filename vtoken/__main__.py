@@ -8,10 +8,10 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
-        "bench": "vtoken.bench:main_bench",
+        "bench": "vtoken.cli.bench:main_bench",
         "audit": "vtoken.reports.audit:main_audit",
-        "decode": "vtoken.decode_cli:main_decode",
-        "simulate": "vtoken.simulate:main_simulate",
+        "decode": "vtoken.cli.decode:main_decode",
+        "simulate": "vtoken.cli.simulate:main_simulate",
         "fuzz": "vtoken.fuzz.campaign:main_fuzz",
         "mutate": "vtoken.fuzz.mutation:main",
         "check-mutants": "vtoken.invariants.mutants:main",

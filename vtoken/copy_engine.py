@@ -64,7 +64,20 @@ import torch
 
 from .kvcache import KVCache
 
-__all__ = ["KVCopyEngine", "CopyHandle"]
+__all__ = ["KVCopyEngine", "CopyHandle", "checker_factory"]
+
+
+def checker_factory(value, who: str):
+    """Validate a relocation-checker hook: None / False (no checks) or a callable
+    ``(kv, table, **kwargs) -> checker`` whose checker has ``wrap(engine)``. The system takes
+    the toolkit's checker as this hook and never imports it; ``True`` is refused because
+    the system cannot name a default without importing the toolkit."""
+    if value is None or value is False:
+        return None
+    if value is True or not callable(value):
+        raise ValueError(f"{who}: check_relocations={value!r}: pass None or the checker factory, "
+                         "e.g. vtoken.invariants.relocation_hash.RelocationChecker")
+    return value
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 

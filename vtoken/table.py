@@ -359,6 +359,10 @@ class TokenTable:
         # Incremental totals for Eq. 1, so waste_ratio() never scans.
         self._live_slots = 0  # sum of n_b
         self._ref_blocks = 0  # blocks with refs > 0
+        # Requests whose blocks or liveness changed since the last take_changed() (growth
+        # inside a block already referenced does not count): what a scheduler-side cache
+        # keyed by request must recompute (O(1) to record, O(changed) to take).
+        self._changed: set = set()
 
     # ------------------------------------------------------------------ helpers
     def _get(self, req_id):
@@ -453,6 +457,7 @@ class TokenTable:
         if k == 0:
             if r is None:
                 self._reqs[req_id] = _Req()
+                self._changed.add(req_id)
             return np.empty(0, dtype=np.int64)
         if k == 1:
             return self._sync_one(req_id, r, block_ids, n)
@@ -489,10 +494,12 @@ class TokenTable:
         # ---- apply (nothing below can fail)
         if r is None:
             r = self._reqs[req_id] = _Req()
+            self._changed.add(req_id)
         self._grow(r, total_len)
         for b in set(seg.tolist()):
             if b not in r.blocks:
                 self._ref_block(r, b)
+                self._changed.add(req_id)
         r.slot[n:total_len] = slots
         r.live[n:total_len] = True
         r.n, r.n_live = total_len, r.n_live + k
@@ -526,6 +533,7 @@ class TokenTable:
             self._grow(r, n + 1)
         if not mine:
             self._ref_block(r, b)
+            self._changed.add(req_id)
         r.slot[n] = s
         r.live[n] = True
         r.n, r.n_live = n + 1, r.n_live + 1
@@ -597,6 +605,7 @@ class TokenTable:
         self._unclaim(r.slot[ids])
         self._pool.pend_dead.append(ids + r.base)
         r.map_dirty = True
+        self._changed.add(req_id)
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
         """``evict_tokens`` of one id, ``t`` a Python int (any size): same checks, scalar code."""
@@ -614,6 +623,7 @@ class TokenTable:
             self._live_slots -= 1
         self._pool.pend_dead.append(r.base + t)
         r.map_dirty = True
+        self._changed.add(req_id)
 
     # ------------------------------------------------------------------ relocation
     def apply_moves(self, req_id, moves) -> list[int]:
@@ -675,6 +685,7 @@ class TokenTable:
             i = int(np.argmax(bad))
             code = next(name for name, c in checks if c[i])
             raise TableError(code, f"request {req_id!r}: move #{i} ({', '.join(_fmt(int(x)) for x in m[i])})")
+        self._changed.add(req_id)
         return self._apply_valid_moves(r, m, tok, cur, dst)
 
     def _apply_valid_moves(self, r: _Req, m, tok, cur, dst) -> list[int]:
@@ -720,6 +731,7 @@ class TokenTable:
             seen.add(b)
         for b in bl:
             self._unref_block(r, b)
+        self._changed.add(req_id)
         return sorted(bl)
 
     def free_request(self, req_id) -> list[int]:
@@ -734,6 +746,7 @@ class TokenTable:
         if r.cap:
             self._pool.release(r.base, r.cap)
         del self._reqs[req_id]
+        self._changed.add(req_id)
         return blocks
 
     # ------------------------------------------------------------------ queries
@@ -784,6 +797,14 @@ class TokenTable:
         (O(blocks), no sort)."""
         bl = self._req(req_id).blocks
         return np.fromiter(bl, dtype=np.int64, count=len(bl))
+
+    def take_changed(self) -> set:
+        """The requests whose blocks or liveness changed (created, a new block referenced,
+        tokens evicted, moved, blocks released, freed) since the previous call, and forget
+        them: for the one scheduler-side cache keyed by request (the vLLM adapter's), so its
+        per-step work grows with what changed, not with the requests decoding. O(changed)."""
+        out, self._changed = self._changed, set()
+        return out
 
     def releasable_blocks(self, req_id) -> np.ndarray:
         """Blocks only this request references that hold no live token (every token in them

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from vtoken.vllm_adapter import harness
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 pytestmark = pytest.mark.vllm
 
@@ -35,7 +36,7 @@ def make(model, *, S=8, N=48, H=4, caching=True, async_=False, lag=0, policy="ra
     ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
                        reclaim=reclaim, planner_config=default_adapter_planner_config(headroom=H),
                        max_num_batched_tokens=batched, max_model_len=512)
-    w = VTokenWorker(model, ad.table, N, S, policy=policy, evict_ratio=ratio, seed=seed, copy_lag=lag)
+    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy=policy, evict_ratio=ratio, seed=seed, copy_lag=lag)
     return ad, w, AdapterDriver(ad, w)
 
 

@@ -11,6 +11,7 @@ from vtoken.fuzz.patches import Patch
 from vtoken.fuzz.patches import planted as planted_patches
 from vtoken.fuzz.planted import planted
 from vtoken.vllm_adapter import harness
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 pytestmark = pytest.mark.vllm
 
@@ -103,7 +104,7 @@ def _adapter(model, **kw):
     S, N = 8, 64
     ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=kw.get("async_", True),
                        planner_config=default_adapter_planner_config(headroom=4), max_model_len=512)
-    w = VTokenWorker(model, ad.table, N, S, policy="random", evict_ratio=0.5, seed=0, copy_lag=kw.get("lag", 0))
+    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=0.5, seed=0, copy_lag=kw.get("lag", 0))
     d = AdapterDriver(ad, w)
     for i in range(3):
         rng = np.random.default_rng([i])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from vtoken.vllm_adapter import harness
+from vtoken.invariants.relocation_hash import RelocationChecker
 
 pytestmark = pytest.mark.vllm
 
@@ -32,7 +33,7 @@ def test_adapter_plans_on_should_reclaim_with_its_pool(model, monkeypatch):
     assert cfg == PlannerConfig(headroom=4)
     ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=False, async_scheduling=False, planner_config=cfg,
                        max_model_len=512)
-    w = VTokenWorker(model, ad.table, N, S, policy="random", evict_ratio=0.5, seed=0, copy_lag=0)
+    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=0.5, seed=0, copy_lag=0)
     d = AdapterDriver(ad, w)
     rng = np.random.default_rng(0)
     for i in range(3):

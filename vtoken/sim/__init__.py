@@ -55,8 +55,9 @@ def run_all(quick: bool = False, seeds: int | None = None, out=None, jobs: int |
             kw["_results"] = results["retained"].pop("_raw")
         results[name] = EXPERIMENTS[name](**kw)
         timings[name] = time.perf_counter() - t
-        if progress:
-            progress(f"{name} done in {timings[name]:.1f} s; experiments", len(timings), len(order))
+        if progress:  # always shown: a phase line may have been throttled
+            msg = f"{name} done in {timings[name]:.1f} s ({len(timings)}/{len(order)} experiments)"
+            progress.note(msg) if hasattr(progress, "note") else progress(msg, len(timings), len(order))
     results["retained"].pop("_raw", None)
     total = time.perf_counter() - t0
     timings = {k: timings[k] for k in EXPERIMENTS}

@@ -38,7 +38,7 @@ import numpy as np
 from vtoken.planner import PlannerConfig
 
 from . import report as rep
-from .engine import Replay
+from .replay import Replay
 from .parallel import default_jobs, run_tasks
 from .schedule import cached_schedule, fixed_budget
 from .stats import fmt, int_summary, summary
@@ -102,12 +102,13 @@ def setting(quick: bool) -> dict:
                     geometry={"5427": "Llama-3.1-8B", "11519": "Llama-3.1-8B", QWEN: "Qwen2.5-14B"},
                     window=8, seeds=2, robust_seeds=1, robust_grid=((0, 4), (1, 4)), scale=1 / 16, tuned=dict(TUNED, headroom=8, low_watermark=24),
                     default=dict(headroom=PlannerConfig().headroom // 16), curve={"5427": [], "11519": [8], QWEN: []},
-                    ablations=ABLATIONS[2:3], ablation_seeds=1)
+                    ablations=ABLATIONS[2:3], ablation_seeds=1, curve_seeds=1)
     return dict(S=16, full_blocks=1020, output=12288, keep=8192,
                 budgets={"5427": 5427, "11519": 11519, QWEN: kv_budget("Qwen2.5-14B", 0.5)},
                 geometry={"5427": "Llama-3.1-8B", "11519": "Llama-3.1-8B", QWEN: "Qwen2.5-14B"},
                 window=16, seeds=5, robust_seeds=2, robust_grid=((0, 1, 2, 3, 4), (1, 2, 3, 4)), scale=1.0, tuned=dict(TUNED), default=dict(DEFAULT),
-                curve={"5427": [4, 8], "11519": [8, 16], QWEN: [2, 4]}, ablations=ABLATIONS, ablation_seeds=2)
+                curve={"5427": [4, 8], "11519": [8, 16], QWEN: [2, 4]}, ablations=ABLATIONS, ablation_seeds=2,
+                curve_seeds=2)
 
 
 def geometry_budgets(st) -> dict:
@@ -283,7 +284,7 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
         for label, nb in blist.items():
             pred = {m: int(np.sum(np.asarray(peaks[(s, m)]["peaks"]) <= nb - 1)) for m in ("native", "naive_evict")}
             tasks.append((s, label, nb, scheds[s], st, pred))
-    ctasks = [(s, label, nb, scheds[s], st, c) for s in range(n_seeds) for label, nb in blist.items()
+    ctasks = [(s, label, nb, scheds[s], st, c) for s in range(min(n_seeds, st["curve_seeds"])) for label, nb in blist.items()
               for c in st["curve"].get(label, []) if c < ideal[label]]
     atasks = []
     big = max(blist, key=lambda k: blist[k]) if blist else None

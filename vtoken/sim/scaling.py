@@ -26,7 +26,7 @@ import numpy as np
 from vtoken.planner import PlannerConfig
 
 from . import report as rep
-from .engine import Replay
+from .replay import Replay
 from .schedule import Schedule
 from .stats import fmt, summary
 

@@ -18,7 +18,7 @@ from vtoken.planner import PlannerConfig
 
 from . import report as rep
 from .attention import AttentionModel
-from .engine import Replay
+from .replay import Replay
 from .parallel import default_jobs, run_tasks
 from .schedule import cached_schedule, ratio_budget
 from .stats import fmt, summary

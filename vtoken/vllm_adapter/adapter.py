@@ -70,6 +70,8 @@ from .prefix_hash import PrefixHashRules
 from ..planner import PlannerConfig, Proposal, plan_snapshot, propose, reclaim_bound, should_reclaim, trigger_inputs
 from ..table import TokenTable
 
+_RUNNING = None  # vllm.v1.request.RequestStatus.RUNNING, bound at first use (vLLM loads lazily)
+
 __all__ = [
     "ASSUMPTIONS",
     "AdapterAssumptionError",
@@ -97,7 +99,9 @@ class VTokenAdapter:
         reclaim: plan compactions (False: Naive-Evict, same eviction decisions, no headroom).
         planner_config: ``PlannerConfig`` (its ``headroom`` is the reservation size).
         max_plans_per_step: plans launched per scheduler step at most.
-        checks: run the runtime assumption checks at every hook (``checks.RuntimeChecks``).
+        checks: run the runtime assumption checks at every hook (``checks.RuntimeChecks``):
+            incremental (what changed), with a full scan every ``check_full_every`` hooks,
+            at idle, and at every hook with ``paranoid_checks`` (campaigns).
         evict_unfaithful_hashes: drop the prefix-cache hash of blocks computed after the
             request's first eviction (``prefix_hash``).
 
@@ -112,8 +116,12 @@ class VTokenAdapter:
                  async_scheduling: bool = True, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 1024, reclaim: bool = True, planner_config: PlannerConfig | None = None,
                  max_plans_per_step: int = 4, checks: bool = True, table_device: str = "cpu",
-                 evict_unfaithful_hashes: bool = True):
+                 evict_unfaithful_hashes: bool = True, check_full_every: int = 64, paranoid_checks: bool = False):
+        from vllm.v1.request import RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
+
+        global _RUNNING
+        _RUNNING = RequestStatus.RUNNING
 
         self.h = VllmHarness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -151,7 +159,13 @@ class VTokenAdapter:
         self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, on_start=self._on_list_start)
         self.fence = FenceLedger()
         self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=evict_unfaithful_hashes)
-        self.check = RuntimeChecks(self)
+        self.check = RuntimeChecks(self, full_every=check_full_every, paranoid=paranoid_checks)
+        # per-step work follows what changed: requests whose table or list changed since
+        # they were last looked at, and the cached positive reclaim bounds
+        self._release_todo: set = set()  # requests to look at for all-dead blocks
+        self._stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
+        self._bound: dict[str, int] = {}  # request -> positive reclaim bound (cached)
+        self._arrival: dict[str, int] = {}  # request -> arrival order (deterministic iteration)
         self.history: list[dict] = []  # snapshots of applied plans (planner_config.record_snapshots)
         self.plan_hook = None
         self.waiting_new: deque = deque()  # requests held back by admission back-pressure
@@ -200,6 +214,7 @@ class VTokenAdapter:
         headroom is short (admission back-pressure)."""
         req = self.h.make_request(req_id, prompt_token_ids, max_tokens=max_tokens)
         self.requests[req_id] = req
+        self._arrival.setdefault(req_id, len(self._arrival))
         if self.waiting_new or self._backpressure():
             self.waiting_new.append(req)
             self.stats["held_back_max"] = max(self.stats["held_back_max"], len(self.waiting_new))
@@ -269,10 +284,20 @@ class VTokenAdapter:
                 self.stats["backpressure_steps"] += 1
 
     # ------------------------------------------------------------------ hook: after schedule
+    def _take_changes(self) -> None:
+        """Fold in what changed since the last hook (the worker's table mutations, new and
+        grown lists): the requests to look at again, and what the checks must cover."""
+        tab, lists = self.table.take_changed(), self.mirror.take_changed()
+        if tab or lists:
+            self._release_todo |= tab | lists
+            self._stale_bounds |= tab | lists
+            self.check.touch(lists)  # ownership changes with lists and the adapter's own events
+
     def _after_schedule(self, so) -> None:
         self.stats["preemptions"] += len(so.preempted_req_ids or ())
         sched = self.scheduler
         self.mirror.observe(so, sched.sched_step_seq)  # schedule() already counted this step
+        self._take_changes()
         if so.total_num_scheduled_tokens <= 0:
             so.vtoken = StepMeta(seq=0, reclaim=self.reclaim)
             if self.headroom and not sched.running and len(sched.waiting) and not sched.deferred_frees:
@@ -283,30 +308,42 @@ class VTokenAdapter:
                 self._starved = True
                 self.stats["headroom_yielded"] += 1
             if self.checks:
-                self.check.check_pool("after schedule (empty step)")
+                self.check.after_hook("after schedule (empty step)")
             return
         seq = sched.sched_step_seq
         self.steps += 1
         meta = StepMeta(seq=seq, reclaim=self.reclaim)
-        running = [r.request_id for r in sched.running]
         if sched.running:
             self._starved = False
-        for r in running:
+        for r in list(self.hashes.faithful):  # only requests that evicted have unfaithful blocks
             self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r))
-        self._release_empty(meta, running)
+        self._release_empty(meta)
         if self.reclaim:
-            self._plan(meta, running)
+            self._plan(meta)
         so.vtoken = meta
         if self.checks:
-            self.check.check_pool(f"after scheduling step {seq}")
+            self.check.after_hook(f"after scheduling step {seq}")
 
-    def _release_empty(self, meta: StepMeta, running: list[str]) -> None:
+    def _running(self, r: str) -> bool:
+        req = self.requests.get(r)
+        return req is not None and req.status == _RUNNING
+
+    def _ordered(self, reqs) -> list:
+        """Requests in arrival order (a deterministic order for frees and plans)."""
+        return sorted(reqs, key=lambda r: self._arrival.get(r, 1 << 62))
+
+    def _release_empty(self, meta: StepMeta) -> None:
         """Blocks whose tokens were all evicted: null-substituted and freed at fence ``seq``
-        (Naive-Evict does this too; it needs no copy)."""
+        (Naive-Evict does this too; it needs no copy). Only requests whose table changed
+        since they were last looked at (or that had to wait) are looked at."""
         t = self.table
-        for r in running:
-            if r in self.busy or not self._current(r):
+        for r in self._ordered(self._release_todo):
+            if r not in self.mirror or r not in t:
+                self._release_todo.discard(r)  # gone: nothing to release
                 continue
+            if r in self.busy or not self._current(r) or not self._running(r):
+                continue  # later: a plan flies, the worker has not seen this list yet, or it waits
+            self._release_todo.discard(r)
             tail = t.tail_block(r)
             out = []
             for b in sorted(t.releasable_blocks(r).tolist()):  # block order: a deterministic free order
@@ -321,24 +358,27 @@ class VTokenAdapter:
             if out:
                 meta.releases[r] = out
                 self.stats["released_empty"] += len(out)
+                self.check.touch([r])
 
-    def _plan(self, meta: StepMeta, running: list[str]) -> None:
+    def _plan(self, meta: StepMeta) -> None:
         """Stages 1-3: eligibility (``planner.should_reclaim`` every ``check_every`` steps),
-        requests by their reclaimable-block bound (``planner.reclaim_bound``), then one plan
-        per request (``planner.propose``, the planner every path runs), with the blocks vLLM
-        shares or the scheduler side does not hold for the request excluded."""
+        requests by their reclaimable-block bound (``planner.reclaim_bound``, recomputed only
+        for requests whose table changed, cached while positive), then one plan per request
+        (``planner.propose``, the planner every path runs), with the blocks vLLM shares or
+        the scheduler side does not hold for the request excluded."""
         t, cfg = self.table, self.cfg
         if not self.headroom or self.steps % cfg.check_every or \
                 not should_reclaim(cfg, **trigger_inputs(t, self.pool.get_num_free_blocks())):
             return
-        scored = []
-        for r in running:
-            if r in self.busy or not self._current(r):
-                continue
-            gain = reclaim_bound(t, r, t.tail_block(r))
+        for r in self._stale_bounds:
+            gain = reclaim_bound(t, r, t.tail_block(r)) if r in t else 0
             if gain > 0:
-                scored.append((-gain, len(scored), r))
-        scored.sort()
+                self._bound[r] = gain
+            else:
+                self._bound.pop(r, None)
+        self._stale_bounds = set()
+        scored = sorted((-g, self._arrival.get(r, 1 << 62), r) for r, g in self._bound.items()
+                        if r not in self.busy and self._current(r) and self._running(r))
         for _, _, r in scored:
             if len(meta.plans) >= self.max_plans_per_step or not self.headroom:
                 break
@@ -385,6 +425,7 @@ class VTokenAdapter:
             self.hashes.drop_source(blk)
             plan.source_index[blk.block_id] = self._detach(r, blk)
         self.fence.open(plan)
+        self.check.touch([r])
         self.plans[plan.id] = plan
         self.busy[r] = plan.id
         meta.plans.append(plan)
@@ -400,6 +441,7 @@ class VTokenAdapter:
         self.hashes.forget(r)
         fence = sched.sched_step_seq if not sched._request_blocks_can_be_freed(request) else 0
         dests = self.held.pop(r, [])
+        self.check.touch([r])
         if dests:
             self._free_blocks(dests, fence)
         for p in self.plans.values():
@@ -409,6 +451,7 @@ class VTokenAdapter:
         self.busy.pop(r, None)
         self.gone_fence[r] = fence
         self.mirror.forget(r)
+        self._bound.pop(r, None)
 
     def _free_blocks(self, blocks: list, fence: int) -> None:
         """Return blocks the adapter holds, through vLLM's own fenced path."""
@@ -426,9 +469,9 @@ class VTokenAdapter:
         meta = getattr(so, "vtoken", None)
         if meta is not None and meta.seq:
             self.retained.append((meta.seq, self.retained_now(), len(self.scheduler.running)))
+        self._take_changes()
         if self.checks:
-            self.check.check_pool(f"after processing step {meta.seq if meta else '?'}")
-            self.check.check_table()
+            self.check.after_hook(f"after processing step {meta.seq if meta else '?'}", table=True)
 
     def _absorb(self, rep) -> None:
         """The worker's report: per finished plan, destinations to the request (or back to
@@ -448,6 +491,8 @@ class VTokenAdapter:
                     "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources "
                     f"{res.shared_sources} are referenced by another request at copy time")
             self.fence.copy_reported(plan, res.copy_done)
+            self.check.touch([plan.req_id])
+            self._release_todo.add(plan.req_id)  # it may release again now that no plan flies
             alive = not plan.orphaned and plan.req_id in m
             if res.status == "applied":
                 used_ids = set(res.used_dests)
@@ -509,6 +554,7 @@ class VTokenAdapter:
             self._absorb(self.worker.synchronize())
             if self.checks:
                 self.check.check_pool("after synchronize")
+                self.check.check_table()
 
     def close(self) -> dict:
         """Give the headroom back and check that every block returned (``all_returned``)."""
@@ -517,6 +563,8 @@ class VTokenAdapter:
             self.drain_idle()
         if sched.has_requests() or self.waiting_new:
             raise AdapterAssumptionError("all_returned", "close() with requests still pending")
+        if self.checks:
+            self.check.check_pool("at close")
         if self.headroom:
             self.pool.free_blocks(self.headroom)
             self.headroom = []

@@ -4,11 +4,23 @@ the adapter's own intentions.
 ``RuntimeChecks(adapter)`` reads the adapter's state (headroom, held destinations, plans in
 flight, the mirror, the fence ledger, pending releases) and vLLM's (``req_to_blocks``,
 ``deferred_frees``, every block's ``ref_cnt`` and hash) and raises
-:class:`~.assumptions.AdapterAssumptionError` naming the broken assumption:
-``fence``, ``reservation``, ``ownership``, ``prefix_hash``, ``null_substitution`` (see
-``check_pool``) and ``table_in_step`` (``check_table``). It owns nothing and changes
-nothing. Cost: O(blocks the adapter holds + request lists) per ``check_pool``, O(blocks of
-the live requests) per ``check_table``.
+:class:`~.assumptions.AdapterAssumptionError` naming the broken assumption: ``fence``,
+``reservation``, ``ownership``, ``prefix_hash``, ``null_substitution`` (the pool checks) and
+``table_in_step``. It owns nothing and changes nothing.
+
+What a hook costs (``after_hook``): the checks run on what changed since the last hook,
+plus the adapter's own small, bounded holdings. The adapter reports the requests each event
+touched (``touch``); the check then covers those requests' lists, tables and destinations,
+the whole headroom (H blocks) and every block of the
+plans in flight (at most ``max_plans_per_step`` x (B + destinations) per step in flight),
+counting a block's holders from the mirror's reverse index and vLLM's deferred frees
+instead of scanning every list. Every ``full_every`` hooks (default 64), at idle
+(``drain_idle``, ``close``) and with ``paranoid`` on every hook, the full scan runs instead:
+every block the adapter holds against holders counted from vLLM's own lists, every list
+against its mirror, every table. A violation the full scan sees is therefore caught within
+``full_every`` hooks at the latest, and on the hook it happens when it touches what
+changed. Costs: incremental O(touched + H + in-flight blocks + deferred frees); full
+O(pool) (request lists, deferred frees and the adapter's holdings).
 """
 
 from __future__ import annotations
@@ -19,26 +31,84 @@ from .assumptions import AdapterAssumptionError
 
 
 class RuntimeChecks:
-    def __init__(self, adapter):
+    def __init__(self, adapter, full_every: int = 64, paranoid: bool = False):
         self.ad = adapter
+        self.full_every = max(1, int(full_every))
+        self.paranoid = bool(paranoid)
+        self.hooks = 0
+        self.full_scans = 0
+        self.touched_requests: set = set()
+        self.false_alarms: list[str] = []  # incremental findings the full scan did not confirm
 
+    # ------------------------------------------------------------------ what changed
+    def touch(self, requests) -> None:
+        """Requests an event changed the blocks or table of (O(given)): their lists, tables
+        and destinations are checked at the next hook (the headroom and the plans in flight
+        are checked at every hook)."""
+        self.touched_requests.update(requests)
+
+    def after_hook(self, where: str, table: bool = False) -> None:
+        """The checks of one hook: incremental, or the full scan when it is due."""
+        self.hooks += 1
+        if self.paranoid or self.hooks % self.full_every == 0:
+            self.check_pool(where)
+            if table:
+                self.check_table()
+            self.full_scans += 1
+            self.touched_requests.clear()
+            return
+        try:
+            self.check_touched(where, table=table)
+        except AdapterAssumptionError as e:
+            # the incremental view (the mirror's reverse index, the touched sets) is a cache:
+            # a violation it sees is confirmed by the full scan, whose error is the verdict
+            self.check_pool(where)
+            if table:
+                self.check_table()
+            self.full_scans += 1
+            self.false_alarms.append(f"{where}: {e}")
+
+    # ------------------------------------------------------------------ the incremental check
+    def check_touched(self, where: str, table: bool = False) -> None:
+        ad = self.ad
+        ad.fence.check()
+        reqs, self.touched_requests = self.touched_requests, set()
+        mine: Counter = Counter()
+        kind: dict[int, str] = {}
+        for b in ad.headroom:
+            mine[b.block_id] += 1
+            kind[b.block_id] = "headroom"
+        for r in reqs:
+            for b in ad.held.get(r, ()):
+                mine[b.block_id] += 1
+                kind[b.block_id] = f"destination of request {r!r}"
+        for p in ad.plans.values():
+            self._plan_blocks(p, mine, kind)
+        deferred = self._deferred_counts()
+        self._check_headroom(where, lambda bid: min(ad.mirror.holders(bid), default=None))
+        for bid, n in mine.items():
+            self._check_refs(where, bid, n, len(ad.mirror.holders(bid)) + deferred.get(bid, 0), kind[bid])
+        self._check_sources_detached(where, thorough=False)
+        ad.mirror.check_lists(where, requests=reqs)
+        if table:
+            self.check_table(requests=reqs | {p.req_id for p in ad.plans.values()})
+
+    # ------------------------------------------------------------------ the full scan
     def holders(self) -> Counter:
-        """References on each block from request lists and vLLM's deferred frees."""
+        """References on each block from request lists and vLLM's deferred frees (vLLM's own
+        lists, not the mirror)."""
         ad = self.ad
         c: Counter = Counter()
         for lst in ad.req_to_blocks.values():
             for b in lst:
                 if not b.is_null:
                     c[b.block_id] += 1
-        for _, blocks in ad.scheduler.deferred_frees:
-            for b in blocks:
-                if not b.is_null:
-                    c[b.block_id] += 1
+        c.update(self._deferred_counts())
         return c
 
     def check_pool(self, where: str) -> None:
         """Reservation, ownership, fence and prefix-hash checks against the pool itself, then
-        the lists against their mirror."""
+        every list against its mirror."""
         ad = self.ad
         ad.fence.check()
         holders = self.holders()
@@ -52,54 +122,22 @@ class RuntimeChecks:
                 mine[b.block_id] += 1
                 kind[b.block_id] = f"destination of request {r!r}"
         for p in ad.plans.values():
-            for b in p.sources:
-                mine[b.block_id] += 1
-                kind[b.block_id] = f"source of plan {p.id} (request {p.req_id!r}, fence {p.seq})"
-            for b in p.dests:
-                mine[b.block_id] += 1
-                kind[b.block_id] = f"destination of in-flight plan {p.id} (request {p.req_id!r})"
+            self._plan_blocks(p, mine, kind)
         in_lists = {}
         for r, lst in ad.req_to_blocks.items():
             for b in lst:
                 if not b.is_null:
                     in_lists.setdefault(b.block_id, r)
-        for b in ad.headroom:
-            bid = b.block_id
-            if bid in in_lists:
-                raise AdapterAssumptionError(
-                    "reservation", f"{where}: headroom block {bid} is in request {in_lists[bid]!r}'s block list "
-                    f"(ref_cnt {b.ref_cnt})")
-            if b.ref_cnt != 1 or b.block_hash is not None:
-                raise AdapterAssumptionError(
-                    "reservation", f"{where}: headroom block {bid} has ref_cnt {b.ref_cnt} (want 1), "
-                    f"hash {'set' if b.block_hash is not None else 'none'}")
-        cached = ad.pool.cached_block_hashes_by_block
+        self._check_headroom(where, in_lists.get)
         for bid, n in mine.items():
-            blk = ad.block(bid)
-            want = n + holders.get(bid, 0)
-            k = kind[bid]
-            if blk.ref_cnt != want:
-                check = "fence" if k.startswith("source") else "ownership"
-                raise AdapterAssumptionError(
-                    check, f"{where}: block {bid} ({k}) has ref_cnt {blk.ref_cnt}, but the adapter holds {n} and "
-                    f"request lists / deferred frees hold {holders.get(bid, 0)}: it was returned to the pool "
-                    f"while still held (freed before its fence)")
-            if "destination" in k and (blk.block_hash is not None or bid in cached):
-                raise AdapterAssumptionError(
-                    "prefix_hash", f"{where}: block {bid} ({k}) carries a prefix-cache hash "
-                    f"({blk.block_hash!r}) although it holds relocated tokens of mixed positions")
-        for p in ad.plans.values():
-            own = ad.req_to_blocks.get(p.req_id, []) if not p.orphaned else []
-            for b in p.sources:
-                if any(x is b for x in own):
-                    raise AdapterAssumptionError(
-                        "null_substitution", f"{where}: source block {b.block_id} of plan {p.id} is still in "
-                        f"request {p.req_id!r}'s block list")
+            self._check_refs(where, bid, n, holders.get(bid, 0), kind[bid])
+        self._check_sources_detached(where, thorough=True)
         ad.mirror.check_lists(where)
 
-    def check_table(self) -> None:
+    def check_table(self, requests=None) -> None:
         """Every block the token table references for a live request is one the scheduler
-        side holds for it (its list, its destinations, an in-flight plan, a pending release)."""
+        side holds for it (its list, its destinations, an in-flight plan, a pending release).
+        ``requests``: only these (default: every mirrored request)."""
         ad = self.ad
         t = ad.table
         processed = ad.scheduler.processed_step_seq
@@ -110,8 +148,8 @@ class RuntimeChecks:
         for p in ad.plans.values():
             inflight.setdefault(p.req_id, set()).update(p.source_ids + p.dest_ids)
         m = ad.mirror
-        for r in m.ids:
-            if r not in t or m.incarnation.get(r, 0) > processed:
+        for r in (m.ids if requests is None else requests):
+            if r not in m or r not in t or m.incarnation.get(r, 0) > processed:
                 continue
             ok = set(m.pos.get(r, {})) | {b.block_id for b in ad.held.get(r, ())} | \
                 pend.get(r, set()) | inflight.get(r, set())
@@ -124,3 +162,67 @@ class RuntimeChecks:
     def check_all(self) -> None:
         self.check_pool("check_all")
         self.check_table()
+
+    # ------------------------------------------------------------------ shared pieces
+    def _deferred(self, bid: int) -> bool:
+        return any(b.block_id == bid for _, blocks in self.ad.scheduler.deferred_frees for b in blocks)
+
+    def _deferred_counts(self) -> Counter:
+        c: Counter = Counter()
+        for _, blocks in self.ad.scheduler.deferred_frees:
+            for b in blocks:
+                if not b.is_null:
+                    c[b.block_id] += 1
+        return c
+
+    @staticmethod
+    def _plan_blocks(p, mine: Counter, kind: dict) -> None:
+        for b in p.sources:
+            mine[b.block_id] += 1
+            kind[b.block_id] = f"source of plan {p.id} (request {p.req_id!r}, fence {p.seq})"
+        for b in p.dests:
+            mine[b.block_id] += 1
+            kind[b.block_id] = f"destination of in-flight plan {p.id} (request {p.req_id!r})"
+
+    def _check_headroom(self, where: str, list_holder) -> None:
+        for b in self.ad.headroom:
+            bid = b.block_id
+            r = list_holder(bid)
+            if r is not None:
+                raise AdapterAssumptionError(
+                    "reservation", f"{where}: headroom block {bid} is in request {r!r}'s block list "
+                    f"(ref_cnt {b.ref_cnt})")
+            if b.ref_cnt != 1 or b.block_hash is not None:
+                raise AdapterAssumptionError(
+                    "reservation", f"{where}: headroom block {bid} has ref_cnt {b.ref_cnt} (want 1), "
+                    f"hash {'set' if b.block_hash is not None else 'none'}")
+
+    def _check_refs(self, where: str, bid: int, n: int, others: int, kind: str) -> None:
+        ad = self.ad
+        blk = ad.block(bid)
+        if blk.ref_cnt != n + others:
+            check = "fence" if kind.startswith("source") else "ownership"
+            raise AdapterAssumptionError(
+                check, f"{where}: block {bid} ({kind}) has ref_cnt {blk.ref_cnt}, but the adapter holds {n} and "
+                f"request lists / deferred frees hold {others}: it was returned to the pool while still held "
+                f"(freed before its fence)")
+        if "destination" in kind and (blk.block_hash is not None or bid in ad.pool.cached_block_hashes_by_block):
+            raise AdapterAssumptionError(
+                "prefix_hash", f"{where}: block {bid} ({kind}) carries a prefix-cache hash "
+                f"({blk.block_hash!r}) although it holds relocated tokens of mixed positions")
+
+    def _check_sources_detached(self, where: str, thorough: bool) -> None:
+        """No source of a plan in flight is in its request's list (at its old index, or with
+        ``thorough`` anywhere in the list)."""
+        ad = self.ad
+        for p in ad.plans.values():
+            if p.orphaned:
+                continue
+            own = ad.req_to_blocks.get(p.req_id, [])
+            for b in p.sources:
+                i = p.source_index.get(b.block_id, -1)
+                there = any(x is b for x in own) if thorough else (0 <= i < len(own) and own[i] is b)
+                if there or ad.mirror.index(p.req_id, b.block_id) is not None:
+                    raise AdapterAssumptionError(
+                        "null_substitution", f"{where}: source block {b.block_id} of plan {p.id} is still in "
+                        f"request {p.req_id!r}'s block list")

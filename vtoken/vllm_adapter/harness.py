@@ -192,6 +192,29 @@ class VllmHarness:
         self.steps_scheduled = 0
         self.steps_finished = 0
 
+    @classmethod
+    def around(cls, scheduler) -> "VllmHarness":
+        """A harness over a scheduler built elsewhere (vLLM's engine core, vLLM's own test
+        helpers): the same accessors and ``make_request``, nothing rebuilt. The geometry is
+        read off the scheduler (block size, pool size, prefix caching, async class)."""
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        h = cls.__new__(cls)
+        h.scheduler = scheduler
+        h.vllm_config = scheduler.vllm_config
+        h.kv_cache_config = scheduler.kv_cache_config
+        h.block_size = int(scheduler.block_size)
+        h.num_blocks = int(scheduler.kv_cache_config.num_blocks)
+        h.prefix_caching = bool(scheduler.cache_config.enable_prefix_caching)
+        h.async_scheduling = isinstance(scheduler, AsyncScheduler)
+        h._hash_fn = _init_hashing()
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+        h._block_hasher = get_request_block_hasher(h.block_size, h._hash_fn) if h.prefix_caching else None
+        h._in_flight = deque()
+        h.steps_scheduled = h.steps_finished = 0
+        return h
+
     # ----------------------------------------------------------------- accessors
     @property
     def kv_cache_manager(self):

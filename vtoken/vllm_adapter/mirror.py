@@ -4,7 +4,9 @@ them, and null substitution.
 Owns, per request: ``ids`` (the positional block ids: ``scheduled_new_reqs.block_ids``,
 ``scheduled_cached_reqs.new_block_ids`` appended, replaced for ``resumed_req_ids``), ``pos``
 (block id -> index, for the entries not substituted), ``subst`` (index -> block id the
-adapter replaced by ``null_block``) and ``incarnation`` (the step that (re)started the list).
+adapter replaced by ``null_block``), ``incarnation`` (the step that (re)started the list), and
+the reverse index ``where`` (block id -> requests whose list holds it), so a check can count
+a block's holders without scanning every list.
 It never frees a block. ``detach`` is the one place a request's list changes under vLLM:
 the entry becomes ``null_block``, the list keeps its length (vLLM's allocator grows lists
 positionally; popping would break that). Cost: O(new block ids) per output, O(1) per
@@ -27,6 +29,8 @@ class BlockMirror:
         self.pos: dict[str, dict[int, int]] = {}
         self.subst: dict[str, dict[int, int]] = {}
         self.incarnation: dict[str, int] = {}
+        self.where: dict[int, set] = {}  # block id -> requests whose list holds it (not substituted)
+        self.changed: set = set()  # requests whose list changed since take_changed()
 
     def __contains__(self, r) -> bool:
         return r in self.ids
@@ -44,15 +48,21 @@ class BlockMirror:
             ids = list(nb[0]) if nb else []
             if r in c.resumed_req_ids:
                 self.start(r, ids, seq_next)
-            else:
+            elif ids:
                 m = self.ids.setdefault(r, [])
                 pos = self.pos.setdefault(r, {})
                 for b in ids:
                     pos[b] = len(m)
                     m.append(b)
+                    self.where.setdefault(b, set()).add(r)
+                self.changed.add(r)
 
     def start(self, r: str, ids: list[int], seq: int) -> None:
         """A new block list for ``r`` (a new request or a resumed one)."""
+        self._unindex(r)
+        for b in ids:
+            self.where.setdefault(b, set()).add(r)
+        self.changed.add(r)
         self.ids[r] = ids
         self.pos[r] = {b: i for i, b in enumerate(ids)}
         self.subst[r] = {}
@@ -61,8 +71,27 @@ class BlockMirror:
             self.on_start(r, seq)
 
     def forget(self, r: str) -> None:
+        self._unindex(r)
+        self.changed.add(r)
         for d in (self.ids, self.pos, self.subst, self.incarnation):
             d.pop(r, None)
+
+    def _unindex(self, r: str) -> None:
+        for b in self.pos.get(r, {}):
+            holders = self.where.get(b)
+            if holders is not None:
+                holders.discard(r)
+                if not holders:
+                    del self.where[b]
+
+    def take_changed(self) -> set:
+        """Requests whose list was started, grown, substituted or forgotten since the last call."""
+        out, self.changed = self.changed, set()
+        return out
+
+    def holders(self, b: int) -> set:
+        """The requests whose list holds block ``b`` (as the outputs gave it, not substituted)."""
+        return self.where.get(b, set())
 
     def index(self, r: str, b: int) -> Optional[int]:
         """The positional index of block ``b`` in ``r``'s list (not substituted), or None."""
@@ -86,6 +115,12 @@ class BlockMirror:
                 "table_in_step", f"request {r!r}: block {b} expected at req_to_blocks index {i}, found {got}")
         lst[i] = self.null
         self.subst.setdefault(r, {})[i] = b
+        holders = self.where.get(b)
+        if holders is not None:
+            holders.discard(r)
+            if not holders:
+                del self.where[b]
+        self.changed.add(r)
         return i
 
     def check_lists(self, where: str, requests=None) -> None:

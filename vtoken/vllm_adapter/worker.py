@@ -46,7 +46,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..copy_engine import KVCopyEngine
+from ..copy_engine import KVCopyEngine, checker_factory
 from .messages import PlanResult, WorkerReport
 from ..errors import PlanError
 from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
@@ -90,7 +90,9 @@ class VTokenWorker:
         table: the adapter's ``TokenTable`` (the worker is its only writer).
         num_blocks, block_size: vLLM's pool geometry (block ids index the cache directly).
         policy, policy_kwargs, evict_ratio, seed: eviction (``vtoken.policies``).
-        check_relocations: hash-and-compare every relocation (``RelocationChecker``).
+        check_relocations: None, or the relocation checker's factory ``(kv, table, out_dir=)
+            -> checker`` (the toolkit's ``RelocationChecker``): hash-and-compare every
+            relocation. The worker owns the checker it builds.
         snapshot_dir: where a failing relocation's snapshot goes.
         copy_lag: CPU stand-in for a late relocation stream (``KVCopyEngine(lag=...)``):
             a copy completes on its ``copy_lag``-th poll, i.e. steps later.
@@ -100,7 +102,7 @@ class VTokenWorker:
 
     def __init__(self, model: PagedDecoder, table: TokenTable, num_blocks: int, block_size: int, *,
                  policy: str = "h2o", policy_kwargs: dict | None = None, evict_ratio: float = 0.5,
-                 seed: int = 0, check_relocations: bool = True, snapshot_dir=None, copy_lag: int = 0,
+                 seed: int = 0, check_relocations=None, snapshot_dir=None, copy_lag: int = 0,
                  device: str = "cpu", copy_engine_factory=None):
         self.model = model
         self.table = table
@@ -109,10 +111,8 @@ class VTokenWorker:
         self.copy_engine = (copy_engine_factory or KVCopyEngine)(self.kv, self.S, lag=copy_lag)
         self.checker = None
         engine = self.copy_engine
-        if check_relocations:
-            from ..invariants.relocation_hash import RelocationChecker
-
-            self.checker = RelocationChecker(self.kv, table, out_dir=snapshot_dir)
+        if check_relocations:  # the toolkit's checker, handed in (the system never imports it)
+            self.checker = checker_factory(check_relocations, "VTokenWorker")(self.kv, table, out_dir=snapshot_dir)
             engine = self.checker.wrap(self.copy_engine)
         self.engine = engine
         kw = dict(policy_kwargs or {})

@@ -18,14 +18,14 @@ import json
 import sys
 import time
 
-from .sim import COMMANDS, run_all
-from .sim.parallel import Progress
-from .sim.report import _jsonable
+from ..sim import COMMANDS, run_all
+from ..sim.parallel import Progress
+from ..sim.report import _jsonable
 
 __all__ = ["main_simulate", "run_waste", "run_retained", "run_frontier", "run_sweeps", "run_scaling",
            "run_robustness", "run_all"]
 
-from .sim import run_frontier, run_retained, run_robustness, run_scaling, run_sweeps, run_waste  # noqa: E402
+from ..sim import run_frontier, run_retained, run_robustness, run_scaling, run_sweeps, run_waste  # noqa: E402
 
 
 def _mmm(s: dict) -> dict:

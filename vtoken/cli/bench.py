@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from .allocator import BlockAllocator
-from .table import TokenTable
+from ..allocator import BlockAllocator
+from ..table import TokenTable
 
 
 def _steady_table_run(make_table, sync, evict, read_side, R, L, S, steps, seed, step_end=None):
@@ -73,7 +73,7 @@ def _impl_ops():
 
 
 def _spec_ops():
-    from .spec import SpecTokenTable
+    from ..spec import SpecTokenTable
 
     def sync(t, r, bl, n):
         # the reference's sync is quadratic in one call's size: feed it a block at a time
@@ -120,7 +120,14 @@ def main_bench(argv) -> int:
     ap.add_argument("what", choices=sorted(BENCHES))
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="adapter: add the cProfile top-10 of evict50 at the largest R")
+    ap.add_argument("--json", action="store_true", help="(the last stdout line is one JSON object either way)")
     a = ap.parse_args(argv)
+    if a.what == "adapter":  # prints its own table, then the JSON line
+        from .bench_adapter import main as bench_adapter_main
+
+        return bench_adapter_main((["--quick"] if a.quick else []) + ["--seed", str(a.seed)] +
+                                  (["--profile"] if a.profile else []))
     res = BENCHES[a.what](seed=a.seed, quick=a.quick)
     print(json.dumps(res, sort_keys=True))
     return 0
@@ -135,7 +142,7 @@ def _planner_setup(R, L, S, evict, headroom, theta_f, seed, max_sources=None):
     the shipped planner defaults (``PlannerConfig()``) but for the arguments not None."""
     from dataclasses import replace
 
-    from .planner import PlannerConfig, ReclamationManager
+    from ..planner import PlannerConfig, ReclamationManager
 
     rng = np.random.default_rng(seed)
     headroom = PlannerConfig().headroom if headroom is None else headroom
@@ -162,7 +169,7 @@ def bench_planner(seed=0, quick=False, rounds=3) -> dict:
     out = {"block_size": S, "tokens_per_request": L, "eviction": "random 50%", "plan_ms": {}}
     for R in counts:
         # headroom for one full plan (B destinations at most) per request: each round is a full planning pass
-        from .planner import PlannerConfig
+        from ..planner import PlannerConfig
 
         table, alloc, mgr = _planner_setup(R, L, S, 0.5, headroom=PlannerConfig().max_sources * R, theta_f=0.0,
                                            seed=seed)
@@ -182,7 +189,7 @@ def bench_planner(seed=0, quick=False, rounds=3) -> dict:
     out.update(settle_experiment(R=16 if quick else 64, L=1024 if quick else 4096, seed=seed))
     print(f"settled: retained {out['settled_blocks']} vs ideal {out['ideal_blocks']} -> {out['settled_over_ideal']:.4f}", flush=True)
     try:
-        from .invariants.z3_checks import z3_check_time
+        from ..invariants.z3_checks import z3_check_time
     except ImportError as e:  # the Z3 checks are part of this package; say so if they are missing
         out["z3_s"] = f"unavailable: {e}"
     else:
@@ -216,9 +223,18 @@ BENCHES["planner"] = bench_planner
 
 
 def _bench_decode(seed=0, quick=False):
-    from .decode_cli import bench_decode
+    from .decode import bench_decode
 
     return bench_decode(quick=quick, seed=seed)
 
 
 BENCHES["decode"] = _bench_decode
+
+
+def _bench_adapter(seed=0, quick=False):
+    from .bench_adapter import bench_adapter
+
+    return bench_adapter(seed=seed, quick=quick)
+
+
+BENCHES["adapter"] = _bench_adapter

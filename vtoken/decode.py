@@ -77,14 +77,14 @@ import numpy as np
 import torch
 
 from .allocator import NULL_BLOCK, BlockAllocator
-from .copy_engine import KVCopyEngine
+from .copy_engine import KVCopyEngine, checker_factory
 from .errors import RelocationCheckError
 from .model.decoder import DecodeItem, PagedDecoder, greedy
 from .planner import PlannerConfig, ReclamationManager
 from .policies import make_policy
 from .table import TokenTable
 
-__all__ = ["DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config", "full_retention_blocks", "MODES"]
+__all__ = ["DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config", "full_retention_blocks", "make_prompts", "MODES"]
 
 MODES = ("native", "naive-evict", "vtoken")
 
@@ -97,6 +97,12 @@ def default_planner_config(record_snapshots: bool = False, headroom: Optional[in
     """
     kw = {} if headroom is None else {"headroom": int(headroom)}
     return PlannerConfig(record_snapshots=record_snapshots, **kw)
+
+
+def make_prompts(requests: int, prompt_tokens: int, vocab: int, seed: int) -> list[list[int]]:
+    """``requests`` random prompts of ``prompt_tokens`` ids below ``vocab``: a function of ``seed``."""
+    rng = np.random.default_rng([seed, 0x9E37])
+    return rng.integers(0, vocab, size=(requests, prompt_tokens)).tolist()
 
 
 def full_retention_blocks(prompt_lens: Sequence[int], new_tokens: Sequence[int] | int, block_size: int,
@@ -275,8 +281,11 @@ class DecodeEngine:
         num_blocks: the KV block budget (incl. the null block); None: sized by ``run`` for
             full retention of its batch plus the headroom.
         device: ``cpu`` or ``cuda``.
-        check_relocations: hash-and-compare every relocation (``invariants.relocation_hash``);
-            also records plan snapshots (events included) for failures.
+        check_relocations: None, or the relocation checker's factory
+            ``(kv, table, out_dir=, method=, full_bytes=) -> checker`` (the toolkit's
+            ``vtoken.invariants.relocation_hash.RelocationChecker``): hash-and-compare every
+            relocation; also records plan snapshots (events included) for failures. The
+            engine owns the checker it builds (``self.checker``).
         planner_config: default :func:`default_planner_config`.
         seed: seeds the random policy (per request: ``(seed, request id)``).
         force_sync: host-wait every copy (the force-sync ablation).
@@ -295,7 +304,7 @@ class DecodeEngine:
 
     def __init__(self, model: PagedDecoder, mode: str = "vtoken", policy: str = "h2o", evict_ratio: float = 0.5,
                  block_size: int = 16, num_blocks: Optional[int] = None, device: str = "cpu",
-                 check_relocations: bool = False, planner_config: Optional[PlannerConfig] = None, seed: int = 0,
+                 check_relocations=None, planner_config: Optional[PlannerConfig] = None, seed: int = 0,
                  force_sync: bool = False, copy_kwargs: Optional[dict] = None, snapshot_dir=None,
                  policy_kwargs: Optional[dict] = None, sentinel_check: bool = False,
                  check_method: Optional[str] = None, full_bytes: bool = False,
@@ -310,7 +319,8 @@ class DecodeEngine:
         self.evict_ratio = float(evict_ratio)
         self.S = int(block_size)
         self.device = torch.device(device)
-        self.check_relocations = check_relocations and mode == "vtoken"
+        factory = checker_factory(check_relocations, "DecodeEngine")  # validated in every mode
+        self.check_relocations = factory if mode == "vtoken" else None
         cfg = planner_config or default_planner_config()
         if self.check_relocations and not cfg.record_snapshots:
             cfg = PlannerConfig(**{**asdict(cfg), "record_snapshots": True})
@@ -349,11 +359,9 @@ class DecodeEngine:
         if self.mode == "vtoken":
             self.copy_engine = self.copy_engine_factory(self.kv, self.S, force_sync=self.force_sync, **self.copy_kwargs)
             eng = self.copy_engine
-            if self.check_relocations:
-                from vtoken.invariants.relocation_hash import RelocationChecker
-
-                self.checker = RelocationChecker(self.kv, self.table, out_dir=self.snapshot_dir,
-                                                 method=self.check_method, full_bytes=self.full_bytes)
+            if self.check_relocations:  # the toolkit's checker, handed in (the system never imports it)
+                self.checker = self.check_relocations(self.kv, self.table, out_dir=self.snapshot_dir,
+                                                      method=self.check_method, full_bytes=self.full_bytes)
                 eng = self.checker.wrap(self.copy_engine)
             self.manager = ReclamationManager(self.table, self.alloc, eng, self.cfg, on_applied=self._on_applied)
         self._reqs: dict[object, _Req] = {}

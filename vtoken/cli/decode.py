@@ -25,17 +25,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .engine import MODES, DecodeEngine, default_planner_config
-from .errors import AllocatorError, RelocationCheckError, VTokenError
-from .model import DecoderConfig, PagedDecoder
-from .policies import POLICIES
+from ..decode import MODES, DecodeEngine, default_planner_config, make_prompts
+from ..errors import AllocatorError, RelocationCheckError, VTokenError
+from ..model import DecoderConfig, PagedDecoder
+from ..policies import POLICIES
+from ..invariants.relocation_hash import RelocationChecker
 
 __all__ = ["main_decode", "bench_decode", "make_prompts"]
-
-
-def make_prompts(requests: int, prompt_tokens: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng([seed, 0x9E37])
-    return rng.integers(0, vocab, size=(requests, prompt_tokens)).tolist()
 
 
 def _first_mismatch(a: list, b: list) -> Optional[dict]:
@@ -51,7 +47,7 @@ def _first_mismatch(a: list, b: list) -> Optional[dict]:
 def _run(model, mode, a, prompts, cfg) -> dict:
     eng = DecodeEngine(model, mode=mode, policy=a.policy, evict_ratio=a.evict_ratio if mode != "native" else 0.0,
                        block_size=a.block_size, num_blocks=None, device=a.device,
-                       check_relocations=a.check_relocations and mode == "vtoken", planner_config=cfg,
+                       check_relocations=RelocationChecker if a.check_relocations and mode == "vtoken" else None, planner_config=cfg,
                        seed=a.seed, force_sync=a.force_sync, snapshot_dir=a.snapshot_dir)
     if a.budget is not None:
         eng.setup(a.budget)
@@ -185,7 +181,7 @@ def bench_decode(quick: bool = False, seed: int = 0, threads: Optional[int] = 1,
             "indirection_only": dict(mode="vtoken", evict_ratio=0.0),
             "naive_evict": dict(mode="naive-evict", evict_ratio=0.5),
             "vtoken": dict(mode="vtoken", evict_ratio=0.5),
-            "vtoken_checked": dict(mode="vtoken", evict_ratio=0.5, check_relocations=True),
+            "vtoken_checked": dict(mode="vtoken", evict_ratio=0.5, check_relocations=RelocationChecker),
         }
         step_ms = {k: [] for k in variants}
         cpu_ms = {k: [] for k in variants}

@@ -1,0 +1,101 @@
+"""The layer rule, enforced: the system never imports the toolkit; the reference model never
+imports the system.
+
+Layers (README, "Architecture"): the system is ``vtoken/`` outside its command layer
+``vtoken/cli/``; the toolkit is ``spec/``, ``invariants/``, ``fuzz/`` and ``reports/`` (installed as
+``vtoken.spec``, ``vtoken.invariants``, ``vtoken.fuzz``, ``vtoken.reports``). Only the commands
+and the toolkit may import the toolkit; where the system needs a check it takes a callable
+(``check_relocations=``, ``plan_hook``, ``copy_engine_factory``). Every import counts, also the
+ones inside functions (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLKIT = ("vtoken.spec", "vtoken.invariants", "vtoken.fuzz", "vtoken.reports")
+TOOLKIT_DIRS = {"spec": "vtoken.spec", "invariants": "vtoken.invariants", "fuzz": "vtoken.fuzz",
+                "reports": "vtoken.reports"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] in TOOLKIT_DIRS:
+        parts = TOOLKIT_DIRS[parts[0]].split(".") + parts[1:]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in ``path``, relative ones resolved."""
+    mod = _module_name(path)
+    package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # ``from vtoken import invariants`` names a module too
+            out.extend((node.lineno, f"{target}.{a.name}") for a in node.names)
+            out.append((node.lineno, target))
+    return out
+
+
+def _is(target: str, prefixes) -> bool:
+    top = ("spec", "invariants", "fuzz", "reports")  # the source folders, importable from the repo root
+    return any(target == p or target.startswith(p + ".") for p in prefixes) or target.split(".")[0] in top
+
+
+def system_files() -> list[Path]:
+    return sorted(p for p in (ROOT / "vtoken").rglob("*.py") if "cli" not in p.relative_to(ROOT / "vtoken").parts[:1])
+
+
+def breaches(files, forbidden) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{line} imports {t}" for p in files for line, t in imports_of(p) if _is(t, forbidden)]
+
+
+def test_system_imports_no_toolkit():
+    files = system_files()
+    assert len(files) > 20  # the walk found the system (a walk over nothing passes anything)
+    found = breaches(files, TOOLKIT)
+    assert not found, "the system imports the toolkit:\n" + "\n".join(found)
+
+
+def test_spec_imports_no_system():
+    files = sorted((ROOT / "spec").rglob("*.py"))
+    assert files
+    found = [f"{p.relative_to(ROOT)}:{line} imports {t}" for p in files for line, t in imports_of(p)
+             if (t == "vtoken" or t.startswith("vtoken.")) and not t.startswith("vtoken.spec")]
+    assert not found, "the reference model imports the system:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, expect", [
+    ("from vtoken.invariants.relocation_hash import RelocationChecker\n", True),
+    ("def f():\n    from ..invariants import z3_checks\n", True),  # lazy and relative: still a breach
+    ("import vtoken.fuzz.campaign\n", True),
+    ("from vtoken import reports\n", True),
+    ("from ..table import TokenTable\n", False),
+    ("import numpy\n", False),
+])
+def test_the_walk_finds_breaches(tmp_path, monkeypatch, source, expect):
+    """The checker itself, fed a breach it must name (and clean code it must pass)."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    f = tmp_path / "vtoken" / "vllm_adapter" / "probe.py"
+    f.parent.mkdir(parents=True)
+    f.write_text(source)
+    found = breaches([f], TOOLKIT)
+    assert bool(found) == expect, found
+    if expect:
+        assert "vtoken/vllm_adapter/probe.py:" in found[0]

@@ -1,0 +1,166 @@
+"""``vtoken bench adapter``: the adapter's price on vLLM's scheduler, against plain vLLM.
+
+What vLLM's engine-core thread pays per step: ``schedule()`` + ``update_from_output()``
+(the adapter's hooks run inside them; the worker is timed apart and not counted). Variants,
+all in one process, interleaved in rounds (a shared machine's noise hits them alike):
+
+- ``plain``: vLLM 0.33.0's own ``Scheduler``, driven by the same real worker;
+- ``off``: the adapter with reclamation off (indirection only);
+- ``defaults``: the adapter at its defaults, no eviction acting;
+- ``evict50``: the adapter at its defaults, 50% random eviction (plans every few steps);
+- the three adapter variants again with ``checks=False``.
+
+Sync scheduling, prefix caching on, S = 16, prompts of 256-1024 tokens, a pool large enough
+that nothing is preempted. Per variant and R: the median of the per-step cost over the
+measured decode steps; ``ratio`` = median variant / median plain; ``spread`` = (p75 - p25) /
+median of each variant. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+
+VARIANTS = ("plain", "off", "defaults", "evict50", "off_nochecks", "defaults_nochecks", "evict50_nochecks")
+
+
+def _model():
+    import torch
+
+    from vtoken.model import DecoderConfig, PagedDecoder
+
+    torch.manual_seed(0)
+    return PagedDecoder(DecoderConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                      intermediate_size=64, vocab_size=64))
+
+
+class _Run:
+    def __init__(self, variant: str, R: int, prompts: list, new: int, seed: int, model):
+        from vtoken.table import TokenTable
+        from vtoken.vllm_adapter.adapter import VTokenAdapter
+        from vtoken.vllm_adapter.harness import VllmHarness
+        from vtoken.vllm_adapter.worker import VTokenWorker
+
+        S = 16
+        N = sum(-(-(len(p) + new) // S) for p in prompts) + 64
+        kw = dict(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, max_num_seqs=R,
+                  max_num_batched_tokens=8192, max_model_len=2048)
+        self.variant = variant
+        evict = 0.5 if variant.startswith("evict50") else 0.0
+        if variant == "plain":
+            self.h = VllmHarness(**kw)
+            self.sched = self.h.scheduler
+            table = TokenTable(S, N)
+            for i, p in enumerate(prompts):
+                self.h.add_request(f"r{i}", p, max_tokens=new)
+        else:
+            self.ad = VTokenAdapter(reclaim=not variant.startswith("off"), checks=not variant.endswith("nochecks"), **kw)
+            self.sched = self.ad.scheduler
+            table = self.ad.table
+            for i, p in enumerate(prompts):
+                self.ad.add_request(f"r{i}", p, max_tokens=new)
+        self.w = VTokenWorker(model, table, N, S, policy="random", evict_ratio=evict, seed=seed,
+                              check_relocations=False)
+        if variant != "plain":
+            self.ad.attach_worker(self.w)
+        self.times: list[float] = []
+
+    def step(self, measure: bool) -> bool:
+        t0 = time.perf_counter()
+        so = self.sched.schedule()
+        t1 = time.perf_counter()
+        out = self.w.execute(so)
+        t2 = time.perf_counter()
+        self.sched.update_from_output(so, out)
+        t3 = time.perf_counter()
+        if measure:
+            self.times.append((t1 - t0) + (t3 - t2))
+        return so.total_num_scheduled_tokens > 0
+
+    def stats(self) -> dict:
+        self.times.sort()
+        n = len(self.times)
+        med = statistics.median(self.times)
+        return {"median_ms": med * 1e3, "p25_ms": self.times[n // 4] * 1e3, "p75_ms": self.times[(3 * n) // 4] * 1e3,
+                "spread": (self.times[(3 * n) // 4] - self.times[n // 4]) / med if med else 0.0, "steps": n}
+
+
+def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int = 50, profile_evict: bool = False) -> dict:
+    """Run every variant at each R (interleaved rounds of 5 steps); see the module docstring."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _model()
+    if quick:
+        Rs, steps = (8,), 10
+    out = {"ratio": {}, "spread": {}, "median_ms": {}, "R": list(Rs), "steps": steps, "variants": list(VARIANTS)}
+    for R in Rs:
+        rng = np.random.default_rng([seed, R])
+        lo, hi = (32, 64) if quick else (256, 1024)
+        prompts = [rng.integers(1, 63, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(R)]
+        new = steps + 48  # decoding through the measured steps and the profile
+        runs = {v: _Run(v, R, prompts, new, seed, model) for v in VARIANTS}
+        for run in runs.values():  # prefill (chunked) until every request decodes, not measured
+            for _ in range(200):
+                run.step(False)
+                if len(run.sched.running) == R and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                                          for r in run.sched.running):
+                    break
+        done = 0
+        while done < steps:
+            k = min(5, steps - done)
+            for run in runs.values():
+                for _ in range(k):
+                    run.step(True)
+            done += k
+        st = {v: r.stats() for v, r in runs.items()}
+        plain = st["plain"]["median_ms"]
+        out["median_ms"][str(R)] = {v: s["median_ms"] for v, s in st.items()}
+        out["ratio"][str(R)] = {v: s["median_ms"] / plain for v, s in st.items() if v != "plain"}
+        out["spread"][str(R)] = {v: s["spread"] for v, s in st.items()}
+        out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].ad.stats["applied"]
+        if profile_evict and R == max(Rs):
+            out["profile_top10"] = _profile(runs["evict50"], steps)
+    return out
+
+
+def _profile(run: _Run, steps: int) -> list[str]:
+    """cProfile top-10 (cumulative) of the scheduler-side calls of ``run`` over more steps."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    for _ in range(min(steps, 30)):
+        so = (pr.runcall(run.sched.schedule))
+        outp = run.w.execute(so)
+        pr.runcall(run.sched.update_from_output, so, outp)
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(10)
+    return [l for l in s.getvalue().splitlines() if l.strip()][:24]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="vtoken bench adapter", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="add the cProfile top-10 of evict50 at the largest R")
+    ap.add_argument("--json", action="store_true", help="(the last line is JSON either way)")
+    a = ap.parse_args(argv)
+    res = bench_adapter(seed=a.seed, quick=a.quick, profile_evict=a.profile)
+    for R, row in res["ratio"].items():
+        print(f"R={R}: plain {res['median_ms'][R]['plain']:.2f} ms/step; " +
+              ", ".join(f"{v} x{x:.2f}" for v, x in row.items()))
+    for line in res.get("profile_top10", []):
+        print(line)
+    print(json.dumps(res, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
