@@ -284,28 +284,33 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
 
 
 def main_fuzz(argv) -> int:
+    from vtoken.cli.args import comma_choices, device, example_db, nonneg_int, positive_float, positive_int, writable_dir
+
+    from .catalogue import BY_NAME
+
     ap = argparse.ArgumentParser(prog="vtoken fuzz", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=1.0)
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+    ap.add_argument("--minutes", type=positive_float, default=1.0)
+    ap.add_argument("--workers", type=positive_int, default=1)
+    ap.add_argument("--device", type=device, choices=["cpu", "cuda"], default="cpu",
                     help="device of the tables' lookup cache (cuda needs a GPU)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--db", default=None, help="example database: a directory or redis://host:port")
-    ap.add_argument("--out", default="reports/fuzz")
+    ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--db", type=example_db, default=None, help="example database: a directory or redis://host:port")
+    ap.add_argument("--out", type=writable_dir, default="reports/fuzz")
     ap.add_argument("--machines", nargs="*", choices=sorted(MACHINES))
     ap.add_argument("--impl", action="append", default=[], metavar="module:Class",
                     help="check your own token table or planner class (vtoken.fuzz.protocol); repeatable")
     ap.add_argument("--profile", default="dev", choices=["ci", "dev", "nightly"])
-    ap.add_argument("--planted", metavar="NAME|all", help="run the checks against planted faults instead")
-    ap.add_argument("--runs", type=int, default=1, help="--planted: independent seeds per fault (the rate's denominator)")
-    ap.add_argument("--budget", type=float, default=None, help="--planted: seconds per detection run (default 60)")
+    ap.add_argument("--planted", metavar="NAME|all", type=comma_choices(BY_NAME, special=("all",)),
+                    help="run the checks against planted faults instead (comma-separated names, or all)")
+    ap.add_argument("--runs", type=positive_int, default=None,
+                    help="--planted: independent seeds per fault (the rate's denominator; default 1)")
+    ap.add_argument("--budget", type=positive_float, default=None, help="--planted: seconds per detection run (default 60)")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
     a = ap.parse_args(argv)
-    os.environ["VTOKEN_DEVICE"] = a.device
-    if a.planted:
-        from .planted import main_planted
-
-        return main_planted(a)
+    if a.planted and (a.machines is not None or a.impl):
+        ap.error("argument --planted: runs the planted faults; it does not take --machines or --impl")
+    if not a.planted and (a.runs is not None or a.budget is not None):
+        ap.error(f"argument {'--runs' if a.runs is not None else '--budget'}: only with --planted")
     machines = list(a.machines or [])
     if a.impl:
         from .protocol import ProtocolError, kind_of, load_impl
@@ -314,15 +319,40 @@ def main_fuzz(argv) -> int:
             try:
                 kind_of(load_impl(spec))
             except ProtocolError as e:
-                ap.error(f"--impl: {e}")
+                ap.error(f"argument --impl: {str(e).removeprefix('--impl ')}")
         machines += [f"impl:{spec}" for spec in a.impl]
-    s = run_campaign(a.minutes, a.workers, a.seed, a.db, a.out, machines or None, progress=True, profile=a.profile)
+    os.environ["VTOKEN_DEVICE"] = a.device
+    if a.planted:
+        from .planted import main_planted
+
+        try:
+            return main_planted(a)
+        except KeyboardInterrupt:
+            print(f"\nvtoken fuzz: interrupted: the planted-fault runs are summarised only when all finish, so "
+                  f"nothing was recorded ({Path(a.out) / 'planted.json'} not written)", file=sys.stderr, flush=True)
+            return 130
+    try:
+        s = run_campaign(a.minutes, a.workers, a.seed, a.db, a.out, machines or None, progress=True,
+                         profile=a.profile)
+    except KeyboardInterrupt:  # before the workers ran (or while they were being stopped)
+        summary = Path(a.out) / "summary.json"
+        print(f"\nvtoken fuzz: interrupted before the campaign finished; "
+              f"{'partial results: ' + str(summary) if summary.exists() else 'no summary written'}",
+              file=sys.stderr, flush=True)
+        return 130
     print(f"ops {s['ops']} in {s['seconds']:.0f} s: {s['ops_per_s_per_worker']:.0f} ops/s per worker, "
           f"{s['failures']} failure(s); hard states: " + ", ".join(f"{k} {v}" for k, v in s["hard_states"].items()))
     for m, why in s["machines_unavailable"].items():
         print(f"machine {m} NOT RUN: {why}")
+    if s["interrupted"]:
+        done = ", ".join(f"{m} {n} ops" for m, n in s["ops_by_machine"].items()) or "no batch finished"
+        print(f"interrupted after {s['seconds']:.0f} s ({done}; {s['failures']} failure(s)); partial results: "
+              f"{Path(a.out) / 'summary.json'}" + (f", failures in {Path(a.out) / 'failures'}" if s["failures"] else ""),
+              flush=True)
     if a.json:
         print(json.dumps({k: s[k] for k in ("ops", "seconds", "ops_per_s_per_worker", "failures", "hard_states",
                                             "interrupted", "ops_by_machine", "machines_unavailable")}))
+    if s["interrupted"]:
+        return 130
     asked_missing = a.machines and s["machines_unavailable"]
-    return 1 if s["failures"] or s["interrupted"] or asked_missing else 0
+    return 1 if s["failures"] or asked_missing else 0

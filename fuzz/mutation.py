@@ -506,31 +506,53 @@ def run_campaign(args) -> dict:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _results_json_kind(obj) -> Optional[str]:
+    """What ``--rerun`` needs of an earlier ``results.json``, or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("mutants"), list):
+        return "no 'mutants' list"
+    if not all(isinstance(r, dict) and "key" in r and "status" in r for r in obj["mutants"]):
+        return "a mutant without 'key' and 'status'"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from vtoken.cli.args import existing_dir, existing_json_file, nonneg_int, percent, positive_float, positive_int
+    from vtoken.cli.args import writable_dir
+
     p = argparse.ArgumentParser(prog="vtoken mutate", description=__doc__.split("\n\n")[0])
     p.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="modules to mutate (repository paths)")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-mutants", type=int, default=None, help="run a seeded random sample of this many mutants")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed for --max-mutants")
-    p.add_argument("--out", default="out/mutation", help="report folder (survivors.md, results.json)")
+    p.add_argument("--workers", type=positive_int, default=2)
+    p.add_argument("--max-mutants", type=positive_int, default=None, help="run a seeded random sample of this many mutants")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed for --max-mutants")
+    p.add_argument("--out", type=writable_dir, default="out/mutation", help="report folder (survivors.md, results.json)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--tests", nargs="+", default=None, help="override the test selection (run in this order)")
-    p.add_argument("--timeout", type=float, default=None, help="per-mutant seconds (default: 3 x baseline + 10, >= 60)")
-    p.add_argument("--rerun", default=None, help="results.json of an earlier run: rerun its survivors, timeouts, errors")
+    p.add_argument("--timeout", type=positive_float, default=None,
+                   help="per-mutant seconds (default: 3 x baseline + 10, >= 60)")
+    p.add_argument("--rerun", type=existing_json_file("a mutation results.json", _results_json_kind), default=None,
+                   help="results.json of an earlier run: rerun its survivors, timeouts, errors")
     p.add_argument("--only", nargs="+", default=None, help="mutant keys to run")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--isolation", choices=("fork", "subprocess"), default="fork" if hasattr(os, "fork") else "subprocess")
-    p.add_argument("--hypothesis-seed", type=int, default=0)
+    p.add_argument("--hypothesis-seed", type=nonneg_int, default=0)
     p.add_argument("--shrink", action="store_true",
                    help="let Hypothesis shrink failures in mutant runs (slower; kills are the same)")
-    p.add_argument("--fail-under", type=float, default=None, help="exit 1 when the score (%%) is below this")
-    p.add_argument("--repo", default=None, help="repository root (default: the current directory)")
+    p.add_argument("--fail-under", type=percent, default=None, help="exit 1 when the score (%%, 0-100) is below this")
+    p.add_argument("--repo", type=existing_dir, default=None, help="repository root (default: the current directory)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work tree")
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    repo = _repo_root(args.repo)
+    for f in args.files:  # paths in the repository: checked before the snapshot is taken
+        if not (repo / f).is_file() or not f.endswith(".py"):
+            ap.error(f"argument --files: {f!r} is not a Python file of {repo}")
+    for t in args.tests or ():
+        if not (repo / t.split("::")[0]).exists():
+            ap.error(f"argument --tests: {t.split('::')[0]!r} does not exist in {repo}")
     try:
         summary = run_campaign(args)
     except SystemExit as e:

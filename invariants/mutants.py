@@ -754,11 +754,14 @@ def main(argv=None) -> int:
     disagreement, every operator at its count; 1: otherwise; 2: a path could not give
     snapshots (named in the error; nothing is skipped silently). With ``--json`` the last
     stdout line is one JSON object (see :func:`run`)."""
+    from vtoken.cli.args import comma_choices, nonneg_int, positive_int
+
     ap = argparse.ArgumentParser(prog="vtoken check-mutants", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
-    ap.add_argument("--per-operator", type=int, default=60, help="mutants per operator (default 60)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--paths", default=",".join(ALL_PATHS), help=f"comma-separated subset of {','.join(ALL_PATHS)}")
+    ap.add_argument("--per-operator", type=positive_int, default=60, help="mutants per operator (default 60)")
+    ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--paths", type=comma_choices(ALL_PATHS), default=",".join(ALL_PATHS),
+                    help=f"comma-separated subset of {','.join(ALL_PATHS)}")
     ap.add_argument("--quick", action="store_true", help="smaller collection runs")
     a = ap.parse_args(argv)
     paths = [p.strip() for p in a.paths.split(",") if p.strip()]

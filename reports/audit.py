@@ -228,6 +228,9 @@ def write_reports(out: Path, report: dict, results: list[CheckResult], changes: 
     md = [f"# vtoken audit: {'PASSED' if report['passed'] else 'FAILED'}", "",
           f"- when: {report['timestamp']}", f"- vLLM: {report['vllm_version'] or 'not installed'}",
           f"- host: {report['host']}", ""]
+    if report.get("interrupted"):
+        md[-1:] = [f"- INTERRUPTED (Ctrl-C) in {report['interrupted']['in']}; not run: "
+                   f"{', '.join(report['interrupted']['not_run'])}", ""]
     if changes is not None:
         md += ["## Changes since the previous audit", ""] + [f"- {c}" for c in changes] + [""]
     md += ["## Checks", "", "| check | result | seconds | detail |", "|---|---|---|---|"]
@@ -273,28 +276,38 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
     ctx = {"out": out, "quick": quick, "seed": seed, "fuzz_examples": fuzz_examples}
     checks = [c for c in CHECKS if not only or any(o in c.__name__ for o in only)]
     results = []
+    interrupted = None  # Ctrl-C: the check it stopped in; the report holds the checks that finished
     for i, fn in enumerate(checks, 1):
         label = fn.__name__.removeprefix("check_")
         print(f"[{i}/{len(checks)}] {label} ...", flush=True)
         t0 = time.perf_counter()
         try:
             res = fn(ctx)
+        except KeyboardInterrupt:
+            interrupted = label
+            break
         except Exception as e:  # a crashing check is a failed check, with its reason
             res = CheckResult(label, False, f"crashed: {type(e).__name__}: {e}",
                               metrics={"traceback": traceback.format_exc()})
         res.seconds = time.perf_counter() - t0
+        if res.metrics.get("interrupted") is True:  # the fuzz campaign stops itself on Ctrl-C and says so
+            interrupted = label
+            break
         results.append(res)
         mark = "MEASURED" if res.measurement else {True: "PASS", False: "FAIL", None: "NOT RUN"}[res.passed]
         print(f"      {mark} ({res.seconds:.1f} s) {res.detail}", flush=True)
     verdict = [r for r in results if not r.measurement]
     ran = [r for r in verdict if r.passed is not None]
     report = {
-        "passed": bool(ran) and all(r.passed for r in ran) and len(ran) == len(verdict),
+        "passed": interrupted is None and bool(ran) and all(r.passed for r in ran) and len(ran) == len(verdict),
         "vllm_version": ver,
         "timestamp": stamp,
         "host": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
         "checks": [r.as_json() for r in results],
     }
+    if interrupted is not None:
+        labels = [c.__name__.removeprefix("check_") for c in checks]
+        report["interrupted"] = {"in": interrupted, "not_run": labels[labels.index(interrupted):]}
     changes = None
     if compare_to:
         changes = compare(json.loads(Path(compare_to).read_text()), report)
@@ -303,18 +316,54 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
     return report, out
 
 
+def _audit_json_kind(obj) -> str | None:
+    """What ``--compare`` needs of a previous report (see :func:`compare`), or None."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    checks = obj.get("checks")
+    if not isinstance(checks, list):
+        return "no 'checks' list"
+    for c in checks:
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str) or "passed" not in c:
+            return "a check without 'name' and 'passed'"
+    return None
+
+
+def _check_name(value: str) -> str:
+    names = [c.__name__.removeprefix("check_") for c in CHECKS]
+    if not any(value in c.__name__ for c in CHECKS):
+        raise argparse.ArgumentTypeError(f"{value!r} matches no check (checks: {', '.join(names)})")
+    return value
+
+
 def main_audit(argv) -> int:
+    from vtoken.cli.args import existing_json_file, nonneg_int, positive_int, writable_dir
+
     ap = argparse.ArgumentParser(prog="vtoken audit", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="reports",
+    ap.add_argument("--out", type=writable_dir, default="reports",
                     help="folder for the report folder (default: ./reports of the directory you run in)")
-    ap.add_argument("--compare", metavar="OLD/audit.json", help="add what changed since a previous audit")
+    ap.add_argument("--compare", metavar="OLD/audit.json", type=existing_json_file("an audit.json", _audit_json_kind),
+                    help="add what changed since a previous audit")
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test of the audit itself)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fuzz-examples", type=int, default=100,
+    ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--fuzz-examples", type=positive_int, default=100,
                     help="seeded examples per fuzz machine (a fixed amount of work: one verdict per commit)")
-    ap.add_argument("--only", nargs="*", help="run only checks whose name contains one of these")
+    ap.add_argument("--only", nargs="*", type=_check_name, help="run only checks whose name contains one of these")
     a = ap.parse_args(argv)
-    report, out = run_audit(Path(a.out), a.quick, a.seed, a.fuzz_examples, a.compare, a.only)
+    try:
+        report, out = run_audit(Path(a.out), a.quick, a.seed, a.fuzz_examples, a.compare, a.only)
+    except KeyboardInterrupt:  # while the report itself was being written
+        print("\nvtoken audit: interrupted while writing the report; it may be incomplete under "
+              f"{a.out}", file=sys.stderr, flush=True)
+        return 130
+    if report.get("interrupted"):
+        it = report["interrupted"]
+        done = ", ".join(f"{c['name']} {'MEASURED' if c.get('measurement') else {True: 'PASS', False: 'FAIL', None: 'NOT RUN'}[c['passed']]}"
+                         for c in report["checks"]) or "none"
+        print(f"\naudit INTERRUPTED in {it['in']}: finished {len(report['checks'])} check(s) ({done}); "
+              f"not run: {', '.join(it['not_run']) or 'none'}; partial report: {out}/audit.md, audit.html, audit.json",
+              flush=True)
+        return 130
     print(f"\naudit {'PASSED' if report['passed'] else 'FAILED'}: {out}/audit.md, audit.html, audit.json")
     for c in report["checks"]:
         if c["passed"] is None and not c.get("measurement"):

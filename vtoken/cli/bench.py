@@ -115,14 +115,21 @@ def bench_table(R=256, S=16, steps=20, spec_requests=8, seed=0, quick=False) -> 
 
 def main_bench(argv) -> int:
     import argparse
+    import importlib.util
+
+    from .args import nonneg_int
 
     ap = argparse.ArgumentParser(prog="vtoken bench")
     ap.add_argument("what", choices=sorted(BENCHES))
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--profile", action="store_true", help="adapter: add the cProfile top-10 of evict50 at the largest R")
     ap.add_argument("--json", action="store_true", help="(the last stdout line is one JSON object either way)")
     a = ap.parse_args(argv)
+    if a.profile and a.what != "adapter":
+        ap.error("argument --profile: only with adapter")
+    if a.what == "adapter" and importlib.util.find_spec("vllm") is None:
+        ap.error("argument what: adapter needs vLLM installed (make vllm)")
     if a.what == "adapter":  # prints its own table, then the JSON line
         from .bench_adapter import main as bench_adapter_main
 

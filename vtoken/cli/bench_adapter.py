@@ -146,9 +146,11 @@ def _profile(run: _Run, steps: int) -> list[str]:
 def main(argv=None) -> int:
     import argparse
 
+    from .args import nonneg_int
+
     ap = argparse.ArgumentParser(prog="vtoken bench adapter", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--profile", action="store_true", help="add the cProfile top-10 of evict50 at the largest R")
     ap.add_argument("--json", action="store_true", help="(the last line is JSON either way)")
     a = ap.parse_args(argv)

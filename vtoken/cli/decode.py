@@ -8,7 +8,7 @@ whether every output token matches. With ``--json`` the last line is one JSON ob
 at least ``relocations``, ``hash_checks``, ``hash_failures``, ``outputs_equal`` (true /
 false / null when not compared) and ``tokens_per_s``.
 
-Exit status: 0 ok; 1 a hash-and-compare failure or an output mismatch; 3 the budget could
+Exit status: 0 ok; 1 a hash-and-compare failure or an output mismatch; 2 a bad argument; 3 the budget could
 not hold the batch (out of blocks).
 """
 
@@ -30,6 +30,7 @@ from ..errors import AllocatorError, RelocationCheckError, VTokenError
 from ..model import DecoderConfig, PagedDecoder
 from ..policies import POLICIES
 from ..invariants.relocation_hash import RelocationChecker
+from .args import device, fraction_in, nonneg_int, positive_int, writable_dir
 
 __all__ = ["main_decode", "bench_decode", "make_prompts"]
 
@@ -88,32 +89,30 @@ def main_decode(argv) -> int:
     ap = argparse.ArgumentParser(prog="vtoken decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", choices=sorted(POLICIES), default="h2o")
     ap.add_argument("--mode", choices=MODES, default="vtoken")
-    ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request")
-    ap.add_argument("--evict-ratio", type=float, default=0.5)
-    ap.add_argument("--device", default="cpu", help="cpu | cuda")
-    ap.add_argument("--budget", type=int, default=None, help="KV block budget (default: full retention + headroom)")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--requests", type=positive_int, default=4)
+    ap.add_argument("--prompt-tokens", type=positive_int, default=64)
+    ap.add_argument("--new-tokens", type=positive_int, default=64, help="generated tokens per request")
+    ap.add_argument("--evict-ratio", type=fraction_in(0, 1), default=0.5, help="in [0, 1)")
+    ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--budget", type=positive_int, default=None,
+                    help="KV block budget (default: full retention + headroom)")
+    ap.add_argument("--block-size", type=positive_int, default=16)
     ap.add_argument("--check-relocations", action="store_true", help="hash-and-compare every relocation")
     ap.add_argument("--compare", choices=["naive-evict", "native"], default=None,
                     help="also run this mode on the same prompts and compare every output token")
-    ap.add_argument("--seed", type=int, default=0, help="prompts and the random policy")
-    ap.add_argument("--model-seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonneg_int, default=0, help="prompts and the random policy")
+    ap.add_argument("--model-seed", type=nonneg_int, default=0)
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
-    ap.add_argument("--snapshot-dir", default=None, help="where failing plans' snapshots are written")
+    ap.add_argument("--snapshot-dir", type=writable_dir, default=None, help="where failing plans' snapshots are written")
     ap.add_argument("--force-sync", action="store_true", help="host-wait every relocation copy (ablation)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--theta-f", type=float, default=None)
-    ap.add_argument("--check-every", type=int, default=None)
-    ap.add_argument("--headroom", type=int, default=None)
-    ap.add_argument("--max-sources", type=int, default=None)
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    ap.add_argument("--theta-f", type=fraction_in(0, 1, hi_open=False), default=None, help="in [0, 1]")
+    ap.add_argument("--check-every", type=positive_int, default=None)
+    ap.add_argument("--headroom", type=nonneg_int, default=None)
+    ap.add_argument("--max-sources", type=positive_int, default=None)
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print("vtoken decode: --device cuda but torch.cuda is not available", file=sys.stderr)
-        return 2
     base = default_planner_config()  # the shipped defaults; the flags override single fields
     cfg = replace(base, theta_f=a.theta_f if a.theta_f is not None else base.theta_f,
                   check_every=a.check_every or base.check_every,

@@ -21,6 +21,7 @@ import time
 from ..sim import COMMANDS, run_all
 from ..sim.parallel import Progress
 from ..sim.report import _jsonable
+from .args import positive_int, writable_dir
 
 __all__ = ["main_simulate", "run_waste", "run_retained", "run_frontier", "run_sweeps", "run_scaling",
            "run_robustness", "run_all"]
@@ -67,14 +68,13 @@ def _line(name: str, res: dict) -> dict:
 def main_simulate(argv) -> int:
     ap = argparse.ArgumentParser(prog="vtoken simulate", description=__doc__.split("\n\n")[1])
     ap.add_argument("experiment", choices=sorted(COMMANDS) + ["all"])
-    ap.add_argument("--seeds", type=int, default=None, help="seeds per figure (default 5, robustness 2; quick 2, robustness 1)")
+    ap.add_argument("--seeds", type=positive_int, default=None,
+                    help="seeds per figure (default 5, robustness 2; quick 2, robustness 1)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--out", default=None, help="output folder (default reports/simulate-<timestamp>)")
+    ap.add_argument("--out", type=writable_dir, default=None, help="output folder (default reports/simulate-<timestamp>)")
     ap.add_argument("--quick", action="store_true", help="small, fast settings (tests, smoke runs)")
-    ap.add_argument("--jobs", type=int, default=None, help="worker processes (default 2; quick 1)")
+    ap.add_argument("--jobs", type=positive_int, default=None, help="worker processes (default 2; quick 1)")
     a = ap.parse_args(argv)
-    if a.seeds is not None and a.seeds < 1:
-        ap.error("--seeds must be >= 1")
     t0 = time.perf_counter()
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if a.json else (lambda m: print(m, flush=True))
     progress = Progress(sys.stderr)

@@ -1,0 +1,252 @@
+"""Every command refuses a bad argument at parse time, in argparse's one-line format, before it
+does any work; a campaign or an audit stopped by Ctrl-C says what it finished and where its
+partial results are, and exits 130 (issue 18)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import types
+
+import pytest
+
+import vtoken.cli.bench as bench
+import vtoken.cli.bench_adapter as bench_adapter
+import vtoken.cli.decode as decode
+import vtoken.cli.simulate as simulate
+import vtoken.fuzz.campaign as campaign
+import vtoken.fuzz.mutation as mutation
+import vtoken.fuzz.planted as planted
+import vtoken.invariants.mutants as mutants
+import vtoken.reports.audit as audit
+from vtoken.__main__ import main
+
+# Placeholders, filled per test: {file} a regular file, {notjson} a file that is not JSON,
+# {list_json} JSON of the wrong kind, {out} an output folder that must not get created.
+ROWS = [
+    # decode: the rows of the issue, then every numeric argument at its boundary
+    (["decode", "--requests", "-3", "--json"], "--requests"),
+    (["decode", "--block-size", "0"], "--block-size"),
+    (["decode", "--evict-ratio", "1.5", "--requests", "1", "--new-tokens", "2", "--json"], "--evict-ratio"),
+    (["decode", "--policy", "nope"], "--policy"),
+    (["decode", "--mode", "nope"], "--mode"),
+    (["decode", "--requests", "0"], "--requests"),
+    (["decode", "--prompt-tokens", "0"], "--prompt-tokens"),
+    (["decode", "--new-tokens", "0"], "--new-tokens"),
+    (["decode", "--evict-ratio", "1.0"], "--evict-ratio"),
+    (["decode", "--evict-ratio", "-0.01"], "--evict-ratio"),
+    (["decode", "--evict-ratio", "nan"], "--evict-ratio"),
+    (["decode", "--budget", "0"], "--budget"),
+    (["decode", "--seed", "-1"], "--seed"),
+    (["decode", "--model-seed", "-1"], "--model-seed"),
+    (["decode", "--threads", "0"], "--threads"),
+    (["decode", "--theta-f", "1.01"], "--theta-f"),
+    (["decode", "--theta-f", "-0.01"], "--theta-f"),
+    (["decode", "--check-every", "0"], "--check-every"),
+    (["decode", "--headroom", "-1"], "--headroom"),
+    (["decode", "--max-sources", "0"], "--max-sources"),
+    (["decode", "--requests", "x"], "--requests"),
+    (["decode", "--device", "tpu"], "--device"),
+    (["decode", "--device", "cuda:99"], "--device"),  # no such device, with or without a GPU
+    (["decode", "--compare", "nope"], "--compare"),
+    (["decode", "--snapshot-dir", "{file}/snaps"], "--snapshot-dir"),
+    # bench (and its adapter front end)
+    (["bench", "nope"], "what"),
+    (["bench", "table", "--seed", "-1"], "--seed"),
+    (["bench", "table", "--profile"], "--profile"),
+    (["bench-adapter", "--seed", "-1"], "--seed"),
+    # simulate
+    (["simulate", "frontier", "--seeds", "0", "--out", "{out}"], "--seeds"),
+    (["simulate", "nope"], "experiment"),
+    (["simulate", "waste", "--jobs", "0"], "--jobs"),
+    (["simulate", "waste", "--out", "{file}"], "--out"),
+    # fuzz
+    (["fuzz", "--minutes", "-1", "--out", "{out}"], "--minutes"),
+    (["fuzz", "--minutes", "0"], "--minutes"),
+    (["fuzz", "--workers", "0"], "--workers"),
+    (["fuzz", "--seed", "-1"], "--seed"),
+    (["fuzz", "--device", "tpu"], "--device"),
+    (["fuzz", "--db", "redis://localhost:notaport"], "--db"),
+    (["fuzz", "--db", "redis://:6379"], "--db"),
+    (["fuzz", "--db", "redis://localhost:6379/x"], "--db"),
+    (["fuzz", "--db", "{file}"], "--db"),
+    (["fuzz", "--out", "{file}/fuzz"], "--out"),
+    (["fuzz", "--machines", "nope"], "--machines"),
+    (["fuzz", "--profile", "nope"], "--profile"),
+    (["fuzz", "--impl", "no_colon"], "--impl"),
+    (["fuzz", "--planted", "nope"], "--planted"),
+    (["fuzz", "--planted", "all", "--runs", "0"], "--runs"),
+    (["fuzz", "--planted", "all", "--budget", "0"], "--budget"),
+    (["fuzz", "--runs", "2"], "--runs"),
+    (["fuzz", "--planted", "all", "--machines", "table"], "--planted"),
+    # audit
+    (["audit", "--compare", "/nonexistent.json", "--only", "table", "--out", "{out}"], "--compare"),
+    (["audit", "--compare", "{notjson}"], "--compare"),
+    (["audit", "--compare", "{list_json}"], "--compare"),
+    (["audit", "--compare", "{out}"], "--compare"),
+    (["audit", "--only", "tabel"], "--only"),
+    (["audit", "--fuzz-examples", "0"], "--fuzz-examples"),
+    (["audit", "--seed", "-1"], "--seed"),
+    (["audit", "--out", "{file}"], "--out"),
+    # mutate
+    (["mutate", "--workers", "0", "--out", "{out}"], "--workers"),
+    (["mutate", "--max-mutants", "0"], "--max-mutants"),
+    (["mutate", "--seed", "-1"], "--seed"),
+    (["mutate", "--timeout", "0"], "--timeout"),
+    (["mutate", "--hypothesis-seed", "-1"], "--hypothesis-seed"),
+    (["mutate", "--fail-under", "100.5"], "--fail-under"),
+    (["mutate", "--fail-under", "-1"], "--fail-under"),
+    (["mutate", "--isolation", "nope"], "--isolation"),
+    (["mutate", "--files", "vtoken/nope.py"], "--files"),
+    (["mutate", "--tests", "tests/test_nope.py"], "--tests"),
+    (["mutate", "--rerun", "{list_json}"], "--rerun"),
+    (["mutate", "--rerun", "{notjson}"], "--rerun"),
+    (["mutate", "--repo", "{out}"], "--repo"),
+    (["mutate", "--out", "{file}"], "--out"),
+    # check-mutants
+    (["check-mutants", "--per-operator", "0"], "--per-operator"),
+    (["check-mutants", "--seed", "-1"], "--seed"),
+    (["check-mutants", "--paths", "nope"], "--paths"),
+    (["check-mutants", "--paths", ","], "--paths"),
+]
+
+
+def _started(*a, **k):
+    raise AssertionError("a bad argument got past parsing: the command started its work")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every command's runner replaced by one that fails the test if it is reached."""
+    monkeypatch.setattr(decode, "_run", _started)
+    monkeypatch.setattr(decode, "PagedDecoder", _started)
+    monkeypatch.setattr(bench, "BENCHES", {k: _started for k in bench.BENCHES})
+    monkeypatch.setattr(bench_adapter, "bench_adapter", _started)
+    monkeypatch.setattr(simulate, "COMMANDS", {k: _started for k in simulate.COMMANDS})
+    monkeypatch.setattr(simulate, "run_all", _started)
+    monkeypatch.setattr(campaign, "run_campaign", _started)
+    monkeypatch.setattr(planted, "main_planted", _started)
+    monkeypatch.setattr(audit, "run_audit", _started)
+    monkeypatch.setattr(mutation, "run_campaign", _started)
+    monkeypatch.setattr(mutants, "run", _started)
+
+
+@pytest.mark.parametrize("argv,arg", ROWS, ids=[" ".join(r[0]) for r in ROWS])
+def test_bad_argument_refused_at_parse_time(argv, arg, tmp_path, monkeypatch, capsys, no_work):
+    inputs, cwd, out = tmp_path / "inputs", tmp_path / "cwd", tmp_path / "outs" / "new"
+    inputs.mkdir()
+    cwd.mkdir()
+    (inputs / "file").write_text("x")
+    (inputs / "notjson.json").write_text("{not json")
+    (inputs / "list.json").write_text("[1, 2]")
+    subs = {"{file}": str(inputs / "file"), "{notjson}": str(inputs / "notjson.json"),
+            "{list_json}": str(inputs / "list.json"), "{out}": str(out)}
+    argv = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in argv]
+    monkeypatch.chdir(cwd)  # default output folders (reports/, out/) are relative to it
+    monkeypatch.setenv("VTOKEN_DEVICE", "cpu")
+    cmd = argv[0]
+    with pytest.raises(SystemExit) as e:
+        if cmd == "bench-adapter":
+            bench_adapter.main(argv[1:])
+        else:
+            main(argv)
+    assert e.value.code == 2
+    std = capsys.readouterr()
+    assert "Traceback" not in std.err + std.out
+    prog = "vtoken bench adapter" if cmd == "bench-adapter" else f"vtoken {cmd}"
+    lines = std.err.strip().splitlines()
+    errors = [l for l in lines if l.startswith(f"{prog}: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], std.err  # one error line, after argparse's usage
+    assert lines[0].startswith(f"usage: {prog}")
+    assert f"argument {arg}" in errors[0], errors[0]
+    assert not any(cwd.iterdir()), sorted(map(str, cwd.rglob("*")))
+    assert not out.parent.exists()
+
+
+# ---------------------------------------------------------------------------- Ctrl-C
+class _FakeQueue:
+    """What the workers said (one batch of the table machine), then Ctrl-C in the parent."""
+
+    def __init__(self):
+        self.msgs = [("progress", 0, "table", 123, 0.5, {})]
+        self.interrupted = False
+
+    def get(self, timeout=None):
+        if self.msgs:
+            return self.msgs.pop(0)
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        raise queue.Empty
+
+
+class _FakeProcess:
+    def __init__(self, *a, **k):
+        pass
+
+    def start(self):
+        pass
+
+    def is_alive(self):
+        return False
+
+    def terminate(self):
+        pass
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_fuzz_ctrl_c_reports_partial_results_and_exits_130(tmp_path, monkeypatch, capsys):
+    ctx = types.SimpleNamespace(Queue=_FakeQueue, Process=_FakeProcess)
+    monkeypatch.setattr(campaign, "mp", types.SimpleNamespace(get_context=lambda *_: ctx))
+    monkeypatch.setattr(campaign, "available_machines", lambda: (["table"], {}))
+    monkeypatch.setenv("VTOKEN_DEVICE", "cpu")
+    out = tmp_path / "out"
+    rc = main(["fuzz", "--minutes", "0.1", "--machines", "table", "--out", str(out), "--json"])
+    std = capsys.readouterr()
+    assert rc == 130
+    assert "Traceback" not in std.out + std.err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["ops"] == 123
+    assert "interrupted" in std.out and "table 123 ops" in std.out and str(out / "summary.json") in std.out
+    assert json.loads(std.out.strip().splitlines()[-1])["interrupted"] is True
+
+
+def test_fuzz_ctrl_c_before_any_batch_exits_130(tmp_path, monkeypatch, capsys):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(campaign, "run_campaign", interrupted)
+    monkeypatch.setenv("VTOKEN_DEVICE", "cpu")
+    assert main(["fuzz", "--out", str(tmp_path / "out")]) == 130
+    std = capsys.readouterr()
+    assert "Traceback" not in std.out + std.err and "interrupted" in std.err
+
+
+@pytest.mark.parametrize("how", ["raise", "campaign"])
+def test_audit_ctrl_c_reports_partial_results_and_exits_130(how, tmp_path, monkeypatch, capsys):
+    def check_first(ctx):
+        return audit.CheckResult("first", True, "fine")
+
+    def check_second(ctx):
+        if how == "raise":
+            raise KeyboardInterrupt
+        return audit.CheckResult("second", True, "a campaign that stopped", metrics={"interrupted": True})
+
+    def check_third(ctx):
+        raise AssertionError("the audit went on after Ctrl-C")
+
+    monkeypatch.setattr(audit, "CHECKS", [check_first, check_second, check_third])
+    monkeypatch.setattr(audit, "vllm_version", lambda: None)
+    rc = main(["audit", "--out", str(tmp_path / "reports")])
+    std = capsys.readouterr()
+    assert rc == 130
+    assert "Traceback" not in std.out + std.err
+    (folder,) = (tmp_path / "reports").iterdir()
+    report = json.loads((folder / "audit.json").read_text())
+    assert report["passed"] is False and [c["name"] for c in report["checks"]] == ["first"]
+    assert report["interrupted"] == {"in": "second", "not_run": ["second", "third"]}
+    assert "INTERRUPTED" in (folder / "audit.md").read_text()
+    last = std.out.strip().splitlines()[-1]
+    assert "INTERRUPTED in second" in last and "first PASS" in last and f"{folder}/audit.md" in last
