@@ -127,6 +127,7 @@ class _Run:
             so = schedule(*a, **kw)
             self._observe_output(so)
             self._observe_holders()
+            self._check_prompt_release(so)
             return so
 
         def update_spy(so, out):
@@ -261,6 +262,25 @@ class _Run:
         self.d.drain(max_steps=max_steps)
 
     # ---------------------------------------------------------------- checks
+    def _check_prompt_release(self, so):
+        """After a schedule hook that scheduled work (an empty step frees nothing): no request the adapter could release for (running, no plan
+        in flight, its list seen by the worker) keeps an all-dead block other than its tail
+        (the adapter's per-step work follows what changed; this is what it must not miss)."""
+        ad = self.ad
+        if not ad.checks or so.total_num_scheduled_tokens <= 0:
+            return
+        t = ad.table
+        for req in ad.scheduler.running:
+            r = req.request_id
+            if r in ad.busy or r not in t or r not in ad.mirror or not ad._current(r):
+                continue
+            tail = t.tail_block(r)
+            left = [b for b in t.releasable_blocks(r).tolist()
+                    if b != tail and ad.block(b).ref_cnt == 1 and ad._accounted(r, b) is not None]
+            assert not left, (f"request {r!r}: all-dead blocks {sorted(left)} not released at step "
+                              f"{ad.scheduler.sched_step_seq} (queued for release: {r in ad._release_todo}, "
+                              f"status {req.status}, table refs {[int(t.block_refs(b)) for b in left]})")
+
     def check_ledger(self):
         """Every reference in vLLM's pool has exactly one owner (see the module docstring)."""
         from vtoken.invariants.ownership import check_ownership

@@ -154,3 +154,24 @@ def test_read_api_for_per_step_callers():
     assert ids.tolist() == [0, 1, 2, 3] and slots.tolist() == [4, 5, 6, 7]
     assert t.are_live("a", np.array([5, 0])).tolist() == [False, True]
     assert t.release_empty_blocks("a", t.releasable_blocks("a")) == [2]
+
+
+def test_change_sets_name_what_changed_and_only_that():
+    """take_changed / take_emptied / take_lone_dead: the adapter's per-step work follows them,
+    so a request missing from them is a release or a plan the adapter never looks at."""
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("a", [1, 2], 8)
+    t.sync_new_tokens("b", [1, 3], 6)  # shares block 1 with "a" (a prefix hit)
+    assert t.take_changed() == {"a", "b"} and t.take_emptied() == set()
+    t.evict_tokens("a", [4, 5])  # block 2 keeps two live tokens
+    assert t.take_changed() == {"a"} and t.take_emptied() == set()
+    t.evict_tokens("a", [6, 7])  # block 2 now holds none
+    assert t.take_emptied() == {"a"} and t.take_changed() == {"a"}
+    assert t.take_changed() == set() and t.take_emptied() == set()  # taken: forgotten
+    t.evict_tokens("a", [0, 1, 2, 3])  # block 1 is dead for "a" but "b" still claims it
+    t.evict_tokens("b", [0, 1, 2, 3])  # now block 1 holds no live token
+    assert t.take_emptied() == {"b"} and t.take_changed() == {"a", "b"}
+    assert t.take_lone_dead() == set()
+    t.free_request("b")  # "a" alone references dead block 1: releasable for "a", a's table unchanged
+    assert t.take_lone_dead() == {1} and t.take_changed() == {"b"}
+    assert sorted(t.releasable_blocks("a").tolist()) == [1, 2]

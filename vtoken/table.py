@@ -363,6 +363,10 @@ class TokenTable:
         # inside a block already referenced does not count): what a scheduler-side cache
         # keyed by request must recompute (O(1) to record, O(changed) to take).
         self._changed: set = set()
+        # Requests an eviction left a block without a live token in (since take_emptied()):
+        # the only requests that can have a new releasable block without a list change
+        self._emptied: set = set()
+        self._lone_dead: set = set()  # dead blocks whose other sharers were freed (one holder left)
 
     # ------------------------------------------------------------------ helpers
     def _get(self, req_id):
@@ -412,14 +416,15 @@ class TokenTable:
         np.add.at(self.n_b, fresh // self.S, 1)
         self._live_slots += len(fresh)
 
-    def _unclaim(self, slots: np.ndarray) -> None:
+    def _unclaim(self, slots: np.ndarray) -> bool:
         if len(slots) == 0:
-            return
+            return False
         after = self.claims[slots] - 1
         self.claims[slots] = after
         gone = slots[after == 0]
         np.subtract.at(self.n_b, gone // self.S, 1)
         self._live_slots -= len(gone)
+        return bool(len(gone)) and not self.n_b[gone // self.S].all()  # a block lost its last live token
 
     # ------------------------------------------------------------------ growth
     def sync_new_tokens(self, req_id, block_ids: Sequence[int], total_len: int) -> np.ndarray:
@@ -602,7 +607,8 @@ class TokenTable:
             raise TableError(code, f"request {req_id!r}: evict token {_fmt(t)} (length {r.n})")
         r.live[ids] = False
         r.n_live -= len(ids)
-        self._unclaim(r.slot[ids])
+        if self._unclaim(r.slot[ids]):
+            self._emptied.add(req_id)
         self._pool.pend_dead.append(ids + r.base)
         r.map_dirty = True
         self._changed.add(req_id)
@@ -621,6 +627,8 @@ class TokenTable:
         if c == 0:
             self.n_b[s // self.S] -= 1
             self._live_slots -= 1
+            if self.n_b[s // self.S] == 0:
+                self._emptied.add(req_id)
         self._pool.pend_dead.append(r.base + t)
         r.map_dirty = True
         self._changed.add(req_id)
@@ -743,6 +751,8 @@ class TokenTable:
         blocks = sorted(r.blocks)
         for b in blocks:
             self._unref_block(r, b)
+            if self.refs[b] == 1 and self.n_b[b] == 0:
+                self._lone_dead.add(b)  # its last sharer left it dead: releasable for the holder
         if r.cap:
             self._pool.release(r.base, r.cap)
         del self._reqs[req_id]
@@ -804,6 +814,20 @@ class TokenTable:
         them: for the one scheduler-side cache keyed by request (the vLLM adapter's), so its
         per-step work grows with what changed, not with the requests decoding. O(changed)."""
         out, self._changed = self._changed, set()
+        return out
+
+    def take_emptied(self) -> set:
+        """The requests whose evictions left some block with no live token since the
+        previous call, and forget them (the candidates for :meth:`releasable_blocks`; a
+        request with no entry gained no releasable block by eviction). O(changed)."""
+        out, self._emptied = self._emptied, set()
+        return out
+
+    def take_lone_dead(self) -> set:
+        """Blocks with no live token that :meth:`free_request` left with one referencing
+        request (releasable for it, though its own table did not change) since the previous
+        call, and forget them. O(changed)."""
+        out, self._lone_dead = self._lone_dead, set()
         return out
 
     def releasable_blocks(self, req_id) -> np.ndarray:

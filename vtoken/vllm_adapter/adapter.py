@@ -287,9 +287,13 @@ class VTokenAdapter:
     def _take_changes(self) -> None:
         """Fold in what changed since the last hook (the worker's table mutations, new and
         grown lists): the requests to look at again, and what the checks must cover."""
-        tab, lists = self.table.take_changed(), self.mirror.take_changed()
+        tab, emptied, lists = self.table.take_changed(), self.table.take_emptied(), self.mirror.take_changed()
         if tab or lists:
-            self._release_todo |= tab | lists
+            # a block becomes releasable when an eviction empties it, or when it stops
+            # being the tail (the list grew); plans re-add their request when they land
+            self._release_todo |= emptied | lists
+            for b in self.table.take_lone_dead():  # a sharer left: the holder may release it now
+                self._release_todo |= self.mirror.holders(b)
             self._stale_bounds |= tab | lists
             self.check.touch(lists)  # ownership changes with lists and the adapter's own events
 
@@ -348,8 +352,11 @@ class VTokenAdapter:
             out = []
             for b in sorted(t.releasable_blocks(r).tolist()):  # block order: a deterministic free order
                 blk = self.block(b)
-                if b == tail or blk.ref_cnt != 1 or self._accounted(r, b) is None:
-                    continue  # still written, shared in vLLM (a prefix hit not synced yet), or not ours
+                if b == tail or self._accounted(r, b) is None:
+                    continue  # still written (a list growth brings it back), or not ours
+                if blk.ref_cnt != 1:  # shared in vLLM (a prefix hit not synced yet): look again next step
+                    self._release_todo.add(r)
+                    continue
                 self.hashes.on_release(r, blk, self._detach(r, blk))
                 out.append(b)
                 self.pending_release.append((meta.seq, r, b))
