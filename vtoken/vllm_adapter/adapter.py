@@ -116,20 +116,29 @@ class VTokenAdapter:
                  async_scheduling: bool = True, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 1024, reclaim: bool = True, planner_config: PlannerConfig | None = None,
                  max_plans_per_step: int = 4, checks: bool = True, table_device: str = "cpu",
-                 evict_unfaithful_hashes: bool = True, check_full_every: int = 64, paranoid_checks: bool = False):
+                 evict_unfaithful_hashes: bool = True, check_full_every: int = 64, paranoid_checks: bool = False,
+                 scheduler=None):
         from vllm.v1.request import RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
 
         global _RUNNING
         _RUNNING = RequestStatus.RUNNING
 
-        self.h = VllmHarness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, async_scheduling=async_scheduling)
-        cls = scheduler_class(type(self.h.scheduler))
-        sched = cls(vllm_config=self.h.vllm_config, kv_cache_config=self.h.kv_cache_config,
-                    block_size=block_size, log_stats=False,
-                    structured_output_manager=StructuredOutputManager(self.h.vllm_config))
+        if scheduler is not None:  # ``attach``: a scheduler built elsewhere, kept; its class gets the hooks
+            self.h = VllmHarness.around(scheduler)
+            sched = scheduler
+            if not hasattr(type(sched), "vtoken_adapter"):  # not a VToken<...> class yet
+                sched.__class__ = scheduler_class(type(sched))
+            block_size, num_blocks = self.h.block_size, self.h.num_blocks
+            prefix_caching, async_scheduling = self.h.prefix_caching, self.h.async_scheduling
+        else:
+            self.h = VllmHarness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
+                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 max_model_len=max_model_len, async_scheduling=async_scheduling)
+            cls = scheduler_class(type(self.h.scheduler))
+            sched = cls(vllm_config=self.h.vllm_config, kv_cache_config=self.h.kv_cache_config,
+                        block_size=block_size, log_stats=False,
+                        structured_output_manager=StructuredOutputManager(self.h.vllm_config))
         self.h.scheduler = sched  # the harness's accessors (pool, manager, make_request) now see ours
         sched.defer_block_free = True  # run sched_step_seq / processed_step_seq / deferred_frees
         sched.vtoken_adapter = self
@@ -175,6 +184,16 @@ class VTokenAdapter:
         self.steps = 0  # non-empty steps scheduled
         self.retained: list[tuple[int, int, int]] = []  # (seq, retained blocks, running requests)
         self._starved = False
+
+    @classmethod
+    def attach(cls, scheduler, **settings) -> "VTokenAdapter":
+        """The adapter over a scheduler built elsewhere (vLLM's engine core, vLLM's own test
+        helpers): the instance is kept and its class becomes ``VToken<its class>``
+        (``hooks.scheduler_class``; already such a class: kept as is); the geometry (block size,
+        pool size, prefix caching, async) is read off it (``VllmHarness.around``);
+        ``settings`` are the adapter's own (``reclaim``, ``planner_config``, ``checks``, ...).
+        Requests the caller adds with ``scheduler.add_request`` bypass ``add_request`` here."""
+        return cls(scheduler=scheduler, **settings)
 
     # ------------------------------------------------------------------ accessors
     @property
