@@ -359,23 +359,39 @@ class AdapterMachine(RuleBasedStateMachine):
         prompt = data.draw(st.lists(st.integers(1, self.rng_tokens - 1), min_size=n, max_size=n), label="prompt")
         self._add(prompt, max_tokens)
 
+    def _moving(self) -> dict:
+        """parent -> the lowest positional index of a leading full block one of its plans in
+        flight is moving (the prefixes a new request can share with a moving block)."""
+        ad = self.vt.ad
+        lowest = {}
+        for p in ad.plans.values():
+            idx = [i for i in p.source_index.values() if 0 <= i < len(self.prompts.get(p.req_id, ())) // self.S]
+            if p.req_id in self.prompts and not p.orphaned and idx:
+                lowest[p.req_id] = min(idx + [lowest.get(p.req_id, 1 << 30)])
+        return lowest
+
     @precondition(lambda self: any(len(p) >= self.S for p in self.prompts.values()) and len(self._live_requests()) < 6)
     @rule(data=st.data(), max_tokens=st.integers(1, 16))
     def add_prefix_request(self, data, max_tokens):
         """A prompt sharing whole leading blocks with an earlier one (a prefix-cache hit when
         they are still cached), preferring a parent whose plan is moving one of them."""
-        ad = self.vt.ad
-        cands = sorted(r for r, p in self.prompts.items() if len(p) >= self.S)
-        lowest = {}  # parent -> the lowest positional index of a block one of its plans is moving
-        for p in ad.plans.values():
-            idx = [i for i in p.source_index.values() if 0 <= i < len(self.prompts.get(p.req_id, ())) // self.S]
-            if p.req_id in cands and not p.orphaned and idx:
-                lowest[p.req_id] = min(idx + [lowest.get(p.req_id, 1 << 30)])
+        lowest = self._moving()
         aim = bool(lowest) and data.draw(st.sampled_from([True, True, False]), label="aim at a moving block")
-        parent = data.draw(st.sampled_from(sorted(lowest) if aim else cands), label="parent")
+        self._add_prefix(data, max_tokens, lowest if aim else None)
+
+    @precondition(lambda self: len(self._live_requests()) < 6 and self._moving())
+    @rule(data=st.data(), max_tokens=st.integers(1, 16))
+    def add_prefix_on_a_moving_block(self, data, max_tokens):
+        """The hard case on its own rule (enabled only while a copy moves a leading block, so
+        the machine takes it as often as any other rule then): a prefix over a moving block."""
+        self._add_prefix(data, max_tokens, self._moving())
+
+    def _add_prefix(self, data, max_tokens, lowest):
+        cands = sorted(r for r, p in self.prompts.items() if len(p) >= self.S)
+        parent = data.draw(st.sampled_from(sorted(lowest) if lowest else cands), label="parent")
         pp = self.prompts[parent]
-        k = data.draw(st.integers(lowest[parent] + 1 if aim else 1, len(pp) // self.S), label="shared blocks")
-        for p in ad.plans.values():
+        k = data.draw(st.integers(lowest[parent] + 1 if lowest else 1, len(pp) // self.S), label="shared blocks")
+        for p in self.vt.ad.plans.values():
             if p.req_id == parent and not p.orphaned and any(0 <= i < k for i in p.source_index.values()):
                 hard("prefix hit on an in-flight source")
         tail = data.draw(st.lists(st.integers(1, self.rng_tokens - 1), min_size=1, max_size=6), label="suffix")

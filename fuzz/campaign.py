@@ -218,9 +218,9 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     def write():
         summary["seconds"] = time.time() - t_start
         summary["ops_per_s_per_worker"] = summary["ops"] / max(summary["seconds"], 1e-9) / workers
-        from .hard_states import HARD_STATES
+        from .hard_states import states_of
 
-        summary["hard_states"] = {h: hard.get(h, 0) for h in HARD_STATES}
+        summary["hard_states"] = {h: hard.get(h, 0) for h in states_of(names)}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
     def handle(msg):

@@ -27,6 +27,24 @@ HARD_STATES = (
     "plan and growth in one step",
 )
 
+# which machine reaches which (a campaign reports the states of the machines it ran)
+BY_MACHINE = {
+    "table": ("block exactly full", "token at a block boundary", "allocator exhausted"),
+    "planner": ("headroom exhausted", "plan overlapping an in-flight one", "copy failing part-way",
+                "finish while a copy is in flight"),
+    "adapter": HARD_STATES[7:],
+}
+assert sorted(sum(BY_MACHINE.values(), ())) == sorted(HARD_STATES)
+
+
+def states_of(machines) -> tuple:
+    """The hard states the named machines reach, in HARD_STATES order (unknown names: none)."""
+    # a user's implementation (impl:...) runs the table and planner machines' protocols
+    mine = {h for m in machines
+            for h in (BY_MACHINE["table"] + BY_MACHINE["planner"] if m.startswith("impl:") else BY_MACHINE.get(m, ()))}
+    return tuple(h for h in HARD_STATES if h in mine)
+
+
 COUNTS: Counter = Counter()
 LAST_SNAPSHOT: dict = {}  # the most recent plan snapshot a machine made (for failure reports)
 

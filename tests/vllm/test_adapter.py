@@ -326,16 +326,37 @@ def test_headroom_is_reserved_and_backpressure_holds_new_requests(model):
     grabbed = ad.pool.get_new_blocks(ad.pool.get_num_free_blocks())
     ad.H = 6
     ad.add_request("b", prompt(1, 12), max_tokens=4)
-    assert ad.waiting_new and "b" not in ad.scheduler.requests
+    b = ad.scheduler.requests["b"]  # vLLM owns it at once: visible, counted, abortable
     for _ in range(3):
         d.step()
-        assert "b" not in ad.scheduler.requests, "admitted while the headroom was short"
+        assert b.num_computed_tokens == 0 and b not in ad.scheduler.running, "admitted while the headroom was short"
+        assert b in list(ad.scheduler.waiting), "a withheld request is back in vLLM's queue between steps"
         assert all(not any(x is h for x in lst) for lst in ad.req_to_blocks.values() for h in ad.headroom)
     assert ad.stats["backpressure_steps"] >= 3
     ad.pool.free_blocks(grabbed)
     d.step()
-    assert "b" in ad.scheduler.requests and not ad.waiting_new and len(ad.headroom) == 6
+    assert b.num_computed_tokens > 0 and len(ad.headroom) == 6
     run_to_end(ad, d)
+
+
+def test_an_abort_reaches_a_request_held_back_by_backpressure(model):
+    """vLLM's own finish_requests / has_requests see a back-pressured request (issue 13:
+    an abort sent before admission was lost)."""
+    from vllm.v1.request import RequestStatus
+
+    ad, w, d = make(model, S=8, N=40, H=4, ratio=0.5)
+    ad.add_request("a", prompt(0, 17), max_tokens=60)
+    d.step()
+    grabbed = ad.pool.get_new_blocks(ad.pool.get_num_free_blocks())
+    ad.H = 6
+    ad.add_request("b", prompt(1, 12), max_tokens=4)
+    d.step()
+    assert ad.stats["backpressure_steps"] >= 1 and ad.scheduler.get_num_unfinished_requests() == 2
+    ad.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert "b" not in ad.scheduler.requests and ad.scheduler.get_num_unfinished_requests() == 1
+    ad.pool.free_blocks(grabbed)
+    run_to_end(ad, d)
+    assert ad.requests["b"].status == RequestStatus.FINISHED_ABORTED
 
 
 # ---------------------------------------------------------------------------- drain
@@ -387,3 +408,68 @@ def test_check_assumptions_all_hold(model):
     rows = check_assumptions()
     assert {r["name"] for r in rows} == set(ASSUMPTIONS) - {"outputs_equal"}
     assert all(r["passed"] is True for r in rows), [r for r in rows if r["passed"] is not True]
+
+
+def test_reset_prefix_cache_succeeds_when_idle(model):
+    """vLLM's /reset_prefix_cache (and weight-sync flows) with the adapter attached: the
+    headroom goes back first, so an idle scheduler resets; the reservation is retaken at the
+    next step (issue 13: the reset never succeeded)."""
+    ad, w, d = make(model, S=8, N=40, H=4, ratio=0.0)
+    ad.add_request("a", prompt(0, 17), max_tokens=3)
+    d.drain()  # idle, the headroom still reserved
+    assert len(ad.headroom) == 4 and not ad.scheduler.has_requests()
+    assert ad.scheduler.reset_prefix_cache() is True
+    assert not ad.headroom and ad.pool.get_num_free_blocks() == ad.N - 1
+    assert len(ad.pool.cached_block_hash_to_block) == 0  # the prefix cache is empty
+    ad.add_request("b", prompt(0, 17), max_tokens=3)
+    d.step()
+    assert len(ad.headroom) == 4
+    run_to_end(ad, d)
+
+
+@pytest.mark.parametrize("specs, ok", [
+    (["FullAttentionSpec"], True),
+    (["MLAAttentionSpec"], True),
+    (["SlidingWindowSpec"], False),
+    (["ChunkedLocalAttentionSpec"], False),
+    (["FullAttentionSpec", "SlidingWindowSpec"], False),  # hybrid: two groups
+    ([], False),
+])
+def test_unsupported_kv_layouts_are_refused_at_start(specs, ok):
+    """Sliding-window, chunked-local and hybrid KV layouts: refused before any state is
+    built, naming the assumption (issue 13: they crashed mid-run under the checks)."""
+    from types import SimpleNamespace
+
+    import vllm.v1.kv_cache_interface as kvi
+
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError, check_supported_kv_config
+
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object.__new__(getattr(kvi, n)))
+                                           for n in specs])
+    if ok:
+        check_supported_kv_config(cfg)
+    else:
+        with pytest.raises(AdapterAssumptionError, match=r"\[single_full_attention_pool\]"):
+            check_supported_kv_config(cfg)
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_no_preemption_churn_on_a_tight_pool(model, async_):
+    """One request of 80 + 40 tokens in 9 usable blocks of 16 (issue 13: 51 steps and 9
+    preemptions with the adapter, 41 and 0 on vLLM): the headroom yields to the running
+    request's growth and, when idle, to the next prompt, so the schedule is vLLM's own,
+    step for step (the same driver with reclamation off is the reference: the async driver
+    counts the pipeline's last step)."""
+    from vtoken.vllm_adapter.harness import VllmHarness
+
+    h = VllmHarness(block_size=16, num_blocks=10, prefix_caching=True, max_model_len=512, async_scheduling=async_)
+    h.add_request("a", prompt(0, 80), max_tokens=40)
+    assert h.drain() == 41
+    runs = {}
+    for reclaim in (False, True):
+        ad, w, d = make(model, S=16, N=10, H=8, ratio=0.0, async_=async_, reclaim=reclaim)
+        ad.add_request("a", prompt(0, 80), max_tokens=40)
+        runs[reclaim] = (d.drain(), ad.stats["preemptions"], ad.output_tokens("a"))
+        ad.close()
+    assert runs[True][1] == 0, f"{runs[True][1]} preemptions (vLLM alone: none)"
+    assert runs[True] == runs[False], f"steps / preemptions: {runs[True][:2]} with reclamation, {runs[False][:2]} without"

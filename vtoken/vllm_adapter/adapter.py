@@ -52,13 +52,12 @@ destinations never enter a request's list, so vLLM never hashes them.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from typing import Any, Iterable
 
 import numpy as np
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
-from .assumptions import ASSUMPTIONS, AdapterAssumptionError
+from .assumptions import ASSUMPTIONS, AdapterAssumptionError, check_supported_kv_config
 from .checks import RuntimeChecks
 from .driver import AdapterDriver
 from .fence import FenceLedger
@@ -70,7 +69,7 @@ from .prefix_hash import PrefixHashRules
 from ..planner import PlannerConfig, Proposal, plan_snapshot, propose, reclaim_bound, should_reclaim, trigger_inputs
 from ..table import TokenTable
 
-_RUNNING = None  # vllm.v1.request.RequestStatus.RUNNING, bound at first use (vLLM loads lazily)
+_RUNNING = _WAITING = None  # vllm.v1.request.RequestStatus members, bound at first use (vLLM loads lazily)
 
 __all__ = [
     "ASSUMPTIONS",
@@ -121,11 +120,12 @@ class VTokenAdapter:
         from vllm.v1.request import RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
 
-        global _RUNNING
-        _RUNNING = RequestStatus.RUNNING
+        global _RUNNING, _WAITING
+        _RUNNING, _WAITING = RequestStatus.RUNNING, RequestStatus.WAITING
 
         if scheduler is not None:  # ``attach``: a scheduler built elsewhere, kept; its class gets the hooks
             self.h = VllmHarness.around(scheduler)
+            check_supported_kv_config(self.h.kv_cache_config)  # refused at start, never mid-run
             sched = scheduler
             if not hasattr(type(sched), "vtoken_adapter"):  # not a VToken<...> class yet
                 sched.__class__ = scheduler_class(type(sched))
@@ -135,6 +135,7 @@ class VTokenAdapter:
             self.h = VllmHarness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  max_model_len=max_model_len, async_scheduling=async_scheduling)
+            check_supported_kv_config(self.h.kv_cache_config)  # refused at start, never mid-run
             cls = scheduler_class(type(self.h.scheduler))
             sched = cls(vllm_config=self.h.vllm_config, kv_cache_config=self.h.kv_cache_config,
                         block_size=block_size, log_stats=False,
@@ -177,7 +178,7 @@ class VTokenAdapter:
         self._arrival: dict[str, int] = {}  # request -> arrival order (deterministic iteration)
         self.history: list[dict] = []  # snapshots of applied plans (planner_config.record_snapshots)
         self.plan_hook = None
-        self.waiting_new: deque = deque()  # requests held back by admission back-pressure
+        self._withheld: list = []  # fresh requests sitting out the current schedule() (back-pressure)
         self.requests: dict[str, Any] = {}  # every vLLM Request made (outputs stay readable)
         self._ids = itertools.count(1)
         self._clock = itertools.count().__next__  # snapshot event times
@@ -229,27 +230,47 @@ class VTokenAdapter:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req_id: str, prompt_token_ids: Iterable[int], max_tokens: int = 16):
-        """Make a vLLM ``Request``; it goes to the scheduler now, or waits while the
-        headroom is short (admission back-pressure)."""
+        """Make a vLLM ``Request`` and add it to the scheduler (vLLM owns it from here: it is
+        in ``scheduler.requests``, counted by ``has_requests()``, abortable with
+        ``finish_requests``). Admission back-pressure does not hold it outside vLLM: while
+        the headroom is short, requests never scheduled yet sit out each ``schedule()`` call
+        (``_withhold``) and are back in vLLM's waiting queue, in order, when it returns."""
         req = self.h.make_request(req_id, prompt_token_ids, max_tokens=max_tokens)
         self.requests[req_id] = req
         self._arrival.setdefault(req_id, len(self._arrival))
-        if self.waiting_new or self._backpressure():
-            self.waiting_new.append(req)
-            self.stats["held_back_max"] = max(self.stats["held_back_max"], len(self.waiting_new))
-        else:
-            self.scheduler.add_request(req)
+        self.scheduler.add_request(req)
         return req
+
+    def _withhold(self) -> None:
+        """Admission back-pressure, inside one ``schedule()``: while the headroom is short,
+        the waiting requests that never ran (they hold no block) are taken out of vLLM's
+        waiting queue, unless nothing else could run (progress first). O(waiting), only
+        while the headroom is short."""
+        sched = self.scheduler
+        if not self._backpressure() or not len(sched.waiting):
+            return
+        fresh = [q for q in sched.waiting if q.status == _WAITING]  # preempted ones are PREEMPTED
+        if not fresh or (not sched.running and len(fresh) == len(sched.waiting)):
+            return  # nothing held back, or holding back would leave nothing to run
+        sched.waiting.remove_requests(fresh)
+        self._withheld = fresh
+        self.stats["backpressure_steps"] += 1
+        self.stats["held_back_max"] = max(self.stats["held_back_max"], len(fresh))
+
+    def _restore_withheld(self) -> None:
+        """Put the withheld requests back at the tail of vLLM's waiting queue, in their order
+        (they were its tail: fresh requests queue behind preempted ones). Runs even when
+        ``schedule()`` raised (the hook's ``finally``)."""
+        if self._withheld:
+            for q in self._withheld:
+                self.scheduler.waiting.add_request(q)
+            self._withheld = []
 
     def _backpressure(self) -> bool:
         return self.reclaim and len(self.headroom) < self.H
 
-    def _scheduler_idle(self) -> bool:
-        s = self.scheduler
-        return not s.running and len(s.waiting) == 0
-
     def has_work(self) -> bool:
-        return bool(self.waiting_new) or bool(self.scheduler.has_requests())
+        return bool(self.scheduler.has_requests())
 
     def output_tokens(self, req_id: str) -> list[int]:
         return list(self.requests[req_id].output_token_ids)
@@ -288,19 +309,38 @@ class VTokenAdapter:
         return (r in self.mirror and r in self.table
                 and self.mirror.incarnation.get(r, 0) <= self.scheduler.processed_step_seq)
 
+    def _before_reset_prefix_cache(self) -> None:
+        """vLLM resets its prefix cache only when no block is in use: the headroom (never
+        hashed, held only by the adapter) goes back to the pool first and is retaken at the
+        next ``schedule()``. Blocks of plans in flight stay held until their copies report
+        (a reset with a plan in flight fails, as it does with a request running)."""
+        if self.headroom:
+            self.pool.free_blocks(self.headroom)
+            self.headroom = []
+            self.stats["headroom_yielded"] += 1
+
     # ------------------------------------------------------------------ hook: before schedule
     def _before_schedule(self) -> None:
-        if self.reclaim and not self._starved:
-            want = self.H - len(self.headroom)
-            take = min(want, self.pool.get_num_free_blocks())
-            if take > 0:
-                self.headroom += self.pool.get_new_blocks(take)
-        if self.waiting_new:
-            if not self._backpressure() or self._scheduler_idle():
-                while self.waiting_new:
-                    self.scheduler.add_request(self.waiting_new.popleft())
-            else:
-                self.stats["backpressure_steps"] += 1
+        if self.reclaim:
+            # the reservation yields to growth: keep one free block per running request (a
+            # decode step needs at most one each) and, when idle, the next admission's prompt, so vLLM
+            # never preempts or stalls a request for want of a block the headroom holds
+            # (issue 13: preemption churn on tight pools). O(1).
+            sched = self.scheduler
+            free, reserve = self.pool.get_num_free_blocks(), len(sched.running)
+            if not sched.running and len(sched.waiting):  # idle: the next admission's prompt first
+                head = sched.waiting.peek_request()
+                reserve += -(-(head.num_tokens - head.num_computed_tokens) // self.S)
+            if free < reserve and self.headroom:
+                give = self.headroom[-min(reserve - free, len(self.headroom)):]
+                del self.headroom[-len(give):]
+                self.pool.free_blocks(give)
+                self.stats["headroom_yielded"] += 1
+            elif not self._starved:
+                take = min(self.H - len(self.headroom), free - reserve)
+                if take > 0:
+                    self.headroom += self.pool.get_new_blocks(take)
+        self._withhold()
 
     # ------------------------------------------------------------------ hook: after schedule
     def _take_changes(self) -> None:
@@ -587,7 +627,7 @@ class VTokenAdapter:
         sched = self.scheduler
         if self.plans:
             self.drain_idle()
-        if sched.has_requests() or self.waiting_new:
+        if sched.has_requests():
             raise AdapterAssumptionError("all_returned", "close() with requests still pending")
         if self.checks:
             self.check.check_pool("at close")

@@ -27,6 +27,10 @@ ASSUMPTIONS: dict[str, str] = {
                         "bytes (hash-and-compare)",
     "outputs_equal": "reclamation does not change the output (same eviction decisions, "
                      "token for token)",
+    "single_full_attention_pool": "the KV cache is one block pool of one full-attention KV "
+                                  "group (no sliding-window, chunked-local or hybrid groups: vLLM "
+                                  "itself puts the null block in their lists, and their blocks are "
+                                  "not the token table's)",
 }
 
 
@@ -37,3 +41,23 @@ class AdapterAssumptionError(AssertionError):
         self.check = check
         self.detail = detail
         super().__init__(f"assumption broken: {ASSUMPTIONS.get(check, check)} [{check}]: {detail}")
+
+
+def check_supported_kv_config(kv_cache_config) -> None:
+    """Refuse, at start, a KV layout the adapter does not support (``single_full_attention_pool``):
+    exactly one KV cache group whose spec is vLLM's ``FullAttentionSpec`` or a subclass (MLA;
+    a full-attention spec recording a sliding window still allocates blocks for every token,
+    so it is accepted); ``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec``, Mamba and hybrid
+    (several groups) layouts are refused. Raises
+    :class:`AdapterAssumptionError` naming the group, before any state is built."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise AdapterAssumptionError("single_full_attention_pool", f"{len(groups)} KV cache groups {kinds}; "
+                                     "the adapter supports exactly one")
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec):
+        raise AdapterAssumptionError("single_full_attention_pool", f"the KV cache group's spec is "
+                                     f"{type(spec).__name__}, not full attention")

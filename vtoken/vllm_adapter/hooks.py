@@ -1,8 +1,8 @@
 """Where vtoken sits in vLLM's scheduler: a subclass of vLLM's own class with three hooks.
 
 ``scheduler_class(base)`` returns ``VToken<Base>``: ``schedule()`` calls the adapter before
-and after vLLM's own code, ``update_from_output()`` after it, and ``_free_request_blocks()``
-(preemption and finish) before it. The hooks only call out; everything else is vLLM's.
+and after vLLM's own code, ``update_from_output()`` after it, ``_free_request_blocks()``
+(preemption and finish) and ``reset_prefix_cache()`` (the headroom goes back first) before it. The hooks only call out; everything else is vLLM's.
 Cost: three attribute lookups per call when no adapter is attached.
 """
 
@@ -17,11 +17,14 @@ def scheduler_class(base: type) -> type:
 
         def schedule(self, *args, **kwargs):
             ad = self.vtoken_adapter
-            if ad is not None:
+            if ad is None:
+                return super().schedule(*args, **kwargs)
+            try:
                 ad._before_schedule()
-            so = super().schedule(*args, **kwargs)
-            if ad is not None:
-                ad._after_schedule(so)
+                so = super().schedule(*args, **kwargs)
+            finally:
+                ad._restore_withheld()  # back-pressured requests back in vLLM's queue, whatever happened
+            ad._after_schedule(so)
             return so
 
         def update_from_output(self, scheduler_output, model_runner_output):
@@ -30,6 +33,12 @@ def scheduler_class(base: type) -> type:
             if ad is not None:
                 ad._after_update(scheduler_output, model_runner_output)
             return result
+
+        def reset_prefix_cache(self, *args, **kwargs):
+            ad = self.vtoken_adapter
+            if ad is not None:
+                ad._before_reset_prefix_cache()
+            return super().reset_prefix_cache(*args, **kwargs)
 
         def _free_request_blocks(self, request):
             ad = self.vtoken_adapter
