@@ -47,7 +47,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vtoken.vllm_adapter import harness  # noqa: F401 - the CPU environment before vLLM loads
 
-from .hard_states import hard
+from .hard_states import hard, note_snapshot
 from vtoken.invariants.relocation_hash import RelocationChecker
 
 _MODEL = None
@@ -319,6 +319,7 @@ class _Run:
 
         hist = self.ad.history
         for snap in hist[done:]:
+            note_snapshot(snap)  # a failing campaign writes the last snapshot next to its report
             for name, check in (("Python", py_check), ("Z3", z3_check)):
                 vs = check(snap)
                 assert not vs, f"{name} I1-I4 on plan {snap['plan']['id']}: {[str(v) for v in vs][:3]}"
@@ -459,14 +460,16 @@ class AdapterMachine(RuleBasedStateMachine):
     def pressure_episode(self, k, n, m, wait_for_plan):
         """Pressure, then relief, in one rule (uniform rule choice rarely strings these
         together): optionally a few steps until a plan is in flight, then blocks taken from
-        the pool (all of them for a large ``k``), ``n`` steps (running requests are preempted
+        the pool before each of ``n`` steps (all of them for a large ``k``; running requests are preempted
         when they cannot grow), blocks given back, ``m`` steps (they resume with new lists)."""
         for _ in range(4 if wait_for_plan else 0):
             if self.vt.ad.plans:
                 break
             self.step(1)
-        self._both(lambda run: run.grab(k))
         for _ in range(n):
+            # taken again before every step: the headroom yields blocks to growing requests,
+            # and the pressure must take those too for vLLM to preempt
+            self._both(lambda run: run.grab(k))
             self.step(1)
         self._both(lambda run: run.release())
         for _ in range(m):

@@ -99,3 +99,22 @@ def test_the_walk_finds_breaches(tmp_path, monkeypatch, source, expect):
     assert bool(found) == expect, found
     if expect:
         assert "vtoken/vllm_adapter/probe.py:" in found[0]
+
+
+def _architecture_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Architecture")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+@pytest.mark.parametrize("folder", ["vtoken", "vtoken/cli", "vtoken/vllm_adapter", "vtoken/sim", "vtoken/model",
+                                    "vtoken/policies", "spec", "invariants", "fuzz", "reports"])
+def test_readme_architecture_names_every_module(folder):
+    """The README's architecture section matches ``ls``: every module of every folder is
+    named in its row (a module added without a line there fails here)."""
+    section = _architecture_section()
+    mods = sorted(p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+    assert mods, folder
+    missing = [m for m in mods if f"`{m}`" not in section]
+    assert not missing, f"README architecture section does not name {folder}/: {missing}"

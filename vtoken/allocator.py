@@ -129,6 +129,7 @@ class BlockAllocator:
             raise AllocatorError("out_of_blocks", f"allocate({n}) with {len(self._queue)} free")
         out = [self._queue.popleft() for _ in range(n)]
         for b in out:
+            assert self.state[b] == FREE and self.ref[b] == 0, f"block {b} in the free queue but held"
             self.ref[b] = 1
             self.state[b] = USED
         return out
@@ -164,8 +165,8 @@ class BlockAllocator:
         freed = []
         for b in blocks:
             self.ref[b] -= 1
-            if self.ref[b] <= 0:
-                self.ref[b] = 0
+            assert self.ref[b] >= 0, f"block {b}: references went negative"  # the double_free check above
+            if self.ref[b] == 0:
                 self.state[b] = FREE
                 self._queue.append(b)
                 freed.append(b)

@@ -550,6 +550,7 @@ class ReclamationManager:
         self.headroom += plan.dests
 
     def _release(self, plan: Plan) -> None:
+        assert self.in_flight.get(plan.id) is plan, f"plan {plan.id} released but not in flight"
         del self.in_flight[plan.id]
         self._busy_mask[plan.sources] = False
         self._busy_mask[plan.dests] = False

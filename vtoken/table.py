@@ -393,13 +393,18 @@ class TokenTable:
             raise TableError("block_out_of_range", f"{what} {_fmt(b)} outside [0, {self.num_blocks})")
         return b
 
+    # State-changing primitives assert what they keep (the TigerBeetle way: O(changed),
+    # in every run, not only in the machines): a request references a block once, refs and
+    # claims never go negative, a block never holds more than S live slots.
     def _ref_block(self, r: _Req, b: int) -> None:
+        assert b not in r.blocks, f"block {b} referenced twice by one request"
         r.blocks.add(b)
         if self.refs[b] == 0:
             self._ref_blocks += 1
         self.refs[b] += 1
 
     def _unref_block(self, r: _Req, b: int) -> None:
+        assert b in r.blocks and self.refs[b] > 0, f"block {b} unreferenced by a request that does not hold it"
         r.blocks.discard(b)
         self.refs[b] -= 1
         if self.refs[b] == 0:
@@ -415,11 +420,13 @@ class TokenTable:
         fresh = slots[before == 0]
         np.add.at(self.n_b, fresh // self.S, 1)
         self._live_slots += len(fresh)
+        assert len(fresh) == 0 or self.n_b[fresh // self.S].max() <= self.S, "a block holds more than S live slots"
 
     def _unclaim(self, slots: np.ndarray) -> bool:
         if len(slots) == 0:
             return False
         after = self.claims[slots] - 1
+        assert after.min() >= 0, "a slot unclaimed more often than claimed"
         self.claims[slots] = after
         gone = slots[after == 0]
         np.subtract.at(self.n_b, gone // self.S, 1)
@@ -623,6 +630,7 @@ class TokenTable:
         r.n_live -= 1
         s = int(r.slot[t])
         c = int(self.claims[s]) - 1
+        assert c >= 0, f"slot {s} unclaimed more often than claimed"
         self.claims[s] = c
         if c == 0:
             self.n_b[s // self.S] -= 1

@@ -208,7 +208,3 @@ def make_schedule(prompt: int, output: int, policy: str, budget: Callable[[int],
     offsets = np.zeros(output + 2, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     return Schedule(prompt, output, victims, offsets, policy)
-
-
-def no_eviction(prompt: int, output: int) -> Schedule:
-    return Schedule(prompt, output, np.empty(0, dtype=np.int64), np.zeros(output + 2, dtype=np.int64), "none")
