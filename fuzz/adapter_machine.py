@@ -475,6 +475,23 @@ class AdapterMachine(RuleBasedStateMachine):
         for _ in range(m):
             self.step(1)
 
+    @precondition(lambda self: any(not p.orphaned for p in self.vt.ad.plans.values()))
+    @rule(m=st.integers(1, 3))
+    def preempt_mid_copy(self, m):
+        """The hard case on its own rule (enabled only while a plan is in flight): the whole
+        pool taken before every step until a request with a plan in flight is preempted (it
+        needs a block within S steps) or its plans have landed, then relief and ``m`` steps."""
+        ad = self.vt.ad
+        for _ in range(self.S + 1):
+            flying = {p.req_id for p in ad.plans.values() if not p.orphaned}
+            if not flying or not any(q.request_id in flying for q in ad.scheduler.running):
+                break
+            self._both(lambda run: run.grab(self.N))
+            self.step(1)
+        self._both(lambda run: run.release())
+        for _ in range(m):
+            self.step(1)
+
     @precondition(lambda self: any(self.vt.ad.held.get(r) for r in self._live_requests()))
     @rule(data=st.data())
     def abort_mid_pipeline(self, data):

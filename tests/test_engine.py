@@ -435,7 +435,7 @@ def test_cli_json_and_exit_codes(capsys):
 
 def test_bench_decode_quick():
     d = bench_decode(quick=True, seed=0)
-    for k in ("native", "indirection_only", "naive_evict", "vtoken", "vtoken_checked"):
+    for k in ("native", "indirection_only", "naive-evict", "vtoken", "vtoken_checked"):
         assert d["step_ms"][k] > 0
     assert d["outputs_equal"] and d["indirection_outputs_equal_native"]
     assert d["hash_failures"] == 0 and d["relocations"] > 0

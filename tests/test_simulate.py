@@ -1,5 +1,5 @@
 """The simulator (``vtoken simulate``) in quick mode: every experiment runs and writes its
-files, the quick frontier keeps native <= naive_evict <= vtoken, and the CLI's JSON
+files, the quick frontier keeps native <= naive-evict <= vtoken, and the CLI's JSON
 last-line contract holds. Also small checks of the pieces the experiments stand on."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_replay_paired_systems():
     scheds = [make_schedule(400, 120, "random", ratio_budget(0.5, 16), seed=0, req_key=i, window=8)
               for i in range(6)]
     out = {}
-    for mode in ("naive_evict", "vtoken"):
+    for mode in ("naive-evict", "vtoken"):
         rp = Replay(scheds, mode, 16, 400, planner=PlannerConfig(theta_f=0.1, headroom=16, max_sources=32),
                     latency=1, max_batch=3, sample_every=4)
         res = rp.run()
@@ -94,7 +94,7 @@ def test_replay_paired_systems():
         out[mode] = a[:, 6].mean()
         assert (a[:, 6] >= a[:, 7]).all()  # held >= ideal packed
         assert rp.alloc.num_used == 0  # everything returned at the end
-    assert out["vtoken"] < out["naive_evict"]
+    assert out["vtoken"] < out["naive-evict"]
 
 
 def test_replay_preemption_is_infeasible():
@@ -121,7 +121,7 @@ def test_retained_quick(tmp_path):
     data, _ = _files_ok(res, "retained", tmp_path)
     for ps in data["table"].values():
         for v in ps.values():
-            assert v["vtoken"]["median"] < v["naive_evict"]["median"]
+            assert v["vtoken"]["median"] < v["naive-evict"]["median"]
             assert v["ideal"]["median"] <= v["vtoken"]["median"]
             assert v["reduction"]["median"] < 0
 
@@ -158,7 +158,7 @@ def test_frontier_cli_json_last_line(frontier_cli):
     obj = json.loads(last)
     assert set(obj["frontier"]) == {"5427", "11519", QWEN}
     for b, d in obj["frontier"].items():
-        assert set(d) >= {"native", "naive_evict", "vtoken", "vtoken_default"}
+        assert set(d) >= {"native", "naive-evict", "vtoken", "vtoken_default"}
         assert all(isinstance(v, int) for v in d.values())
         assert b in obj["ideal"]
         t = obj["traffic"][b]["vtoken_default"]
@@ -171,8 +171,8 @@ def test_frontier_quick_ordering_and_files(frontier_cli):
     out, stdout = frontier_cli
     data = json.loads((out / "frontier.json").read_text())
     for b, d in data["frontier"].items():
-        assert d["native"] <= d["naive_evict"] <= d["vtoken"] <= data["ideal"][b], (b, d)
-        assert d["naive_evict"] <= d["vtoken_default"] <= data["ideal"][b], (b, d)
+        assert d["native"] <= d["naive-evict"] <= d["vtoken"] <= data["ideal"][b], (b, d)
+        assert d["naive-evict"] <= d["vtoken_default"] <= data["ideal"][b], (b, d)
         assert d["vtoken"] > d["native"] and d["vtoken_default"] > d["native"]
     assert (out / "frontier.md").exists() and (out / "frontier.png").exists()
 

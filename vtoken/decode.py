@@ -80,13 +80,12 @@ from .allocator import NULL_BLOCK, BlockAllocator
 from .copy_engine import KVCopyEngine, checker_factory
 from .errors import RelocationCheckError
 from .model.decoder import DecodeItem, PagedDecoder, greedy
-from .planner import PlannerConfig, ReclamationManager
+from .planner import MODES, PlannerConfig, ReclamationManager
 from .policies import make_policy
 from .table import TokenTable
 
 __all__ = ["DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config", "full_retention_blocks", "make_prompts", "MODES"]
 
-MODES = ("native", "naive-evict", "vtoken")
 
 
 def default_planner_config(record_snapshots: bool = False, headroom: Optional[int] = None) -> PlannerConfig:

@@ -222,6 +222,11 @@ def snapshot_applied(snap: dict, table: TokenTable, req_id, applied: Applied) ->
     snap["post"] = {"requests": {key: request_state(table, req_id, None)}}
 
 
+# The three ways a KV manager can run, one spelling each (decode engine, simulator, reports):
+# no eviction; eviction with whole-block frees only (the paper's Naive-Evict); vtoken's compaction.
+MODES = ("native", "naive-evict", "vtoken")
+
+
 @dataclass
 class PlannerConfig:
     """The planner's settings. ``PlannerConfig()`` is THE shipped default: the manager, the

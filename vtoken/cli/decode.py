@@ -178,7 +178,7 @@ def bench_decode(quick: bool = False, seed: int = 0, threads: Optional[int] = 1,
         variants = {
             "native": dict(mode="native", evict_ratio=0.0),
             "indirection_only": dict(mode="vtoken", evict_ratio=0.0),
-            "naive_evict": dict(mode="naive-evict", evict_ratio=0.5),
+            "naive-evict": dict(mode="naive-evict", evict_ratio=0.5),
             "vtoken": dict(mode="vtoken", evict_ratio=0.5),
             "vtoken_checked": dict(mode="vtoken", evict_ratio=0.5, check_relocations=RelocationChecker),
         }
@@ -203,15 +203,15 @@ def bench_decode(quick: bool = False, seed: int = 0, threads: Optional[int] = 1,
             "step_wall_ms": {k: min(v) for k, v in step_ms.items()},
             "indirection_ratio": med["indirection_only"] / med["native"],
             "hash_overhead_ratio": med["vtoken_checked"] / med["vtoken"],
-            "vtoken_vs_naive_ratio": med["vtoken"] / med["naive_evict"],
+            "vtoken_vs_naive_ratio": med["vtoken"] / med["naive-evict"],
             "relocations": extra["vtoken"].relocations,
             "relocations_checked": extra["vtoken_checked"].relocations,
             "hash_checks": extra["vtoken_checked"].hash_checks,
             "hash_failures": extra["vtoken_checked"].hash_failures,
-            "outputs_equal": extra["vtoken"].outputs == extra["naive_evict"].outputs
-            and extra["vtoken_checked"].outputs == extra["naive_evict"].outputs,
+            "outputs_equal": extra["vtoken"].outputs == extra["naive-evict"].outputs
+            and extra["vtoken_checked"].outputs == extra["naive-evict"].outputs,
             "indirection_outputs_equal_native": extra["indirection_only"].outputs == extra["native"].outputs,
-            "retained_blocks_end": {k: extra[k].retained_blocks_end for k in ("native", "naive_evict", "vtoken")},
+            "retained_blocks_end": {k: extra[k].retained_blocks_end for k in ("native", "naive-evict", "vtoken")},
         }
         for k, v in med.items():
             print(f"{k:18s} median step {v:.2f} ms CPU ({out['step_wall_ms'][k]:.2f} ms wall)", flush=True)

@@ -6,7 +6,7 @@ Runs the paper's experiments through the real token table, planner and allocator
 ``EXPERIMENT.md``, ``.json`` and ``.png`` into ``--out`` (default
 ``reports/simulate-<timestamp>/``). Progress goes to stderr. With ``--json`` the last line
 printed is one JSON object (for ``frontier``: ``{"frontier": {"5427": {"native": C,
-"naive_evict": C, "vtoken": C, "vtoken_default": C}, "11519": {...}, "qwen-3438": {...}},
+"naive-evict": C, "vtoken": C, "vtoken_default": C}, "11519": {...}, "qwen-3438": {...}},
 "ideal": {...}, "traffic": {...}, ...}``; for ``robustness``: ``{"grid": {budget: {"K=k,latency=l":
 {"frontier": {median, min, max}, "ideal": C, ...}}}, "min_over_ideal": x, ...}``).
 """

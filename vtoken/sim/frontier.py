@@ -55,9 +55,9 @@ GEOMETRIES = {
                         kv_bytes_per_token=2 * 48 * 8 * 128 * 2),
 }
 GEOMETRY = dict(model="Llama-3.1-8B", **{k: v for k, v in GEOMETRIES["Llama-3.1-8B"].items() if k != "params"})
-PAPER = {"5427": {"native": 5, "naive_evict": 5, "vtoken": 8}, "11519": {"native": 11, "naive_evict": 11, "vtoken": 22},
+PAPER = {"5427": {"native": 5, "naive-evict": 5, "vtoken": 8}, "11519": {"native": 11, "naive-evict": 11, "vtoken": 22},
          # the paper: Native and Naive-Evict fail at C = 4, vToken feasible through C = 6 (fails at C = 8)
-         QWEN: {"native": "<4", "naive_evict": "<4", "vtoken": 6}}
+         QWEN: {"native": "<4", "naive-evict": "<4", "vtoken": 6}}
 
 
 def kv_budget(model: str, gpu_mem_util: float, block_size: int = 16) -> int:
@@ -199,7 +199,7 @@ def _task_budget(seed, label, nb, scheds, st, predicted: dict):
     cmax = len(scheds)
     out = {"seed": seed, "budget": label}
     # native / naive: confirm the unconstrained prediction at C and C + 1
-    for mode in ("native", "naive_evict"):
+    for mode in ("native", "naive-evict"):
         C = predicted[mode]
         lo, cache = _search(lambda c: _run(scheds, mode, nb, c, st, timeline=False), C, cmax)
         out[mode] = dict(frontier=lo, predicted=C, runs=cache)
@@ -207,7 +207,7 @@ def _task_budget(seed, label, nb, scheds, st, predicted: dict):
     for name, cfg in (("vtoken_default", st["default"]), ("vtoken", st["tuned"])):
         # from the ideal down (ideal + 1 is infeasible by the live tokens alone)
         lo, cache = _search(lambda c: _run(scheds, "vtoken", nb, c, st, cfg, timeline=name == "vtoken_default"),
-                            ideal, min(cmax, ideal), lo_hint=max(out["naive_evict"]["frontier"], 1))
+                            ideal, min(cmax, ideal), lo_hint=max(out["naive-evict"]["frontier"], 1))
         for c, r in cache.items():  # keep one demand timeline: the defaults' at the frontier, for the plot
             if c != lo:
                 r.pop("timeline", None)
@@ -253,7 +253,7 @@ def traffic_summary(runs: list) -> dict:
 def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
                  ablations: bool = True, progress=None) -> dict:
     """Find the highest feasible concurrency per system and budget; returns the result dict
-    (``frontier[budget] = {native, naive_evict, vtoken, vtoken_default}``, medians over seeds)."""
+    (``frontier[budget] = {native, naive-evict, vtoken, vtoken_default}``, medians over seeds)."""
     st = setting(quick)
     n_seeds = seeds or st["seeds"]
     jobs = jobs or default_jobs(quick)
@@ -274,7 +274,7 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
 
     # 2. unconstrained curves for the non-interacting systems
     unc = run_tasks(_task_unconstrained, [(s, m, scheds[s], st) for s in range(n_seeds)
-                                          for m in ("native", "naive_evict")], jobs,
+                                          for m in ("native", "naive-evict")], jobs,
                     progress=progress and (lambda d, n: progress("frontier: unconstrained", d, n)))
     peaks = {(s, m): d for s, m, d in unc}
 
@@ -282,7 +282,7 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
     tasks = []
     for s in range(n_seeds):
         for label, nb in blist.items():
-            pred = {m: int(np.sum(np.asarray(peaks[(s, m)]["peaks"]) <= nb - 1)) for m in ("native", "naive_evict")}
+            pred = {m: int(np.sum(np.asarray(peaks[(s, m)]["peaks"]) <= nb - 1)) for m in ("native", "naive-evict")}
             tasks.append((s, label, nb, scheds[s], st, pred))
     ctasks = [(s, label, nb, scheds[s], st, c) for s in range(min(n_seeds, st["curve_seeds"])) for label, nb in blist.items()
               for c in st["curve"].get(label, []) if c < ideal[label]]
@@ -304,7 +304,7 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
     for label in blist:
         rs = [r for r in budget_res if r["budget"] == label]
         frontier[label], spread[label], detail[label] = {}, {}, {}
-        for sysname in ("native", "naive_evict", "vtoken", "vtoken_default"):
+        for sysname in ("native", "naive-evict", "vtoken", "vtoken_default"):
             summ = int_summary([r[sysname]["frontier"] for r in rs])
             spread[label][sysname] = summ
             frontier[label][sysname] = summ["median"]
@@ -319,9 +319,9 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
                 why="the live tokens alone exceed the budget (not run)" if not fails else "the planner could not keep up")
             traffic[label] = traffic.get(label, {})
             traffic[label][sysname] = traffic_summary(at)
-        detail[label]["predicted"] = {m: [r[m]["predicted"] for r in rs] for m in ("native", "naive_evict")}
+        detail[label]["predicted"] = {m: [r[m]["predicted"] for r in rs] for m in ("native", "naive-evict")}
         detail[label]["confirmed"] = {m: all(r[m]["predicted"] == r[m]["frontier"] for r in rs)
-                                      for m in ("native", "naive_evict")}
+                                      for m in ("native", "naive-evict")}
     curves = _curves(blist, budget_res, curve_res, peaks, n_seeds, st)
     abl = {}
     for s, name, r in abl_res:
@@ -370,7 +370,7 @@ def _curves(blist, budget_res, curve_res, peaks, n_seeds, st) -> dict:
     for label, nb in blist.items():
         usable = nb - 1
         cur = {}
-        for m in ("native", "naive_evict"):
+        for m in ("native", "naive-evict"):
             arr = np.asarray([peaks[(s, m)]["peaks"] for s in range(n_seeds)], dtype=np.float64) / usable
             cur[m] = {str(c + 1): summary(arr[:, c]) for c in range(arr.shape[1])}
         vt: dict = {}
@@ -398,7 +398,7 @@ def _plot(result, budget_res, peaks, st):
         usable = result["budgets"][label] - 1
         ax = axes[0][j]
         cur = result["curves"][label]
-        for m, lab, mk in (("native", "Native", "s-"), ("naive_evict", "Naive-Evict", "^-")):
+        for m, lab, mk in (("native", "Native", "s-"), ("naive-evict", "Naive-Evict", "^-")):
             cs = [int(c) for c in cur[m]]
             med = [cur[m][str(c)]["median"] for c in cs]
             ax.plot(cs, med, mk, ms=4, label=f"{lab} (C={result['frontier'][label][m]})")
@@ -431,7 +431,7 @@ def _plot(result, budget_res, peaks, st):
             if "timeline" in run:
                 tl = np.asarray(run["timeline"])[:-2]  # the last samples are after the requests finished
                 ax.plot(tl[:, 0], tl[:, 1] / usable, color="C3", label=f"vToken (defaults), C={C}")
-            for m, lab in (("native", "Native"), ("naive_evict", "Naive-Evict")):
+            for m, lab in (("native", "Native"), ("naive-evict", "Naive-Evict")):
                 pt = np.asarray(peaks[(0, m)]["prefix_timeline"])
                 if C >= 1 and pt.size:
                     ax.plot(np.arange(len(pt)) * 32, pt[:, C - 1] / usable, label=f"{lab}, C={C} (unconstrained)")
@@ -472,7 +472,7 @@ def _markdown(res, st) -> str:
         def cell(m):
             return f"{sp[m]['median']} [{sp[m]['min']}, {sp[m]['max']}]"
         rows.append([f"{label} ({res['geometry_of'][label]})"]
-                    + [f"{cell(m)} (paper {pp.get(m, '-')})" for m in ("native", "naive_evict")]
+                    + [f"{cell(m)} (paper {pp.get(m, '-')})" for m in ("native", "naive-evict")]
                     + [cell("vtoken"), f"**{cell('vtoken_default')}**", pp.get("vtoken", "-"), res["ideal"][label]])
     L.append(rep.md_table(["budget", "Native", "Naive-Evict", "vToken (earlier tuned point)",
                            "vToken (shipped defaults)", "paper's vToken", "ideal"], rows))
@@ -538,7 +538,7 @@ def _markdown(res, st) -> str:
         rows = []
         for c, v in cur["vtoken"].items():
             rows.append([c, fmt(cur["native"].get(c, {"median": None}), pct=True) if c in cur["native"] else "-",
-                         fmt(cur["naive_evict"][c], pct=True) if c in cur["naive_evict"] else "-",
+                         fmt(cur["naive-evict"][c], pct=True) if c in cur["naive-evict"] else "-",
                          fmt(v["peak_norm"], pct=True), f"{v['feasible']}/{v['n']}"])
         L.append(f"Budget {label} (Native / Naive-Evict: unconstrained need; vToken, defaults: constrained run):\n")
         L.append(rep.md_table(["C", "Native", "Naive-Evict", "vToken", "vToken feasible seeds"], rows))

@@ -37,12 +37,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vtoken.allocator import BlockAllocator
-from vtoken.planner import NullCopyEngine, PlannerConfig, ReclamationManager
+from vtoken.planner import MODES, NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.table import TokenTable
 
 from .schedule import Schedule
 
-MODES = ("native", "naive_evict", "vtoken")
 
 
 @dataclass

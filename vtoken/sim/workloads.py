@@ -83,7 +83,7 @@ def _task_policy(workload, seed, policy, st, with_vtoken):
     t0 = time.perf_counter()
     scheds = _schedules(workload, seed, policy, 0.5, st)
     t1 = time.perf_counter()
-    out = {"naive_evict": _replay(scheds, "naive_evict", 16, st)}
+    out = {"naive-evict": _replay(scheds, "naive-evict", 16, st)}
     if with_vtoken:
         out["vtoken"] = _replay(scheds, "vtoken", 16, st, RETAINED_CFG)
     out["schedule_s"], out["replay_s"] = t1 - t0, time.perf_counter() - t1
@@ -111,7 +111,7 @@ def run_waste(quick: bool = False, seeds: int | None = None, out=None, jobs: int
     agg = _collect(results, lambda k: (k[0], k[2]))
     table = {}
     for (w, p), outs in agg.items():
-        ne = [o["naive_evict"] for o in outs]
+        ne = [o["naive-evict"] for o in outs]
         table.setdefault(w, {})[p] = dict(frac_le_half=summary([m["frac_le_half"] for m in ne]),
                                          F=summary([m["F"] for m in ne]))
     result = dict(experiment="waste", quick=quick, seeds=n_seeds, setting=st, keep=0.5,
@@ -166,9 +166,9 @@ def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: 
     agg = _collect(results, lambda k: (k[0], k[2]))
     table = {}
     for (w, p), outs in agg.items():
-        ne, vt = [o["naive_evict"] for o in outs], [o["vtoken"] for o in outs]
+        ne, vt = [o["naive-evict"] for o in outs], [o["vtoken"] for o in outs]
         table.setdefault(w, {})[p] = dict(
-            naive_evict=summary([m["retained_per_req"] for m in ne]),
+            **{"naive-evict": summary([m["retained_per_req"] for m in ne])},
             vtoken=summary([m["retained_per_req"] for m in vt]),
             ideal=summary([m["ideal_per_req"] for m in vt]),
             reduction=summary([v["retained_per_req"] / n["retained_per_req"] - 1 for n, v in zip(ne, vt)]),
@@ -185,7 +185,7 @@ def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: 
     for w in WORKLOAD_NAMES:
         for p in POLICY_NAMES:
             c = table[w][p]
-            rows.append([w, p, fmt(c["naive_evict"]), fmt(c["vtoken"]), fmt(c["ideal"]),
+            rows.append([w, p, fmt(c["naive-evict"]), fmt(c["vtoken"]), fmt(c["ideal"]),
                          fmt(c["reduction"], pct=True), fmt(c["utilisation_gain"], pct=True),
                          fmt(c["vtoken_ratio_to_ideal"], digits=2), fmt(c["moves"], digits=0)])
     md = (f"# Retained blocks per request (paper Fig. 7b)\n\nSame traces and the *same eviction decisions* "
@@ -208,14 +208,14 @@ def _plot_retained(table):
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for ax, w in zip(axes, WORKLOAD_NAMES):
         x = np.arange(len(POLICY_NAMES))
-        for i, (k, lab) in enumerate((("naive_evict", "Naive-Evict"), ("vtoken", "vToken"), ("ideal", "ideal packing"))):
+        for i, (k, lab) in enumerate((("naive-evict", "Naive-Evict"), ("vtoken", "vToken"), ("ideal", "ideal packing"))):
             med = np.array([table[w][p][k]["median"] for p in POLICY_NAMES])
             lo = med - np.array([table[w][p][k]["min"] for p in POLICY_NAMES])
             hi = np.array([table[w][p][k]["max"] for p in POLICY_NAMES]) - med
             ax.bar(x + (i - 1) * 0.27, med, 0.27, yerr=[lo, hi], capsize=3, label=lab)
         for j, p in enumerate(POLICY_NAMES):
             r = table[w][p]["reduction"]["median"]
-            ax.text(j, table[w][p]["naive_evict"]["median"] * 1.02, f"{r * 100:.0f}%", ha="center", fontsize=8)
+            ax.text(j, table[w][p]["naive-evict"]["median"] * 1.02, f"{r * 100:.0f}%", ha="center", fontsize=8)
         ax.set_xticks(x, POLICY_NAMES)
         ax.set_title(f"{w}: blocks per running request")
     axes[0].legend(fontsize=8)
@@ -238,9 +238,9 @@ def _task_sweep(seed, ratio, st, thetas, block_sizes):
         for S in block_sizes:
             out[("block", S, "vtoken")] = out[("theta", 0.25)] if S == 16 and 0.25 in thetas else \
                 _replay(scheds, "vtoken", S, st, base)
-            out[("block", S, "naive")] = _replay(scheds, "naive_evict", S, st)
+            out[("block", S, "naive")] = _replay(scheds, "naive-evict", S, st)
     out[("ratio", ratio, "vtoken")] = _replay(scheds, "vtoken", 16, st, base)
-    out[("ratio", ratio, "naive")] = _replay(scheds, "naive_evict", 16, st)
+    out[("ratio", ratio, "naive")] = _replay(scheds, "naive-evict", 16, st)
     return seed, out
 
 
@@ -269,8 +269,8 @@ def run_sweeps(quick: bool = False, seeds: int | None = None, out=None, jobs: in
                     F=summary([m["F"] for m in ms]))
 
     theta = {str(th): summ(("theta", th)) for th in thetas}
-    block = {str(S): dict(vtoken=summ(("block", S, "vtoken")), naive_evict=summ(("block", S, "naive"))) for S in bss}
-    ratio = {str(r): dict(vtoken=summ(("ratio", r, "vtoken")), naive_evict=summ(("ratio", r, "naive"))) for r in ratios}
+    block = {str(S): dict(vtoken=summ(("block", S, "vtoken")), **{"naive-evict": summ(("block", S, "naive"))}) for S in bss}
+    ratio = {str(r): dict(vtoken=summ(("ratio", r, "vtoken")), **{"naive-evict": summ(("ratio", r, "naive"))}) for r in ratios}
     result = dict(experiment="sweeps", quick=quick, seeds=n_seeds, setting=st, policy="h2o", workload="longbench",
                   vtoken_planner=RETAINED_CFG, theta=theta, block_size=block, eviction_ratio=ratio,
                   wall_s=time.perf_counter() - t0)
@@ -287,16 +287,16 @@ def run_sweeps(quick: bool = False, seeds: int | None = None, out=None, jobs: in
                         "Naive slots/req", "moves", "plans"],
                        [[S, fmt(v["vtoken"]["retained_per_req"]),
                          f"{v['vtoken']['retained_per_req']['median'] * int(S):.0f}",
-                         fmt(v["vtoken"]["ratio_to_ideal"], digits=2), fmt(v["naive_evict"]["retained_per_req"]),
-                         f"{v['naive_evict']['retained_per_req']['median'] * int(S):.0f}",
+                         fmt(v["vtoken"]["ratio_to_ideal"], digits=2), fmt(v["naive-evict"]["retained_per_req"]),
+                         f"{v['naive-evict']['retained_per_req']['median'] * int(S):.0f}",
                          fmt(v["vtoken"]["moves"], digits=0), fmt(v["vtoken"]["plans"], digits=0)]
                         for S, v in block.items()]),
           "\n## eviction ratio\n",
           rep.md_table(["eviction ratio", "vToken blocks/req", "vToken / ideal", "Naive blocks/req", "Naive / ideal",
                         "vToken vs Naive", "moves", "plans"],
                        [[r, fmt(v["vtoken"]["retained_per_req"]), fmt(v["vtoken"]["ratio_to_ideal"], digits=2),
-                         fmt(v["naive_evict"]["retained_per_req"]), fmt(v["naive_evict"]["ratio_to_ideal"], digits=2),
-                         f"{(v['vtoken']['retained_per_req']['median'] / v['naive_evict']['retained_per_req']['median'] - 1) * 100:.1f}%",
+                         fmt(v["naive-evict"]["retained_per_req"]), fmt(v["naive-evict"]["ratio_to_ideal"], digits=2),
+                         f"{(v['vtoken']['retained_per_req']['median'] / v['naive-evict']['retained_per_req']['median'] - 1) * 100:.1f}%",
                          fmt(v["vtoken"]["moves"], digits=0), fmt(v["vtoken"]["plans"], digits=0)]
                         for r, v in ratio.items()])]
     fig = _plot_sweeps(theta, block, ratio)
@@ -324,7 +324,7 @@ def _plot_sweeps(theta, block, ratio):
     ax = axes[1]
     Ss = [int(k) for k in block]
     ax.plot(Ss, [v["vtoken"]["retained_per_req"]["median"] * S for S, v in zip(Ss, block.values())], "o-", label="vToken")
-    ax.plot(Ss, [v["naive_evict"]["retained_per_req"]["median"] * S for S, v in zip(Ss, block.values())], "s-",
+    ax.plot(Ss, [v["naive-evict"]["retained_per_req"]["median"] * S for S, v in zip(Ss, block.values())], "s-",
             label="Naive-Evict")
     ax.set_xlabel("block size S")
     ax.set_ylabel("retained token slots / request")
@@ -333,7 +333,7 @@ def _plot_sweeps(theta, block, ratio):
     ax.set_title("block size")
     ax = axes[2]
     rs = [float(k) for k in ratio]
-    for k, lab, m in (("vtoken", "vToken", "o-"), ("naive_evict", "Naive-Evict", "s-")):
+    for k, lab, m in (("vtoken", "vToken", "o-"), ("naive-evict", "Naive-Evict", "s-")):
         ax.plot(rs, [v[k]["retained_per_req"]["median"] for v in ratio.values()], m, label=lab)
     ax.set_xlabel("eviction ratio")
     ax.set_ylabel("retained blocks / request")
