@@ -1,13 +1,16 @@
 # Two commands set everything up on a fresh machine:
 #   make audit   the main job: audit the bundled default, write a report under reports/
 #   make test    the test suite
+# Auditing other vLLM versions (each in its own cached environment, ~/.cache/vtoken/envs/):
+#   make audit VLLM=0.32.0      one version: the verdict for it
+#   make audit-matrix           every contract and check per version (VERSIONS=...)
 # Both create (or reuse) a local virtual environment in $(VENV) and install what they need.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vtoken-installed
 
-.PHONY: test audit vllm venv clean-venv
+.PHONY: test audit audit-matrix vllm venv clean-venv
 
 venv: $(STAMP)
 
@@ -36,8 +39,14 @@ $(VLLM_STAMP): $(STAMP) scripts/install_vllm.sh
 test: $(STAMP) $(VLLM_STAMP)
 	PYTHONHASHSEED=0 $(PY) -m pytest
 
+VLLM ?=
+VERSIONS ?= 0.30.0,0.31.0,0.32.0,0.33.0
+
 audit: $(STAMP) $(VLLM_STAMP)
-	PYTHONHASHSEED=0 $(PY) -m vtoken audit
+	PYTHONHASHSEED=0 $(PY) -m vtoken audit $(if $(VLLM),--vllm $(VLLM))
+
+audit-matrix: $(STAMP) $(VLLM_STAMP)
+	PYTHONHASHSEED=0 $(PY) -m vtoken audit --matrix $(VERSIONS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -12,6 +12,16 @@ self-contained file, plots inlined) and ``audit.json``::
 installed) is recorded with ``passed: null`` and a reason, and does not make the audit pass
 by itself: the report says plainly what was not checked. The exit status is non-zero when
 any check failed.
+
+The report opens with the verdict (``safe`` in audit.json, see ``reports/verdict.py``):
+the vLLM version audited, whether vtoken is safe to run on it, each broken contract with
+what breaks for a user, and each failed check with the command that reproduces it.
+
+``--vllm VERSION`` audits another vLLM: it builds (or reuses) a side environment with that
+version (``reports/vllm_envs.py``, cached in ``~/.cache/vtoken/envs/vllm-<ver>/``) and reruns
+this command with that environment's python. ``--matrix V1,V2,...`` does that for each
+version and writes ``matrix.{md,html,json}``: every contract, check, fuzz machine and vLLM
+test group, pass / fail / not run per version (``reports/audit_matrix.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import argparse
 import base64
 import html
+import importlib
 import io
 import json
 import os
@@ -34,6 +45,10 @@ from pathlib import Path
 
 # The checkout the invariants suite runs from (its tests/ folder); reports go elsewhere.
 REPO = Path(__file__).resolve().parent.parent
+# set by --vllm / --matrix for the audit they run in a side environment
+ENV_INFO_VAR = "VTOKEN_AUDIT_ENV_INFO"  # JSON: the side environment (path, build time, reused)
+RESULT_FILE_VAR = "VTOKEN_AUDIT_RESULT_FILE"  # the audit writes its report folder's path here
+SIDE_ENV_VAR = "VTOKEN_AUDIT_SIDE_ENV"  # the version this process was started to audit
 
 
 @dataclass
@@ -53,6 +68,13 @@ class CheckResult:
 
 
 def vllm_version() -> str | None:
+    """The version of the vLLM that imports here, or None."""
+    try:
+        from vtoken.vllm_adapter.harness import ensure_cpu_env
+
+        ensure_cpu_env()  # vLLM picks its platform once, at first import
+    except Exception:  # noqa: BLE001
+        pass
     try:
         import vllm  # noqa: F401
     except Exception:
@@ -60,29 +82,87 @@ def vllm_version() -> str | None:
     return getattr(sys.modules["vllm"], "__version__", "unknown")
 
 
+def vllm_installed() -> str | None:
+    """The vLLM version installed here by its metadata (it may still fail to import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def _vllm_import_error() -> str:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _no_vllm(what: str) -> str:
+    """Why a vLLM check could not run: not installed, or installed and not importable."""
+    inst = vllm_installed()
+    if inst is None:
+        return f"vLLM is not installed: {what} (make audit installs it with scripts/install_vllm.sh)"
+    return f"vLLM {inst} is installed but does not import ({_vllm_import_error()[:300]}): {what}"
+
+
 # ---------------------------------------------------------------------------- checks
 def check_vllm(ctx) -> CheckResult:
     ver = vllm_version()
     if ver is None:
-        return CheckResult("vllm-contracts", None, "vLLM is not installed: its contracts were not checked "
-                           "(make audit installs it with scripts/install_vllm.sh)")
+        inst = vllm_installed()
+        if inst is not None:  # installed and broken: that is a finding, not a skipped check
+            return CheckResult("vllm-contracts", False, _no_vllm("no contract could be checked"),
+                               metrics={"version": inst, "import_error": _vllm_import_error()})
+        return CheckResult("vllm-contracts", None, _no_vllm("its contracts were not checked"))
     from vtoken.invariants.vllm_contracts import run_contracts
     from vtoken.vllm_adapter import VLLM_VERSION
 
-    rows = run_contracts()
+    from vtoken.invariants.vllm_contracts import CONTRACTS
+
+    rows = []
+    for i, c in enumerate(CONTRACTS, 1):  # one line each: contracts take seconds apiece
+        rows += run_contracts([c.name])
+        print(f"      contract {i}/{len(CONTRACTS)} {c.name}: {'holds' if rows[-1]['passed'] else 'BROKEN'}",
+              flush=True)
     bad = [r for r in rows if not r["passed"]]
     detail = f"vLLM {ver} (adapter pinned to {VLLM_VERSION}); {len(rows) - len(bad)}/{len(rows)} contracts hold"
     if bad:
         detail += "; broken: " + "; ".join(f"{r['name']}: {r['detail']}" for r in bad)
     return CheckResult("vllm-contracts", not bad and ver == VLLM_VERSION, detail,
-                       metrics={"contracts": rows, "version": ver})
+                       metrics={"contracts": rows, "version": ver, "pinned": VLLM_VERSION})
 
 
 def _pytest(args, junit: Path, timeout: int) -> tuple[int, dict, str]:
+    import re
+    import threading
+
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
     # derandomized Hypothesis and a fixed string-hash seed: the suite's verdict is a function of the code
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, PYTHONHASHSEED="0", VTOKEN_HYPOTHESIS_PROFILE="ci"))
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, PYTHONHASHSEED="0", VTOKEN_HYPOTHESIS_PROFILE="ci",
+                                  PYTHONUNBUFFERED="1"))
+    timer = threading.Timer(timeout, p.kill)
+    timer.start()
+    lines, shown, t0 = [], -10, time.perf_counter()
+    try:
+        for line in p.stdout:  # pytest -q's "....  [ 40%]" lines, shown every 10%
+            lines.append(line)
+            m = re.search(r"\[\s*(\d+)%\]\s*$", line)
+            if m and int(m.group(1)) >= shown + 10:
+                shown = int(m.group(1))
+                print(f"      pytest {' '.join(args)}: {shown}% after {time.perf_counter() - t0:.0f} s", flush=True)
+        p.wait()
+    finally:
+        timer.cancel()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if p.returncode < 0 and time.perf_counter() - t0 >= timeout:
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    p.stdout = "".join(lines)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     failed = []
     if junit.exists():
@@ -97,8 +177,22 @@ def _pytest(args, junit: Path, timeout: int) -> tuple[int, dict, str]:
     return p.returncode, {**counts, "failed": failed}, tail
 
 
+def _load() -> str:
+    try:
+        return "/".join(f"{x:.1f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores"
+    except OSError:
+        return "unknown"
+
+
 def check_invariants(ctx) -> CheckResult:
-    rc, counts, tail = _pytest(["-m", "invariants"], ctx["out"] / "invariants-junit.xml", timeout=900)
+    timeout = 900
+    try:
+        rc, counts, tail = _pytest(["-m", "invariants"], ctx["out"] / "invariants-junit.xml", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # not a failure of the code: the suite did not finish here (a loaded machine); not checked
+        return CheckResult("invariants-suite", None, f"pytest -m invariants did not finish in {timeout} s (load "
+                                                     f"average {_load()}): not checked",
+                           metrics={"timed_out": timeout, "load": _load()})
     n = counts["tests"]
     ok = rc == 0 and n > 0
     detail = f"pytest -m invariants: {n} tests, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
@@ -137,7 +231,8 @@ def check_mutants(ctx) -> CheckResult:
 
     paths = ALL_PATHS if vllm_version() is not None else tuple(p for p in ALL_PATHS if p != "adapter")
     try:
-        res = run(paths, per_operator=60, seed=ctx["seed"], quick=ctx["quick"])
+        res = run(paths, per_operator=60, seed=ctx["seed"], quick=ctx["quick"],
+                  progress=lambda m: print(f"      {m}", flush=True))
     except PathUnavailable as e:
         return CheckResult("checker-mutants", False, f"a path gave no snapshots: {e}")
     ok = bool(res["passed"])
@@ -149,7 +244,7 @@ def check_mutants(ctx) -> CheckResult:
 
 def check_vllm_decode(ctx) -> CheckResult:
     if vllm_version() is None:
-        return CheckResult("vllm-decode", None, "vLLM is not installed: the adapter decode was not run")
+        return CheckResult("vllm-decode", None, _no_vllm("the adapter decode was not run"))
     from vtoken.reports.vllm_runs import audit_decode
 
     res = audit_decode(quick=ctx["quick"], seed=ctx["seed"], snapshot_dir=ctx["out"] / "snapshots")
@@ -158,11 +253,105 @@ def check_vllm_decode(ctx) -> CheckResult:
 
 def check_sharing(ctx) -> CheckResult:
     if vllm_version() is None:
-        return CheckResult("vllm-prefix-sharing", None, "vLLM is not installed: the sharing-degree run was not done")
+        return CheckResult("vllm-prefix-sharing", None, _no_vllm("the sharing-degree run was not done"))
     from vtoken.reports.vllm_runs import sharing_table
 
     res = sharing_table(quick=ctx["quick"], seed=ctx["seed"])
     return CheckResult("vllm-prefix-sharing", res["passed"], res["detail"], metrics=res, figures=res.pop("figures", []))
+
+
+OWN_TESTS_MODULE = "vtoken.reports.vllm_own_tests"
+
+
+def check_vllm_own_tests(ctx) -> CheckResult:
+    """vLLM's own tests of its scheduler and block pool (``tests/v1/core`` of its sdist), as
+    shipped and with vtoken plugged in (``reports/vllm_own_tests.py``). It fails on a
+    divergence of kind ``bug`` (a test that passes as shipped and fails with vtoken for a
+    reason that is vtoken's to fix); ``inherent`` divergences (vtoken changes what the test
+    asserts by design, e.g. the headroom missing from a free-block count) and tests that fail
+    as shipped too are reported, not decisive."""
+    name = "vllm-own-tests"
+    try:
+        mod = importlib.import_module(OWN_TESTS_MODULE)
+    except ModuleNotFoundError as e:
+        if e.name != OWN_TESTS_MODULE:
+            raise
+        return CheckResult(name, None, f"not run: module missing ({OWN_TESTS_MODULE}, reports/vllm_own_tests.py, "
+                                       "is not in this checkout): vLLM's own tests were not run",
+                           metrics={"shipped": None, "with_vtoken": None, "divergences": None,
+                                    "not_run": "module missing"})
+    ver = vllm_version()
+    if ver is None:
+        return CheckResult(name, None, _no_vllm("vLLM's own tests were not run"),
+                           metrics={"shipped": None, "with_vtoken": None, "divergences": None,
+                                    "not_run": "vLLM missing"})
+    out = ctx["out"] / "vllm-own-tests"
+    jobs = max(1, min(2, os.cpu_count() or 1))  # two shards: the audit runs nothing else meanwhile
+    print(f"      vLLM {ver}'s tests/v1/core, as shipped and with vtoken ({jobs} job(s)); logs in {out}", flush=True)
+    res = mod.run(version=ver, python=sys.executable, out_dir=out, with_vtoken=True, jobs=jobs)
+    shipped, with_vt = res.get("shipped") or {}, res.get("with_vtoken") or {}
+    div = list(res.get("divergences") or [])
+    bugs = [d for d in div if d.get("kind") != "inherent"]
+
+    def counts(c):
+        return f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('not_applicable', 0)} n/a"
+
+    def by_cause(ds):
+        n: dict = {}
+        for d in ds:
+            n[d.get("cause") or d.get("reason", "?")] = n.get(d.get("cause") or d.get("reason", "?"), 0) + 1
+        return ", ".join(f"{k} {v}" for k, v in sorted(n.items(), key=lambda kv: -kv[1]))
+
+    ran = shipped.get("passed", 0) + shipped.get("failed", 0) > 0
+    ok = ran and not bugs
+    detail = (f"vLLM {ver}'s own tests: shipped {counts(shipped)}; with vtoken {counts(with_vt)}; "
+              f"{len(div)} divergence(s): {len(bugs)} bug(s)" + (f" ({by_cause(bugs)})" if bugs else "")
+              + f", {len(div) - len(bugs)} inherent" + (f" ({by_cause([d for d in div if d not in bugs])})"
+                                                       if len(div) > len(bugs) else ""))
+    if shipped.get("failed"):
+        detail += f"; {shipped['failed']} fail as shipped too (not vtoken's: not counted)"
+    if not ran:
+        detail += " (no test ran)"
+    metrics = dict(res, shipped=shipped, with_vtoken=with_vt, divergences=div,
+                   groups=_own_test_groups(mod, res, div))
+    ids = " ".join(sorted({d["test"] for d in bugs})[:10])
+    metrics["command"] = (f"cd {REPO} && {sys.executable} -m {OWN_TESTS_MODULE} --version {ver} --out "
+                          f"{out}-repro {ids}").strip()
+    return CheckResult(name, ok, detail, metrics=metrics)
+
+
+def _own_test_groups(mod, res: dict, div: list) -> dict:
+    """Per test file of vLLM's suite: passed / failed / n/a with vtoken, and its divergences
+    (bug, inherent). Empty when the junit files cannot be read."""
+    parse = getattr(mod, "parse_junit", None)
+    groups: dict = {}
+    if parse is None:
+        return groups
+    try:
+        recs = {}
+        for j in (res.get("with_vtoken") or {}).get("junit", []):
+            if Path(j).exists():
+                recs.update(parse(Path(j).read_text()))
+    except Exception:  # noqa: BLE001 - the groups are a view, never a verdict
+        return {}
+    na = {t["test"] for k in ("shipped", "with_vtoken") for t in (res.get(k) or {}).get("not_applicable_tests", [])}
+    shipped_failed = {t["test"] for t in (res.get("shipped") or {}).get("failed_tests", [])}
+    kinds = {d["test"]: d.get("kind") for d in div}
+    for tid, r in recs.items():
+        g = groups.setdefault(tid.split("::")[0], {"passed": 0, "failed": 0, "not_applicable": 0, "bug": 0,
+                                                   "inherent": 0, "failed_as_shipped": 0})
+        if tid in na or r["outcome"] == "skipped":
+            g["not_applicable"] += 1
+        elif r["outcome"] == "passed":
+            g["passed"] += 1
+        elif tid in shipped_failed:
+            g["failed_as_shipped"] += 1
+        elif kinds.get(tid) == "inherent":
+            g["inherent"] += 1
+        else:
+            g["failed"] += 1
+            g["bug"] += 1
+    return dict(sorted(groups.items()))
 
 
 def check_waste(ctx) -> CheckResult:
@@ -195,8 +384,19 @@ def check_table_bench(ctx) -> CheckResult:
                        f"reference model", metrics=res, measurement=True)
 
 
-CHECKS = [check_vllm, check_invariants, check_fuzz, check_mutants, check_vllm_decode, check_sharing, check_waste,
-          check_table_bench]
+CHECKS = [check_vllm, check_invariants, check_fuzz, check_mutants, check_vllm_decode, check_sharing,
+          check_vllm_own_tests, check_waste, check_table_bench]
+# the name each check reports under (audit.json), for --only and the reproduce commands
+CHECK_NAMES = {check_vllm: "vllm-contracts", check_invariants: "invariants-suite", check_fuzz: "fuzz-campaign",
+               check_mutants: "checker-mutants", check_vllm_decode: "vllm-decode", check_sharing: "vllm-prefix-sharing",
+               check_vllm_own_tests: "vllm-own-tests", check_waste: "waste-and-retained",
+               check_table_bench: "table-step-cost"}
+
+
+def _selected(fn, only) -> bool:
+    """``--only``: a check is selected by its report name (vllm-decode) or by a part of
+    its function name (decode)."""
+    return not only or any(o == CHECK_NAMES.get(fn) or o in fn.__name__ for o in only)
 
 
 # ---------------------------------------------------------------------------- reports
@@ -204,11 +404,22 @@ def _fig_b64(png: bytes) -> str:
     return base64.b64encode(png).decode()
 
 
+def _contracts_of(report: dict) -> dict:
+    for c in report.get("checks", []):
+        if c.get("name") == "vllm-contracts":
+            return {r["name"]: r for r in (c.get("metrics") or {}).get("contracts", []) or []}
+    return {}
+
+
 def compare(old: dict, new: dict) -> list[str]:
-    """Lines saying what changed since a previous audit.json."""
+    """Lines saying what changed since a previous audit.json: version, verdict, each check's
+    outcome, each contract, vLLM's own test counts."""
     lines = []
     if old.get("vllm_version") != new.get("vllm_version"):
         lines.append(f"vLLM version: {old.get('vllm_version')} -> {new.get('vllm_version')}")
+    if "safe" in old and old.get("safe") != new.get("safe"):
+        yn = {True: "yes", False: "no"}
+        lines.append(f"safe to run vtoken: {yn.get(old.get('safe'))} -> {yn.get(new.get('safe'))}")
     oc = {c["name"]: c for c in old.get("checks", [])}
     for c in new["checks"]:
         o = oc.pop(c["name"], None)
@@ -216,18 +427,50 @@ def compare(old: dict, new: dict) -> list[str]:
             lines.append(f"{c['name']}: new check ({'pass' if c['passed'] else 'FAIL' if c['passed'] is False else 'not run'})")
         elif o["passed"] != c["passed"]:
             lines.append(f"{c['name']}: {o['passed']} -> {c['passed']} ({c['detail']})")
+        if c["name"] == "vllm-own-tests" and o is not None:
+            om, nm = o.get("metrics") or {}, c.get("metrics") or {}
+            for k in ("shipped", "with_vtoken"):
+                if (om.get(k) or {}) != (nm.get(k) or {}):
+                    lines.append(f"vllm-own-tests {k}: {om.get(k)} -> {nm.get(k)}")
+            od = {(d.get("test"), d.get("kind")) for d in om.get("divergences") or []}
+            nd = {(d.get("test"), d.get("kind")) for d in nm.get("divergences") or []}
+            lines += [f"vllm-own-tests: new divergence {t} ({k})" for t, k in sorted(nd - od, key=str)]
+            lines += [f"vllm-own-tests: divergence gone {t} ({k})" for t, k in sorted(od - nd, key=str)]
     for name in oc:
         lines.append(f"{name}: no longer checked")
+    ocon, ncon = _contracts_of(old), _contracts_of(new)
+    for name, r in ncon.items():
+        o = ocon.pop(name, None)
+        if o is None:
+            lines.append(f"contract {name}: new ({'holds' if r.get('passed') else 'BROKEN'})")
+        elif bool(o.get("passed")) != bool(r.get("passed")):
+            lines.append(f"contract {name}: {'holds' if o.get('passed') else 'broken'} -> "
+                         f"{'holds' if r.get('passed') else 'BROKEN: ' + str(r.get('detail', ''))[:300]}")
+    if ncon:  # contracts that vanished (when the new audit checked contracts at all)
+        lines += [f"contract {name}: no longer checked" for name in ocon]
     if old.get("passed") != new.get("passed"):
         lines.append(f"overall: {old.get('passed')} -> {new.get('passed')}")
     return lines or ["nothing changed in the checks' outcomes"]
 
 
 def write_reports(out: Path, report: dict, results: list[CheckResult], changes: list[str] | None) -> None:
+    from vtoken.reports.verdict import verdict, verdict_html, verdict_md
+
     mark = {True: "PASS", False: "FAIL", None: "NOT RUN"}
-    md = [f"# vtoken audit: {'PASSED' if report['passed'] else 'FAILED'}", "",
-          f"- when: {report['timestamp']}", f"- vLLM: {report['vllm_version'] or 'not installed'}",
-          f"- host: {report['host']}", ""]
+    v = report.get("verdict") or verdict(report)
+    ver = report["vllm_version"] or "not installed"
+    md = [f"# vtoken audit of vLLM {ver}: safe to run vtoken on it: {'yes' if v['safe'] else 'no'}", ""]
+    md += verdict_md(report, v)
+    md += [f"- every check passed: {'yes' if report['passed'] else 'no'}",
+           f"- when: {report['timestamp']}", f"- vLLM: {ver}", f"- host: {report['host']}",
+           f"- python: {(report.get('invocation') or {}).get('python', '')}"]
+    env = report.get("environment")
+    if env:
+        md.append(f"- side environment: {env.get('env')} ({'reused' if env.get('reused') else 'built'}; "
+                  f"built in {env.get('build_seconds', 0):.0f} s)")
+    if report.get("seconds") is not None:
+        md.append(f"- audit took {report['seconds']:.0f} s")
+    md.append("")
     if report.get("interrupted"):
         md[-1:] = [f"- INTERRUPTED (Ctrl-C) in {report['interrupted']['in']}; not run: "
                    f"{', '.join(report['interrupted']['not_run'])}", ""]
@@ -235,7 +478,12 @@ def write_reports(out: Path, report: dict, results: list[CheckResult], changes: 
         md += ["## Changes since the previous audit", ""] + [f"- {c}" for c in changes] + [""]
     md += ["## Checks", "", "| check | result | seconds | detail |", "|---|---|---|---|"]
     def label(r):
-        return "MEASURED" if r.measurement else mark[r.passed]
+        if r.measurement:
+            return "MEASURED"
+        rows = r.metrics.get("contracts") if r.name == "vllm-contracts" else None
+        if r.passed is False and rows and all(c["name"] == "vllm_version" for c in rows if not c["passed"]):
+            return "FAIL (pin only)"  # only the version differs from the one the adapter was written against
+        return mark[r.passed]
 
     for r in results:
         md.append(f"| {r.name} | {label(r)} | {r.seconds:.1f} | {r.detail.replace('|', '/')} |")
@@ -247,20 +495,27 @@ def write_reports(out: Path, report: dict, results: list[CheckResult], changes: 
             md.append(f"\n*Figure: {title} (inlined in audit.html)*")
     (out / "audit.md").write_text("\n".join(md) + "\n")
     rows = "".join(
-        f"<tr class='{label(r).replace(' ', '-').lower()}'><td>{html.escape(r.name)}</td><td>{label(r)}</td>"
+        f"<tr class='{label(r).split(' (')[0].replace(' ', '-').lower()}'><td>{html.escape(r.name)}</td><td>{label(r)}</td>"
         f"<td>{r.seconds:.1f}</td><td>{html.escape(r.detail)}</td></tr>" for r in results)
     rows += "".join(f"<tr><td colspan='4'><b>{html.escape(r.name)}</b><pre>{html.escape(r.metrics['table'])}</pre></td></tr>"
                     for r in results if r.metrics.get("table"))
     figs = "".join(f"<figure><img src='data:image/png;base64,{_fig_b64(png)}' alt='{html.escape(t)}'>"
                    f"<figcaption>{html.escape(t)}</figcaption></figure>" for r in results for t, png in r.figures)
+    envline = "" if not env else f" · side environment {env.get('env')} ({'reused' if env.get('reused') else 'built'})"
+    if report.get("seconds") is not None:
+        envline += f" · audit took {report['seconds']:.0f} s"
     chg = "" if changes is None else "<h2>Changes since the previous audit</h2><ul>" + "".join(
         f"<li>{html.escape(c)}</li>" for c in changes) + "</ul>"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>vtoken audit</title><style>
 body{{font-family:sans-serif;max-width:1100px;margin:2em auto}} td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}
 table{{border-collapse:collapse}} .pass td:nth-child(2){{color:#080}} .fail td:nth-child(2){{color:#c00;font-weight:bold}}
-.not-run td:nth-child(2){{color:#888}} img{{max-width:100%}} figure{{margin:1em 0}}</style></head><body>
-<h1>vtoken audit: {'PASSED' if report['passed'] else 'FAILED'}</h1>
-<p>{html.escape(report['timestamp'])} &middot; vLLM {html.escape(str(report['vllm_version'] or 'not installed'))} &middot; {html.escape(report['host'])}</p>
+.not-run td:nth-child(2){{color:#888}} img{{max-width:100%}} figure{{margin:1em 0}}
+.verdict{{border:3px solid;padding:.5em 1em;margin:1em 0}} .verdict.safe{{border-color:#080;background:#efe}}
+.verdict.unsafe{{border-color:#c00;background:#fee}} .verdict .big{{font-size:1.4em}} code{{background:#f4f4f4;word-break:break-all}}
+</style></head><body>
+<h1>vtoken audit of vLLM {html.escape(ver)}: safe to run vtoken on it: {'yes' if v['safe'] else 'no'}</h1>
+{verdict_html(report, v)}
+<p>every check passed: {'yes' if report['passed'] else 'no'} &middot; {html.escape(report['timestamp'])} &middot; vLLM {html.escape(ver)} &middot; {html.escape(report['host'])}{html.escape(envline)}</p>
 {chg}<h2>Checks</h2><table><tr><th>check</th><th>result</th><th>s</th><th>detail</th></tr>{rows}</table>
 <h2>Plots</h2>{figs or '<p>none</p>'}</body></html>"""
     (out / "audit.html").write_text(page)
@@ -269,12 +524,14 @@ table{{border-collapse:collapse}} .pass td:nth-child(2){{color:#080}} .fail td:n
 
 def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compare_to: str | None,
               only: list[str] | None = None) -> tuple[dict, Path]:
+    t_audit = time.perf_counter()
     ver = vllm_version()
+    shown = ver or vllm_installed()  # an installed vLLM that does not import is still the one audited
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = out_root / f"{stamp}-vllm-{ver or 'none'}"
+    out = out_root / f"{stamp}-vllm-{shown or 'none'}"
     out.mkdir(parents=True, exist_ok=True)
     ctx = {"out": out, "quick": quick, "seed": seed, "fuzz_examples": fuzz_examples}
-    checks = [c for c in CHECKS if not only or any(o in c.__name__ for o in only)]
+    checks = [c for c in CHECKS if _selected(c, only)]
     results = []
     interrupted = None  # Ctrl-C: the check it stopped in; the report holds the checks that finished
     for i, fn in enumerate(checks, 1):
@@ -287,7 +544,7 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
             interrupted = label
             break
         except Exception as e:  # a crashing check is a failed check, with its reason
-            res = CheckResult(label, False, f"crashed: {type(e).__name__}: {e}",
+            res = CheckResult(CHECK_NAMES.get(fn, label), False, f"crashed: {type(e).__name__}: {e}",
                               metrics={"traceback": traceback.format_exc()})
         res.seconds = time.perf_counter() - t0
         if res.metrics.get("interrupted") is True:  # the fuzz campaign stops itself on Ctrl-C and says so
@@ -300,19 +557,35 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
     ran = [r for r in verdict if r.passed is not None]
     report = {
         "passed": interrupted is None and bool(ran) and all(r.passed for r in ran) and len(ran) == len(verdict),
-        "vllm_version": ver,
+        "vllm_version": shown,
+        "vllm_imports": ver is not None,
         "timestamp": stamp,
         "host": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
+        # what the reproduce commands need: the same interpreter, checkout and settings
+        "invocation": {"python": sys.executable, "repo": str(REPO), "quick": quick, "seed": seed,
+                       "fuzz_examples": fuzz_examples, "only": only or None},
         "checks": [r.as_json() for r in results],
     }
+    if os.environ.get(ENV_INFO_VAR):  # run by --vllm / --matrix inside a side environment
+        try:
+            report["environment"] = json.loads(os.environ[ENV_INFO_VAR])
+        except json.JSONDecodeError:
+            pass
     if interrupted is not None:
         labels = [c.__name__.removeprefix("check_") for c in checks]
         report["interrupted"] = {"in": interrupted, "not_run": labels[labels.index(interrupted):]}
+    from vtoken.reports.verdict import verdict
+
+    report["verdict"] = verdict(report)
+    report["safe"] = report["verdict"]["safe"]
+    report["seconds"] = round(time.perf_counter() - t_audit, 1)
     changes = None
     if compare_to:
         changes = compare(json.loads(Path(compare_to).read_text()), report)
         report["changes"] = changes
     write_reports(out, report, results, changes)
+    if os.environ.get(RESULT_FILE_VAR):  # tell the --vllm / --matrix caller where the report is
+        Path(os.environ[RESULT_FILE_VAR]).write_text(str(out.resolve()))
     return report, out
 
 
@@ -331,9 +604,29 @@ def _audit_json_kind(obj) -> str | None:
 
 def _check_name(value: str) -> str:
     names = [c.__name__.removeprefix("check_") for c in CHECKS]
-    if not any(value in c.__name__ for c in CHECKS):
-        raise argparse.ArgumentTypeError(f"{value!r} matches no check (checks: {', '.join(names)})")
+    if not any(_selected(c, [value]) for c in CHECKS):
+        raise argparse.ArgumentTypeError(f"{value!r} matches no check (checks: {', '.join(names)}; or a report "
+                                         f"name: {', '.join(CHECK_NAMES.get(c, '?') for c in CHECKS)})")
     return value
+
+
+def _vllm_version_arg(value: str) -> str:
+    from vtoken.reports.vllm_envs import valid_version
+
+    if not valid_version(value):
+        raise argparse.ArgumentTypeError(f"expected a vLLM version such as 0.33.0, got {value!r}")
+    return value
+
+
+def _vllm_versions_arg(value: str) -> list[str]:
+    vs = [v.strip() for v in value.split(",") if v.strip()]
+    if not vs:
+        raise argparse.ArgumentTypeError(f"expected comma-separated vLLM versions (0.32.0,0.33.0), got {value!r}")
+    for v in vs:
+        _vllm_version_arg(v)
+    if len(set(vs)) != len(vs):
+        raise argparse.ArgumentTypeError(f"a version is given twice in {value!r}")
+    return vs
 
 
 def main_audit(argv) -> int:
@@ -348,8 +641,34 @@ def main_audit(argv) -> int:
     ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--fuzz-examples", type=positive_int, default=100,
                     help="seeded examples per fuzz machine (a fixed amount of work: one verdict per commit)")
-    ap.add_argument("--only", nargs="*", type=_check_name, help="run only checks whose name contains one of these")
+    ap.add_argument("--only", nargs="*", type=_check_name,
+                    help="run only these checks (a report name such as vllm-decode, or a part of a check's name)")
+    ap.add_argument("--vllm", metavar="VERSION", type=_vllm_version_arg,
+                    help="audit this vLLM version: build (or reuse) its side environment under "
+                         "~/.cache/vtoken/envs/vllm-VERSION/ and run the audit there")
+    ap.add_argument("--matrix", metavar="V1,V2,...", type=_vllm_versions_arg,
+                    help="audit each version (as --vllm) and write matrix.{md,html,json}: every contract and "
+                         "check, pass / fail / not run per version")
+    ap.add_argument("--rebuild-env", action="store_true", help="with --vllm / --matrix: rebuild the environments")
     a = ap.parse_args(argv)
+    if a.vllm and a.matrix:
+        ap.error("--vllm and --matrix: give one (--matrix takes every version)")
+    if a.compare and a.matrix:
+        ap.error("--compare compares one audit with another: use it with --vllm, not --matrix")
+    if a.rebuild_env and not (a.vllm or a.matrix):
+        ap.error("--rebuild-env goes with --vllm or --matrix")
+    if a.matrix:
+        return _main_matrix(a)
+    if a.vllm:
+        from vtoken.reports.audit_matrix import installed_here
+
+        here = installed_here()
+        if os.environ.get(SIDE_ENV_VAR) and here != a.vllm:
+            print(f"vtoken audit: this environment ({sys.prefix}) was built for vLLM {a.vllm} but holds "
+                  f"{here or 'no vLLM'}; rebuild it with --rebuild-env", file=sys.stderr)
+            return 2
+        if here != a.vllm or a.rebuild_env:
+            return _main_in_env(a)
     try:
         report, out = run_audit(Path(a.out), a.quick, a.seed, a.fuzz_examples, a.compare, a.only)
     except KeyboardInterrupt:  # while the report itself was being written
@@ -365,7 +684,48 @@ def main_audit(argv) -> int:
               flush=True)
         return 130
     print(f"\naudit {'PASSED' if report['passed'] else 'FAILED'}: {out}/audit.md, audit.html, audit.json")
+    print(f"vLLM {report['vllm_version'] or 'not installed'}: safe to run vtoken on it: "
+          f"{'yes' if report['safe'] else 'no'}" + ("" if report["safe"] else f" ({'; '.join(report['verdict']['why'])})"))
     for c in report["checks"]:
         if c["passed"] is None and not c.get("measurement"):
             print(f"  not run: {c['name']}: {c['detail']}")
     return 0 if report["passed"] else 1
+
+
+def _main_in_env(a) -> int:
+    from vtoken.reports.audit_matrix import audit_in_env
+
+    try:
+        res = audit_in_env(a.vllm, out=Path(a.out), quick=a.quick, seed=a.seed, fuzz_examples=a.fuzz_examples,
+                           only=a.only, compare=a.compare, rebuild=a.rebuild_env)
+    except KeyboardInterrupt:
+        print(f"\nvtoken audit --vllm {a.vllm}: interrupted; a partial report, if any, is under {a.out}",
+              file=sys.stderr, flush=True)
+        return 130
+    if res["error"]:
+        print(f"vtoken audit --vllm {a.vllm}: {res['error']}", file=sys.stderr)
+        return 1
+    return int(res["rc"] or 0)
+
+
+def _main_matrix(a) -> int:
+    from vtoken.reports.audit_matrix import run_matrix
+
+    try:
+        mx, folder = run_matrix(a.matrix, out=Path(a.out), quick=a.quick, seed=a.seed, fuzz_examples=a.fuzz_examples,
+                                only=a.only, rebuild=a.rebuild_env)
+    except KeyboardInterrupt:
+        print(f"\nvtoken audit --matrix: interrupted; the partial matrix is under {a.out}/*-matrix/",
+              file=sys.stderr, flush=True)
+        return 130
+    print(f"\nmatrix: {folder}/matrix.md, matrix.html, matrix.json")
+    for v, s in mx["summary"].items():
+        times = "" if s["audit_seconds"] is None else f" (audit {s['audit_seconds']:.0f} s" + (
+            "" if s["env_seconds"] is None else f", env {s['env_seconds']:.0f} s{' reused' if s['env_reused'] else ''}") + ")"
+        print(f"  vLLM {v}: safe {'yes' if s['safe'] else 'no'}{times}"
+              + (f": broken {', '.join(s['broken_contracts'])}" if s["broken_contracts"] else "")
+              + (f"; failed {', '.join(s['failed_checks'])}" if s["failed_checks"] else "")
+              + (f"; {s['error']}" if s["error"] else ""))
+    print(f"  safe to run vtoken on: {', '.join(mx['safe_versions']) or 'none of these'}")
+    # 0: every version was audited (whatever its verdict: the matrix is the answer); 1: some could not be
+    return 1 if any(s["error"] for s in mx["summary"].values()) else 0

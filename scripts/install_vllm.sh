@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Install vLLM 0.33.0 into an existing virtual environment on a machine without a GPU,
-# for the vLLM contract tests (tests/vllm): only vLLM's scheduler and block pool run here.
+# Install vLLM (0.33.0 unless told otherwise) into an existing virtual environment on a
+# machine without a GPU, for the vLLM contract tests (tests/vllm): only vLLM's scheduler and
+# block pool run here.
 #
-#   scripts/install_vllm.sh VENV_PYTHON
+#   scripts/install_vllm.sh VENV_PYTHON [VERSION]
+#
+# VERSION defaults to 0.33.0, the version the adapter is written against; `vtoken audit
+# --vllm VERSION` builds side environments for other versions with it. With
+# VTOKEN_WHEEL_DIR set, the vllm wheel is kept there and reused by later installs.
 #
 # Preconditions: torch is already installed in that environment (on these machines
 # `pip install torch==2.13.0` is a CPU wheel). This script never installs or replaces torch
 # and never installs a CUDA package.
 #
 # Steps (see /work/shared/design/VLLM_NOTES.md):
-#   1. If `import vllm` already gives 0.33.0 (this script ran before, or a normal GPU install
+#   1. If `import vllm` already gives VERSION (this script ran before, or a normal GPU install
 #      is there), do nothing.
-#   2. Download the vllm==0.33.0 wheel (installed with --no-deps at the end).
+#   2. Download the vllm==VERSION wheel (installed with --no-deps at the end).
 #   3. Read its Requires-Dist (no extras) and drop torch* and the CUDA-only packages.
 #   4. Resolve the rest once (pip --dry-run --report) with torch pinned to the installed
 #      version; refuse if the resolution contains any torch/CUDA package; leave out triton
@@ -22,8 +27,12 @@
 # Measured on the 2-core build machine: 76-106 s, +1.7 GB in the venv (vllm itself 0.9 GB).
 set -euo pipefail
 
-VLLM_VERSION=0.33.0
-PY=${1:?usage: scripts/install_vllm.sh VENV_PYTHON}
+PY=${1:?usage: scripts/install_vllm.sh VENV_PYTHON [VERSION]}
+VLLM_VERSION=${2:-0.33.0}
+if ! [[ "$VLLM_VERSION" =~ ^[0-9]+\.[0-9]+\.[0-9]+([.a-z0-9+]*)$ ]]; then
+    echo "install_vllm: '$VLLM_VERSION' is not a vLLM version (expected e.g. 0.33.0)" >&2
+    exit 2
+fi
 start=$(date +%s)
 
 elapsed() { echo "install_vllm: $1 after $(( $(date +%s) - start )) s"; }
@@ -65,8 +74,16 @@ DROP='^(torch|torchaudio|torchvision|torchcodec|pytorch-triton.*|flashinfer.*|ti
 SKIP='^(triton)$'
 
 echo "install_vllm: torch $TORCH_VERSION already installed; installing vllm==$VLLM_VERSION without CUDA packages"
-pipq download --no-deps "vllm==$VLLM_VERSION" -d "$work"
-wheel=$(ls "$work"/vllm-"$VLLM_VERSION"-*.whl)
+wheels=${VTOKEN_WHEEL_DIR:-$work}
+mkdir -p "$wheels"
+wheel=$(ls "$wheels"/vllm-"$VLLM_VERSION"-*.whl 2>/dev/null | head -1 || true)
+if [ -z "$wheel" ]; then
+    pipq download --no-deps "vllm==$VLLM_VERSION" -d "$wheels"
+    wheel=$(ls "$wheels"/vllm-"$VLLM_VERSION"-*.whl | head -1)
+    elapsed "wheel downloaded: $(basename "$wheel")"
+else
+    elapsed "wheel reused: $wheel"
+fi
 
 # Requires-Dist without extras, minus the dropped packages.
 "$PY" - "$wheel" "$DROP" > "$work/reqs.txt" <<'EOF'
