@@ -122,12 +122,14 @@ def _make(case):
     return out.encode() if isinstance(out, str) else out
 
 
+# Bounds on pathological input are CPU-time bounds (process_time: this process's own work,
+# whatever else the machine runs), not speed targets: those live in the benchmarks.
 def _timed_load_file(path):
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     try:
         load(path)
     except SnapshotError as e:
-        return time.perf_counter() - t0, e
+        return time.process_time() - t0, e
     raise AssertionError(f"{path} was accepted")
 
 
@@ -195,9 +197,9 @@ def test_checkers_are_fast_at_the_block_size_limit():
     bad["plan"]["moves"][0][3:] = bad["plan"]["moves"][1][3:]
     for s, want in ((snap, False), (bad, True)):
         for check in (snapshot_checks.check_snapshot, z3_checks.check_snapshot):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             vs = check(s)
-            dt = time.perf_counter() - t0
+            dt = time.process_time() - t0
             assert bool(vs) == want
             assert dt < 10.0, f"{check.__module__}: {dt:.2f} s at block_size {MAX_BLOCK_SIZE}"  # ~0.4-0.8 s here
 
@@ -205,13 +207,13 @@ def test_checkers_are_fast_at_the_block_size_limit():
 # ------------------------------------------------------------------------------ Hypothesis
 def _outcome(data) -> str:
     """'valid' or the SnapshotError code; any other exception fails the test. Within 1 s."""
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     try:
         loads(data)
         out = "valid"
     except SnapshotError as e:
         out = e.code
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     assert dt < LIMIT_S, f"{dt:.3f} s for {data[:80]!r}"
     return out
 
@@ -283,7 +285,7 @@ def test_structure_mutations_of_a_valid_snapshot_through_both_checkers(data):
         node[path[-1]] = data.draw(_JSON)
     text = json.dumps(snap)
     for check in (snapshot_checks.check_snapshot, z3_checks.check_snapshot):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         try:
             snap2 = json.loads(text)
             out = check(snap2)
@@ -292,5 +294,5 @@ def test_structure_mutations_of_a_valid_snapshot_through_both_checkers(data):
             assert e.code in SNAPSHOT_CODES
         except ValueError as e:  # json.loads of NaN-free text never fails; keep the reason visible
             raise AssertionError(f"{check.__module__}: {e}") from e
-        dt = time.perf_counter() - t0
+        dt = time.process_time() - t0
         assert dt < LIMIT_S, f"{check.__module__}: {dt:.3f} s"

@@ -28,9 +28,13 @@ A step
 ------
 *Before* ``schedule()``: the headroom is topped up to ``headroom`` blocks taken with
 ``BlockPool.get_new_blocks`` and held by the adapter (ref_cnt 1, in no request's list), so
-``allocate_slots`` cannot see them; new requests wait in the adapter's queue while the
-headroom is short (admission back-pressure; released when the scheduler is idle, so a pool
-too small for the headroom cannot deadlock). *After* it: the output is mirrored; for a
+``allocate_slots`` cannot see them; it yields to growth first (one free block kept per
+running request and, when idle, for the next prompt: vLLM never preempts or stalls for a
+block the headroom holds). While the headroom is short, requests that never ran sit out the
+``schedule()`` call (admission back-pressure; they stay in vLLM's ``requests`` and waiting
+queue between calls, so ``finish_requests`` and ``has_requests`` see them; not when nothing
+else could run, so a pool too small for the headroom cannot deadlock).
+``reset_prefix_cache()`` gives the headroom back first. *After* it: the output is mirrored; for a
 non-empty step ``seq``, blocks whose tokens were all evicted are released (fenced at
 ``seq``), and compaction plans are made and ride on the output as ``so.vtoken``. *After*
 ``update_from_output()`` (vLLM has advanced ``processed_step_seq`` and drained
