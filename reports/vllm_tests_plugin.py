@@ -1,0 +1,147 @@
+"""A pytest plugin that puts vtoken in place in vLLM's OWN tests (``tests/v1/core``).
+
+Loaded by ``vtoken.reports.vllm_own_tests`` for its second run, with
+``-p vtoken.reports.vllm_tests_plugin``. Toolkit code: the system never imports it.
+
+The mechanism
+-------------
+vLLM's tests build their schedulers in several places: ``tests/v1/core/utils.py::
+create_scheduler`` (most of them), ``tests/v1/kv_connector/unit/utils.py::create_scheduler``,
+``test_scheduler.py::create_scheduler_with_priority``, and a few tests call
+``Scheduler(...)`` / ``AsyncScheduler(...)`` or a subclass of their own (``scheduler_cls=``)
+directly. Patching one helper would miss the others, so the plugin patches the classes:
+
+* at ``pytest_configure`` every class of vLLM's scheduler hierarchy that defines its own
+  ``__init__`` (``Scheduler``, ``AsyncScheduler``, and any subclass already imported) gets
+  a wrapped ``__init__``, and ``Scheduler.__init_subclass__`` wraps the ``__init__`` of any
+  subclass defined later (a test's own scheduler class);
+* the wrapper counts nesting (``AsyncScheduler.__init__`` calls ``Scheduler.__init__``):
+  when the OUTERMOST ``__init__`` returns, the instance is complete and the adapter is
+  attached with ``VTokenAdapter.attach(scheduler, **settings)``. ``attach`` keeps the
+  instance, swaps its class for ``VToken<its class>`` (``vllm_adapter.hooks``: the
+  before/after ``schedule()``, after ``update_from_output()`` and before
+  ``_free_request_blocks()`` hooks), reads the geometry off it (``VllmHarness.around``) and
+  sets ``defer_block_free = True``, exactly as an adapter-built scheduler.
+  ``isinstance`` checks of the tests still hold (the new class subclasses the old one).
+* settings: the adapter's defaults (reclamation on, ``PlannerConfig()``: headroom 64,
+  runtime checks on) unless ``--vtoken-adapter-settings JSON`` says otherwise. No eviction
+  acts: no worker is attached and the token table stays empty, so no block is ever
+  released or relocated; what remains is everything the adapter does around vLLM anyway
+  (the headroom reservation and admission back-pressure, ``defer_block_free``, the hooks
+  on free and reset, the block-list mirror and the runtime assumption checks).
+* an adapter that refuses the scheduler (``AdapterAssumptionError``, e.g. a KV layout it
+  does not support) raises out of the constructor: the test fails with that error, which
+  is what vtoken in place would do.
+
+Per test, the plugin adds junit properties ``vtoken_adapters`` (adapters attached during
+the test) and ``vtoken_stats`` (JSON: the adapters' summed counters that matter without
+eviction: ``headroom_yielded``, ``backpressure_steps``, ``preemptions``), so a report can
+tell a test that never built a scheduler (vtoken not in play) from one that did.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import weakref
+
+import pytest
+
+_SETTINGS: dict = {}
+_WRAPPED = "_vtoken_wrapped_init"
+_CLASSES: dict = {}  # base scheduler class -> its VToken<base> class (one per base)
+_attached: list = []  # weak references to the adapters attached during the current test
+_STATS = ("headroom_yielded", "backpressure_steps", "preemptions")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--vtoken-adapter-settings", default="{}",
+                     help="JSON keyword arguments for VTokenAdapter.attach (default: the adapter's defaults)")
+
+
+def _vtoken_class(base: type) -> type:
+    from vtoken.vllm_adapter.hooks import scheduler_class
+
+    if base not in _CLASSES:
+        _CLASSES[base] = scheduler_class(base)
+    return _CLASSES[base]
+
+
+def attach(scheduler) -> None:
+    """Attach an adapter to a finished scheduler instance (the wrapper's last act)."""
+    from vtoken.vllm_adapter.adapter import VTokenAdapter
+
+    if getattr(scheduler, "vtoken_adapter", None) is not None:
+        return  # built by an adapter already
+    if not hasattr(type(scheduler), "vtoken_adapter"):
+        scheduler.__class__ = _vtoken_class(type(scheduler))
+    ad = VTokenAdapter.attach(scheduler, **_SETTINGS)
+    _attached.append(weakref.ref(ad))
+
+
+def _wrap(cls: type) -> None:
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, _WRAPPED, False) or hasattr(cls, "vtoken_adapter"):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        depth = self.__dict__.get("_vtoken_init_depth", 0)
+        self.__dict__["_vtoken_init_depth"] = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if depth:
+                self.__dict__["_vtoken_init_depth"] = depth
+            else:
+                self.__dict__.pop("_vtoken_init_depth", None)
+        if depth == 0:
+            attach(self)
+
+    setattr(__init__, _WRAPPED, True)
+    cls.__init__ = __init__
+
+
+def install(settings: dict | None = None) -> None:
+    """Patch vLLM's scheduler classes (idempotent)."""
+    from vtoken.vllm_adapter import harness as _harness  # noqa: F401 - CPU environment before vLLM
+    from vllm.v1.core.sched.scheduler import Scheduler
+    import vllm.v1.core.sched.async_scheduler  # noqa: F401 - the subclass exists before the walk
+
+    _SETTINGS.clear()
+    _SETTINGS.update(settings or {})
+    todo = [Scheduler]
+    while todo:
+        c = todo.pop()
+        _wrap(c)
+        todo.extend(c.__subclasses__())
+    if not getattr(Scheduler.__dict__.get("__init_subclass__"), _WRAPPED, False):
+        previous = Scheduler.__dict__.get("__init_subclass__")
+
+        def __init_subclass__(cls, **kw):
+            if previous is not None:
+                previous.__func__(cls, **kw)
+            else:
+                super(Scheduler, cls).__init_subclass__(**kw)
+            _wrap(cls)
+
+        setattr(__init_subclass__, _WRAPPED, True)
+        Scheduler.__init_subclass__ = classmethod(__init_subclass__)
+
+
+def pytest_configure(config):
+    install(json.loads(config.getoption("--vtoken-adapter-settings") or "{}"))
+    config.addinivalue_line("markers", "vtoken_in_place: vLLM's schedulers run with the vtoken adapter attached")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _attached.clear()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item):
+    ads = [a for a in (r() for r in _attached) if a is not None]
+    stats = {k: sum(int(a.stats.get(k, 0)) for a in ads) for k in _STATS}
+    item.user_properties.append(("vtoken_adapters", len(_attached)))
+    item.user_properties.append(("vtoken_stats", json.dumps(stats, sort_keys=True)))
