@@ -45,7 +45,8 @@ The result (and ``out_dir/vllm_own_tests.json``, the two junit files beside it):
     {"version", "python", "vtoken_commit", "stand_ins", "tree", "wall_s",
      "shipped": {"passed", "failed", "not_applicable", "wall_s", "returncode",
                  "not_applicable_tests": [{"test", "reason"}], "failed_tests": [{"test", "error"}]},
-     "with_vtoken": {... the same, plus "adapters_attached": tests that built a scheduler},
+     "with_vtoken": {... the same, plus "adapters_attached": tests where the adapter was attached
+                     to a scheduler, "adapter_refused": tests where it refused one},
      "divergences": [{"test", "kind", "reason", "cause", "error"}],
      "causes": {cause: {"kind", "reason", "tests"}},
      "vtoken_only_passes": [test ids failing as shipped, passing with vtoken]}
@@ -694,6 +695,8 @@ def run(version: str = None, python: str = sys.executable, out_dir: Path = None,
         s = summarize(recs["with_vtoken"])
         s["adapters_attached"] = sum(1 for r in recs["with_vtoken"].values()
                                      if int(r["properties"].get("vtoken_adapters") or 0) > 0)
+        s["adapter_refused"] = sum(1 for r in recs["with_vtoken"].values()
+                                   if int(r["properties"].get("vtoken_refused") or 0) > 0)
         report["with_vtoken"] = {**s, **info}
     if shipped and with_vtoken:
         report.update(compare(recs["shipped"], recs["with_vtoken"]))

@@ -34,7 +34,7 @@ directly. Patching one helper would miss the others, so the plugin patches the c
   is what vtoken in place would do.
 
 Per test, the plugin adds junit properties ``vtoken_adapters`` (adapters attached during
-the test) and ``vtoken_stats`` (JSON: the adapters' summed counters that matter without
+the test), ``vtoken_refused`` (schedulers the adapter refused) and ``vtoken_stats`` (JSON: the adapters' summed counters that matter without
 eviction: ``headroom_yielded``, ``backpressure_steps``, ``preemptions``), so a report can
 tell a test that never built a scheduler (vtoken not in play) from one that did.
 """
@@ -51,6 +51,7 @@ _SETTINGS: dict = {}
 _WRAPPED = "_vtoken_wrapped_init"
 _CLASSES: dict = {}  # base scheduler class -> its VToken<base> class (one per base)
 _attached: list = []  # weak references to the adapters attached during the current test
+_refused: list = []  # schedulers the adapter refused during the current test (their error re-raised)
 _STATS = ("headroom_yielded", "backpressure_steps", "preemptions")
 
 
@@ -75,7 +76,11 @@ def attach(scheduler) -> None:
         return  # built by an adapter already
     if not hasattr(type(scheduler), "vtoken_adapter"):
         scheduler.__class__ = _vtoken_class(type(scheduler))
-    ad = VTokenAdapter.attach(scheduler, **_SETTINGS)
+    try:
+        ad = VTokenAdapter.attach(scheduler, **_SETTINGS)
+    except Exception as e:  # noqa: BLE001 - counted, then the test sees it
+        _refused.append(type(e).__name__)
+        raise
     _attached.append(weakref.ref(ad))
 
 
@@ -137,6 +142,7 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     _attached.clear()
+    _refused.clear()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -144,4 +150,5 @@ def pytest_runtest_teardown(item):
     ads = [a for a in (r() for r in _attached) if a is not None]
     stats = {k: sum(int(a.stats.get(k, 0)) for a in ads) for k in _STATS}
     item.user_properties.append(("vtoken_adapters", len(_attached)))
+    item.user_properties.append(("vtoken_refused", len(_refused)))
     item.user_properties.append(("vtoken_stats", json.dumps(stats, sort_keys=True)))
