@@ -159,7 +159,7 @@ class VTokenAdapter:
         self.worker = None
         self.stats = dict(plans=0, applied=0, aborted=0, moves=0, sources_freed=0, dests_used=0,
                           dests_returned=0, released_empty=0, hashes_kept=0, hashes_evicted=0,
-                          shared_blocks_moved=0, backpressure_steps=0, held_back_max=0,
+                          shared_blocks_moved=0, backpressure_steps=0, held_back_max=0, headroom_idle_returns=0,
                           orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
                           unfaithful_hashes_evicted=0, source_hashes_dropped=0)
         # blocks the adapter holds (one reference each)
@@ -270,8 +270,17 @@ class VTokenAdapter:
                 self.scheduler.waiting.add_request(q)
             self._withheld = []
 
+    # The reservation is at most an eighth of the live pool (vLLM's tests swap the manager
+    # after construction, so the pool is read each time): on a tight pool a full headroom
+    # would starve vLLM's own schedule (issue 13: 21 of vLLM's tests on pools of 5-7 blocks).
+    HEADROOM_POOL_FRACTION = 8
+
+    def _target(self) -> int:
+        """The headroom's size now: ``H``, capped by the live pool (O(1))."""
+        return min(self.H, (self.pool.num_gpu_blocks - 1) // self.HEADROOM_POOL_FRACTION) if self.reclaim else 0
+
     def _backpressure(self) -> bool:
-        return self.reclaim and len(self.headroom) < self.H
+        return self.reclaim and len(self.headroom) < self._target()
 
     def has_work(self) -> bool:
         return bool(self.scheduler.has_requests())
@@ -340,8 +349,8 @@ class VTokenAdapter:
                 del self.headroom[-len(give):]
                 self.pool.free_blocks(give)
                 self.stats["headroom_yielded"] += 1
-            elif not self._starved:
-                take = min(self.H - len(self.headroom), free - reserve)
+            elif not self._starved and sched.has_requests():  # nothing reserved while idle
+                take = min(self._target() - len(self.headroom), free - reserve)
                 if take > 0:
                     self.headroom += self.pool.get_new_blocks(take)
         self._withhold()
@@ -539,6 +548,12 @@ class VTokenAdapter:
         meta = getattr(so, "vtoken", None)
         if meta is not None and meta.seq:
             self.retained.append((meta.seq, self.retained_now(), len(self.scheduler.running)))
+        if self.headroom and not self.plans and not self.scheduler.has_requests():
+            # idle: nothing to reclaim for, so nothing reserved (vLLM's leak checks and free
+            # counts see the whole pool); retaken at the next schedule() with work
+            self.pool.free_blocks(self.headroom)
+            self.headroom = []
+            self.stats["headroom_idle_returns"] += 1
         self._take_changes()
         if self.checks:
             self.check.after_hook(f"after processing step {meta.seq if meta else '?'}", table=True)
