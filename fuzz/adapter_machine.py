@@ -80,7 +80,10 @@ class _Run:
                                 reclaim=reclaim, max_model_len=512, max_num_batched_tokens=budget, max_num_seqs=8,
                                 planner_config=default_adapter_planner_config(headroom=H, max_sources=B,
                                                                               record_snapshots=reclaim),
-                                checks=checks)
+                                checks=checks,
+                                # pools of 16-48 blocks: the shipped cap (1/16) would leave no
+                                # headroom at all; 1/4 keeps reclamation under test on them
+                                headroom_pool_fraction=4)
         self.w = VTokenWorker(_model(), self.ad.table, N, S, policy="random", evict_ratio=ratio, seed=0,
                               check_relocations=RelocationChecker if reclaim else None, copy_lag=lag)
         self.d = AdapterDriver(self.ad, self.w)

@@ -35,7 +35,7 @@ def make(model, *, S=8, N=48, H=4, caching=True, async_=False, lag=0, policy="ra
 
     ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
                        reclaim=reclaim, planner_config=default_adapter_planner_config(headroom=H),
-                       max_num_batched_tokens=batched, max_model_len=512)
+                       max_num_batched_tokens=batched, max_model_len=512, headroom_pool_fraction=4)
     w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy=policy, evict_ratio=ratio, seed=seed, copy_lag=lag)
     return ad, w, AdapterDriver(ad, w)
 
@@ -479,10 +479,15 @@ def test_no_preemption_churn_on_a_tight_pool(model, async_):
 
 
 def test_the_headroom_is_capped_by_the_live_pool(model):
-    """On a tight pool the reservation is at most an eighth of it (issue 13: on 5-7 block
-    pools a full headroom starved vLLM's own schedule)."""
+    """On a tight pool the reservation is a fraction of it (issue 13: on 5-10 block pools a
+    full headroom starved vLLM's own schedule): 1/4 here (``make``), 1/16 by default."""
+    from vtoken.vllm_adapter.adapter import VTokenAdapter
+
     ad, w, d = make(model, S=8, N=24, H=16, ratio=0.0)
     ad.add_request("a", prompt(0, 17), max_tokens=8)
     d.step()
-    assert len(ad.headroom) == (24 - 1) // 8
+    assert len(ad.headroom) == (24 - 1) // 4
+    assert VTokenAdapter(block_size=8, num_blocks=16)._target() == 0  # the default: none below 17 blocks
+    with pytest.raises(ValueError, match="headroom_pool_fraction"):
+        VTokenAdapter(block_size=8, num_blocks=16, headroom_pool_fraction=0)
     run_to_end(ad, d)

@@ -107,6 +107,8 @@ class VTokenAdapter:
             at idle, and at every hook with ``paranoid_checks`` (campaigns).
         evict_unfaithful_hashes: drop the prefix-cache hash of blocks computed after the
             request's first eviction (``prefix_hash``).
+        headroom_pool_fraction: the headroom is at most 1/this of the live pool (default 16:
+            no headroom below 17 blocks, where vLLM's own schedule needs every block).
 
     Ownership: the adapter holds one reference on every headroom block, every applied
     destination (``held``), and every block of a plan in flight (``plans``); vLLM holds the
@@ -120,10 +122,12 @@ class VTokenAdapter:
                  max_model_len: int = 1024, reclaim: bool = True, planner_config: PlannerConfig | None = None,
                  max_plans_per_step: int = 4, checks: bool = True, table_device: str = "cpu",
                  evict_unfaithful_hashes: bool = True, check_full_every: int = 64, paranoid_checks: bool = False,
-                 scheduler=None):
+                 scheduler=None, headroom_pool_fraction: int = 16):
         from vllm.v1.request import RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
 
+        if int(headroom_pool_fraction) < 1:  # refused before anything is built
+            raise ValueError(f"headroom_pool_fraction={headroom_pool_fraction!r}: must be >= 1")
         global _RUNNING, _WAITING
         _RUNNING, _WAITING = RequestStatus.RUNNING, RequestStatus.WAITING
 
@@ -153,6 +157,7 @@ class VTokenAdapter:
         self.reclaim = bool(reclaim)
         self.cfg = planner_config or default_adapter_planner_config()
         self.H = int(self.cfg.headroom) if self.reclaim else 0
+        self.headroom_pool_fraction = int(headroom_pool_fraction)
         self.max_plans_per_step = int(max_plans_per_step)
         self.checks = checks
         self.table = TokenTable(self.S, self.N, device=table_device)
@@ -270,14 +275,12 @@ class VTokenAdapter:
                 self.scheduler.waiting.add_request(q)
             self._withheld = []
 
-    # The reservation is at most an eighth of the live pool (vLLM's tests swap the manager
-    # after construction, so the pool is read each time): on a tight pool a full headroom
-    # would starve vLLM's own schedule (issue 13: 21 of vLLM's tests on pools of 5-7 blocks).
-    HEADROOM_POOL_FRACTION = 8
-
     def _target(self) -> int:
-        """The headroom's size now: ``H``, capped by the live pool (O(1))."""
-        return min(self.H, (self.pool.num_gpu_blocks - 1) // self.HEADROOM_POOL_FRACTION) if self.reclaim else 0
+        """The headroom's size now: ``H``, capped at 1/``headroom_pool_fraction`` of the live
+        pool (vLLM's tests swap the manager after construction, so the pool is read each
+        time): on a tight pool a full headroom would starve vLLM's own schedule (issue 13: 21
+        of vLLM's tests on pools of 5-10 blocks). O(1)."""
+        return min(self.H, (self.pool.num_gpu_blocks - 1) // self.headroom_pool_fraction) if self.reclaim else 0
 
     def _backpressure(self) -> bool:
         return self.reclaim and len(self.headroom) < self._target()
@@ -349,7 +352,7 @@ class VTokenAdapter:
                 del self.headroom[-len(give):]
                 self.pool.free_blocks(give)
                 self.stats["headroom_yielded"] += 1
-            elif not self._starved and sched.has_requests():  # nothing reserved while idle
+            elif not self._starved and sched.get_num_unfinished_requests():  # nothing reserved while idle
                 take = min(self._target() - len(self.headroom), free - reserve)
                 if take > 0:
                     self.headroom += self.pool.get_new_blocks(take)
@@ -548,9 +551,11 @@ class VTokenAdapter:
         meta = getattr(so, "vtoken", None)
         if meta is not None and meta.seq:
             self.retained.append((meta.seq, self.retained_now(), len(self.scheduler.running)))
-        if self.headroom and not self.plans and not self.scheduler.has_requests():
-            # idle: nothing to reclaim for, so nothing reserved (vLLM's leak checks and free
-            # counts see the whole pool); retaken at the next schedule() with work
+        sched = self.scheduler
+        if self.headroom and not self.plans and not sched.running and not sched.deferred_frees:
+            # nothing runs: nothing to reclaim for, so nothing reserved (vLLM's leak checks
+            # and free counts see the whole pool once its own deferred frees drained);
+            # retaken at the next schedule() with work
             self.pool.free_blocks(self.headroom)
             self.headroom = []
             self.stats["headroom_idle_returns"] += 1
