@@ -491,3 +491,20 @@ def test_the_headroom_is_capped_by_the_live_pool(model):
     with pytest.raises(ValueError, match="headroom_pool_fraction"):
         VTokenAdapter(block_size=8, num_blocks=16, headroom_pool_fraction=0)
     run_to_end(ad, d)
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_reset_prefix_cache_with_running_requests(model, async_):
+    """reset_prefix_cache(reset_running_requests=True) with a step in flight (vLLM's weight
+    sync): vLLM preempts every running request and resets; the adapter's forced fence must
+    not hold their blocks (issue 13: RuntimeError 'Failed to reset KV cache')."""
+    ad, w, d = make(model, S=8, N=56, H=4, ratio=0.0, async_=async_)
+    ad.add_request("a", prompt(0, 17), max_tokens=12)
+    ad.add_request("b", prompt(1, 9), max_tokens=12)
+    for _ in range(3):
+        d.step()
+    assert ad.scheduler.running
+    assert ad.scheduler.reset_prefix_cache(reset_running_requests=True) is True
+    assert ad.scheduler.defer_block_free is True  # the fence is back for everything else
+    run_to_end(ad, d)
+    assert len(ad.output_tokens("a")) == 12 and len(ad.output_tokens("b")) == 12

@@ -34,11 +34,21 @@ def scheduler_class(base: type) -> type:
                 ad._after_update(scheduler_output, model_runner_output)
             return result
 
-        def reset_prefix_cache(self, *args, **kwargs):
+        def reset_prefix_cache(self, reset_running_requests: bool = False, *args, **kwargs):
             ad = self.vtoken_adapter
-            if ad is not None:
-                ad._before_reset_prefix_cache()
-            return super().reset_prefix_cache(*args, **kwargs)
+            if ad is None:
+                return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
+            ad._before_reset_prefix_cache()
+            if not reset_running_requests:
+                return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
+            # vLLM preempts every running request dropping its stale output, then resets: the
+            # fence the adapter forces (defer_block_free) would hold their blocks and fail the
+            # reset, so for this call the frees are vLLM's default (immediate), as without vtoken
+            forced, self.defer_block_free = self.defer_block_free, False
+            try:
+                return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
+            finally:
+                self.defer_block_free = forced
 
         def _free_request_blocks(self, request):
             ad = self.vtoken_adapter
