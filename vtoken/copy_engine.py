@@ -37,8 +37,8 @@ The copy is synchronous at ``launch`` and the same lifecycle is followed (``poll
 its handle, the CPU stand-in for a relocation stream that is running late: it lets tests
 see what happens when something touches a plan's blocks while its copy is "in flight".
 
-Failures and faults
--------------------
+Failed copies
+-------------
 ``fail_next_copy = True``: the next launch copies only part of its moves and reports
 ``failed`` (the planner then aborts). Nothing here plants a bug: faulty engines for the
 checks (a flipped byte, a skipped move, a dropped wait, an event on the wrong stream, a
