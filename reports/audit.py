@@ -314,9 +314,11 @@ def check_vllm_own_tests(ctx) -> CheckResult:
         detail += " (no test ran)"
     metrics = dict(res, shipped=shipped, with_vtoken=with_vt, divergences=div,
                    groups=_own_test_groups(mod, res, div))
-    ids = " ".join(sorted({d["test"] for d in bugs})[:10])
-    metrics["command"] = (f"cd {REPO} && {sys.executable} -m {OWN_TESTS_MODULE} --version {ver} --out "
-                          f"{out}-repro {ids}").strip()
+    import shlex
+
+    ids = " ".join(shlex.quote(t) for t in sorted({d["test"] for d in bugs})[:10])
+    metrics["command"] = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m {OWN_TESTS_MODULE} "
+                          f"--version {ver} --out {shlex.quote(str(out) + '-repro')} {ids}").strip()
     return CheckResult(name, ok, detail, metrics=metrics)
 
 

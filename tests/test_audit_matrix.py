@@ -258,6 +258,8 @@ def test_matrix_lays_every_contract_check_and_machine_out_per_version():
     assert rows[("fuzz machine", "adapter")]["0.32.0"]["state"] == "pass"
     assert rows[("vLLM test group", "test_prefix_caching.py")]["0.31.0"]["state"] == "pass"
     assert rows[("check", "table-step-cost")]["0.31.0"]["state"] == "measured"
+    assert rows[("check", "vllm-contracts")]["0.32.0"]["state"] == "pin only"  # only the version differs
+    assert rows[("check", "vllm-contracts")]["0.31.0"]["state"] == "FAIL"
     assert mx["safe_versions"] == ["0.32.0"]
     assert mx["summary"]["0.31.0"]["broken_contracts"] == ["fence_step_seq"]
     assert mx["summary"]["0.18.0"]["safe"] is False
@@ -272,6 +274,7 @@ def test_matrix_renders_to_md_and_html():
     assert "| 0.32.0 | YES | - | - | 170 (reused) | 390 |" in md
     assert "| contract | fence_step_seq | **FAIL** | pass | not run |" in md
     assert "0.31.0 / contract fence_step_seq (FAIL)" in md
+    assert "| check | vllm-contracts | **FAIL** | FAIL (pin only) | not run |" in md
     page = render_matrix_html(mx)
     assert "<th>0.31.0</th><th>0.32.0</th><th>0.18.0</th>" in page and "class='fail'" in page
 
