@@ -564,8 +564,8 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
         "timestamp": stamp,
         "host": f"{platform.node()} {platform.machine()} python {platform.python_version()}",
         # what the reproduce commands need: the same interpreter, checkout and settings
-        "invocation": {"python": sys.executable, "repo": str(REPO), "quick": quick, "seed": seed,
-                       "fuzz_examples": fuzz_examples, "only": only or None},
+        "invocation": {"python": sys.executable, "repo": str(REPO), "cwd": os.getcwd(), "quick": quick,
+                       "seed": seed, "fuzz_examples": fuzz_examples, "only": only or None},
         "checks": [r.as_json() for r in results],
     }
     if os.environ.get(ENV_INFO_VAR):  # run by --vllm / --matrix inside a side environment

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import shlex
 from typing import Optional
 
@@ -136,6 +137,15 @@ def repro_commands(report: dict, check: dict) -> list[str]:
         sel = " or ".join(t.split("::")[-1].split("[")[0] for t in m["failed"][:5])
         cmds.append(f"cd {_q(inv.get('repo', '.'))} && PYTHONHASHSEED=0 VTOKEN_HYPOTHESIS_PROFILE=ci "
                     f"{_q(inv.get('python', 'python'))} -m pytest -m invariants -k {_q(sel)}")
+    elif name == "fuzz-campaign" and m.get("failure_reports"):
+        # each failure wrote a replay test beside its report: fuzz/failures/<machine>-w<k>-<n>.txt
+        for f in m["failure_reports"][:3]:
+            stem = str(f.get("files") or "")
+            if stem:
+                d, base = os.path.split(stem)
+                replay = os.path.join(d, "test_replay_" + base.replace("-", "_") + ".py")
+                cmds.append(f"cd {_q(inv.get('cwd', inv.get('repo', '.')))} && PYTHONHASHSEED=0 "
+                            f"{_q(inv.get('python', 'python'))} -m pytest -p no:cacheprovider {_q(replay)}")
     elif name == OWN_TESTS and m.get("command"):
         cmds.append(str(m["command"]))
     cmds.append(audit_command(report, only=name))

@@ -89,6 +89,15 @@ def test_failed_checks_each_carry_a_reproducing_command():
                    "--quick --seed 3 --fuzz-examples 20")
 
 
+def test_a_fuzz_failure_is_reproduced_by_its_replay_test():
+    r = _report(failed_checks=("fuzz-campaign",))
+    r["invocation"]["cwd"] = "/home/u"
+    r["checks"][2]["metrics"]["failure_reports"] = [{"machine": "adapter", "files": "reports/a/fuzz/failures/adapter-w0-1"}]
+    (f,) = verdict(r)["failed_checks"]
+    assert f["repro"][0] == ("cd /home/u && PYTHONHASHSEED=0 /envs/vllm-x/bin/python -m pytest -p no:cacheprovider "
+                             "reports/a/fuzz/failures/test_replay_adapter_w0_1.py")
+
+
 def test_a_check_that_did_not_run_is_never_a_silent_yes():
     v = verdict(_report(not_run=("vllm-own-tests",)))
     assert v["safe"] is False
