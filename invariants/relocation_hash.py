@@ -104,14 +104,15 @@ def _token_layer_bytes(kv, slots: torch.Tensor) -> torch.Tensor:
     """uint8 ``[n, L, 2*H*D*itemsize]``: per token and layer its K then V bytes (on kv's device)."""
     s = torch.as_tensor(slots, dtype=torch.int64, device=kv.device)
     x = kv.flat.index_select(2, s).permute(2, 0, 1, 3, 4).contiguous()  # [n, L, 2, H, D]
-    return x.view(torch.uint8).reshape(s.numel(), kv.num_layers, -1)
+    row = x.shape[2] * x.shape[3] * x.shape[4] * x.element_size()  # explicit: n may be 0 (all evicted)
+    return x.view(torch.uint8).reshape(s.numel(), kv.num_layers, row)
 
 
 def token_layer_digests(kv, slots) -> np.ndarray:
     """xxh3-64 of each token's K/V bytes in each layer: uint64 ``[n, L]`` (host)."""
     rows = _token_layer_bytes(kv, slots).cpu().numpy()
-    n, L, _ = rows.shape
-    flat = rows.reshape(n * L, -1)
+    n, L, row = rows.shape
+    flat = rows.reshape(n * L, row)
     out = np.fromiter((xxhash.xxh3_64_intdigest(r.tobytes()) for r in flat), dtype=np.uint64,
                       count=n * L)
     return out.reshape(n, L)

@@ -693,3 +693,12 @@ def test_checked_engine_settles_at_wait_and_synchronize(monkeypatch):
     flag["ready"] = True
     with pytest.raises(RelocationCheckError):
         wrapped.wait_before_attention()  # ready now: the failure surfaces before the next attention
+
+
+def test_digests_of_no_tokens():
+    """A read path with no live token (every token of the plan evicted in flight): empty
+    digests, not a reshape error (found by the adapter campaign: S=4, lag 4, async)."""
+    kv = KVCache(2, 8, 2, 1, 3, dtype=torch.float16)
+    none = torch.empty(0, dtype=torch.int64)
+    assert token_layer_digests(kv, none).shape == (0, 2)
+    assert device_fingerprint(kv, none).shape[:2] == (0, 2)
