@@ -233,7 +233,9 @@ class PlannerMachine(RuleBasedStateMachine):
             if f.plan.state in (APPLIED, ABORTED):
                 del self.flying[pid]
                 self.deferred.pop(pid, None)
-                if f.plan.state == ABORTED and f.rid in self.pos:
+                # an orphaned plan's request finished or was preempted while it flew: its
+                # destinations go back to the pool (unreserved), not to the headroom
+                if f.plan.state == ABORTED and f.rid in self.pos and not f.plan.orphaned:
                     for b in f.dests:
                         assert b in self.mgr.headroom, f"aborted plan {pid}: destination {b} not back in the headroom"
 

@@ -48,7 +48,7 @@ The adapter sets ``Scheduler.defer_block_free = True`` (the switch vLLM sets for
 KV-consumer connector with overlapping batches), so ``sched_step_seq`` /
 ``processed_step_seq`` / ``deferred_frees`` run.
 
-Where vLLM's own tests see a difference (``vtoken.reports.vllm_own_tests``, 0.33.0,
+Where vLLM's own tests see a difference (the audit's vllm-own-tests check, 0.33.0,
 ``tests/v1/core`` with the adapter attached and no eviction acting: 1034 of the 1074 that
 pass as shipped still pass; the 40 divergences left are inherent to the design):
 
