@@ -662,7 +662,9 @@ def run(version: str = None, python: str = sys.executable, out_dir: Path = None,
     if with_vtoken and not probe.get("vtoken"):
         raise RuntimeError(f"{python} cannot import vtoken (install this checkout there)")
     tree = ensure_tests(version, log)
-    out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"vllm-own-tests-{version}-"))
+    # absolute: pytest runs with the extracted tree as its working directory, so a relative
+    # --junitxml would land there (the audit passes reports/<ts>/vllm-own-tests: "no junit results")
+    out_dir = (Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"vllm-own-tests-{version}-"))).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTEST_ADDOPTS", None)

@@ -269,3 +269,14 @@ def test_real_run_on_two_vllm_test_files(tmp_path):
     assert (tmp_path / "vllm_own_tests.json").exists() and (tmp_path / "shipped.xml").exists()
     for d in r["divergences"]:  # each one classified, with a reason
         assert d["kind"] in ("bug", "inherent") and d["reason"]
+
+
+def test_a_relative_out_dir_is_made_absolute(tmp_path, monkeypatch):
+    """The audit passes a relative reports/<ts>/vllm-own-tests; pytest runs in the extracted
+    tree, so the junit path must be absolute (it was not: 'no junit results')."""
+    import inspect
+
+    from vtoken.reports import vllm_own_tests
+
+    src = inspect.getsource(vllm_own_tests.run)
+    assert ".resolve()" in src.split("out_dir.mkdir")[0]
