@@ -85,7 +85,8 @@ def audit_in_env(version: str, *, out: Path, quick: bool, seed: int, fuzz_exampl
         result_file = Path(f.name)
     env_info = {k: info.get(k) for k in ("env", "python", "reused", "build_seconds", "torch", "built",
                                          "this_environment") if info.get(k) is not None}
-    env = dict(os.environ, PYTHONHASHSEED="0", **{SIDE_ENV_VAR: version, RESULT_FILE_VAR: str(result_file),
+    env = dict(os.environ, PYTHONHASHSEED="0", VTOKEN_ALLOW_UNSUPPORTED_VLLM=version,  # audit a candidate
+               **{SIDE_ENV_VAR: version, RESULT_FILE_VAR: str(result_file),
                                                    ENV_INFO_VAR: json.dumps(env_info)})
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown the audit's progress
     argv = child_argv(py, version, out=out, quick=quick, seed=seed, fuzz_examples=fuzz_examples, only=only,

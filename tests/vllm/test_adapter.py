@@ -508,3 +508,22 @@ def test_reset_prefix_cache_with_running_requests(model, async_):
     assert ad.scheduler.defer_block_free is True  # the fence is back for everything else
     run_to_end(ad, d)
     assert len(ad.output_tokens("a")) == 12 and len(ad.output_tokens("b")) == 12
+
+
+def test_an_unaudited_vllm_version_is_refused_at_start(monkeypatch):
+    """The adapter starts only on the vLLM it was audited on (issue 13), unless the audit of a
+    candidate version names it in $VTOKEN_ALLOW_UNSUPPORTED_VLLM; refused before anything is built."""
+    import vllm
+
+    from vtoken.vllm_adapter.adapter import VTokenAdapter
+    from vtoken.vllm_adapter.assumptions import ALLOW_ENV, AdapterAssumptionError
+
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    with pytest.raises(AdapterAssumptionError, match=r"\[vllm_version\].*0\.32\.0 is installed"):
+        VTokenAdapter(block_size=8, num_blocks=32)
+    monkeypatch.setenv(ALLOW_ENV, "0.31.0")  # another version named: still refused
+    with pytest.raises(AdapterAssumptionError, match=r"\[vllm_version\]"):
+        VTokenAdapter(block_size=8, num_blocks=32)
+    monkeypatch.setenv(ALLOW_ENV, "0.32.0")  # the audit of 0.32.0
+    VTokenAdapter(block_size=8, num_blocks=32).close()

@@ -72,7 +72,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
-from .assumptions import ASSUMPTIONS, AdapterAssumptionError, check_supported_kv_config
+from .assumptions import ASSUMPTIONS, AdapterAssumptionError, check_supported_kv_config, check_supported_vllm
 from .checks import RuntimeChecks
 from .driver import AdapterDriver
 from .fence import FenceLedger
@@ -139,6 +139,11 @@ class VTokenAdapter:
 
         if int(headroom_pool_fraction) < 1:  # refused before anything is built
             raise ValueError(f"headroom_pool_fraction={headroom_pool_fraction!r}: must be >= 1")
+        import vllm
+
+        from . import VLLM_VERSION
+
+        check_supported_vllm(getattr(vllm, "__version__", None), VLLM_VERSION)  # refused before anything is built
         global _RUNNING, _WAITING
         _RUNNING, _WAITING = RequestStatus.RUNNING, RequestStatus.WAITING
 

@@ -27,6 +27,9 @@ ASSUMPTIONS: dict[str, str] = {
                         "bytes (hash-and-compare)",
     "outputs_equal": "reclamation does not change the output (same eviction decisions, "
                      "token for token)",
+    "vllm_version": "the installed vLLM is the version the adapter was audited on (its contracts "
+                    "and vLLM's own tests hold there; another version is audited first with "
+                    "`vtoken audit --vllm VERSION`)",
     "single_full_attention_pool": "the KV cache is one block pool of one full-attention KV "
                                   "group (no sliding-window, chunked-local or hybrid groups: vLLM "
                                   "itself puts the null block in their lists, and their blocks are "
@@ -61,3 +64,20 @@ def check_supported_kv_config(kv_cache_config) -> None:
     if not isinstance(spec, FullAttentionSpec):
         raise AdapterAssumptionError("single_full_attention_pool", f"the KV cache group's spec is "
                                      f"{type(spec).__name__}, not full attention")
+
+
+# The audit of a candidate version sets this to that version so its checks can run the adapter.
+ALLOW_ENV = "VTOKEN_ALLOW_UNSUPPORTED_VLLM"
+
+
+def check_supported_vllm(installed: str | None, supported: str) -> None:
+    """Refuse, at start, a vLLM the adapter was not audited on (``vllm_version``), unless
+    ``$VTOKEN_ALLOW_UNSUPPORTED_VLLM`` names exactly that version (what ``vtoken audit --vllm``
+    sets in the side environment it audits)."""
+    import os
+
+    if installed == supported or (installed is not None and os.environ.get(ALLOW_ENV) == installed):
+        return
+    raise AdapterAssumptionError("vllm_version", f"vLLM {installed} is installed; the adapter supports {supported} "
+                                 f"(audit a candidate with `vtoken audit --vllm {installed}`; to run it anyway "
+                                 f"set {ALLOW_ENV}={installed})")

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
 
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
-VLLM_VERSION = "0.33.0"
+from . import VLLM_VERSION  # noqa: E402,F401 - one definition (the package's)
 
 def ensure_cpu_env() -> None:
     """Set the environment the harness needs, without overriding a caller's choice.
