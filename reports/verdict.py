@@ -377,7 +377,8 @@ def render_matrix_md(mx: dict, title: str = "vtoken contract matrix") -> str:
             "|---|---|---|---|---|---|"]
     for v in vs:
         s = mx["summary"][v]
-        env = "" if s["env_seconds"] is None else f"{s['env_seconds']:.0f}" + (" (reused)" if s["env_reused"] else "")
+        env = ("this env" if s["error"] is None else "") if s["env_seconds"] is None else \
+            f"{s['env_seconds']:.0f}" + (" (reused)" if s["env_reused"] else "")
         aud = "" if s["audit_seconds"] is None else f"{s['audit_seconds']:.0f}"
         out.append(f"| {v} | {'YES' if s['safe'] else 'NO'} | {_names(s['broken_contracts'])} | "
                    f"{_names(s['failed_checks'])} | {env} | {aud} |")
@@ -412,7 +413,8 @@ def render_matrix_html(mx: dict, title: str = "vtoken contract matrix") -> str:
     summ = "".join(
         f"<tr><td>{e(v)}</td><td class='{'pass' if s['safe'] else 'fail'}'>{'YES' if s['safe'] else 'NO'}</td>"
         f"<td>{e(_names(s['broken_contracts']))}</td><td>{e(_names(s['failed_checks']))}</td>"
-        f"<td>{secs(s['env_seconds'], s['env_reused'])}</td><td>{secs(s['audit_seconds'])}</td>"
+        f"<td>{secs(s['env_seconds'], s['env_reused']) or ('this env' if s['error'] is None else '')}</td>"
+        f"<td>{secs(s['audit_seconds'])}</td>"
         f"<td>{e('; '.join(s['why']))}</td></tr>"
         for v, s in mx["summary"].items())
     cls = {"pass": "pass", "FAIL": "fail", "n/a": "na", "not run": "na", "measured": "na", "pin only": "na"}
