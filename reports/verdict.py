@@ -92,6 +92,24 @@ def _q(s) -> str:
     return shlex.quote(str(s))
 
 
+ALLOW_ENV = "VTOKEN_ALLOW_UNSUPPORTED_VLLM"  # the adapter runs on a version it was not pinned to only with it
+
+
+def _pinned(report: dict) -> str:
+    for c in report.get("checks", []):
+        if c.get("name") == "vllm-contracts" and (c.get("metrics") or {}).get("pinned"):
+            return c["metrics"]["pinned"]
+    return "0.33.0"
+
+
+def env_prefix(report: dict) -> str:
+    """The environment a reproducing command needs: the fixed hash seed, and for a version
+    the adapter is not pinned to, the variable that lets it start there (as the audit did)."""
+    ver = report.get("vllm_version")
+    allow = f" {ALLOW_ENV}={_q(ver)}" if ver and ver != _pinned(report) else ""
+    return "PYTHONHASHSEED=0" + allow
+
+
 def audit_command(report: dict, only: Optional[str] = None, *, user_level: bool = False) -> str:
     """The command that reruns this audit (or one check of it) exactly: same interpreter,
     seed, fuzz examples and quick flag; ``user_level`` gives the ``vtoken audit --vllm``
@@ -99,7 +117,7 @@ def audit_command(report: dict, only: Optional[str] = None, *, user_level: bool 
     inv = report.get("invocation") or {}
     parts = []
     if not user_level:
-        parts += ["cd", _q(inv.get("repo", ".")), "&&", "PYTHONHASHSEED=0", _q(inv.get("python", "python")), "-m",
+        parts += ["cd", _q(inv.get("repo", ".")), "&&", env_prefix(report), _q(inv.get("python", "python")), "-m",
                   "vtoken", "audit"]
     else:
         parts += ["vtoken", "audit"]
@@ -120,7 +138,7 @@ def _contract_command(report: dict, name: str) -> str:
     inv = report.get("invocation") or {}
     code = (f"from vtoken.invariants.vllm_contracts import run_contract; r = run_contract({json.dumps(name)}); "
             'print(r["passed"], r["detail"])')
-    return f"cd {_q(inv.get('repo', '.'))} && {_q(inv.get('python', 'python'))} -c {_q(code)}"
+    return f"cd {_q(inv.get('repo', '.'))} && {env_prefix(report)} {_q(inv.get('python', 'python'))} -c {_q(code)}"
 
 
 def repro_commands(report: dict, check: dict) -> list[str]:
@@ -135,7 +153,7 @@ def repro_commands(report: dict, check: dict) -> list[str]:
     elif name == "invariants-suite" and m.get("failed"):
         # junit names: classname "tests.test_x" (or "tests.test_x.Class") and the test name
         sel = " or ".join(t.split("::")[-1].split("[")[0] for t in m["failed"][:5])
-        cmds.append(f"cd {_q(inv.get('repo', '.'))} && PYTHONHASHSEED=0 VTOKEN_HYPOTHESIS_PROFILE=ci "
+        cmds.append(f"cd {_q(inv.get('repo', '.'))} && {env_prefix(report)} VTOKEN_HYPOTHESIS_PROFILE=ci "
                     f"{_q(inv.get('python', 'python'))} -m pytest -m invariants -k {_q(sel)}")
     elif name == "fuzz-campaign" and m.get("failure_reports"):
         # each failure wrote a replay test beside its report: fuzz/failures/<machine>-w<k>-<n>.txt
@@ -144,10 +162,14 @@ def repro_commands(report: dict, check: dict) -> list[str]:
             if stem:
                 d, base = os.path.split(stem)
                 replay = os.path.join(d, "test_replay_" + base.replace("-", "_") + ".py")
-                cmds.append(f"cd {_q(inv.get('cwd', inv.get('repo', '.')))} && PYTHONHASHSEED=0 "
+                cmds.append(f"cd {_q(inv.get('cwd', inv.get('repo', '.')))} && {env_prefix(report)} "
                             f"{_q(inv.get('python', 'python'))} -m pytest -p no:cacheprovider {_q(replay)}")
     elif name == OWN_TESTS and m.get("command"):
-        cmds.append(str(m["command"]))
+        cmd = str(m["command"])
+        if " && " in cmd and ALLOW_ENV not in cmd and env_prefix(report) != "PYTHONHASHSEED=0":
+            head, tail = cmd.split(" && ", 1)
+            cmd = f"{head} && {env_prefix(report)} {tail}"
+        cmds.append(cmd)
     cmds.append(audit_command(report, only=name))
     return cmds
 

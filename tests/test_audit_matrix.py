@@ -89,6 +89,18 @@ def test_failed_checks_each_carry_a_reproducing_command():
                    "--quick --seed 3 --fuzz-examples 20")
 
 
+def test_repro_commands_on_an_unpinned_version_let_the_adapter_start():
+    """The adapter refuses a version it is not pinned to unless VTOKEN_ALLOW_UNSUPPORTED_VLLM
+    names it (the audit of a candidate sets it): a reproducing command must set it too."""
+    r = _report("0.31.0", pin_ok=False, failed_checks=("vllm-decode",))
+    r["checks"][0]["metrics"]["pinned"] = "0.33.0"
+    (f,) = verdict(r)["failed_checks"]
+    assert f["repro"][-1].startswith("cd /work/main && PYTHONHASHSEED=0 VTOKEN_ALLOW_UNSUPPORTED_VLLM=0.31.0 "
+                                      "/envs/vllm-x/bin/python -m vtoken audit --only vllm-decode")
+    ok = verdict(_report("0.33.0", failed_checks=("vllm-decode",)))["failed_checks"][0]["repro"][-1]
+    assert "VTOKEN_ALLOW_UNSUPPORTED_VLLM" not in ok
+
+
 def test_a_fuzz_failure_is_reproduced_by_its_replay_test():
     r = _report(failed_checks=("fuzz-campaign",))
     r["invocation"]["cwd"] = "/home/u"
