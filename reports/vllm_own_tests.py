@@ -193,15 +193,10 @@ import os
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if "VLLM_TARGET_DEVICE" not in os.environ:
-    try:
-        import torch
-        _cuda = torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        _cuda = False
-    if not _cuda:
-        os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+# the CPU platform before vLLM is first imported: vtoken's one definition of it
+from vtoken.vllm_adapter.harness import ensure_cpu_env  # noqa: E402
+
+ensure_cpu_env()
 
 
 def pytest_addoption(parser):
