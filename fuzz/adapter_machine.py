@@ -275,13 +275,13 @@ class _Run:
         t = ad.table
         for req in ad.scheduler.running:
             r = req.request_id
-            if r in ad.busy or r not in t or r not in ad.mirror or not ad._current(r):
+            if r in ad.busy or r not in t or r not in ad.mirror or not ad.current(r):
                 continue
             tail = t.tail_block(r)
             left = [b for b in t.releasable_blocks(r).tolist()
-                    if b != tail and ad.block(b).ref_cnt == 1 and ad._accounted(r, b) is not None]
+                    if b != tail and ad.block(b).ref_cnt == 1 and ad.accounted(r, b) is not None]
             assert not left, (f"request {r!r}: all-dead blocks {sorted(left)} not released at step "
-                              f"{ad.scheduler.sched_step_seq} (queued for release: {r in ad._release_todo}, "
+                              f"{ad.scheduler.sched_step_seq} (queued for release: {r in ad.release_todo}, "
                               f"status {req.status}, table refs {[int(t.block_refs(b)) for b in left]})")
 
     def check_ledger(self):

@@ -24,6 +24,7 @@ T, A, P, L = "vtoken/table.py", "vtoken/allocator.py", "vtoken/planner.py", "vto
 E = "vtoken/decode.py"
 AD, W = "vtoken/vllm_adapter/adapter.py", "vtoken/vllm_adapter/worker.py"
 MI, PH = "vtoken/vllm_adapter/mirror.py", "vtoken/vllm_adapter/prefix_hash.py"
+HR, PL = "vtoken/vllm_adapter/headroom.py", "vtoken/vllm_adapter/plans.py"
 
 
 @dataclass(frozen=True)
@@ -148,16 +149,16 @@ CATALOGUE: list[Fault] = [
     # ---------------------------------------------------------------- the vLLM adapter
     Fault("adapter_free_before_fence", "8 source freed before its fence (vLLM async scheduling)",
           "the adapter hands a plan's sources back to the pool at launch, before the step that copies them",
-          "adapter", (_p(AD, "VTokenAdapter._launch", '        self.stats["plans"] += 1\n',
-                         '        self.stats["plans"] += 1\n        self.pool.free_blocks(list(sources))\n'),
-                      _p(AD, "VTokenAdapter._free_sources",
-                         "        self.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)\n", ""))),
+          "adapter", (_p(PL, "PlanBook.launch", '        ad.stats["plans"] += 1\n',
+                         '        ad.stats["plans"] += 1\n        ad.pool.free_blocks(list(sources))\n'),
+                      _p(PL, "PlanBook.free_sources",
+                         "        ad.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)\n", ""))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
           "a source's prefix-cache hash moves to the destination at launch (the tokens moved, the hash follows)",
-          "adapter", (_p(AD, "VTokenAdapter._launch", "            self.hashes.drop_source(blk)\n",
+          "adapter", (_p(PL, "PlanBook.launch", "            ad.hashes.drop_source(blk)\n",
                          "            if dests and dests[0].block_hash is None and blk.block_hash is not None:\n"
-                         "                self.pool.move_block_hashes(blk, dests[0])\n"
-                         "            else:\n                self.hashes.drop_source(blk)\n"),)),
+                         "                ad.pool.move_block_hashes(blk, dests[0])\n"
+                         "            else:\n                ad.hashes.drop_source(blk)\n"),)),
     Fault("adapter_source_keeps_hash", "7/I4 in-flight prefix hit on a source",
           "a source keeps its prefix-cache hash while its copy flies (vLLM can hand it out as a hit)", "adapter",
           (_p(PH, "PrefixHashRules.drop_source", "            self.pool.evict_blocks({blk.block_id})\n", "            pass\n"),)),
@@ -165,12 +166,12 @@ CATALOGUE: list[Fault] = [
           "a source is popped from vLLM's block list instead of null-substituted", "adapter",
           (_p(MI, "BlockMirror.detach", "lst[i] = self.null", "lst.pop(i)"),)),
     Fault("adapter_headroom_to_allocate", "3 reservation leak", "headroom blocks are handed back to vLLM's allocate_slots",
-          "adapter", (_p(AD, "VTokenAdapter._before_schedule", "self.headroom += self.pool.get_new_blocks(take)",
-                         "got = self.pool.get_new_blocks(take)\n                self.headroom += got\n"
-                         "                self.pool.free_blocks(got)"),)),
+          "adapter", (_p(HR, "Headroom.before_schedule", "self.blocks += pool.get_new_blocks(take)",
+                         "got = pool.get_new_blocks(take)\n                    self.blocks += got\n"
+                         "                    pool.free_blocks(got)"),)),
     Fault("adapter_dests_unfenced", "8 block freed before its fence (preemption / finish)",
           "a finished or preempted request's destinations are freed at once, not at vLLM's fence", "adapter",
-          (_p(AD, "VTokenAdapter._on_request_free", "self._free_blocks(dests, fence)", "self._free_blocks(dests, 0)"),)),
+          (_p(AD, "VTokenAdapter._on_request_free", "self.free_blocks(dests, fence)", "self.free_blocks(dests, 0)"),)),
     Fault("worker_preempt_no_reset", "preemption reset missed", "the worker keeps a preempted request's token table",
           "adapter", (_p(W, "VTokenWorker.execute", "        for r in so.preempted_req_ids or ():\n            self._drop(r, forget=False)\n", ""),
                       _p(W, "VTokenWorker.execute", "                if r in t:\n                    self._drop(r, forget=False)\n", ""))),

@@ -106,13 +106,13 @@ def test_relocation_null_substitutes_sources_and_keeps_length(model):
     for i in range(3):
         ad.add_request(f"q{i}", prompt(i, 40 + 5 * i), max_tokens=30)
     launched = []
-    orig = ad._launch
+    orig = ad.book.launch
 
     def spy(meta, r, p, *rest):
         orig(meta, r, p, *rest)
         launched.append(meta.plans[-1])
 
-    ad._launch = spy
+    ad.book.launch = spy
     checked = 0
     while ad.has_work():
         d.step()
@@ -157,14 +157,14 @@ def test_sources_freed_only_after_the_fence(model, async_, lag):
     for i in range(3):
         ad.add_request(f"q{i}", prompt(i, 40 + 5 * i), max_tokens=30)
     freed = []
-    orig_free = ad._free_sources
+    orig_free = ad.book.free_sources
 
     def spy(plan, copy_done):
         sched = ad.scheduler
         freed.append((plan.id, plan.seq, sched.processed_step_seq, copy_done, w.stats["steps"]))
         orig_free(plan, copy_done)
 
-    ad._free_sources = spy
+    ad.book.free_sources = spy
     launched_at: dict = {}
     watch: dict = {}
     while ad.has_work():
@@ -214,7 +214,7 @@ def test_no_shared_block_moved_with_prefix_caching(model):
     for i in range(1, degree):
         ad.add_request(f"s{i}", prefix + prompt(i, 8 * S), max_tokens=24)
     sources_at_plan = []
-    orig = ad._launch
+    orig = ad.book.launch
 
     def spy(meta, r, p, *rest):
         for b in p.sources:
@@ -222,7 +222,7 @@ def test_no_shared_block_moved_with_prefix_caching(model):
             sources_at_plan.append((b, blk.ref_cnt, int(ad.table.block_refs(b))))
         orig(meta, r, p, *rest)
 
-    ad._launch = spy
+    ad.book.launch = spy
     shared_ids = None
     while ad.has_work():
         d.step()
@@ -324,7 +324,7 @@ def test_headroom_is_reserved_and_backpressure_holds_new_requests(model):
     assert len(ad.headroom) == 4 and all(b.ref_cnt == 1 and b.block_hash is None for b in ad.headroom)
     # the pool runs dry (someone else holds the rest) and the reservation grows: short headroom
     grabbed = ad.pool.get_new_blocks(ad.pool.get_num_free_blocks())
-    ad.H = 6
+    ad.reserve.size = 6
     ad.add_request("b", prompt(1, 12), max_tokens=4)
     b = ad.scheduler.requests["b"]  # vLLM owns it at once: visible, counted, abortable
     for _ in range(3):
@@ -348,7 +348,7 @@ def test_an_abort_reaches_a_request_held_back_by_backpressure(model):
     ad.add_request("a", prompt(0, 17), max_tokens=60)
     d.step()
     grabbed = ad.pool.get_new_blocks(ad.pool.get_num_free_blocks())
-    ad.H = 6
+    ad.reserve.size = 6
     ad.add_request("b", prompt(1, 12), max_tokens=4)
     d.step()
     assert ad.stats["backpressure_steps"] >= 1 and ad.scheduler.get_num_unfinished_requests() == 2
@@ -487,7 +487,7 @@ def test_the_headroom_is_capped_by_the_live_pool(model):
     ad.add_request("a", prompt(0, 17), max_tokens=8)
     d.step()
     assert len(ad.headroom) == (24 - 1) // 4
-    assert VTokenAdapter(block_size=8, num_blocks=16)._target() == 0  # the default: none below 17 blocks
+    assert VTokenAdapter(block_size=8, num_blocks=16).reserve.target() == 0  # the default: none below 17 blocks
     with pytest.raises(ValueError, match="headroom_pool_fraction"):
         VTokenAdapter(block_size=8, num_blocks=16, headroom_pool_fraction=0)
     run_to_end(ad, d)

@@ -163,7 +163,7 @@ def test_source_freed_through_vllms_deferred_path_too_early_is_caught(model):
     _until(d, lambda: bool(ad.plans))
     plan = next(iter(ad.plans.values()))
     with pytest.raises(AdapterAssumptionError, match=r"\[fence\].*freed at step \d+ .*fence \d+.*copy completed: no"):
-        ad._free_sources(plan, copy_done=False)
+        ad.book.free_sources(plan, copy_done=False)
 
 
 def test_shared_source_at_copy_time_is_caught(model):
@@ -172,7 +172,7 @@ def test_shared_source_at_copy_time_is_caught(model):
     from vtoken.vllm_adapter.adapter import AdapterAssumptionError
 
     ad, w, d = _adapter(model, async_=False)
-    orig = ad._launch
+    orig = ad.book.launch
     state = {}
 
     def spy(meta, r, p, *rest):
@@ -185,7 +185,7 @@ def test_shared_source_at_copy_time_is_caught(model):
             t._ref_block(t._reqs[other], src)
             state["done"] = (other, src)
 
-    ad._launch = spy
+    ad.book.launch = spy
     with pytest.raises(AdapterAssumptionError, match=r"\[shared_never_moved\].*referenced by another request"):
         for _ in range(300):
             d.step()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 def test_adapter_plans_on_should_reclaim_with_its_pool(model, monkeypatch):
     if harness.vllm_version() is None:
         pytest.fail("vLLM not installed: run scripts/install_vllm.sh", pytrace=False)
-    import vtoken.vllm_adapter.adapter as adapter_mod
+    import vtoken.vllm_adapter.plans as plans_mod
     from vtoken.planner import PlannerConfig, should_reclaim
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
     from vtoken.vllm_adapter.worker import VTokenWorker
@@ -27,7 +27,7 @@ def test_adapter_plans_on_should_reclaim_with_its_pool(model, monkeypatch):
         calls.append((kw, got, ad.pool.get_num_free_blocks()))
         return got
 
-    monkeypatch.setattr(adapter_mod, "should_reclaim", spy)
+    monkeypatch.setattr(plans_mod, "should_reclaim", spy)
     S, N = 4, 64
     cfg = default_adapter_planner_config(headroom=4)
     assert cfg == PlannerConfig(headroom=4)

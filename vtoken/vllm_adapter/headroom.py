@@ -1,0 +1,148 @@
+"""The headroom: the blocks the adapter reserves as compaction destinations.
+
+Owns: ``blocks`` (``KVCacheBlock``, ref_cnt 1, one reference each held by the adapter alone:
+in no request's list, so ``allocate_slots`` never sees them and vLLM never hashes them), and
+the admission back-pressure while the reservation is short (the fresh requests withheld
+from one ``schedule()`` call). Plans take destinations out (``take``) and give unwritten ones
+back (``put``); every other block leaves only through :meth:`give_back` or the yield to
+growth, both straight to vLLM's free queue (headroom blocks were never read by a step, so
+they need no fence).
+May call: vLLM's ``BlockPool`` (``get_new_blocks``, ``free_blocks``, the free count) and the
+scheduler's waiting queue, both read through the harness each time (vLLM's tests swap the
+manager after construction).
+Costs: O(1) per hook plus the blocks taken or given; O(waiting) only while short.
+"""
+
+from __future__ import annotations
+
+
+class Headroom:
+    """The reservation of one adapter (see the module docstring).
+
+    Args:
+        harness: the ``VllmHarness`` whose ``scheduler`` and ``pool`` are the adapter's.
+        size: the reservation wanted (``PlannerConfig.headroom``; 0 with reclamation off:
+            then nothing is ever taken or withheld).
+        pool_fraction: the reservation is at most 1/this of the live pool.
+        block_size: tokens per block (a waiting prompt's blocks are reserved for it).
+        stats: the adapter's counters (``headroom_yielded``, ``backpressure_steps``, ...).
+    """
+
+    def __init__(self, harness, size: int, pool_fraction: int, block_size: int, stats: dict):
+        if int(pool_fraction) < 1:
+            raise ValueError(f"headroom_pool_fraction={pool_fraction!r}: must be >= 1")
+        self.h = harness
+        self.size = int(size)
+        self.pool_fraction = int(pool_fraction)
+        self.S = int(block_size)
+        self.stats = stats
+        self.blocks: list = []
+        self.withheld: list = []  # fresh requests sitting out the current schedule()
+        self.starved = False  # given back because nothing could be admitted beside it
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+    def ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def target(self) -> int:
+        """The reservation's size now: ``size``, capped at 1/``pool_fraction`` of the live pool
+        (on a tight pool a full headroom would starve vLLM's own schedule: 21 of vLLM's tests
+        run pools of 5-10 blocks). O(1)."""
+        return min(self.size, (self.h.pool.num_gpu_blocks - 1) // self.pool_fraction)
+
+    def short(self) -> bool:
+        """Below its target: admissions are held back (``withhold``)."""
+        return len(self.blocks) < self.target()
+
+    def take(self, ids) -> list:
+        """Hand the blocks ``ids`` (all in the headroom) to a plan, in the order of ``ids``."""
+        by_id = {b.block_id: b for b in self.blocks}
+        taken = [by_id[d] for d in ids]
+        assert len(taken) == len(set(ids)), f"destinations {list(ids)} repeat a block"
+        wanted = set(ids)
+        self.blocks = [b for b in self.blocks if b.block_id not in wanted]
+        return taken
+
+    def put(self, blocks) -> None:
+        """Destinations a plan never wrote come back (still ref_cnt 1, never hashed)."""
+        self.blocks += blocks
+
+    def give_back(self) -> int:
+        """Every block back to vLLM's free queue now; returns how many."""
+        n = len(self.blocks)
+        if n:
+            self.h.pool.free_blocks(self.blocks)
+            self.blocks = []
+        return n
+
+    def before_schedule(self) -> None:
+        """Top the reservation up, yielding to growth first: one free block is kept per
+        running request (a decode step needs at most one each) and, when idle, the next
+        admission's prompt, so vLLM never preempts or stalls a request for want of a block
+        the headroom holds. Then withhold fresh admissions while still short. O(1)."""
+        sched, pool = self.h.scheduler, self.h.pool
+        if self.size:
+            free, reserve = pool.get_num_free_blocks(), len(sched.running)
+            if not sched.running and len(sched.waiting):  # idle: the next admission's prompt first
+                head = sched.waiting.peek_request()
+                reserve += -(-(head.num_tokens - head.num_computed_tokens) // self.S)
+            if free < reserve and self.blocks:
+                give = self.blocks[-min(reserve - free, len(self.blocks)):]
+                del self.blocks[-len(give):]
+                pool.free_blocks(give)
+                self.stats["headroom_yielded"] += 1
+            elif not self.starved and sched.get_num_unfinished_requests():  # nothing reserved while idle
+                take = min(self.target() - len(self.blocks), free - reserve)
+                if take > 0:
+                    self.blocks += pool.get_new_blocks(take)
+        self.withhold()
+
+    def withhold(self) -> None:
+        """Admission back-pressure, inside one ``schedule()``: while short, the waiting
+        requests that never ran (they hold no block) leave vLLM's waiting queue for this
+        call, unless nothing else could run (progress first). O(waiting), only while short."""
+        sched = self.h.scheduler
+        if not self.short() or not len(sched.waiting):
+            return
+        from vllm.v1.request import RequestStatus
+
+        fresh = [q for q in sched.waiting if q.status == RequestStatus.WAITING]  # preempted: PREEMPTED
+        if not fresh or (not sched.running and len(fresh) == len(sched.waiting)):
+            return  # nothing held back, or holding back would leave nothing to run
+        sched.waiting.remove_requests(fresh)
+        self.withheld = fresh
+        self.stats["backpressure_steps"] += 1
+        self.stats["held_back_max"] = max(self.stats["held_back_max"], len(fresh))
+
+    def restore_withheld(self) -> None:
+        """The withheld requests back at the tail of vLLM's waiting queue, in their order
+        (they were its tail: fresh requests queue behind preempted ones). Runs even when
+        ``schedule()`` raised (the hook's ``finally``)."""
+        if self.withheld:
+            for q in self.withheld:
+                self.h.scheduler.waiting.add_request(q)
+            self.withheld = []
+
+    def after_empty_step(self) -> None:
+        """Nothing was scheduled: if nothing runs and a request waits, the reservation must
+        not block progress (the pool is too small for a request plus the headroom): give it
+        back until a step runs again."""
+        sched = self.h.scheduler
+        if self.blocks and not sched.running and len(sched.waiting) and not sched.deferred_frees:
+            self.give_back()
+            self.starved = True
+            self.stats["headroom_yielded"] += 1
+
+    def after_update(self, plans_in_flight: bool) -> None:
+        """Nothing runs: nothing to reclaim for, so nothing reserved (vLLM's leak checks and
+        free counts see the whole pool once its own deferred frees drained); retaken at the
+        next ``schedule()`` with work."""
+        sched = self.h.scheduler
+        if self.blocks and not plans_in_flight and not sched.running and not sched.deferred_frees:
+            self.give_back()
+            self.stats["headroom_idle_returns"] += 1

@@ -1,0 +1,187 @@
+"""The plan book: the adapter's compaction plans, from proposal to the worker's report.
+
+Owns: the plans in flight (``plans``: one reference held on each of their sources and
+destinations until the worker reports them), the request each one busies (``busy``: one
+plan per request, I4), the cached positive reclaim bounds and the requests whose bound is
+stale, and the completed plans' snapshots (``history``).
+Plans come from :mod:`vtoken.planner` only (``should_reclaim``, ``reclaim_bound``,
+``propose``: the planner every path runs); the worker applies them with
+``planner.apply_completed``. At launch the destinations leave the headroom, the sources
+are null-substituted in the request's list (the mirror), lose their prefix-cache hash and
+open their fence entries. At the report, used destinations go to the request (the adapter's
+``held``) or back to the pool if it is gone, unused ones back to the headroom, and sources
+back through vLLM's fenced free (``_free_cow_retained_blocks(sources, plan.seq)``).
+May call: the adapter it serves (its table, pool, scheduler, mirror, fence ledger, prefix
+rules, checks, ``held`` and ``stats``) and the toolkit's ``plan_hook`` when one is attached.
+Costs: per planning step O(requests whose table changed + requests with a positive bound),
+plus the planner's own cost per plan; per report O(blocks of the reported plans).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from .assumptions import AdapterAssumptionError
+from .messages import AdapterPlan, StepMeta
+from ..planner import Proposal, plan_snapshot, propose, reclaim_bound, should_reclaim, trigger_inputs
+
+
+class PlanBook:
+    def __init__(self, adapter):
+        self.ad = adapter
+        self.plans: dict[int, AdapterPlan] = {}  # in flight (not yet reported by the worker)
+        self.busy: dict[str, int] = {}  # req -> its plan in flight
+        self.history: list[dict] = []  # snapshots of applied plans (planner_config.record_snapshots)
+        self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
+        self.bound: dict[str, int] = {}  # request -> positive reclaim bound (cached)
+        self._ids = itertools.count(1)
+        self._clock = itertools.count().__next__  # snapshot event times
+
+    def plan(self, meta: StepMeta) -> None:
+        """Stages 1-3: eligibility (``should_reclaim`` every ``check_every`` steps), requests
+        by their reclaimable-block bound (recomputed only for requests whose table changed,
+        cached while positive), then one plan per request (``propose``), with the blocks vLLM
+        shares or the scheduler side does not hold for the request excluded."""
+        ad = self.ad
+        t, cfg = ad.table, ad.cfg
+        if not ad.headroom or ad.steps % cfg.check_every or \
+                not should_reclaim(cfg, **trigger_inputs(t, ad.pool.get_num_free_blocks())):
+            return
+        for r in self.stale_bounds:
+            gain = reclaim_bound(t, r, t.tail_block(r)) if r in t else 0
+            if gain > 0:
+                self.bound[r] = gain
+            else:
+                self.bound.pop(r, None)
+        self.stale_bounds = set()
+        scored = sorted((-g, ad.arrival(r), r) for r, g in self.bound.items()
+                        if r not in self.busy and ad.current(r) and ad.running(r))
+        for _, _, r in scored:
+            if len(meta.plans) >= ad.max_plans_per_step or not ad.headroom:
+                break
+            blocks = t.block_array(r).tolist()
+            exclude = np.asarray([b for b in blocks if ad.block(b).ref_cnt != 1 or ad.accounted(r, b) is None],
+                                 dtype=np.int64)
+            tail = t.tail_block(r)
+            head = ad.reserve.ids()
+            p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude)
+            if p is None:
+                continue
+            if ad.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
+                flying = [b for q in self.plans.values() for b in q.source_ids + q.dest_ids]
+                try:
+                    ad.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=head, excluded=exclude.tolist(),
+                                 max_sources=cfg.max_sources, in_flight=flying)
+                except AssertionError as e:
+                    raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
+            self.launch(meta, r, p, tail, head)
+
+    def launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
+        """Take the proposal's destinations from the headroom, null-substitute its sources in
+        the request's list, drop the sources' prefix-cache hashes (no hit may land on a block
+        in flight), open their fence entries, and ride on step ``meta.seq``."""
+        ad = self.ad
+        sources = [ad.block(b) for b in p.sources]
+        for blk in sources:  # refused before anything changes hands
+            if blk.ref_cnt != 1 or ad.table.refs[blk.block_id] != 1:
+                ad.stats["shared_blocks_moved"] += 1
+                raise AdapterAssumptionError(
+                    "shared_never_moved", f"plan for request {r!r} takes block {blk.block_id} as a source "
+                    f"(vLLM ref_cnt {blk.ref_cnt}, table refs {int(ad.table.refs[blk.block_id])}) at step {meta.seq}")
+        dests = ad.reserve.take(p.dests)
+        plan = AdapterPlan(id=next(self._ids), req_id=r, seq=meta.seq, sources=sources, dests=dests,
+                           moves=np.asarray(p.moves, dtype=np.int64).reshape(-1, 5), clock=self._clock)
+        if ad.cfg.record_snapshots:
+            plan.snapshot = plan_snapshot(
+                ad.table, r, plan.id, p, tail, head,
+                [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids}
+                 for q in self.plans.values()])
+        for blk in sources:
+            ad.hashes.drop_source(blk)
+            plan.source_index[blk.block_id] = ad.detach(r, blk)
+        ad.fence.open(plan)
+        ad.check.touch([r])
+        self.plans[plan.id] = plan
+        self.busy[r] = plan.id
+        meta.plans.append(plan)
+        ad.stats["plans"] += 1
+
+    def orphan(self, r: str) -> None:
+        """``r``'s list was freed (preemption, finish): its plans in flight are orphaned (their
+        blocks return when the worker reports them) and its bound forgotten."""
+        for p in self.plans.values():
+            if p.req_id == r and not p.orphaned:
+                p.orphaned = True
+                self.ad.stats["orphaned_plans"] += 1
+        self.busy.pop(r, None)
+        self.bound.pop(r, None)
+
+    def absorb(self, reported: dict) -> None:
+        """The worker's report, per finished plan: destinations to the request (or back to
+        the headroom), sources back through the fence."""
+        ad = self.ad
+        stats = ad.stats
+        for pid, res in reported.items():
+            plan = self.plans.pop(pid, None)
+            if plan is None:
+                raise AdapterAssumptionError("ownership", f"the worker reported plan {pid}, which is not in flight")
+            if self.busy.get(plan.req_id) == pid:
+                self.busy.pop(plan.req_id)
+            if res.shared_sources:
+                stats["shared_blocks_moved"] += len(res.shared_sources)
+                raise AdapterAssumptionError(
+                    "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources "
+                    f"{res.shared_sources} are referenced by another request at copy time")
+            ad.fence.copy_reported(plan, res.copy_done)
+            ad.check.touch([plan.req_id])
+            ad.look_again(plan.req_id)  # it may release again now that no plan flies
+            alive = not plan.orphaned and plan.req_id in ad.mirror
+            gone_fence = ad.gone_fence.get(plan.req_id, 0)
+            if res.status == "applied":
+                used_ids = set(res.used_dests)
+                used = [d for d in plan.dests if d.block_id in used_ids]
+                unused = [d for d in plan.dests if d.block_id not in used_ids]
+                ad.reserve.put(unused)  # never written: straight back to the reservation
+                stats["dests_returned"] += len(unused)
+                stats["dests_used"] += len(used)
+                stats["applied"] += 1
+                stats["moves"] += int(res.moved)
+                if alive:
+                    ad.held.setdefault(plan.req_id, []).extend(used)
+                else:
+                    ad.free_blocks(used, gone_fence)
+                self.free_sources(plan, copy_done=res.copy_done)
+                if plan.snapshot is not None and plan.snapshot["post"] is not None:
+                    self.history.append(plan.snapshot)  # completed by the worker (snapshot_applied)
+            else:  # aborted: nothing moved (or the request is gone)
+                stats["aborted"] += 1
+                ad.reserve.put(plan.dests)
+                ad.fence.drop(plan)
+                if alive and res.table_kept:
+                    ad.held.setdefault(plan.req_id, []).extend(plan.sources)  # still read by the request
+                else:
+                    ad.free_blocks(plan.sources, max(plan.seq, gone_fence))
+
+    def free_sources(self, plan: AdapterPlan, copy_done: bool) -> None:
+        """Hand a plan's sources back to the pool at their fence: vLLM's
+        ``_free_cow_retained_blocks(sources, plan.seq)`` frees them at once when step
+        ``plan.seq`` has been processed, else defers them to it. A source carries no
+        prefix-cache hash (dropped at launch, and vLLM never hashes a block outside a
+        request's list): one that does was re-hashed under the adapter (``prefix_hash``)."""
+        ad = self.ad
+        processed = ad.scheduler.processed_step_seq
+        for blk in plan.sources:
+            if blk.block_hash is not None:
+                raise AdapterAssumptionError(
+                    "prefix_hash", f"source block {blk.block_id} of plan {plan.id} (request {plan.req_id!r}) carries "
+                    f"a prefix-cache hash at its free: its hash was dropped at launch, so it was re-hashed while in "
+                    f"flight")
+            ad.fence.close(blk.block_id, processed, copy_done)
+        plan.record("free", blocks=plan.source_ids)
+        ad.stats["sources_freed"] += len(plan.sources)
+        ad.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)
+        ad.stats["deferred_free_calls"] += 1
+        if ad.checks:
+            ad.fence.check()
