@@ -484,6 +484,21 @@ class AdapterMachine(RuleBasedStateMachine):
         """The hard case on its own rule (enabled only while a plan is in flight): the whole
         pool taken before every step until a request with a plan in flight is preempted (it
         needs a block within S steps) or its plans have landed, then relief and ``m`` steps."""
+        self._pressure_while_flying(m)
+
+    @precondition(lambda self: self._live_requests() and not self.vt.ad.plans)
+    @rule(m=st.integers(1, 3), wait=st.integers(1, 6))
+    def plan_then_preempt(self, m, wait):
+        """The same hard case reached from a quiet state (a plan is in flight between rules
+        only with a copy lag or async scheduling, so ``preempt_mid_copy`` is rarely enabled):
+        up to ``wait`` steps until a plan launches, then the pressure of ``preempt_mid_copy``."""
+        for _ in range(wait):
+            self.step(1)
+            if self.vt.ad.plans:
+                break
+        self._pressure_while_flying(m)
+
+    def _pressure_while_flying(self, m):
         ad = self.vt.ad
         for _ in range(self.S + 1):
             flying = {p.req_id for p in ad.plans.values() if not p.orphaned}

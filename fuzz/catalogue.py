@@ -155,13 +155,14 @@ CATALOGUE: list[Fault] = [
                          "        ad.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)\n", ""))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
           "a source's prefix-cache hash moves to the destination at launch (the tokens moved, the hash follows)",
-          "adapter", (_p(PL, "PlanBook.launch", "            ad.hashes.drop_source(blk)\n",
+          "adapter", (_p(PL, "PlanBook.launch", "        ad.hashes.drop_sources(sources)\n",
+                         "        for blk in sources:\n"
                          "            if dests and dests[0].block_hash is None and blk.block_hash is not None:\n"
                          "                ad.pool.move_block_hashes(blk, dests[0])\n"
-                         "            else:\n                ad.hashes.drop_source(blk)\n"),)),
+                         "            else:\n                ad.hashes.drop_sources([blk])\n"),)),
     Fault("adapter_source_keeps_hash", "7/I4 in-flight prefix hit on a source",
           "a source keeps its prefix-cache hash while its copy flies (vLLM can hand it out as a hit)", "adapter",
-          (_p(PH, "PrefixHashRules.drop_source", "            self.pool.evict_blocks({blk.block_id})\n", "            pass\n"),)),
+          (_p(PH, "PrefixHashRules.drop_sources", "            self.pool.evict_blocks(hashed)\n", "            pass\n"),)),
     Fault("adapter_pop_not_null", "positional block list broken",
           "a source is popped from vLLM's block list instead of null-substituted", "adapter",
           (_p(MI, "BlockMirror.detach", "lst[i] = self.null", "lst.pop(i)"),)),

@@ -383,8 +383,7 @@ class VTokenAdapter:
         meta = StepMeta(seq=seq, reclaim=self.reclaim)
         if sched.running:
             self.reserve.starved = False
-        for r in list(self.hashes.faithful):  # only requests that evicted have unfaithful blocks
-            self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r))
+        self.hashes.evict_unfaithful_grown(self.req_to_blocks)  # only requests that evicted have unfaithful blocks
         self._release_empty(meta)
         if self.reclaim:
             self.book.plan(meta)

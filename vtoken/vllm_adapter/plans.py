@@ -56,13 +56,15 @@ class PlanBook:
             else:
                 self.bound.pop(r, None)
         self.stale_bounds = set()
+        busy, current, running = self.busy, ad.current, ad.running
         scored = sorted((-g, ad.arrival(r), r) for r, g in self.bound.items()
-                        if r not in self.busy and ad.current(r) and ad.running(r))
+                        if r not in busy and current(r) and running(r))
+        pool_blocks = ad.pool.blocks
         for _, _, r in scored:
             if len(meta.plans) >= ad.max_plans_per_step or not ad.headroom:
                 break
             blocks = t.block_array(r).tolist()
-            exclude = np.asarray([b for b in blocks if ad.block(b).ref_cnt != 1 or ad.accounted(r, b) is None],
+            exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1 or ad.accounted(r, b) is None],
                                  dtype=np.int64)
             tail = t.tail_block(r)
             head = ad.reserve.ids()
@@ -98,8 +100,8 @@ class PlanBook:
                 ad.table, r, plan.id, p, tail, head,
                 [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids}
                  for q in self.plans.values()])
+        ad.hashes.drop_sources(sources)
         for blk in sources:
-            ad.hashes.drop_source(blk)
             plan.source_index[blk.block_id] = ad.detach(r, blk)
         ad.fence.open(plan)
         ad.check.touch([r])

@@ -4,7 +4,7 @@ token ids promise.
 vLLM hashes every full block of a request's list by its token ids. Three rules keep the
 prefix cache honest under token eviction and relocation:
 
-- a plan's sources lose their hash at launch (:meth:`PrefixHashRules.drop_source`): a block
+- a plan's sources lose their hash at launch (:meth:`PrefixHashRules.drop_sources`): a block
   in flight must never be handed out as a prefix hit (a hit makes it shared, and shared
   blocks never move); destinations are never hashed (they never enter a request's list);
 - a released block (all tokens evicted, no copy) keeps its hash only if it was computed
@@ -52,6 +52,17 @@ class PrefixHashRules:
             return False
         return (index + 1) * self.S <= self.faithful.get(r, math.inf)
 
+    def evict_unfaithful_grown(self, req_to_blocks) -> None:
+        """``evict_unfaithful`` for every request that evicted and whose cached block count
+        passed what was scanned (the others have nothing new to scan). O(requests that
+        evicted), each an O(1) test."""
+        if not self.enabled:
+            return
+        cached, scanned = self.manager.num_cached_block, self.scanned
+        for r in self.faithful:
+            if cached.get(r, 0) > scanned.get(r, 0):
+                self.evict_unfaithful(r, req_to_blocks.get(r))
+
     def evict_unfaithful(self, r: str, lst, upto: Optional[int] = None) -> None:
         """Drop the hash of ``r``'s private blocks computed after its first eviction; each
         positional block scanned once (up to vLLM's cached count, or ``upto`` at the end)."""
@@ -81,8 +92,10 @@ class PrefixHashRules:
             self.pool.evict_blocks({blk.block_id})
             self.stats["hashes_evicted"] += 1
 
-    def drop_source(self, blk) -> None:
-        """A plan launches with ``blk`` as a source: no prefix hit may land on it in flight."""
-        if blk.block_hash is not None:
-            self.pool.evict_blocks({blk.block_id})
-            self.stats["source_hashes_dropped"] += 1
+    def drop_sources(self, blocks) -> None:
+        """A plan launches with ``blocks`` as sources: no prefix hit may land on one in flight
+        (one ``evict_blocks`` call for the plan)."""
+        hashed = {blk.block_id for blk in blocks if blk.block_hash is not None}
+        if hashed:
+            self.pool.evict_blocks(hashed)
+            self.stats["source_hashes_dropped"] += len(hashed)
