@@ -34,6 +34,13 @@ Checked after every step, against the pool itself (not the adapter's bookkeeping
 Hard states counted (``vtoken fuzz --machines adapter``): a prefix request aimed at a block
 an in-flight copy is moving out of, preemption with a plan in flight, finish mid-copy,
 resume with a replaced block list, a plan and growth in one step.
+
+Owns: two adapters with their workers and vLLM schedulers (one machine instance each
+example), the machine's grabbed blocks, its record of plans, reports and fence breaches.
+May call: the system (``vtoken.vllm_adapter``, ``vtoken.table``), the checkers
+(``invariants``: ownership, relocation hash, plan contract, snapshots, Z3) and vLLM.
+Costs: per step the full ownership ledger, O(pool) plus Z3 on each applied plan's
+snapshot: a campaign tool (about 200-250 operations per second here), not a CI gate.
 """
 
 from __future__ import annotations

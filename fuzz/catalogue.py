@@ -12,6 +12,10 @@ Detectors: ``table`` (the table conformance machine), ``planner`` (the planner m
 hash-and-compare and output comparison against naive-evict), ``adapter`` (the adapter
 conformance machine over the real vLLM scheduler), ``gpu`` (CUDA ordering, only where a
 GPU is present).
+
+Owns: nothing (data: the faults).
+May call: fuzz.patches.
+Costs: O(1) (built at import).
 """
 
 from __future__ import annotations
@@ -167,8 +171,8 @@ CATALOGUE: list[Fault] = [
           "a source is popped from vLLM's block list instead of null-substituted", "adapter",
           (_p(MI, "BlockMirror.detach", "lst[i] = self.null", "lst.pop(i)"),)),
     Fault("adapter_headroom_to_allocate", "3 reservation leak", "headroom blocks are handed back to vLLM's allocate_slots",
-          "adapter", (_p(HR, "Headroom.before_schedule", "self.blocks += pool.get_new_blocks(take)",
-                         "got = pool.get_new_blocks(take)\n                    self.blocks += got\n"
+          "adapter", (_p(HR, "Headroom.before_schedule", "self.put(pool.get_new_blocks(take))",
+                         "got = pool.get_new_blocks(take)\n                    self.put(got)\n"
                          "                    pool.free_blocks(got)"),)),
     Fault("adapter_dests_unfenced", "8 block freed before its fence (preemption / finish)",
           "a finished or preempted request's destinations are freed at once, not at vLLM's fence", "adapter",

@@ -68,15 +68,32 @@ def test_paranoid_mode_catches_it_at_the_next_hook(model):
     assert hooks == 1
 
 
-def test_a_corruption_of_what_changed_is_caught_on_its_hook(model):
-    """A headroom block handed out behind the adapter's back (the headroom is checked on every
-    hook, incremental or not)."""
-    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
-
-    ad, d = _run(model, 64, False)
+def test_a_headroom_block_freed_behind_the_adapters_back_is_caught_within_k_hooks(model):
+    """No adapter event touched it: the incremental check looks at the blocks new to the
+    headroom, the full scan at all of them, so it is caught within ``check_full_every`` hooks
+    (and at the next hook in paranoid mode)."""
+    K = 8
+    ad, d = _run(model, K, False)
     ad.pool.free_blocks([ad.headroom[0]])
-    with pytest.raises(AdapterAssumptionError, match=r"\[reservation\]"):
-        d.step()
+    hooks, e = _hooks_until_caught(d, ad, 2 * K)
+    assert e is not None and "[reservation]" in str(e), f"not caught in {2 * K} steps"
+    assert hooks <= K, f"caught after {hooks} hooks, the full scan runs every {K}"
+    ad, d = _run(model, 64, True)
+    ad.pool.free_blocks([ad.headroom[0]])
+    hooks, e = _hooks_until_caught(d, ad, 4)
+    assert e is not None and "[reservation]" in str(e) and hooks == 1
+
+
+def test_a_corruption_of_what_changed_is_caught_on_its_hook(model):
+    """A block that enters the headroom while vLLM still counts it free (the planted
+    ``adapter_headroom_to_allocate`` shape, here by hand) is caught on the next hook even
+    with the full scan far away."""
+    ad, d = _run(model, 1 << 20, False)
+    got = ad.pool.get_new_blocks(1)
+    ad.reserve.put(got)
+    ad.pool.free_blocks(got)
+    hooks, e = _hooks_until_caught(d, ad, 4)
+    assert e is not None and "[reservation]" in str(e) and hooks == 1
 
 
 def test_incremental_mode_scans_less_than_the_pool(model):

@@ -2,9 +2,13 @@
 
 Importing this package does not import vLLM. ``harness`` builds a real vLLM scheduler on
 CPU; ``adapter`` is the reclamation over it (its rooms: ``hooks``, ``mirror``, ``fence``,
-``prefix_hash``, ``checks``, ``messages``, ``driver``), ``worker`` the model side. The
+``prefix_hash``, ``checks``, ``messages``, ``driver``, ``plans``, ``headroom``), ``worker`` the model side. The
 toolkit checks, by behaviour, every assumption the adapter makes about vLLM
-(``vtoken.invariants.vllm_contracts``; pinned to vLLM 0.33.0, see scripts/install_vllm.sh).
+(``invariants/vllm_contracts.py``; pinned to vLLM 0.33.0, see scripts/install_vllm.sh).
+Owns: ``VLLM_VERSION`` (the one vLLM version the adapter is pinned to).
+May call: nothing at import (vLLM loads lazily in its modules); the system never imports
+spec/, invariants/, fuzz/ or reports/.
+Costs: nothing at import.
 """
 
 VLLM_VERSION = "0.33.0"

@@ -66,6 +66,14 @@ pass as shipped still pass; the 40 divergences left are inherent to the design):
 Prefix caching: shared-prefix blocks are never moved or released (a candidate must have
 ``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the token table);
 destinations never enter a request's list, so vLLM never hashes them.
+Owns: the vLLM scheduler instance it drives (through ``hooks``), the token table the
+worker writes, every applied destination (``held``), the rooms it builds (``reserve``,
+``book``, ``mirror``, ``fence``, ``hashes``, ``check``); vLLM owns the request lists.
+May call: vLLM's scheduler and ``BlockPool`` (``_free_cow_retained_blocks``, the free
+count), ``vtoken.planner`` (through ``plans``), ``vtoken.table``, its rooms; never spec/,
+invariants/, fuzz/ or reports/ (the toolkit attaches ``plan_hook``).
+Costs: per step O(requests whose table or list changed + blocks released + plans), not
+O(requests tracked); the runtime checks as stated in ``checks``.
 """
 
 from __future__ import annotations
@@ -235,6 +243,7 @@ class VTokenAdapter:
     @headroom.setter
     def headroom(self, blocks: list) -> None:
         self.reserve.blocks = blocks
+        self.reserve.mark_all_fresh()
 
     @property
     def plans(self) -> dict:

@@ -1,8 +1,11 @@
 """The adapter's assumptions about vLLM and about itself, as a report states them.
 
-Owns nothing but the names: :data:`ASSUMPTIONS` (name -> statement) and
-:class:`AdapterAssumptionError`, which every runtime check raises (its message starts
-``assumption broken: <statement> [<name>]``). Imported by every module of the adapter.
+:data:`ASSUMPTIONS` (name -> statement) and :class:`AdapterAssumptionError`, which every
+runtime check raises (its message starts ``assumption broken: <statement> [<name>]``).
+Imported by every module of the adapter.
+Owns: the names only, nothing at run time.
+May call: nothing (standard library only).
+Costs: none.
 """
 
 from __future__ import annotations

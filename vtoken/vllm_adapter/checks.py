@@ -11,7 +11,7 @@ flight, the mirror, the fence ledger, pending releases) and vLLM's (``req_to_blo
 What a hook costs (``after_hook``): the checks run on what changed since the last hook,
 plus the adapter's own small, bounded holdings. The adapter reports the requests each event
 touched (``touch``); the check then covers those requests' lists, tables and destinations,
-the whole headroom (H blocks) and every block of the
+the headroom blocks that entered it since the last hook and every block of the
 plans in flight (at most ``max_plans_per_step`` x (B + destinations) per step in flight),
 counting a block's holders from the mirror's reverse index and vLLM's deferred frees
 instead of scanning every list. Every ``full_every`` hooks (default 64), at idle
@@ -19,8 +19,13 @@ instead of scanning every list. Every ``full_every`` hooks (default 64), at idle
 every block the adapter holds against holders counted from vLLM's own lists, every list
 against its mirror, every table. A violation the full scan sees is therefore caught within
 ``full_every`` hooks at the latest, and on the hook it happens when it touches what
-changed. Costs: incremental O(touched + H + in-flight blocks + deferred frees); full
-O(pool) (request lists, deferred frees and the adapter's holdings).
+changed.
+Owns: the touched-request set, the hook counter (when the next full scan runs) and the
+false alarms seen. It changes nothing of the adapter's or vLLM's state but the headroom's
+record of blocks new since the last check (``Headroom.take_fresh``).
+May call: the adapter's state and vLLM's pool and lists, read only.
+Costs: incremental O(touched + new headroom blocks + in-flight blocks + deferred frees);
+full O(pool) (request lists, deferred frees and the adapter's holdings).
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ class RuntimeChecks:
     # ------------------------------------------------------------------ what changed
     def touch(self, requests) -> None:
         """Requests an event changed the blocks or table of (O(given)): their lists, tables
-        and destinations are checked at the next hook (the headroom and the plans in flight
-        are checked at every hook)."""
+        and destinations are checked at the next hook (the blocks new to the headroom and
+        the plans in flight are checked at every hook)."""
         self.touched_requests.update(requests)
 
     def after_hook(self, where: str, table: bool = False) -> None:
@@ -75,7 +80,8 @@ class RuntimeChecks:
         reqs, self.touched_requests = self.touched_requests, set()
         mine: Counter = Counter()
         kind: dict[int, str] = {}
-        for b in ad.headroom:
+        fresh = ad.reserve.take_fresh()  # the rest of the headroom: at the full scan
+        for b in fresh:
             mine[b.block_id] += 1
             kind[b.block_id] = "headroom"
         for r in reqs:
@@ -85,7 +91,7 @@ class RuntimeChecks:
         for p in ad.plans.values():
             self._plan_blocks(p, mine, kind)
         deferred = self._deferred_counts()
-        self._check_headroom(where, lambda bid: min(ad.mirror.holders(bid), default=None))
+        self._check_headroom(where, lambda bid: min(ad.mirror.holders(bid), default=None), fresh)
         for bid, n in mine.items():
             self._check_refs(where, bid, n, len(ad.mirror.holders(bid)) + deferred.get(bid, 0), kind[bid])
         self._check_sources_detached(where, thorough=False)
@@ -128,7 +134,8 @@ class RuntimeChecks:
             for b in lst:
                 if not b.is_null:
                     in_lists.setdefault(b.block_id, r)
-        self._check_headroom(where, in_lists.get)
+        ad.reserve.take_fresh()
+        self._check_headroom(where, in_lists.get, ad.headroom)
         for bid, n in mine.items():
             self._check_refs(where, bid, n, holders.get(bid, 0), kind[bid])
         self._check_sources_detached(where, thorough=True)
@@ -184,8 +191,8 @@ class RuntimeChecks:
             mine[b.block_id] += 1
             kind[b.block_id] = f"destination of in-flight plan {p.id} (request {p.req_id!r})"
 
-    def _check_headroom(self, where: str, list_holder) -> None:
-        for b in self.ad.headroom:
+    def _check_headroom(self, where: str, list_holder, blocks) -> None:
+        for b in blocks:
             bid = b.block_id
             r = list_holder(bid)
             if r is not None:

@@ -4,7 +4,11 @@
 async scheduling a second step is scheduled before the first step's output is processed
 (two in flight); outputs are applied in FIFO order; the worker executes a step when its
 output is needed, so the scheduler always plans from a table one step stale (the
-adversarial interleaving for the fence). Owns only the queue of outputs in flight.
+adversarial interleaving for the fence).
+Owns: the queue of outputs in flight (at most two with async scheduling).
+May call: the adapter's ``schedule`` / ``update_from_output`` / ``drain_idle`` and the
+worker's ``execute``.
+Costs: O(1) per step beyond the calls it makes.
 """
 
 from __future__ import annotations

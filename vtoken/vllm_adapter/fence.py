@@ -3,9 +3,11 @@
 A plan rides on step ``seq``: that step's forward still reads its sources and the copy out
 of them runs after it, so a source may return to the pool only when BOTH hold: step ``seq``
 has been processed (``processed_step_seq >= seq``) and the worker reported the copy done.
-The ledger owns one entry per pending source (opened at launch, marked when the copy is
-reported, closed when the adapter hands the block back), and :meth:`FenceLedger.check`
-verifies every closed entry once. O(sources of the plan) per operation.
+:meth:`FenceLedger.check` verifies every closed entry once.
+Owns: one entry per pending source (opened at launch, marked when the copy is reported,
+closed when the adapter hands the block back), and the closed entries not yet checked.
+May call: nothing but ``assumptions``.
+Costs: O(sources of the plan) per operation.
 """
 
 from __future__ import annotations

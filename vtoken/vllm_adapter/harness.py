@@ -24,6 +24,11 @@ Typical use::
 With ``async_scheduling=True`` the caller may keep steps in flight: ``so1 = h.schedule();
 so2 = h.schedule(); h.finish(so1); h.finish(so2)`` (outputs are applied in FIFO order, as
 the engine does).
+Owns: the vLLM configuration objects and the scheduler it builds (the adapter replaces
+the scheduler with its own subclass), the fake worker's queue of outputs in flight.
+May call: vLLM (``Scheduler``, ``AsyncScheduler``, ``KVCacheManager``), torch (CUDA probe),
+the environment (sets ``HF_HUB_OFFLINE``, ``VLLM_TARGET_DEVICE`` when unset).
+Costs: building a scheduler is vLLM's cost (about a second); a step is vLLM's step.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ class Headroom:
         self.S = int(block_size)
         self.stats = stats
         self.blocks: list = []
+        self.fresh: dict = {}  # block id -> block, entered since the checks last looked
         self.withheld: list = []  # fresh requests sitting out the current schedule()
         self.starved = False  # given back because nothing could be admitted beside it
 
@@ -45,6 +46,16 @@ class Headroom:
 
     def __bool__(self) -> bool:
         return bool(self.blocks)
+
+    def take_fresh(self) -> list:
+        """The blocks that entered the headroom since the last call (for the incremental
+        checks: a block that stays in the headroom changes state only through a bug, which
+        the periodic full scan sees)."""
+        out, self.fresh = list(self.fresh.values()), {}
+        return out
+
+    def mark_all_fresh(self) -> None:
+        self.fresh = {b.block_id: b for b in self.blocks}
 
     def ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
@@ -66,11 +77,14 @@ class Headroom:
         assert len(taken) == len(set(ids)), f"destinations {list(ids)} repeat a block"
         wanted = set(ids)
         self.blocks = [b for b in self.blocks if b.block_id not in wanted]
+        for d in wanted:
+            self.fresh.pop(d, None)
         return taken
 
     def put(self, blocks) -> None:
         """Destinations a plan never wrote come back (still ref_cnt 1, never hashed)."""
         self.blocks += blocks
+        self.fresh.update((b.block_id, b) for b in blocks)
 
     def give_back(self) -> int:
         """Every block back to vLLM's free queue now; returns how many."""
@@ -78,6 +92,7 @@ class Headroom:
         if n:
             self.h.pool.free_blocks(self.blocks)
             self.blocks = []
+            self.fresh = {}
         return n
 
     def before_schedule(self) -> None:
@@ -94,12 +109,14 @@ class Headroom:
             if free < reserve and self.blocks:
                 give = self.blocks[-min(reserve - free, len(self.blocks)):]
                 del self.blocks[-len(give):]
+                for b in give:
+                    self.fresh.pop(b.block_id, None)
                 pool.free_blocks(give)
                 self.stats["headroom_yielded"] += 1
             elif not self.starved and sched.get_num_unfinished_requests():  # nothing reserved while idle
                 take = min(self.target() - len(self.blocks), free - reserve)
                 if take > 0:
-                    self.blocks += pool.get_new_blocks(take)
+                    self.put(pool.get_new_blocks(take))
         self.withhold()
 
     def withhold(self) -> None:

@@ -2,8 +2,11 @@
 
 ``scheduler_class(base)`` returns ``VToken<Base>``: ``schedule()`` calls the adapter before
 and after vLLM's own code, ``update_from_output()`` after it, ``_free_request_blocks()``
-(preemption and finish) and ``reset_prefix_cache()`` (the headroom goes back first) before it. The hooks only call out; everything else is vLLM's.
-Cost: three attribute lookups per call when no adapter is attached.
+(preemption and finish) and ``reset_prefix_cache()`` (the headroom goes back first)
+before it. The hooks only call out; everything else is vLLM's.
+Owns: nothing (the subclass holds only the attached adapter).
+May call: the adapter's hook methods and vLLM's base class.
+Costs: three attribute lookups per call when no adapter is attached.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """What the scheduler side and the worker tell each other, step by step.
 
-Owns the plain records only: :class:`StepMeta` rides on a ``SchedulerOutput`` as
+:class:`StepMeta` rides on a ``SchedulerOutput`` as
 ``so.vtoken`` (the step's plans and releases, to execute after its forward);
 :class:`AdapterPlan` is one compaction plan in vLLM's block objects; the worker answers with
 a :class:`WorkerReport` on ``ModelRunnerOutput.vtoken_report`` (per finished plan a
-:class:`PlanResult`, and each request's full-context length). No behaviour, no cost.
+:class:`PlanResult`, and each request's full-context length). No behaviour.
+Owns: the plain records only (plan blocks belong to the adapter, see ``plans``).
+May call: numpy.
+Costs: none beyond building the records.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ the reverse index ``where`` (block id -> requests whose list holds it), so a che
 a block's holders without scanning every list.
 It never frees a block. ``detach`` is the one place a request's list changes under vLLM:
 the entry becomes ``null_block``, the list keeps its length (vLLM's allocator grows lists
-positionally; popping would break that). Cost: O(new block ids) per output, O(1) per
-detach, O(list) per :meth:`check_lists`.
+positionally; popping would break that).
+May call: nothing but ``assumptions``; it writes only ``null_block`` into vLLM's lists.
+Costs: O(new block ids) per output, O(1) per detach, O(list) per :meth:`check_lists`.
 """
 
 from __future__ import annotations

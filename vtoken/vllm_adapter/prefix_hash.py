@@ -14,9 +14,11 @@ prefix cache honest under token eviction and relocation:
   :meth:`evict_unfaithful` drops those hashes once the worker reports the request's
   full-context length, and when the request is preempted or finishes.
 
-Owns: per request the full-context length (``faithful``) and how far its list was scanned;
-the record of kept hashes. Calls ``BlockPool.evict_blocks`` only. Cost: each positional
-block is scanned once per incarnation.
+Owns: per request the full-context length (``faithful``) and how far its list was scanned
+(``scanned``); the record of kept hashes (``kept``). The hashes themselves are vLLM's.
+May call: ``BlockPool.evict_blocks`` and the manager's cached-block counts only.
+Costs: each positional block is scanned once per incarnation; per step O(requests that
+evicted), an O(1) test each.
 """
 
 from __future__ import annotations

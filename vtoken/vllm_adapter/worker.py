@@ -35,6 +35,14 @@ were computed with full context.
 Determinism: ``PagedDecoder(batch_invariant=True)`` runs each request's forward alone, and
 attention reads only bytes in logical order, so with the same eviction decisions a run with
 reclamation and one without give the same tokens (for the same prefill chunking).
+Owns: the K/V cache (``KVCache``), the copy engine and its in-flight copies, the plans
+received and not yet reported, per request the full-context length; it writes the token
+table the adapter reads.
+May call: ``vtoken.table``, ``vtoken.planner`` (``apply_completed``), ``vtoken.copy_engine``,
+``vtoken.model``, ``vtoken.policies``, torch; vLLM's output types; the relocation checker
+only as a factory the toolkit passes in (``check_relocations``).
+Costs: a step is the decoder's forward over the scheduled tokens plus O(moves) per plan
+applied; the per-request work is for scheduled requests only.
 """
 
 from __future__ import annotations
