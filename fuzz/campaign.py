@@ -10,6 +10,13 @@ Nothing found is lost to a kill: a failure is written to ``--out`` (the minimise
 its plan snapshot when the machine made one, and a pytest file that replays it) the moment
 the worker sees it, the database holds the example as soon as Hypothesis finds it, and the
 summary (``summary.json``) is rewritten after every batch.
+
+Owns: its worker processes, the example database connection and the ``--out`` folder (failures,
+summary).
+May call: fuzz (machines, protocol, hard_states, profiles, catalogue, planted), hypothesis, redis,
+vtoken.cli.args.
+Costs: time-boxed: ``--budget`` seconds on ``--workers`` processes; the summary is rewritten per
+batch.
 """
 
 from __future__ import annotations

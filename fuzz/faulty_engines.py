@@ -28,6 +28,11 @@ hook and reads stale KV):
   does not see it (the table's read path is right); the sentinel check, which reads the
   slot buffer itself, and the output comparison do. Runs on the CPU (the graph path's
   eager fallback) and on CUDA.
+
+Owns: what their parent engines own, plus the handles reported done before their copy ran
+(``ReleaseBeforeEventEngine``) and the rows written (``AppendOnlySlotBufferEngine``).
+May call: vtoken.copy_engine, vtoken.decode, torch, numpy.
+Costs: the parent engine's cost; the faults add O(moves) or O(rows) at most.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Machines call :func:`hard` when they reach one; it is a Hypothesis ``event`` (so
 ``--hypothesis-show-statistics`` shows it) and a process-wide counter the campaign runner
 reports. Keep configurations small (few blocks, small S) so these states are common.
+
+Owns: one process-wide counter of the hard states reached.
+May call: hypothesis (``event``), collections.
+Costs: O(1) per call.
 """
 
 from __future__ import annotations

@@ -32,6 +32,12 @@ Tests, with ``-x``, a fixed Hypothesis seed and the ``ci`` profile: the worked e
 present), then the conformance machines, the mutated module's own first. A mutant is killed
 when the tests fail (or the mutated package cannot even be imported) or the run exceeds the
 per-mutant timeout (counted as killed, reported separately).
+
+Owns: the source snapshot, one shadow directory and child process per mutant, and the ``--out``
+files.
+May call: fuzz.mutation_gen, fuzz.shadow, pytest, subprocess, vtoken.cli.args.
+Costs: one test run per mutant (seconds each, bounded by the per-mutant timeout): minutes to hours
+per campaign.
 """
 
 from __future__ import annotations

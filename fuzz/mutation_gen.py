@@ -8,7 +8,11 @@ negated ``if`` / ``while`` / conditional-expression tests, deletion of simple st
 (assignments, augmented assignments, expression calls, ``del``) inside functions, return
 values replaced by ``None``, and slice bounds shifted by one. Never mutated: docstrings and
 other strings, f-strings, ``raise`` statements (error codes and message formatting),
-asserts, imports, annotations and decorators. Pure: text in, mutants out (O(module)).
+asserts, imports, annotations and decorators.
+
+Owns: nothing (pure: text in, mutants out).
+May call: ast, tokenize, hashlib, the standard library only.
+Costs: O(module) per file.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """The pytest plugin every ``vtoken mutate`` run loads (copied into the shadow tree as
 ``_vtoken_mutation_guard.py``): it fails the run (a usage error, never a kill) unless every
 ``vtoken`` module came from the shadow tree, and turns Hypothesis's shrinking off (a failure
-found is a kill either way; ``VTOKEN_MUTATION_SHRINK=1`` keeps it)."""
+found is a kill either way; ``VTOKEN_MUTATION_SHRINK=1`` keeps it).
+
+Owns: nothing (a pytest plugin's hooks).
+May call: hypothesis (settings), os, sys; no vtoken module (it inspects ``sys.modules``).
+Costs: O(modules loaded) once per run.
+"""
 
 import os
 import sys

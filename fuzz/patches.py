@@ -16,6 +16,10 @@ Two ways to apply the same patch:
   ``with`` block, then puts the original back. Only what a patch names changes.
 
 Both start from the text of the file as it is in the repository, so they agree.
+
+Owns: the originals it swapped out inside a ``planted`` block, restored on exit.
+May call: ast, importlib, pathlib, textwrap; the patched modules themselves (by name).
+Costs: O(file) parse per patch; one compile per patched function.
 """
 
 from __future__ import annotations

@@ -36,6 +36,13 @@ launched right after it is made, or dropped (headroom blocks are taken at launch
 unlaunched plans may name the same destinations).
 
 Hard states are counted with ``event("hard: ...")`` (``--hypothesis-show-statistics``).
+
+Owns: per example its TokenTable, BlockAllocator, ReclamationManager, SpecTokenTable and scheduler
+record.
+May call: vtoken.table, .allocator, .planner, vtoken.spec, invariants (table_checks, ownership),
+fuzz.table_machine, fuzz.hard_states, hypothesis.
+Costs: per step the spec comparison and checks, O(all tokens + pool), plus ``best_reduction`` per
+plan.
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ copy can be in flight), ``gpu`` (CUDA only; listed as not run elsewhere).
 
 :func:`planted` is the in-process form for unit tests: the fault's patches swapped into the
 live modules for a ``with`` block.
+
+Owns: one shadow tree and child process per fault and seed, deleted after.
+May call: fuzz (catalogue, patches, shadow, faulty_engines, profiles, machines), vtoken.decode,
+invariants (placement_proof, relocation_hash), hypothesis, subprocess.
+Costs: ``--runs`` runs per fault, each bounded by ``--budget`` seconds: about R x faults x seconds.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ the reference model, which is slow on purpose, and a shared CI box is noisy.
 ``nightly`` randomize and keep a database: campaigns explore, and what they find is
 replayed first. Detection strength is measured over independent seeds (``vtoken fuzz
 --planted all --runs 10``), never from one run.
+
+Owns: nothing (registers Hypothesis profiles).
+May call: hypothesis, os, warnings.
+Costs: O(1).
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ the spec planner's *view* and *plan* (``vtoken.spec.planner``'s docstring); a cl
 :func:`table_machine_for` / :func:`planner_machine_for` return the machines bound to a class;
 :class:`Conforming` is the thin wrapper that translates errors and records the operations,
 so a failure names the operation that diverged.
+
+Owns: per machine its implementation under test, a SpecTokenTable and the recorded operations.
+May call: fuzz.table_machine, vtoken.spec, vtoken.errors, hypothesis, importlib (``load_impl``).
+Costs: per step the spec comparison, O(all tokens); ``best_reduction`` per proposal.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ replayed first. A failure is reported with the operation that diverged, and a re
 that imports your class is written to ``.vtoken/replays/`` (run it with pytest to see the
 shrunk example again). ``--vtoken-examples N`` sets the examples per machine (default: the
 profile's).
+
+Owns: one test item per ``--vtoken-impl``; its example database and replay files under ``.vtoken/``.
+May call: fuzz.protocol, fuzz.profiles, pytest, hypothesis.
+Costs: nothing without the option; with it, one machine run per implementation (the profile's
+examples).
 """
 
 from __future__ import annotations

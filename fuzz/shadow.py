@@ -7,6 +7,10 @@ mapping) once; :func:`make_shadow` makes a cheap per-run copy (hard links) into 
 changed module is written; a process started with the shadow first on ``PYTHONPATH`` (and
 its working directory there) imports that copy. :func:`imported_from_shadow` lets the run
 prove it did.
+
+Owns: nothing beyond the directories it is told to make (callers delete them).
+May call: os, shutil, pathlib, sys.
+Costs: ``snapshot`` O(tree bytes) once; ``make_shadow`` O(files) hard links.
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ in both with the same error code and leave both unchanged.
 The machine also plays the scheduler's part of the ownership contract: blocks it allocated
 for a request are freed when the table says the request no longer references them
 (moves' emptied sources, released empty blocks, finished requests).
+
+Owns: per example its TokenTable, SpecTokenTable, BlockAllocator and the blocks it holds per
+request.
+May call: vtoken.table, .allocator, .errors, vtoken.spec, invariants.table_checks, fuzz.hard_states,
+hypothesis.
+Costs: per rule the state comparison and checks, O(all tokens + pool).
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
 """The I3 probe: one sentinel copy on a late relocation stream, read the way attention reads.
 
 Toolkit code (it checks the copy engine; the engine does not carry it). CUDA only.
+
+Owns: one copy engine per probe; the caller's KVCache, whose first 2n blocks' slots it overwrites.
+May call: vtoken.kvcache, vtoken.copy_engine, vtoken.fuzz.faulty_engines, torch, numpy.
+Costs: one sentinel copy of n tokens on a relocation stream delayed by ``sleep_cycles``; a poll loop
+bounded by ``timeout_s``.
 """
 
 from __future__ import annotations

@@ -39,6 +39,12 @@ What it does (``run``):
 
 The goal: every mutant rejected by every checker, every valid snapshot accepted, no
 disagreement, at least 50 mutants per operator (the default run makes 60).
+
+Owns: nothing beyond one run's collected snapshots and mutants, dropped when it returns.
+May call: invariants (snapshot_checks, z3_checks, relocation_hash), the system's public drivers
+(table, allocator, planner, decode, model, snapshot, vllm_adapter), vtoken.cli.args; never fuzz/.
+Costs: collection runs each path once (a CPU decode; the adapter where vLLM is installed); then
+every mutant through both checkers, each linear in its snapshot.
 """
 
 from __future__ import annotations

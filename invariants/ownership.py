@@ -15,8 +15,11 @@ and demands, block by block:
   owner and by nothing else;
 - free + used + reserved is the whole pool (the null block apart).
 
-Owners are named, so a violation says who holds what. O(pool) per call: for machines,
-audits and the periodic full scan, not for a hot path.
+Owners are named, so a violation says who holds what.
+
+Owns: nothing (a pure check over the pool's view and the owners' claims).
+May call: invariants.table_checks, collections.
+Costs: O(pool) per call: for machines, audits and the periodic full scan, not for a hot path.
 """
 
 from __future__ import annotations

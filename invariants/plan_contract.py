@@ -3,8 +3,12 @@
 The vLLM adapter and the machines hand every proposal to :func:`check_proposal` before it
 launches (the adapter through its ``plan_hook``): the view is rebuilt from the table's
 public read API, then the reference rules (``plan_errors``) and optimality
-(``best_reduction`` over the same headroom) are asked. O(request length) per plan: a check
-mode, not a hot path.
+(``best_reduction`` over the same headroom) are asked.
+
+Owns: nothing (a pure check).
+May call: vtoken.spec.planner, invariants.table_checks; the table's public read API.
+Costs: O(request length) per plan, plus ``best_reduction``'s brute force: a check mode, not a hot
+path.
 """
 
 from __future__ import annotations

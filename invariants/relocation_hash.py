@@ -31,8 +31,7 @@ bytes -- a live slot only while the same token of the same request still holds i
 that changed hands meanwhile was written legitimately), and never a slot another plan's
 copy writes. A difference raises ``guard_overwritten`` naming the slot and its owner. When
 the plan is applied, no request other than the plan's may hold a live token in a
-destination block (``foreign_token``). The cost is one scan of every request's slots per
-plan: a check mode, not the serving path.
+destination block (``foreign_token``).
 
 Digests in the snapshot: for a plan carrying a snapshot, the checker fills
 ``plan.digests`` (``vtoken.snapshot``): per move, the xxh3-64 of the moved token's
@@ -77,6 +76,13 @@ Hooking it in without touching the planner: :meth:`RelocationChecker.wrap` retur
 engine that calls :meth:`before_copy` in ``launch`` and :meth:`after_copy` when ``poll`` /
 ``wait`` first report a final status; the planner's ``on_applied`` callback calls
 :meth:`after_apply`.
+
+Owns: per plan in flight its pre-copy digests and guard; the pending host fetches (pinned buffers,
+events); failure snapshots it writes to ``out_dir``.
+May call: vtoken.snapshot, vtoken.errors, the table's and KV cache's public API, torch, numpy,
+xxhash.
+Costs: per plan O(request length x layers) digests plus one scan of every request's slots (the
+guard): a check mode, not the serving path.
 """
 
 from __future__ import annotations

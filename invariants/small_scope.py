@@ -26,6 +26,11 @@ Symmetry reductions (each obviously sound):
    partially filled or full): lengths, not block lists, are enumerated.
 
 Nothing else is reduced: every liveness pattern of every token is enumerated.
+
+Owns: nothing beyond each enumerated state's table, allocator and manager.
+May call: vtoken.table, .allocator, .planner, invariants.z3_checks, invariants.table_checks.
+Costs: every state up to the bound (exponential in it: all liveness patterns), a Z3 check per
+snapshot.
 """
 
 from __future__ import annotations

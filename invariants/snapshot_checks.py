@@ -71,7 +71,9 @@ blocks (``plan.dests`` and the blocks its moves write).
     ``E`` write;
   - [free_before_apply] no source is freed before the plan's ``apply``.
 
-Cost: linear in the snapshot (moves, tokens, events x their tokens), no solver.
+Owns: nothing (pure functions).
+May call: vtoken.snapshot (validate), collections; never z3.
+Costs: linear in the snapshot (moves, tokens, events x their tokens), no solver.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ and on snapshots loaded from disk. Each returns nothing and raises
 - :func:`check_block_accounting`: free + used + reserved = total; no block free and
   referenced at once; the free queue holds no block twice; table references never exceed
   allocator references; ``n_b`` equals a recount of live slots.
+
+Owns: nothing (pure functions over plain data).
+May call: collections only.
+Costs: O(tokens + pool) per check.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ lives in vLLM (symbol and file), so an upgrade audit can tell what to re-check.
         print(r["name"], r["passed"], r["detail"])
 
 Files named in ``where`` are relative to the installed ``vllm`` package.
+
+Owns: nothing beyond the vLLM schedulers and pools each contract builds and drops.
+May call: vllm (scheduler, block pool, KV cache manager), vtoken.vllm_adapter.harness, inspect.
+Costs: one small real scheduler or pool per contract; ``run_contracts`` runs them all once.
 """
 
 from __future__ import annotations

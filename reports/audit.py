@@ -22,6 +22,12 @@ version (``reports/vllm_envs.py``, cached in ``~/.cache/vtoken/envs/vllm-<ver>/`
 this command with that environment's python. ``--matrix V1,V2,...`` does that for each
 version and writes ``matrix.{md,html,json}``: every contract, check, fuzz machine and vLLM
 test group, pass / fail / not run per version (``reports/audit_matrix.py``).
+
+Owns: the report folder it writes and the subprocesses it starts (pytest runs, audits in side envs).
+May call: vllm, vtoken.cli (args, bench, simulate), fuzz.campaign, invariants (mutants,
+vllm_contracts), reports (audit_matrix, verdict, vllm_envs, vllm_runs), vtoken.vllm_adapter.
+Costs: the sum of its checks (the invariants suite, a fuzz campaign, decodes, measurements):
+minutes; ``--quick`` less.
 """
 
 from __future__ import annotations

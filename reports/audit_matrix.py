@@ -12,6 +12,10 @@ child's progress streams through; its report folder comes back through a file
 ``<out>/<UTC timestamp>-matrix/`` (one audit folder per version) and writes
 ``matrix.{md,html,json}`` there (``reports/verdict.py``: every contract, check, fuzz
 machine and vLLM test group, pass / FAIL / not run per version, and each version's verdict).
+
+Owns: the matrix folder it writes and the child audits it starts.
+May call: reports (vllm_envs, verdict), subprocess; vLLM only through the child audits.
+Costs: one audit per version, plus a side environment build per new version (minutes, 2-4 GB each).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ failed check with the exact command that reproduces it (:func:`repro_commands`).
 ``matrix(audits)`` lays every contract, check, fuzz machine and vLLM test group out per
 version (pass / FAIL / n/a / not run); ``render_matrix_md`` / ``render_matrix_html`` write it.
 Pure functions of the JSON: no vLLM, no torch.
+
+Owns: nothing (pure functions of the JSON).
+May call: html, json, os, shlex; no vLLM, no torch.
+Costs: O(report size).
 """
 
 from __future__ import annotations

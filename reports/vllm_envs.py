@@ -20,6 +20,10 @@ time each step took); a later call reuses it after checking that vLLM has that v
 that ``vtoken`` resolves to this checkout. Building one takes a few minutes and 2-4 GB.
 
 Nothing here imports vLLM or torch: it only builds and inspects environments.
+
+Owns: the side environments under the cache (one lock file per build).
+May call: subprocess (venv, pip, ``scripts/install_vllm.sh``), fcntl, tomllib; never vLLM or torch.
+Costs: a build is minutes and 2-4 GB; a reuse O(1) checks plus one subprocess.
 """
 
 from __future__ import annotations

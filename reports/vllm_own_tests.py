@@ -53,6 +53,11 @@ The result (and ``out_dir/vllm_own_tests.json``, the two junit files beside it):
 
 CLI: ``python -m vtoken.reports.vllm_own_tests --version 0.33.0 --json`` (``--help``).
 Nothing here imports vLLM or torch: it builds a tree and runs subprocesses.
+
+Owns: the sdist cache and extracted test tree, the stand-in HF cache and the two runs' junit files.
+May call: subprocess (pip, pytest), tarfile, ast, xml.etree; never vLLM or torch in this process.
+Costs: two pytest runs of vLLM's ``tests/v1/core`` in ``jobs`` shards: minutes; the first fetch
+more.
 """
 
 from __future__ import annotations

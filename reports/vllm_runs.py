@@ -17,6 +17,12 @@
 
 A broken assumption makes ``passed`` False and the ``detail`` start with
 ``assumption broken: <statement> [<name>]``. Nothing here raises for a failed check.
+
+Owns: nothing beyond one run's harness, adapter and worker, dropped when it returns.
+May call: vllm, vtoken.vllm_adapter, vtoken.model, invariants (relocation_hash, plan_contract),
+torch, matplotlib.
+Costs: a few CPU decodes through the real vLLM scheduler (more, and a late-copy variant, when not
+quick).
 """
 
 from __future__ import annotations

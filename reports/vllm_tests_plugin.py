@@ -37,6 +37,11 @@ Per test, the plugin adds junit properties ``vtoken_adapters`` (adapters attache
 the test), ``vtoken_refused`` (schedulers the adapter refused) and ``vtoken_stats`` (JSON: the adapters' summed counters that matter without
 eviction: ``headroom_yielded``, ``backpressure_steps``, ``preemptions``), so a report can
 tell a test that never built a scheduler (vtoken not in play) from one that did.
+
+Owns: the wrapped scheduler ``__init__``s (for the whole session: nothing unwraps them) and weak
+references to the adapters attached in the current test.
+May call: vllm (scheduler classes), vtoken.vllm_adapter (adapter, hooks, harness), pytest.
+Costs: one ``attach`` per scheduler a test builds, then the adapter's per-step cost.
 """
 
 from __future__ import annotations

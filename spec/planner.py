@@ -38,6 +38,11 @@ Placement (fill each destination completely, one after another, in logical order
   offset ``k % S``; ``dest_count``: exactly ``ceil(moved / S)`` destinations are listed.
 Reduction (I4: reclamation that frees nothing is refused)
   ``not_reducing``: ``len(sources) > len(dests)`` must hold.
+
+Owns: nothing (pure functions over plain data).
+May call: collections, itertools; never the system, invariants/, fuzz/ or reports/.
+Costs: ``plan_errors`` O(tokens + moves); ``best_reduction`` brute force over multisets of live
+counts (combinatorial in ``max_sources``): small fuzz sizes only.
 """
 
 from __future__ import annotations

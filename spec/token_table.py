@@ -17,6 +17,11 @@ numpy integer; never ``bool``), a list of ids a non-string iterable of integers 
 array included). Anything else is ``not_integer`` (``bad_move`` for a move list); an
 unhashable request id is ``bad_request_id``. (The implementation also takes torch tensors,
 which this model does not.)
+
+Owns: plain dicts and lists: per request its tokens and block list (nothing shared with the system).
+May call: numbers only; never the system, invariants/, fuzz/ or reports/.
+Costs: slow on purpose: an operation is O(its input x requests) (a block's ``refs`` scans every
+request); ``waste_ratio``, ``block_live_count`` and ``export_state`` rescan every token.
 """
 
 from __future__ import annotations

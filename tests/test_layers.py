@@ -118,3 +118,45 @@ def test_readme_architecture_names_every_module(folder):
     assert mods, folder
     missing = [m for m in mods if f"`{m}`" not in section]
     assert not missing, f"README architecture section does not name {folder}/: {missing}"
+
+
+HEADER_LABELS = ("Owns:", "May call:", "Costs:")
+HEADER_DIRS = ("vtoken", "spec", "invariants", "fuzz", "reports")
+
+
+def _tracked_modules() -> list[Path]:
+    """Every git-tracked ``.py`` module of the system and the toolkit (a Path walk, minus
+    ``__pycache__`` and report folders' generated files, where git is not there)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "ls-files", "--", *(f"{d}/*.py" for d in HEADER_DIRS)], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+        return sorted(ROOT / p for p in out if (ROOT / p).exists())
+    except (OSError, subprocess.CalledProcessError):
+        return sorted(p for d in HEADER_DIRS for p in (ROOT / d).rglob("*.py")
+                      if "__pycache__" not in p.parts and not (d == "reports" and len(p.relative_to(ROOT).parts) > 2))
+
+
+def missing_header_labels(path: Path) -> list[str]:
+    """The labels of the module header (issue 12) that no line of ``path``'s docstring starts with."""
+    doc = ast.get_docstring(ast.parse(path.read_text(), filename=str(path))) or ""
+    starts = [line.lstrip() for line in doc.splitlines()]
+    return [lab for lab in HEADER_LABELS if not any(s.startswith(lab) for s in starts)]
+
+
+def test_every_module_states_owns_calls_costs():
+    """Each module opens with what it owns, what it may call and what it costs: three
+    labelled lines of its docstring (``Owns:``, ``May call:``, ``Costs:``)."""
+    files = _tracked_modules()
+    assert len(files) > 60  # the walk found the modules
+    found = [f"{p.relative_to(ROOT)}: missing {', '.join(m)}" for p in files if (m := missing_header_labels(p))]
+    assert not found, "modules without an Owns / May call / Costs header:\n" + "\n".join(found)
+
+
+def test_the_header_check_names_what_is_missing(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""A module.\n\nOwns: nothing.\n  Costs: O(1).\n"""\n')
+    assert missing_header_labels(f) == ["May call:"]
+    f.write_text("x = 1\n")
+    assert missing_header_labels(f) == list(HEADER_LABELS)

@@ -2,6 +2,11 @@
 
 The system lives here; the reference model is ``vtoken.spec`` (folder ``spec/``), the
 checkers ``vtoken.invariants`` (``invariants/``), the fuzzers ``vtoken.fuzz`` (``fuzz/``).
+
+Owns: nothing (re-exports ``TokenTable``, ``BlockAllocator`` and the error types).
+May call: vtoken.table, vtoken.allocator, vtoken.errors; never spec/, invariants/, fuzz/ or
+reports/.
+Costs: importing it imports the table (torch, numpy); nothing runs.
 """
 
 from .allocator import BlockAllocator

@@ -1,4 +1,10 @@
-"""Command line: ``vtoken <command>`` (also ``python -m vtoken``)."""
+"""Command line: ``vtoken <command>`` (also ``python -m vtoken``).
+
+Owns: nothing (the table of command names).
+May call: sys, importlib: by name, the chosen command's entry point only (``vtoken.cli`` or the
+toolkit's commands); it imports nothing of spec/, invariants/, fuzz/ or reports/ statically.
+Costs: O(1) plus the chosen command's import and run.
+"""
 
 from __future__ import annotations
 

@@ -12,16 +12,20 @@ fuzzers and the decoder exercise the same ownership rules the real pool has:
 - ``allocate`` pops from the head of the free queue; ``free`` appends to the tail, so the
   most recently freed block is reused last (vLLM's LRU order).
 
-Ownership: whoever called ``allocate``/``take_reserved`` holds one reference and must call
-``free`` exactly once per reference. Every call validates its whole input first; a failing
-call raises :class:`~vtoken.errors.AllocatorError` with a code from
-``vtoken.errors.ALLOCATOR_CODES`` and changes nothing.
+Every call validates its whole input first; a failing call raises
+:class:`~vtoken.errors.AllocatorError` with a code from ``vtoken.errors.ALLOCATOR_CODES`` and
+changes nothing.
 
 Types are checked before any value is used: a count or block id must be an ``int`` or a
 numpy integer (``bool``, floats such as ``3.0``, strings, ``None`` are ``not_integer``); a
 block list is a non-string iterable of them (a 1-D integer numpy array or torch tensor
 included). Block ids beyond int64 are simply out of range (``block_out_of_range``).
 ``num_blocks`` is at most ``MAX_BLOCKS`` (the table's and the snapshot schema's limit).
+
+Owns: the pool's bookkeeping (free queue, per-block ``ref`` and state); whoever called
+``allocate``/``take_reserved`` holds one reference and must ``free`` it exactly once.
+May call: vtoken.errors, numpy, collections; never spec/, invariants/, fuzz/ or reports/.
+Costs: O(blocks named or requested) per call; ``export_state`` O(pool).
 """
 
 from __future__ import annotations

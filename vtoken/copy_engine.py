@@ -26,10 +26,6 @@ The index tensors are made on the compute stream and used on the relocation stre
 copy is observed done. Temporaries of the copy itself are allocated inside the
 relocation stream's context and are therefore stream-ordered there.
 
-Ownership: the engine owns no blocks and no table state; it writes K/V into the plan's
-destination slots (headroom blocks no one reads) and reads its sources. Which blocks those
-are, and when they may be freed, is the planner's business.
-
 CPU
 ---
 The copy is synchronous at ``launch`` and the same lifecycle is followed (``poll`` ->
@@ -51,6 +47,13 @@ are filled with a sentinel (``finfo(dtype).max``) on the compute stream, and on 
 relocation stream is delayed by ``torch.cuda._sleep(sleep_cycles)`` before copying, so a
 missing or misplaced wait shows up as sentinel values in attention's inputs
 (:meth:`KVCopyEngine.contains_sentinel`).
+
+Owns: the relocation stream and each pending copy's handle (index tensors, event) until seen done;
+no blocks, no table state (which blocks it copies, and when they are freed, is the planner's).
+May call: vtoken.kvcache, torch, numpy; never spec/, invariants/, fuzz/ or reports/ (the faulty
+engines subclass it from there).
+Costs: one batched gather/scatter over every layer per plan, O(moves) host work, no per-token loop;
+``poll`` O(1), ``wait_before_attention`` O(pending copies).
 """
 
 from __future__ import annotations

@@ -27,10 +27,6 @@ same eviction decisions (one policy instance per run, per-request seeded state, 
 statistics because the K/V bytes and their order are the same), so their greedy outputs
 must be bitwise identical: the strongest end-to-end check of the relocation machinery.
 
-Ownership: the engine holds one allocator reference on every non-null entry of a
-request's positional block list and on every applied destination it holds (``held``);
-the reclamation manager owns the headroom and frees applied plans' sources.
-
 Tokens evicted while their copy is in flight stay dead: the manager drops their moves
 before the plan is applied (``apply_moves`` would otherwise refuse a dead token), and the
 relocation checker is told about every eviction.
@@ -63,6 +59,13 @@ itself), and ``tests/test_gpu.py`` probes the ordering on a device. The greedy t
 graph path equal the plain path's token for token (masked padding changes reductions in
 the last bits, see ``decode_static``); ``naive-evict`` and ``vtoken`` on the same path stay
 bitwise comparable.
+
+Owns: its KVCache, TokenTable, BlockAllocator, manager, copy engine and StepGraphs; a reference
+on every non-null positional block and held destination (the manager frees applied sources).
+May call: vtoken.table, .allocator, .planner, .copy_engine, .model, .policies, .errors, torch,
+numpy; never spec/, invariants/, fuzz/ or reports/ (a checker comes in as ``check_relocations``).
+Costs: per step the model's forward plus O(active requests x read slots) host work (read slots,
+eviction, ``manager.step``); one CUDA graph capture per batch shape.
 """
 
 from __future__ import annotations

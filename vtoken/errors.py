@@ -6,6 +6,10 @@ the conformance fuzzers compare *what* went wrong without either side importing 
 
 A failed operation never changes state: every mutating call validates its whole input
 before it writes anything.
+
+Owns: nothing (the exception classes and the code lists).
+May call: the standard library only; never spec/, invariants/, fuzz/ or reports/.
+Costs: O(1).
 """
 
 from __future__ import annotations

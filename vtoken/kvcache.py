@@ -13,13 +13,6 @@ at the same slot index, so relocating tokens (``copy_slots``) or hashing them
 layers at once, instead of ``2 * num_layers`` separate copies. Per-layer reads and writes
 (``gather`` / ``write``) index the same view with the layer fixed.
 
-Ownership
----------
-``KVCache`` owns the storage only. It knows nothing about which slots are live or which
-request holds them: the token table and the block allocator own that, and they decide
-which slots may be written, read, copied or reused. Freeing a block is purely a metadata
-act elsewhere; this class never frees or zeroes anything on its own.
-
 Validation
 ----------
 With ``checked=True`` (the default) every call checks that slots are 1-D int64, inside
@@ -27,6 +20,12 @@ With ``checked=True`` (the default) every call checks that slots are 1-D int64, 
 Negative slots are rejected explicitly: torch would otherwise wrap them around to the end
 of the cache (bug class 5, wrong-slot writes). The checks read values back to the host,
 so a CUDA user on a hot path may pass ``checked=False``; the CPU cost is negligible.
+
+Owns: the K/V storage tensor only; which slots are live and who holds them is the table's and the
+allocator's (freeing a block is a metadata act there); it never frees or zeroes on its own.
+May call: torch, numpy, xxhash; never spec/, invariants/, fuzz/ or reports/.
+Costs: one index op along the slot dimension per call, O(slots x layers x K/V bytes);
+``checked=True`` reads the slots back to the host; ``slot_digests`` copies the bytes to the host.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ token (counting in logical order from 0) goes to destination ``k // S`` at offse
 :func:`place` is written only with ``+``, ``//``, ``%`` and an injected if-then-else, so the
 same code runs on Python ints (the planner) and on Z3 integer expressions (the bounded
 proof in ``invariants/``): the proof checks this function, not a transcription of it.
+
+Owns: nothing (pure functions).
+May call: typing only; never spec/, invariants/, fuzz/ or reports/ (the proof in invariants/ calls
+it, not the other way round).
+Costs: ``place`` O(candidate tokens), ``dest_count`` O(1).
 """
 
 from __future__ import annotations

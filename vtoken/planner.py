@@ -26,10 +26,12 @@ evicted while their copy was in flight are left dead where they were (a destinat
 live token landed in goes back to the headroom); a plan one of whose sources became
 shared meanwhile (a prefix-cache hit) is aborted, since shared blocks never move.
 
-Ownership: the manager owns the headroom reservation and, once a plan is applied, frees
-its sources (the request's references on them) to the allocator. The owner of a request's
-other blocks (the scheduler) learns of every applied plan through ``on_applied`` so it can
-put the null block where a source was and record the destinations as the request's.
+Owns: the headroom reservation and the plans in flight (snapshots, history); it frees an applied
+plan's sources; the scheduler owns the other blocks and learns of each plan via ``on_applied``.
+May call: vtoken.table, .allocator, .placement, .snapshot, .errors, numpy; never spec/, invariants/,
+fuzz/ or reports/.
+Costs: trigger O(1); ``step`` polls O(plans in flight), a round scores O(requests), a plan O(blocks
++ length of its request), an apply O(moves); ``record_snapshots`` adds O(length) per plan.
 """
 
 from __future__ import annotations

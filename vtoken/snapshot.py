@@ -76,6 +76,11 @@ Every field is checked by :func:`validate`, which raises :class:`SnapshotError` 
 the field; :func:`load` / :func:`loads` turn every failure to read or parse (non-UTF-8
 bytes, deep nesting, a 5000-digit integer, NaN, duplicate keys, a directory, a file too
 large) into a :class:`SnapshotError` too, so a malformed snapshot never crashes a check.
+
+Owns: nothing (pure functions over plain data; ``save``/``load`` touch only the file named).
+May call: vtoken.errors, json, pathlib, reprlib; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``validate`` linear in the snapshot (bounded by :data:`LIMITS`); ``request_state`` O(request
+length).
 """
 
 from __future__ import annotations

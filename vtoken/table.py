@@ -66,6 +66,12 @@ id must be hashable (``bad_request_id``).
 Limits: ``block_size`` in ``[1, MAX_BLOCK_SIZE]``, ``num_blocks`` in ``[2, MAX_BLOCKS]``
 (the snapshot schema's limits, so every table can be snapshotted) and
 ``block_size * num_blocks <= MAX_SLOTS``.
+
+Owns: per-request slot/live arrays and block sets, per-block ``refs``/``n_b``, per-slot
+``claims``/``placed``, the device read views; never a block (the caller frees what it returns).
+May call: vtoken.errors, numpy, torch; never spec/, invariants/, fuzz/ or reports/.
+Costs: O(new tokens) per sync, O(ids) per eviction, O(moves) per apply, ``waste_ratio`` O(1);
+``export_state`` O(all tokens), for checkers only.
 """
 
 from __future__ import annotations

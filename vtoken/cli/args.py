@@ -8,6 +8,11 @@ the ``redis`` package), a JSON input is read and checked for its kind.
 
 Validation that depends on several arguments belongs right after ``parse_args``, as
 ``ap.error(...)``.
+
+Owns: nothing (pure ``type=`` checks: nothing created, written or connected).
+May call: argparse, json, os, pathlib, urllib.parse, importlib.util; torch only for ``device``; no
+vtoken module.
+Costs: O(1) per argument; a JSON input O(file size).
 """
 
 from __future__ import annotations

@@ -1,6 +1,11 @@
 """Benchmarks (scripts, never timed unit tests). Each prints figures and, as its last line,
 one JSON object. Variants are compared within one run and reported as ratios, because the
 machine is shared and noisy.
+
+Owns: nothing beyond one run's tables, allocators and managers, dropped when it returns.
+May call: vtoken.table, .allocator, .planner, vtoken.spec, vtoken.invariants.z3_checks, .decode,
+.bench_adapter, numpy.
+Costs: seconds (``--quick``) to minutes; each benchmark's cost is what it times.
 """
 
 from __future__ import annotations

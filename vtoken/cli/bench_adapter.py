@@ -14,6 +14,11 @@ Sync scheduling, prefix caching on, S = 16, prompts of 256-1024 tokens, a pool l
 that nothing is preempted. Per variant and R: the median of the per-step cost over the
 measured decode steps; ``ratio`` = median variant / median plain; ``spread`` = (p75 - p25) /
 median of each variant. The last stdout line is one JSON object.
+
+Owns: one harness, scheduler, adapter and worker per variant of a run, dropped when it returns.
+May call: vtoken.vllm_adapter (adapter, harness, worker), vtoken.model, vtoken.table, .args, torch,
+numpy, cProfile.
+Costs: one decode per variant and round on the real vLLM scheduler: minutes; the profile pass more.
 """
 
 from __future__ import annotations

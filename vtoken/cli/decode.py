@@ -10,6 +10,11 @@ false / null when not compared) and ``tokens_per_s``.
 
 Exit status: 0 ok; 1 a hash-and-compare failure or an output mismatch; 2 a bad argument; 3 the budget could
 not hold the batch (out of blocks).
+
+Owns: nothing beyond one ``DecodeEngine`` per mode run, dropped when it returns.
+May call: vtoken.decode, .model, .policies, .errors, vtoken.invariants.relocation_hash, .args,
+torch, numpy.
+Costs: one decode per mode (two with ``--compare``): the engine's per-step cost times the steps.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ printed is one JSON object (for ``frontier``: ``{"frontier": {"5427": {"native":
 "naive-evict": C, "vtoken": C, "vtoken_default": C}, "11519": {...}, "qwen-3438": {...}},
 "ideal": {...}, "traffic": {...}, ...}``; for ``robustness``: ``{"grid": {budget: {"K=k,latency=l":
 {"frontier": {median, min, max}, "ideal": C, ...}}}, "min_over_ideal": x, ...}``).
+
+Owns: nothing (writes only the experiment files under ``--out``).
+May call: vtoken.sim (the experiments, ``report``, ``parallel.Progress``), .args, argparse, json.
+Costs: the experiment's: seconds with ``--quick``, minutes to hours for the full figures.
 """
 
 from __future__ import annotations

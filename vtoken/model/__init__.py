@@ -1,4 +1,10 @@
-"""A small Llama-style paged decoder driven by slots (see ``decoder.py`` for contracts)."""
+"""A small Llama-style paged decoder driven by slots (see ``decoder.py`` for contracts).
+
+Owns: nothing (re-exports).
+May call: vtoken.model.config, .decoder, .rope, .weights; never spec/, invariants/, fuzz/ or
+reports/.
+Costs: importing it imports torch and safetensors.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,10 @@ The JSON keys are the Hugging Face Llama names (``num_hidden_layers``,
 Llama-architecture checkpoint loads unchanged. Features this decoder does not implement
 (RoPE scaling, attention or MLP biases, an activation other than SiLU) are rejected on
 load instead of being silently ignored.
+
+Owns: nothing (a frozen config dataclass and its JSON form).
+May call: dataclasses, json, os, torch (dtypes); never spec/, invariants/, fuzz/ or reports/.
+Costs: O(1); ``load_json``/``save_json`` O(file).
 """
 
 from __future__ import annotations

@@ -26,6 +26,13 @@ Determinism contract
   at large batch) and attention is still per request: placement invariance holds,
   batch invariance does not.
 * Both hold for a fixed torch thread count on one machine.
+
+Owns: its weights and its RoPE table; never the KV cache, the token table or the allocator (callers
+pass the cache and the slots).
+May call: torch, vtoken.kvcache, vtoken.model.config, vtoken.model.rope; never spec/, invariants/,
+fuzz/ or reports/.
+Costs: per decode step O(layers x (weights + read slots)) per request (batch-invariant: one forward
+per request); prefill O(layers x prompt^2) attention.
 """
 
 from __future__ import annotations

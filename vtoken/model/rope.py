@@ -11,6 +11,11 @@ computes every entry independently (IEEE double product, libm, one rounding to t
 dtype), so the cos/sin of a position are the same bytes however and whenever the table
 grew. Applying it uses only mul/add/sub, which are correctly rounded elementwise.
 Convention: Hugging Face Llama "rotate_half" (first half / second half of head_dim).
+
+Owns: its cos/sin tables, grown on demand.
+May call: math, torch; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``ensure`` O(new positions x head_dim) scalar libm calls; ``lookup``/``apply_rope`` O(tokens
+x head_dim).
 """
 
 from __future__ import annotations

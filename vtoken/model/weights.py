@@ -20,6 +20,11 @@ RoPE uses HF's rotate-half convention, so a real small Llama checkpoint in one
 ``model.safetensors`` file loads as is. Loading is strict: a missing, unexpected or
 misshapen tensor is an error (``lm_head.weight`` is tolerated and dropped when the config
 ties embeddings, as HF checkpoints sometimes carry it).
+
+Owns: nothing (reads and writes the files named).
+May call: safetensors, torch, vtoken.model.config, vtoken.model.decoder; never spec/, invariants/,
+fuzz/ or reports/.
+Costs: O(parameters) per load or save.
 """
 
 from __future__ import annotations

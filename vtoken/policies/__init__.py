@@ -1,4 +1,9 @@
-"""Eviction policies behind one small API (``base.Policy``) and a name registry."""
+"""Eviction policies behind one small API (``base.Policy``) and a name registry.
+
+Owns: nothing (the name registry).
+May call: vtoken.policies.*; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``make_policy`` O(1).
+"""
 
 from __future__ import annotations
 

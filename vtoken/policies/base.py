@@ -21,6 +21,10 @@ Writing a policy: subclass ``Policy`` and implement ``keep_scores`` (higher = ke
 ``inf`` = protected). ``select_victims`` evicts the lowest finite scores first, ties going
 to the older token; protected tokens go only when the budget cannot be met otherwise,
 oldest first. Policy state is kept per request and owned by the policy object.
+
+Owns: nothing itself; a subclass owns its per-request state, dropped by ``forget``.
+May call: numpy, abc; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``select_victims`` O(n log n) for n live ids, plus the subclass's ``keep_scores``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ steps. The most recent window is protected (new tokens have had no time to accum
 among older tokens the lowest accumulated score is evicted first. The window is
 ``recent`` tokens, or ``recent_ratio * budget`` when ``recent`` is None (the H2O paper
 splits the budget evenly between heavy hitters and recent tokens).
+
+Owns: one accumulated-attention array per request, dropped by ``forget``.
+May call: numpy, vtoken.policies.base; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``observe`` O(ids), amortised; ``keep_scores`` O(live ids).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ request draws from its own generator seeded by ``(seed, req_id)``, so its victim
 only on the seed and that request's own calls, not on which other requests share a
 batch (a Naive-Evict run and a vToken run with different concurrency evict the same
 tokens). The most recent ``recent`` tokens are protected.
+
+Owns: one seeded generator per request, dropped by ``forget``.
+May call: numpy, zlib, vtoken.policies.base; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``keep_scores`` O(live ids).
 """
 
 from __future__ import annotations

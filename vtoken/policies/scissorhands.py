@@ -5,6 +5,10 @@ attention is at least ``1/t`` of that step's total, t = tokens attended (the rul
 ``>= 1/t`` with attention normalised to sum to 1, so it holds for layer-summed stats).
 A token's score is the fraction of the steps it was present in where it was important;
 the lowest score is evicted first, and the most recent ``recent`` tokens are protected.
+
+Owns: per request a deque of the last ``history`` steps' ids and importance, dropped by ``forget``.
+May call: numpy, collections, vtoken.policies.base; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``observe`` O(ids); ``keep_scores`` O(history x ids).
 """
 
 from __future__ import annotations

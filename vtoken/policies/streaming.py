@@ -3,6 +3,10 @@
 The sinks are the first ``sink`` tokens of the sequence (logical ids ``< sink``). The
 rest are ranked by recency, so the oldest middle token goes first and the survivors are
 the sinks plus the most recent ``budget - sink`` tokens. Attention is not used.
+
+Owns: nothing per request (the ``sink`` count only).
+May call: numpy, vtoken.policies.base; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``keep_scores`` O(live ids).
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@
 
 Every one takes ``quick=True`` for a small, fast run (tests), ``seeds``, ``jobs`` and
 ``progress`` (``progress(label, done, total)``, e.g. :class:`parallel.Progress`).
+
+Owns: nothing (writes only the files of ``run_all`` under ``out``).
+May call: vtoken.sim.*, json, subprocess (``git`` for the commit stamp); never spec/, invariants/,
+fuzz/ or reports/.
+Costs: the experiments' sum: seconds with ``quick=True``, hours for the full ``run_all``.
 """
 
 from .frontier import run_frontier

@@ -24,6 +24,10 @@ The sum over a window uses the continuous approximation of
 ``sum_q (1 + (q - i)/tau) ** -alpha`` and one normalisation per window. Everything is
 drawn from a ``numpy.random.Generator`` the caller seeds, so a run is a pure function of
 its seed.
+
+Owns: nothing (a frozen model; the caller's generator holds the randomness).
+May call: numpy, dataclasses; never spec/, invariants/, fuzz/ or reports/.
+Costs: ``importance`` O(tokens); ``window`` O(live tokens) per observation window.
 """
 
 from __future__ import annotations

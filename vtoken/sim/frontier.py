@@ -27,6 +27,12 @@ destinations), against the lower bound of that work: the live tokens of that man
 emptiest sources (freeing k blocks moves at least k blocks' live tokens).
 
 Normalised demand = peak (used + reserved) blocks / usable blocks.
+
+Owns: nothing (each run's Replay lives in its task; writes only the result files).
+May call: vtoken.sim (replay, schedule, parallel, stats, traces, workloads, report), vtoken.planner,
+numpy; never spec/, invariants/, fuzz/ or reports/.
+Costs: one Replay of 16K steps per (C, budget, seed) point, bisection for vToken: minutes to hours;
+quick seconds.
 """
 
 from __future__ import annotations

@@ -2,6 +2,11 @@
 
 Spawn (not fork): the table keeps torch tensors and torch's thread pools do not survive a
 fork reliably. Workers pin torch to one thread so two workers share two cores fairly.
+
+Owns: one spawn process pool per size, reused, shut down at exit (``atexit``).
+May call: concurrent.futures, multiprocessing, torch (thread count); never spec/, invariants/, fuzz/
+or reports/.
+Costs: a pool start costs seconds; then O(tasks) scheduling, the tasks' own cost.
 """
 
 from __future__ import annotations

@@ -26,6 +26,13 @@ evicts at once (only safe with a planner that filters dead moves). Blocks of in-
 plans are never released by the engine: the plan frees them.
 
 Demand is ``used + reserved`` blocks (headroom is carved out of the same budget).
+
+Owns: a run's TokenTable, BlockAllocator, ReclamationManager and per-request held blocks and
+timelines.
+May call: vtoken.table, .allocator, .planner, vtoken.sim.schedule, numpy; never spec/, invariants/,
+fuzz/ or reports/.
+Costs: per step O(running requests + victims + new blocks) plus ``manager.step``; samples
+O(requests).
 """
 
 from __future__ import annotations

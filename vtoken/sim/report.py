@@ -1,4 +1,9 @@
-"""Output files: ``<name>.md``, ``<name>.json`` and ``<name>.png`` per experiment."""
+"""Output files: ``<name>.md``, ``<name>.json`` and ``<name>.png`` per experiment.
+
+Owns: nothing (writes the files it is given).
+May call: json, matplotlib, numpy; never spec/, invariants/, fuzz/ or reports/.
+Costs: O(result size) per write, plus the figure's rendering.
+"""
 
 from __future__ import annotations
 

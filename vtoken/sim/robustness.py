@@ -14,6 +14,12 @@ below it (bisection from the Naive-Evict frontier) and the cell says how far it 
 what was in flight (bytes held by copies: sources still held, destinations reserved).
 
 ``min_over_ideal`` = the smallest frontier over every cell and seed divided by the ideal.
+
+Owns: nothing (each cell's Replay lives in its task; writes only the result files).
+May call: vtoken.sim (frontier, parallel, stats, report), vtoken.planner, numpy; never spec/,
+invariants/, fuzz/ or reports/.
+Costs: one frontier run per (budget, latency, interval, seed) cell, a search where it fails: hours;
+quick minutes.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ After a warm-up, every step is timed by phase:
 
 The policy's own scoring is not included (it is the policy's cost, not the substrate's).
 Times are wall-clock on a shared machine: medians over seeds.
+
+Owns: nothing (each measurement's Replay lives in its task).
+May call: vtoken.sim (replay, schedule, parallel, stats, report), vtoken.planner, numpy; never
+spec/, invariants/, fuzz/ or reports/.
+Costs: per R a timed Replay: O(R) work per step by design (what it measures); minutes at R = 1,024.
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ window's attention (summed over its queries), then ``select_victims`` picks ever
 the window will need to evict, and those are evicted step by step as the budget
 requires -- so the live count never exceeds the budget, and the policy's scores are at
 most ``window`` steps stale. The victim order within a window is logical order.
+
+Owns: the on-disk schedule cache (``cache_dir()``; keyed by the arguments and the code's hash).
+May call: vtoken.policies, vtoken.sim.attention, numpy, hashlib; never spec/, invariants/, fuzz/ or
+reports/.
+Costs: a schedule O(steps / window x policy cost): seconds for 12K steps; a cache hit O(file).
 """
 
 from __future__ import annotations

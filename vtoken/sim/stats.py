@@ -1,4 +1,9 @@
-"""Median-and-spread summaries over seeds."""
+"""Median-and-spread summaries over seeds.
+
+Owns: nothing (pure functions).
+May call: numpy, statistics; never spec/, invariants/, fuzz/ or reports/.
+Costs: O(values).
+"""
 
 from __future__ import annotations
 

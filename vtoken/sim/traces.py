@@ -13,6 +13,10 @@ length distributions (seeded):
 The capacity-frontier trace is the paper's fixed setting instead: every request has the
 prompt that makes a fully retained request exactly 1,020 blocks of 16 with a 12K
 (12,288-token) output, i.e. ``1020 * 16 - 12288 = 4,032`` prompt tokens.
+
+Owns: nothing (pure functions of a seed).
+May call: numpy, dataclasses; never spec/, invariants/, fuzz/ or reports/.
+Costs: O(requests).
 """
 
 from __future__ import annotations

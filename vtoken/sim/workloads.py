@@ -6,6 +6,11 @@ running at once (the paper's batch 16), memory unconstrained (so no system varia
 ever preempted and the three see the same admission times); every policy evicts to a
 ratio budget ``ceil(keep * length)`` (default keep 0.5, i.e. eviction ratio 0.5) from the
 prefill on. Block statistics are sampled every ``sample_every`` steps and time-averaged.
+
+Owns: nothing (each run's Replay lives in its task; writes only the result files).
+May call: vtoken.sim (replay, schedule, attention, traces, parallel, stats, report), vtoken.planner,
+numpy; never spec/, invariants/, fuzz/ or reports/.
+Costs: one Replay per (workload, policy, seed, variant): minutes; quick seconds.
 """
 
 from __future__ import annotations
