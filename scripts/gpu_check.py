@@ -686,7 +686,7 @@ def main(argv=None) -> int:
         return int(pytest.main(argv[1:]))
     if argv[:1] == ["--cli"]:
         bootstrap()
-        from vtoken.__main__ import main as cli
+        from vtoken.cli.main import main as cli
 
         return int(cli(argv[1:]) or 0)
     if argv[:1] == ["--decode-json"]:

@@ -16,7 +16,7 @@ import pytest
 import vtoken.reports.audit as audit
 import vtoken.reports.audit_matrix as audit_matrix
 import vtoken.reports.vllm_envs as envs
-from vtoken.__main__ import main
+from vtoken.cli.main import main
 from vtoken.reports.verdict import CONTRACT_IMPACT, matrix, render_matrix_html, render_matrix_md, verdict
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import vtoken.fuzz.mutation as mutation
 import vtoken.fuzz.planted as planted
 import vtoken.invariants.mutants as mutants
 import vtoken.reports.audit as audit
-from vtoken.__main__ import main
+from vtoken.cli.main import main
 
 # Placeholders, filled per test: {file} a regular file, {notjson} a file that is not JSON,
 # {list_json} JSON of the wrong kind, {out} an output folder that must not get created.

@@ -12,6 +12,7 @@ ones inside functions (a lazy import is still a dependency).
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOLKIT = ("vtoken.spec", "vtoken.invariants", "vtoken.fuzz", "vtoken.reports")
 TOOLKIT_DIRS = {"spec": "vtoken.spec", "invariants": "vtoken.invariants", "fuzz": "vtoken.fuzz",
                 "reports": "vtoken.reports"}
+
+
+_DYNAMIC = re.compile(r"^((?:vtoken\.(?:spec|invariants|fuzz|reports)|(?:spec|invariants|fuzz|reports)\.\w+)"
+                      r"(?:\.\w+)*)(?::\w+)?$")
 
 
 def _module_name(path: Path) -> str:
@@ -50,6 +55,10 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
             # ``from vtoken import invariants`` names a module too
             out.extend((node.lineno, f"{target}.{a.name}") for a in node.names)
             out.append((node.lineno, target))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _DYNAMIC.match(node.value):
+            # a module named in a string (``importlib.import_module("vtoken.fuzz...")``,
+            # ``"module:function"`` tables) is an import by name
+            out.append((node.lineno, _DYNAMIC.match(node.value).group(1)))
     return out
 
 
@@ -88,6 +97,9 @@ def test_spec_imports_no_system():
     ("from vtoken import reports\n", True),
     ("from ..table import TokenTable\n", False),
     ("import numpy\n", False),
+    ("import importlib\nimportlib.import_module('vtoken.fuzz.campaign')\n", True),  # by name
+    ("COMMANDS = {'fuzz': 'vtoken.fuzz.campaign:main_fuzz'}\n", True),
+    ("x = 'spec and fuzz'\n", False),
 ])
 def test_the_walk_finds_breaches(tmp_path, monkeypatch, source, expect):
     """The checker itself, fed a breach it must name (and clean code it must pass)."""

@@ -15,12 +15,10 @@ from pathlib import Path
 import numpy as np
 
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def default_out() -> Path:
-    root = REPO if (REPO / "vtoken").is_dir() else Path.cwd()
-    return root / "reports" / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
+    """``./reports/simulate-<timestamp>`` of the directory the user runs in (never the
+    install's own folder)."""
+    return Path.cwd() / "reports" / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def out_dir(out) -> Path:

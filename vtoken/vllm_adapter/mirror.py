@@ -1,7 +1,7 @@
 """The block-list mirror: each request's positional block ids exactly as vLLM's outputs sent
 them, and null substitution.
 
-Owns, per request: ``ids`` (the positional block ids: ``scheduled_new_reqs.block_ids``,
+Owns: per request ``ids`` (the positional block ids: ``scheduled_new_reqs.block_ids``,
 ``scheduled_cached_reqs.new_block_ids`` appended, replaced for ``resumed_req_ids``), ``pos``
 (block id -> index, for the entries not substituted), ``subst`` (index -> block id the
 adapter replaced by ``null_block``), ``incarnation`` (the step that (re)started the list), and

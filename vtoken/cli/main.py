@@ -1,0 +1,33 @@
+"""Command line: ``vtoken <command>`` (also ``python -m vtoken``), the dispatcher of the
+commands' layer: the system's commands (``vtoken.cli``) and the toolkit's (audit, fuzz,
+mutate, check-mutants), each imported by name only when chosen.
+
+Owns: nothing (the table of command names).
+May call: sys, importlib: by name, the chosen command's entry point only (``vtoken.cli`` or the
+toolkit's commands); it imports nothing of spec/, invariants/, fuzz/ or reports/ statically.
+Costs: O(1) plus the chosen command's import and run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "bench": "vtoken.cli.bench:main_bench",
+        "audit": "vtoken.reports.audit:main_audit",
+        "decode": "vtoken.cli.decode:main_decode",
+        "simulate": "vtoken.cli.simulate:main_simulate",
+        "fuzz": "vtoken.fuzz.campaign:main_fuzz",
+        "mutate": "vtoken.fuzz.mutation:main",
+        "check-mutants": "vtoken.invariants.mutants:main",
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: vtoken {" + ",".join(commands) + "} ...")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    mod, fn = commands[argv[0]].split(":")
+    import importlib
+
+    return int(getattr(importlib.import_module(mod), fn)(argv[1:]) or 0)
