@@ -192,18 +192,24 @@ class BlockAllocator:
         self._num_reserved += n
         return out
 
+    def _reserved_list(self, blocks: Iterable[int], op: str) -> list[int]:
+        """``blocks`` as a list of distinct reserved block ids, or the error naming the first
+        problem (nothing changed)."""
+        blocks = _block_list(blocks, op)
+        self._check_ids(blocks, op)
+        if len(set(blocks)) != len(blocks):
+            raise AllocatorError("duplicate_block", f"{op}: {blocks} names a block twice")
+        for b in blocks:
+            if self.state[b] != RESERVED:
+                raise AllocatorError("not_reserved", f"{op}: block {b} is not reserved")
+        return blocks
+
     def take_reserved(self, blocks: Iterable[int]) -> None:
         """Hand reserved blocks to a request (compaction destinations): RESERVED -> USED, ref 1.
 
         Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``;
         ``duplicate_block``; per block ``not_reserved``. O(blocks)."""
-        blocks = _block_list(blocks, "take_reserved")
-        self._check_ids(blocks, "take_reserved")
-        if len(set(blocks)) != len(blocks):
-            raise AllocatorError("duplicate_block", f"take_reserved: {blocks} names a block twice")
-        for b in blocks:
-            if self.state[b] != RESERVED:
-                raise AllocatorError("not_reserved", f"take_reserved: block {b} is not reserved")
+        blocks = self._reserved_list(blocks, "take_reserved")
         for b in blocks:
             self.state[b] = USED
             self.ref[b] = 1
@@ -214,13 +220,7 @@ class BlockAllocator:
 
         Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``;
         ``duplicate_block``; per block ``not_reserved``. O(blocks)."""
-        blocks = _block_list(blocks, "unreserve")
-        self._check_ids(blocks, "unreserve")
-        if len(set(blocks)) != len(blocks):
-            raise AllocatorError("duplicate_block", f"unreserve: {blocks} names a block twice")
-        for b in blocks:
-            if self.state[b] != RESERVED:
-                raise AllocatorError("not_reserved", f"unreserve: block {b} is not reserved")
+        blocks = self._reserved_list(blocks, "unreserve")
         for b in blocks:
             self.state[b] = FREE
             self._queue.append(b)
