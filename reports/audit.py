@@ -114,6 +114,22 @@ def _no_vllm(what: str) -> str:
     return f"vLLM {inst} is installed but does not import ({_vllm_import_error()[:300]}): {what}"
 
 
+def code_identity() -> dict:
+    """The commit audited and whether the checkout differed from it (``dirty``: tracked files
+    changed); ``{"commit": None}`` outside a git checkout (an installed package)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None}
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+
+
 # ---------------------------------------------------------------------------- checks
 def check_vllm(ctx) -> CheckResult:
     ver = vllm_version()
@@ -392,13 +408,28 @@ def check_table_bench(ctx) -> CheckResult:
                        f"reference model", metrics=res, measurement=True)
 
 
+def check_adapter_bench(ctx) -> CheckResult:
+    """The adapter's price on vLLM's scheduler (``vtoken bench adapter``): median adapter ms /
+    median plain-vLLM ms per variant, interleaved in one process. A timing: reported, never a
+    verdict (the goals live in the bench, not in a timed check)."""
+    if vllm_version() is None:
+        return CheckResult("adapter-step-cost", None, _no_vllm("the adapter bench needs vLLM's scheduler"))
+    from vtoken.cli.bench_adapter import bench_adapter
+
+    res = bench_adapter(seed=ctx["seed"], quick=ctx["quick"])
+    parts = [f"R={R}: " + ", ".join(f"{v} x{x:.2f}" for v, x in row.items()) for R, row in res["ratio"].items()]
+    return CheckResult("adapter-step-cost", None,
+                       "scheduler-side step cost x plain vLLM 0.33.0 (checks on unless _nochecks): " + "; ".join(parts),
+                       metrics=res, measurement=True)
+
+
 CHECKS = [check_vllm, check_invariants, check_fuzz, check_mutants, check_vllm_decode, check_sharing,
-          check_vllm_own_tests, check_waste, check_table_bench]
+          check_vllm_own_tests, check_waste, check_table_bench, check_adapter_bench]
 # the name each check reports under (audit.json), for --only and the reproduce commands
 CHECK_NAMES = {check_vllm: "vllm-contracts", check_invariants: "invariants-suite", check_fuzz: "fuzz-campaign",
                check_mutants: "checker-mutants", check_vllm_decode: "vllm-decode", check_sharing: "vllm-prefix-sharing",
                check_vllm_own_tests: "vllm-own-tests", check_waste: "waste-and-retained",
-               check_table_bench: "table-step-cost"}
+               check_table_bench: "table-step-cost", check_adapter_bench: "adapter-step-cost"}
 
 
 def _selected(fn, only) -> bool:
@@ -471,7 +502,9 @@ def write_reports(out: Path, report: dict, results: list[CheckResult], changes: 
     md += verdict_md(report, v)
     md += [f"- every check passed: {'yes' if report['passed'] else 'no'}",
            f"- when: {report['timestamp']}", f"- vLLM: {ver}", f"- host: {report['host']}",
-           f"- python: {(report.get('invocation') or {}).get('python', '')}"]
+           f"- python: {(report.get('invocation') or {}).get('python', '')}",
+           f"- code: {(report.get('code') or {}).get('commit') or 'not a git checkout'}"
+           f"{' (with uncommitted changes)' if (report.get('code') or {}).get('dirty') else ''}"]
     env = report.get("environment")
     if env:
         md.append(f"- side environment: {env.get('env')} ({'reused' if env.get('reused') else 'built'}; "
@@ -572,6 +605,7 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
         # what the reproduce commands need: the same interpreter, checkout and settings
         "invocation": {"python": sys.executable, "repo": str(REPO), "cwd": os.getcwd(), "quick": quick,
                        "seed": seed, "fuzz_examples": fuzz_examples, "only": only or None},
+        "code": code_identity(),  # a verdict is a function of the code: which code
         "checks": [r.as_json() for r in results],
     }
     if os.environ.get(ENV_INFO_VAR):  # run by --vllm / --matrix inside a side environment

@@ -431,3 +431,20 @@ def test_real_side_env_audits_its_contracts(tmp_path):
     js = json.loads((folder / "audit.json").read_text())
     assert js["vllm_version"] == version and js["environment"]["python"] == info["python"], p.stdout[-2000:]
     assert js["invocation"]["python"] == info["python"]
+
+
+def test_the_report_names_the_code_it_audited(tmp_path, monkeypatch):
+    """A verdict is a function of the code: the report carries the commit and whether the
+    checkout differed from it; outside a git checkout it says so (commit null)."""
+    got = audit.code_identity()
+    head = subprocess.run(["git", "-C", str(audit.REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert got["commit"] == head.stdout.strip() and isinstance(got["dirty"], bool)
+    monkeypatch.setattr(audit, "REPO", tmp_path)  # not a checkout
+    assert audit.code_identity() == {"commit": None}
+
+
+def test_the_adapter_bench_is_a_measurement_in_the_audit():
+    """``adapter-step-cost`` is reported, never a verdict (timings must not flip an audit)."""
+    assert audit.CHECK_NAMES[audit.check_adapter_bench] == "adapter-step-cost"
+    assert audit.check_adapter_bench in audit.CHECKS
