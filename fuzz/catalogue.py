@@ -89,9 +89,9 @@ CATALOGUE: list[Fault] = [
     Fault("plan_moves_tail", "I4 tail block moved", "the block being written is a compaction source", "planner",
           (_p(P, "propose", " & (blocks != (tail if tail is not None else -1))", ""),)),
     Fault("plan_nondecreasing", "I4 non-decreasing plan accepted", "a plan that frees no block is made", "planner",
-          (_p(P, "propose", "    if red[m - 1] <= 0:\n        return None, worthwhile\n    sources = np.sort(cand[:m])\n"
+          (_p(P, "propose", "    if reductions[m - 1] <= 0:\n        return None, worthwhile\n    sources = np.sort(candidates[:m])\n"
                             "    dests = [int(b) for b in headroom[: int(need[m - 1])]]",
-              "    sources = np.sort(cand[:m])\n    n_dest = min(max(int(need[m - 1]), m), limit)\n"
+              "    sources = np.sort(candidates[:m])\n    n_dest = min(max(int(need[m - 1]), m), limit)\n"
               "    if n_dest == 0:\n        return None, worthwhile\n    dests = [int(b) for b in headroom[:n_dest]]"),)),
     Fault("plan_dup_dst", "9 duplicate destination slot (planner)", "the planner gives two tokens one destination", "planner",
           (_p(P, "propose", "        moves[:, 4] = placed[:, 1]\n",
@@ -178,7 +178,7 @@ CATALOGUE: list[Fault] = [
           "a finished or preempted request's destinations are freed at once, not at vLLM's fence", "adapter",
           (_p(AD, "VTokenAdapter._on_request_free", "self.free_blocks(dests, fence)", "self.free_blocks(dests, 0)"),)),
     Fault("worker_preempt_no_reset", "preemption reset missed", "the worker keeps a preempted request's token table",
-          "adapter", (_p(W, "VTokenWorker.execute", "        for r in so.preempted_req_ids or ():\n            self._drop(r, forget=False)\n", ""),
+          "adapter", (_p(W, "VTokenWorker.execute", "        for r in sched_out.preempted_req_ids or ():\n            self._drop(r, forget=False)\n", ""),
                       _p(W, "VTokenWorker.execute", "                if r in t:\n                    self._drop(r, forget=False)\n", ""))),
     Fault("adapter_resume_appends", "resumed block list appended",
           "preemption is taken for a pause: the adapter keeps the preempted request's mirror and appends the "

@@ -101,7 +101,7 @@ EQUIVALENT: list[dict] = [
          "(checked before slot_conflict at the same token, and the first bad token wins)"),
     dict(file="vtoken/table.py", original="self._grow(r, n + 1)", descs=("1 -> 2",),
          reason="asks for one more token of capacity than needed: capacity only"),
-    dict(file="vtoken/table.py", original="dst = db_safe * S + np.where(c_off, 0, do)", descs=("0 -> 1", "0 -> -1"),
+    dict(file="vtoken/table.py", original="dst = dst_block_safe * S + np.where(c_off, 0, dst_off)", descs=("0 -> 1", "0 -> -1"),
          reason="the placeholder slot of a move with a bad offset only feeds checks of that move (already failing, "
          "bad_offset is reported before slot_occupied / duplicate_destination) or of later moves (the first failing "
          "move is reported)"),
@@ -115,8 +115,8 @@ EQUIVALENT: list[dict] = [
          reason="still unbounded in practice: a round launches at most one plan per request"),
     dict(file="vtoken/planner.py", original="self._ids = itertools.count(1)", descs=("1 -> 0", "1 -> 2"),
          reason="plan ids are opaque: unique and increasing from any start (never tested for truth)"),
-    dict(file="vtoken/planner.py", original="red[need > max_dests] = -1  # shrink to what the headroom can serve",
-         descs=("1 -> 0", "1 -> 2"), reason="any value <= 0 works: a plan needs red > 0, and a feasible positive "
+    dict(file="vtoken/planner.py", original="reductions[need > limit] = -1  # shrink to what the headroom can serve",
+         descs=("1 -> 0", "1 -> 2"), reason="any value <= 0 works: a plan needs a reduction > 0, and a feasible positive "
          "prefix beats 0 and -2 alike in argmax"),
     dict(file="vtoken/planner.py", original="gain = len(r.blocks) - int(has_tail) - -(-max(0, r.n_live - in_tail) // S)",
          descs=("0 -> -1",), reason="ceil(-1 / S) == ceil(0 / S) == 0 for S >= 2; for S == 1 the bound grows by one only "

@@ -111,19 +111,19 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     if excluded is not None and len(excluded):
         ex = np.asarray(excluded)
         ok &= ~ex[blocks] if ex.dtype == bool else ~np.isin(blocks, ex.astype(np.int64))
-    cand, cnt = blocks[ok], nb[ok]
-    if len(cand) == 0:
+    candidates, live_counts = blocks[ok], nb[ok]
+    if len(candidates) == 0:
         return None, False
-    order = np.lexsort((cand, cnt))  # fewest live first; block id breaks ties
-    cand, cnt = cand[order][:max_sources], cnt[order][:max_sources]
-    need = -(-np.cumsum(cnt) // S)  # destinations for each prefix
-    red = np.arange(1, len(cand) + 1) - need
-    worthwhile = bool(red.max() > 0)
-    red[need > limit] = -1  # shrink to what the headroom can serve
-    m = int(np.argmax(red)) + 1
-    if red[m - 1] <= 0:
+    order = np.lexsort((candidates, live_counts))  # fewest live first; block id breaks ties
+    candidates, live_counts = candidates[order][:max_sources], live_counts[order][:max_sources]
+    need = -(-np.cumsum(live_counts) // S)  # destinations for each prefix
+    reductions = np.arange(1, len(candidates) + 1) - need
+    worthwhile = bool(reductions.max() > 0)
+    reductions[need > limit] = -1  # shrink to what the headroom can serve
+    m = int(np.argmax(reductions)) + 1
+    if reductions[m - 1] <= 0:
         return None, worthwhile
-    sources = np.sort(cand[:m])
+    sources = np.sort(candidates[:m])
     dests = [int(b) for b in headroom[: int(need[m - 1])]]
     ids, slots = table.live_slots(req_id)
     sel = np.isin(slots // S, sources)

@@ -262,15 +262,15 @@ def validate(snap) -> dict:
     for i, mv in enumerate(moves):
         if not isinstance(mv, list) or len(mv) != 5 or not all(_is_int(x) for x in mv):
             _fail("bad_field", f"plan.moves[{i}] must be five integers, got {_show(mv)}")
-        t, sb, so, db, do = mv
+        t, src_block, src_off, dst_block, dst_off = mv
         _int(t, f"plan.moves[{i}] token", 0, MAX_TOKENS)
-        _int(sb, f"plan.moves[{i}] source block", 0, MAX_BLOCKS)
-        _int(db, f"plan.moves[{i}] destination block", 0, MAX_BLOCKS)
-        if not 0 <= so < S:
-            _fail("out_of_range", f"plan.moves[{i}]: source offset {so} outside [0, {S})")
-        if not 0 <= do < S:
-            _fail("out_of_range", f"plan.moves[{i}]: destination offset {do} outside [0, {S})")
-        if db == 0:
+        _int(src_block, f"plan.moves[{i}] source block", 0, MAX_BLOCKS)
+        _int(dst_block, f"plan.moves[{i}] destination block", 0, MAX_BLOCKS)
+        if not 0 <= src_off < S:
+            _fail("out_of_range", f"plan.moves[{i}]: source offset {src_off} outside [0, {S})")
+        if not 0 <= dst_off < S:
+            _fail("out_of_range", f"plan.moves[{i}]: destination offset {dst_off} outside [0, {S})")
+        if dst_block == 0:
             _fail("null_block", f"plan.moves[{i}] moves token {t} into the null block 0")
     if plan.get("digests") is not None:
         _validate_digests(plan["digests"], len(moves))

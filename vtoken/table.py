@@ -670,7 +670,7 @@ class TokenTable:
         if len(m) == 0:
             return []
         S, NB = self.S, self.num_blocks
-        tok, sb, so, db, do = m.T
+        tok, src_block, src_off, dst_block, dst_off = m.T
         k = len(m)
         c_unknown = (tok < 0) | (tok >= r.n)
         t_safe = np.where(c_unknown, 0, tok)
@@ -679,18 +679,19 @@ class TokenTable:
         c_duptok = np.ones(k, dtype=bool)
         c_duptok[first] = False
         cur = r.slot[t_safe]
-        c_src = (sb != cur // S) | (so != cur % S)  # not sb * S + so: that can wrap in int64
+        # compared apart, not as src_block * S + src_off: that can wrap in int64
+        c_src = (src_block != cur // S) | (src_off != cur % S)
         c_srcshared = self.refs[cur // S] > 1
-        c_range = (db < 0) | (db >= NB)
-        db_safe = np.where(c_range, 0, db)
-        c_off = (do < 0) | (do >= S)
-        c_null = db == NULL_BLOCK
-        dref = self.refs[db_safe]
-        mine = np.fromiter((b in r.blocks for b in db_safe.tolist()), dtype=bool, count=k)
+        c_range = (dst_block < 0) | (dst_block >= NB)
+        dst_block_safe = np.where(c_range, 0, dst_block)
+        c_off = (dst_off < 0) | (dst_off >= S)
+        c_null = dst_block == NULL_BLOCK
+        dref = self.refs[dst_block_safe]
+        mine = np.fromiter((b in r.blocks for b in dst_block_safe.tolist()), dtype=bool, count=k)
         c_dshared = mine & (dref > 1)
         c_foreign = ~mine & (dref > 0)
-        dst = db_safe * S + np.where(c_off, 0, do)
-        c_occ = self.claims[dst] > 0  # dst is own or fresh, so a claim is a live token of ours
+        dst = dst_block_safe * S + np.where(c_off, 0, dst_off)
+        c_occ = self.claims[dst] > 0  # dst is own or fresh, src_off a claim is a live token of ours
         _, first = np.unique(dst, return_index=True)
         c_dupdst = np.ones(k, dtype=bool)
         c_dupdst[first] = False

@@ -56,11 +56,11 @@ class _Run:
         self.variant = variant
         evict = 0.5 if variant.startswith("evict50") else 0.0
         if variant == "plain":
-            self.h = VllmHarness(**kw)
-            self.sched = self.h.scheduler
+            self.harness = VllmHarness(**kw)
+            self.sched = self.harness.scheduler
             table = TokenTable(S, N)
             for i, p in enumerate(prompts):
-                self.h.add_request(f"r{i}", p, max_tokens=new)
+                self.harness.add_request(f"r{i}", p, max_tokens=new)
         else:
             self.ad = VTokenAdapter(reclaim=not variant.startswith("off"), checks=not variant.endswith("nochecks"), **kw)
             self.sched = self.ad.scheduler
@@ -75,15 +75,15 @@ class _Run:
 
     def step(self, measure: bool) -> bool:
         t0 = time.perf_counter()
-        so = self.sched.schedule()
+        sched_out = self.sched.schedule()
         t1 = time.perf_counter()
-        out = self.w.execute(so)
+        out = self.w.execute(sched_out)
         t2 = time.perf_counter()
-        self.sched.update_from_output(so, out)
+        self.sched.update_from_output(sched_out, out)
         t3 = time.perf_counter()
         if measure:
             self.times.append((t1 - t0) + (t3 - t2))
-        return so.total_num_scheduled_tokens > 0
+        return sched_out.total_num_scheduled_tokens > 0
 
     def stats(self) -> dict:
         self.times.sort()
@@ -140,9 +140,9 @@ def _profile(run: _Run, steps: int) -> list[str]:
 
     pr = cProfile.Profile()
     for _ in range(min(steps, 30)):
-        so = (pr.runcall(run.sched.schedule))
-        outp = run.w.execute(so)
-        pr.runcall(run.sched.update_from_output, so, outp)
+        sched_out = (pr.runcall(run.sched.schedule))
+        outp = run.w.execute(sched_out)
+        pr.runcall(run.sched.update_from_output, sched_out, outp)
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(10)
     return [l for l in s.getvalue().splitlines() if l.strip()][:24]

@@ -52,9 +52,9 @@ def _schedules(R, st, seed):
     out = []
     rng = np.random.default_rng([seed, R, 5])
     for i in range(R):
-        cand = np.arange(P - rec)
-        pre = np.sort(rng.choice(cand, size=P // 2, replace=False))
-        survivors = np.setdiff1d(cand, pre)
+        candidates = np.arange(P - rec)
+        pre = np.sort(rng.choice(candidates, size=P // 2, replace=False))
+        survivors = np.setdiff1d(candidates, pre)
         later = rng.permutation(survivors)[:O]
         counts = np.zeros(O + 1, dtype=np.int64)
         counts[0] = len(pre)

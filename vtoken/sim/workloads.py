@@ -182,9 +182,9 @@ def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: 
             naive_ratio_to_ideal=summary([m["ratio_to_ideal"] for m in ne]),
             moves=summary([m["moves"] for m in vt]), plans=summary([m["plans"] for m in vt]),
         )
-    red = [table[w][p]["reduction"]["median"] for w in table for p in table[w]]
+    reductions = [table[w][p]["reduction"]["median"] for w in table for p in table[w]]
     result = dict(experiment="retained", quick=quick, seeds=n_seeds, setting=st, keep=0.5, vtoken_planner=RETAINED_CFG,
-                  table=table, reduction_range=[min(red), max(red)], paper=PAPER_RETAINED,
+                  table=table, reduction_range=[min(reductions), max(reductions)], paper=PAPER_RETAINED,
                   wall_s=time.perf_counter() - t0)
     rows = []
     for w in WORKLOAD_NAMES:
@@ -200,7 +200,7 @@ def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: 
           f"median [min, max] over {n_seeds} seeds.\n\n"
           + rep.md_table(["workload", "policy", "Naive-Evict", "vToken", "ideal", "vToken vs Naive",
                           "utilisation gain", "vToken / ideal", "moves"], rows)
-          + f"\n\nRange of median reductions: {min(red) * 100:.1f}% to {max(red) * 100:.1f}% "
+          + f"\n\nRange of median reductions: {min(reductions) * 100:.1f}% to {max(reductions) * 100:.1f}% "
             f"(paper: -27.2% to -72.3%; utilisation +21.9%).\n")
     fig = _plot_retained(table)
     result["files"] = rep.write(rep.out_dir(out), "retained", result, md + _method_md(quick), fig)

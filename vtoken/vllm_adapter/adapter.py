@@ -40,7 +40,7 @@ queue between calls, so ``finish_requests`` and ``has_requests`` see them; not w
 else could run, so a pool too small for the headroom cannot deadlock).
 ``reset_prefix_cache()`` gives the headroom back first. *After* it: the output is mirrored; for a
 non-empty step ``seq``, blocks whose tokens were all evicted are released (fenced at
-``seq``), and compaction plans are made and ride on the output as ``so.vtoken``. *After*
+``seq``), and compaction plans are made and ride on the output as ``sched_out.vtoken``. *After*
 ``update_from_output()`` (vLLM has advanced ``processed_step_seq`` and drained
 ``deferred_frees``): the worker's report says which plans were applied, with which
 destinations, and which copies completed; sources go back through vLLM's own fenced path
@@ -159,23 +159,23 @@ class VTokenAdapter:
         _RUNNING = RequestStatus.RUNNING
 
         if scheduler is not None:  # ``attach``: a scheduler built elsewhere, kept; its class gets the hooks
-            self.h = VllmHarness.around(scheduler)
-            check_supported_kv_config(self.h.kv_cache_config)  # refused at start, never mid-run
+            self.harness = VllmHarness.around(scheduler)
+            check_supported_kv_config(self.harness.kv_cache_config)  # refused at start, never mid-run
             sched = scheduler
             if not hasattr(type(sched), "vtoken_adapter"):  # not a VToken<...> class yet
                 sched.__class__ = scheduler_class(type(sched))
-            block_size, num_blocks = self.h.block_size, self.h.num_blocks
-            prefix_caching, async_scheduling = self.h.prefix_caching, self.h.async_scheduling
+            block_size, num_blocks = self.harness.block_size, self.harness.num_blocks
+            prefix_caching, async_scheduling = self.harness.prefix_caching, self.harness.async_scheduling
         else:
-            self.h = VllmHarness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
+            self.harness = VllmHarness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  max_model_len=max_model_len, async_scheduling=async_scheduling)
-            check_supported_kv_config(self.h.kv_cache_config)  # refused at start, never mid-run
-            cls = scheduler_class(type(self.h.scheduler))
-            sched = cls(vllm_config=self.h.vllm_config, kv_cache_config=self.h.kv_cache_config,
+            check_supported_kv_config(self.harness.kv_cache_config)  # refused at start, never mid-run
+            cls = scheduler_class(type(self.harness.scheduler))
+            sched = cls(vllm_config=self.harness.vllm_config, kv_cache_config=self.harness.kv_cache_config,
                         block_size=block_size, log_stats=False,
-                        structured_output_manager=StructuredOutputManager(self.h.vllm_config))
-        self.h.scheduler = sched  # the harness's accessors (pool, manager, make_request) now see ours
+                        structured_output_manager=StructuredOutputManager(self.harness.vllm_config))
+        self.harness.scheduler = sched  # the harness's accessors (pool, manager, make_request) now see ours
         sched.defer_block_free = True  # run sched_step_seq / processed_step_seq / deferred_frees
         sched.vtoken_adapter = self
         self.scheduler = sched
@@ -196,7 +196,7 @@ class VTokenAdapter:
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
         self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
         # the rooms
-        self.reserve = Headroom(self.h, self.cfg.headroom if self.reclaim else 0, headroom_pool_fraction,
+        self.reserve = Headroom(self.harness, self.cfg.headroom if self.reclaim else 0, headroom_pool_fraction,
                                 self.S, self.stats)
         self.book = PlanBook(self)
         self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, on_start=self._on_list_start)
@@ -225,15 +225,15 @@ class VTokenAdapter:
     # ------------------------------------------------------------------ accessors
     @property
     def pool(self):
-        return self.h.pool
+        return self.harness.pool
 
     @property
     def manager(self):
-        return self.h.manager
+        return self.harness.manager
 
     @property
     def req_to_blocks(self):
-        return self.h.req_to_blocks
+        return self.harness.req_to_blocks
 
     @property
     def headroom(self) -> list:
@@ -290,7 +290,7 @@ class VTokenAdapter:
         ``finish_requests``). Admission back-pressure does not hold it outside vLLM: while
         the headroom is short, requests never scheduled yet sit out each ``schedule()`` call
         (``Headroom.withhold``) and are back in vLLM's waiting queue, in order, when it returns."""
-        req = self.h.make_request(req_id, prompt_token_ids, max_tokens=max_tokens)
+        req = self.harness.make_request(req_id, prompt_token_ids, max_tokens=max_tokens)
         self.requests[req_id] = req
         self._arrival.setdefault(req_id, len(self._arrival))
         self.scheduler.add_request(req)
@@ -376,13 +376,13 @@ class VTokenAdapter:
             self.book.stale_bounds |= tab | lists
             self.check.touch(lists)  # ownership changes with lists and the adapter's own events
 
-    def _after_schedule(self, so) -> None:
-        self.stats["preemptions"] += len(so.preempted_req_ids or ())
+    def _after_schedule(self, sched_out) -> None:
+        self.stats["preemptions"] += len(sched_out.preempted_req_ids or ())
         sched = self.scheduler
-        self.mirror.observe(so, sched.sched_step_seq)  # schedule() already counted this step
+        self.mirror.observe(sched_out, sched.sched_step_seq)  # schedule() already counted this step
         self._take_changes()
-        if so.total_num_scheduled_tokens <= 0:
-            so.vtoken = StepMeta(seq=0, reclaim=self.reclaim)
+        if sched_out.total_num_scheduled_tokens <= 0:
+            sched_out.vtoken = StepMeta(seq=0, reclaim=self.reclaim)
             self.reserve.after_empty_step()
             if self.checks:
                 self.check.after_hook("after schedule (empty step)")
@@ -396,7 +396,7 @@ class VTokenAdapter:
         self._release_empty(meta)
         if self.reclaim:
             self.book.plan(meta)
-        so.vtoken = meta
+        sched_out.vtoken = meta
         if self.checks:
             self.check.after_hook(f"after scheduling step {seq}")
 
@@ -447,13 +447,13 @@ class VTokenAdapter:
         self.gone_fence[r] = fence
         self.mirror.forget(r)
 
-    def _after_update(self, so, out) -> None:
+    def _after_update(self, sched_out, out) -> None:
         rep = getattr(out, "vtoken_report", None)
         if rep is not None:
             self._absorb(rep)
         processed = self.scheduler.processed_step_seq
         self.pending_release = [x for x in self.pending_release if x[0] > processed]
-        meta = getattr(so, "vtoken", None)
+        meta = getattr(sched_out, "vtoken", None)
         if meta is not None and meta.seq:
             self.retained.append((meta.seq, self.retained_now(), len(self.scheduler.running)))
         self.reserve.after_update(plans_in_flight=bool(self.book.plans))
@@ -473,8 +473,8 @@ class VTokenAdapter:
     def schedule(self):
         return self.scheduler.schedule()
 
-    def update_from_output(self, so, out):
-        return self.scheduler.update_from_output(so, out)
+    def update_from_output(self, sched_out, out):
+        return self.scheduler.update_from_output(sched_out, out)
 
     def drain_idle(self) -> None:
         """At idle (nothing scheduled, nothing in flight): let the worker host-sync its

@@ -26,16 +26,16 @@ class AdapterDriver:
         self.steps = 0
 
     def step(self) -> None:
-        so = self.ad.schedule()
-        self.in_flight.append(so)
+        sched_out = self.ad.schedule()
+        self.in_flight.append(sched_out)
         self.steps += 1
         if len(self.in_flight) >= self.depth or not self.ad.has_work():
             self._finish_one()
 
     def _finish_one(self) -> None:
-        so = self.in_flight.popleft()
-        out = self.worker.execute(so)
-        self.ad.update_from_output(so, out)
+        sched_out = self.in_flight.popleft()
+        out = self.worker.execute(sched_out)
+        self.ad.update_from_output(sched_out, out)
 
     def drain(self, max_steps: int = 20000) -> int:
         n = 0

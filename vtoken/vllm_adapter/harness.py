@@ -17,7 +17,7 @@ Typical use::
 
     h = VllmHarness(block_size=16, num_blocks=64, prefix_caching=True)
     h.add_request("A", list(range(40)), max_tokens=8)
-    so = h.step()                      # schedule + fake worker output + update_from_output
+    sched_out = h.step()                      # schedule + fake worker output + update_from_output
     h.block_ids("A"), h.pool.get_num_free_blocks()
     h.drain()                          # run until every request finished
 
@@ -303,9 +303,9 @@ class VllmHarness:
     # --------------------------------------------------------------------- steps
     def schedule(self) -> "SchedulerOutput":
         """``Scheduler.schedule()``; the step stays in flight until ``finish``."""
-        so = self.scheduler.schedule()
+        sched_out = self.scheduler.schedule()
         sampling: set[str] = set()
-        for req_id in so.num_scheduled_tokens:
+        for req_id in sched_out.num_scheduled_tokens:
             req = self.scheduler.requests[req_id]
             is_chunk = getattr(req, "is_prefill_chunk", None)
             if is_chunk is None:
@@ -314,28 +314,28 @@ class VllmHarness:
                 )
             if not is_chunk:
                 sampling.add(req_id)
-        self._in_flight.append((so, sampling))
+        self._in_flight.append((sched_out, sampling))
         self.steps_scheduled += 1
-        return so
+        return sched_out
 
-    def fake_output(self, so: "SchedulerOutput", sampling: set[str], token: int = 7):
-        """The ``ModelRunnerOutput`` a worker would return for ``so``."""
+    def fake_output(self, sched_out: "SchedulerOutput", sampling: set[str], token: int = 7):
+        """The ``ModelRunnerOutput`` a worker would return for ``sched_out``."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        ids = list(so.num_scheduled_tokens)
+        ids = list(sched_out.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[token] if r in sampling else [] for r in ids],
         )
 
-    def finish(self, so: "SchedulerOutput | None" = None, token: int = 7):
+    def finish(self, sched_out: "SchedulerOutput | None" = None, token: int = 7):
         """Apply the fake worker output of the oldest in-flight step (which must be
-        ``so`` when given) through ``Scheduler.update_from_output``."""
+        ``sched_out`` when given) through ``Scheduler.update_from_output``."""
         if not self._in_flight:
             raise RuntimeError("no step in flight")
         oldest, sampling = self._in_flight.popleft()
-        if so is not None and so is not oldest:
+        if sched_out is not None and sched_out is not oldest:
             raise RuntimeError("steps must be finished in the order they were scheduled")
         result = self.scheduler.update_from_output(
             oldest, self.fake_output(oldest, sampling, token)
@@ -345,10 +345,10 @@ class VllmHarness:
 
     def step(self) -> "SchedulerOutput":
         """Schedule one step and apply its output at once (no step left in flight)."""
-        so = self.schedule()
+        sched_out = self.schedule()
         while self._in_flight:
             self.finish()
-        return so
+        return sched_out
 
     def drain(self, max_steps: int = 10_000) -> int:
         """Step until no request is left; returns the number of steps taken."""

@@ -31,7 +31,7 @@ class Headroom:
     def __init__(self, harness, size: int, pool_fraction: int, block_size: int, stats: dict):
         if int(pool_fraction) < 1:
             raise ValueError(f"headroom_pool_fraction={pool_fraction!r}: must be >= 1")
-        self.h = harness
+        self.harness = harness
         self.size = int(size)
         self.pool_fraction = int(pool_fraction)
         self.S = int(block_size)
@@ -64,7 +64,7 @@ class Headroom:
         """The reservation's size now: ``size``, capped at 1/``pool_fraction`` of the live pool
         (on a tight pool a full headroom would starve vLLM's own schedule: 21 of vLLM's tests
         run pools of 5-10 blocks). O(1)."""
-        return min(self.size, (self.h.pool.num_gpu_blocks - 1) // self.pool_fraction)
+        return min(self.size, (self.harness.pool.num_gpu_blocks - 1) // self.pool_fraction)
 
     def short(self) -> bool:
         """Below its target: admissions are held back (``withhold``)."""
@@ -90,7 +90,7 @@ class Headroom:
         """Every block back to vLLM's free queue now; returns how many."""
         n = len(self.blocks)
         if n:
-            self.h.pool.free_blocks(self.blocks)
+            self.harness.pool.free_blocks(self.blocks)
             self.blocks = []
             self.fresh = {}
         return n
@@ -100,7 +100,7 @@ class Headroom:
         running request (a decode step needs at most one each) and, when idle, the next
         admission's prompt, so vLLM never preempts or stalls a request for want of a block
         the headroom holds. Then withhold fresh admissions while still short. O(1)."""
-        sched, pool = self.h.scheduler, self.h.pool
+        sched, pool = self.harness.scheduler, self.harness.pool
         if self.size:
             free, reserve = pool.get_num_free_blocks(), len(sched.running)
             if not sched.running and len(sched.waiting):  # idle: the next admission's prompt first
@@ -123,7 +123,7 @@ class Headroom:
         """Admission back-pressure, inside one ``schedule()``: while short, the waiting
         requests that never ran (they hold no block) leave vLLM's waiting queue for this
         call, unless nothing else could run (progress first). O(waiting), only while short."""
-        sched = self.h.scheduler
+        sched = self.harness.scheduler
         if not self.short() or not len(sched.waiting):
             return
         from vllm.v1.request import RequestStatus
@@ -142,14 +142,14 @@ class Headroom:
         ``schedule()`` raised (the hook's ``finally``)."""
         if self.withheld:
             for q in self.withheld:
-                self.h.scheduler.waiting.add_request(q)
+                self.harness.scheduler.waiting.add_request(q)
             self.withheld = []
 
     def after_empty_step(self) -> None:
         """Nothing was scheduled: if nothing runs and a request waits, the reservation must
         not block progress (the pool is too small for a request plus the headroom): give it
         back until a step runs again."""
-        sched = self.h.scheduler
+        sched = self.harness.scheduler
         if self.blocks and not sched.running and len(sched.waiting) and not sched.deferred_frees:
             self.give_back()
             self.starved = True
@@ -159,7 +159,7 @@ class Headroom:
         """Nothing runs: nothing to reclaim for, so nothing reserved (vLLM's leak checks and
         free counts see the whole pool once its own deferred frees drained); retaken at the
         next ``schedule()`` with work."""
-        sched = self.h.scheduler
+        sched = self.harness.scheduler
         if self.blocks and not plans_in_flight and not sched.running and not sched.deferred_frees:
             self.give_back()
             self.stats["headroom_idle_returns"] += 1

@@ -24,11 +24,11 @@ def scheduler_class(base: type) -> type:
                 return super().schedule(*args, **kwargs)
             try:
                 ad._before_schedule()
-                so = super().schedule(*args, **kwargs)
+                sched_out = super().schedule(*args, **kwargs)
             finally:
                 ad._restore_withheld()  # back-pressured requests back in vLLM's queue, whatever happened
-            ad._after_schedule(so)
-            return so
+            ad._after_schedule(sched_out)
+            return sched_out
 
         def update_from_output(self, scheduler_output, model_runner_output):
             result = super().update_from_output(scheduler_output, model_runner_output)

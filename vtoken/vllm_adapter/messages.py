@@ -1,7 +1,7 @@
 """What the scheduler side and the worker tell each other, step by step.
 
 :class:`StepMeta` rides on a ``SchedulerOutput`` as
-``so.vtoken`` (the step's plans and releases, to execute after its forward);
+``sched_out.vtoken`` (the step's plans and releases, to execute after its forward);
 :class:`AdapterPlan` is one compaction plan in vLLM's block objects; the worker answers with
 a :class:`WorkerReport` on ``ModelRunnerOutput.vtoken_report`` (per finished plan a
 :class:`PlanResult`, and each request's full-context length). No behaviour.
@@ -53,7 +53,7 @@ class AdapterPlan:
 
 @dataclass
 class StepMeta:
-    """What the adapter attaches to a ``SchedulerOutput`` (``so.vtoken``)."""
+    """What the adapter attaches to a ``SchedulerOutput`` (``sched_out.vtoken``)."""
 
     seq: int  # Scheduler.sched_step_seq of this step (0: an empty step, nothing attached)
     plans: list = field(default_factory=list)  # AdapterPlan, to copy after this step's forward

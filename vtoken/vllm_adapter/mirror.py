@@ -40,11 +40,11 @@ class BlockMirror:
         """``r``'s positional block ids as the outputs gave them."""
         return self.ids[r]
 
-    def observe(self, so, seq_next: int) -> None:
+    def observe(self, sched_out, seq_next: int) -> None:
         """Mirror one ``SchedulerOutput`` (``seq_next``: the step it carries)."""
-        for d in so.scheduled_new_reqs:
+        for d in sched_out.scheduled_new_reqs:
             self.start(d.req_id, list(d.block_ids[0]), seq_next)
-        c = so.scheduled_cached_reqs
+        c = sched_out.scheduled_cached_reqs
         for r, nb in zip(c.req_ids, c.new_block_ids):
             ids = list(nb[0]) if nb else []
             if r in c.resumed_req_ids:

@@ -21,7 +21,7 @@ adapter's (the scheduler side only reads it to plan). Per output, in order:
    ``TokenTable.slot_mapping`` (Eq. 2) and writes the new token's K/V at its slot; a
    prefill chunk attends causally over the live tokens before it plus itself. A request
    whose chunk reaches its last known token samples one token (greedy);
-6. stage 4: the step's plans (``so.vtoken.plans``) are copied after the forward
+6. stage 4: the step's plans (``sched_out.vtoken.plans``) are copied after the forward
    (``KVCopyEngine``, wrapped by ``RelocationChecker`` for hash-and-compare of every
    relocation) and applied once the copy is observed done (``planner.apply_completed``, the
    function every path applies plans with); tokens evicted meanwhile stay dead where they
@@ -78,7 +78,7 @@ class _WPlan:
 
 
 @dataclass
-class _WReq:
+class _WorkerRequest:
     prompt: list
     outputs: list
     blocks: list  # positional block ids (append-only, replaced on resume)
@@ -129,7 +129,7 @@ class VTokenWorker:
         self.policy_name = policy
         self.policy = make_policy(policy, **kw)
         self.evict_ratio = float(evict_ratio)
-        self.reqs: dict[str, _WReq] = {}
+        self.reqs: dict[str, _WorkerRequest] = {}
         self.pending: dict[int, tuple] = {}  # plan id -> (_WPlan, handle, AdapterPlan, gen)
         self.faithful: dict[str, int] = {}
         self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
@@ -160,18 +160,18 @@ class VTokenWorker:
             self.reqs.pop(r, None)
 
     # ------------------------------------------------------------------ the step
-    def execute(self, so):
+    def execute(self, sched_out):
         """Run one ``SchedulerOutput``; returns a ``ModelRunnerOutput`` (with ``vtoken_report``)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        meta = getattr(so, "vtoken", None)
+        meta = getattr(sched_out, "vtoken", None)
         rep = WorkerReport()
         t = self.table
         self.stats["steps"] += 1
         # 1. requests that left
-        for r in so.finished_req_ids:
+        for r in sched_out.finished_req_ids:
             self._drop(r, forget=True)
-        for r in so.preempted_req_ids or ():
+        for r in sched_out.preempted_req_ids or ():
             self._drop(r, forget=False)
         # 2. pre-attention hook: device wait on copies not yet observed done; apply finished ones
         self.engine.wait_before_attention()
@@ -184,10 +184,10 @@ class VTokenWorker:
                     self.stats["releases"] += len(blocks)
         # 4. block lists (and token ids of new / resumed requests)
         starts: dict[str, int] = {}
-        for d in so.scheduled_new_reqs:
-            self.reqs[d.req_id] = _WReq(list(d.prompt_token_ids), [], list(d.block_ids[0]))
+        for d in sched_out.scheduled_new_reqs:
+            self.reqs[d.req_id] = _WorkerRequest(list(d.prompt_token_ids), [], list(d.block_ids[0]))
             starts[d.req_id] = d.num_computed_tokens
-        c = so.scheduled_cached_reqs
+        c = sched_out.scheduled_cached_reqs
         for i, r in enumerate(c.req_ids):
             w = self.reqs[r]
             nb = c.new_block_ids[i]
@@ -206,7 +206,7 @@ class VTokenWorker:
             starts[r] = c.num_computed_tokens[i]
         # 5. compute, in the output's request order
         sampled: dict[str, list[int]] = {}
-        for r, k in so.num_scheduled_tokens.items():
+        for r, k in sched_out.num_scheduled_tokens.items():
             tok = self._run_request(r, starts[r], int(k), rep)
             sampled[r] = [tok] if tok is not None else []
         t.flush()
@@ -215,7 +215,7 @@ class VTokenWorker:
             for ap in meta.plans:
                 self._launch(ap, rep)
         rep.faithful = dict(self.faithful)
-        ids = list(so.num_scheduled_tokens)
+        ids = list(sched_out.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[sampled[r] for r in ids])
         out.vtoken_report = rep
