@@ -171,23 +171,18 @@ DIVERGENCE_RULES: list[dict] = [
 
 # Published config.json shapes (no weights, no tokenizer) of the models vLLM's scheduler
 # tests build a ModelConfig for: all they read is the architecture, max_model_len and vocab.
+_OPT_SHARED = {  # the keys both OPT shapes publish with the same value
+    "activation_dropout": 0.0, "activation_function": "relu", "architectures": ["OPTForCausalLM"],
+    "attention_dropout": 0.0, "bos_token_id": 2, "dropout": 0.1, "eos_token_id": 2, "init_std": 0.02,
+    "layerdrop": 0.0, "max_position_embeddings": 2048, "model_type": "opt", "pad_token_id": 1,
+    "prefix": "</s>", "torch_dtype": "float16", "use_cache": True, "vocab_size": 50272}
 STAND_IN_CONFIGS: dict[str, dict] = {
-    "facebook/opt-125m": {
-        "_name_or_path": "facebook/opt-125m", "activation_dropout": 0.0, "activation_function": "relu",
-        "architectures": ["OPTForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 2,
-        "do_layer_norm_before": True, "dropout": 0.1, "eos_token_id": 2, "ffn_dim": 3072,
-        "hidden_size": 768, "init_std": 0.02, "layerdrop": 0.0, "max_position_embeddings": 2048,
-        "model_type": "opt", "num_attention_heads": 12, "num_hidden_layers": 12, "pad_token_id": 1,
-        "prefix": "</s>", "torch_dtype": "float16", "transformers_version": "4.21.0.dev0",
-        "use_cache": True, "vocab_size": 50272, "word_embed_proj_dim": 768},
-    "facebook/opt-350m": {
-        "_name_or_path": "facebook/opt-350m", "activation_dropout": 0.0, "activation_function": "relu",
-        "architectures": ["OPTForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 2,
-        "do_layer_norm_before": False, "dropout": 0.1, "eos_token_id": 2, "ffn_dim": 4096,
-        "hidden_size": 1024, "init_std": 0.02, "layerdrop": 0.0, "max_position_embeddings": 2048,
-        "model_type": "opt", "num_attention_heads": 16, "num_hidden_layers": 24, "pad_token_id": 1,
-        "prefix": "</s>", "torch_dtype": "float16", "transformers_version": "4.20.0.dev0",
-        "use_cache": True, "vocab_size": 50272, "word_embed_proj_dim": 512},
+    "facebook/opt-125m": {**_OPT_SHARED, "_name_or_path": "facebook/opt-125m", "do_layer_norm_before": True,
+                          "ffn_dim": 3072, "hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12,
+                          "transformers_version": "4.21.0.dev0", "word_embed_proj_dim": 768},
+    "facebook/opt-350m": {**_OPT_SHARED, "_name_or_path": "facebook/opt-350m", "do_layer_norm_before": False,
+                          "ffn_dim": 4096, "hidden_size": 1024, "num_attention_heads": 16, "num_hidden_layers": 24,
+                          "transformers_version": "4.20.0.dev0", "word_embed_proj_dim": 512},
 }
 
 CONFTEST = '''\
