@@ -691,7 +691,7 @@ class TokenTable:
         c_dshared = mine & (dref > 1)
         c_foreign = ~mine & (dref > 0)
         dst = dst_block_safe * S + np.where(c_off, 0, dst_off)
-        c_occ = self.claims[dst] > 0  # dst is own or fresh, src_off a claim is a live token of ours
+        c_occ = self.claims[dst] > 0  # dst is own or fresh, so a claim is a live token of ours
         _, first = np.unique(dst, return_index=True)
         c_dupdst = np.ones(k, dtype=bool)
         c_dupdst[first] = False

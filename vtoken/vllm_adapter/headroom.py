@@ -29,8 +29,7 @@ class Headroom:
     """
 
     def __init__(self, harness, size: int, pool_fraction: int, block_size: int, stats: dict):
-        if int(pool_fraction) < 1:
-            raise ValueError(f"headroom_pool_fraction={pool_fraction!r}: must be >= 1")
+        assert int(pool_fraction) >= 1, "the adapter refuses headroom_pool_fraction < 1 before building"
         self.harness = harness
         self.size = int(size)
         self.pool_fraction = int(pool_fraction)

@@ -64,8 +64,10 @@ class PlanBook:
             if len(meta.plans) >= ad.max_plans_per_step or not ad.headroom:
                 break
             blocks = t.block_array(r).tolist()
-            exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1 or ad.accounted(r, b) is None],
-                                 dtype=np.int64)
+            held = {x.block_id for x in ad.held.get(r, ())}  # ``ad.accounted`` for every block, in one pass
+            listed = ad.mirror.pos.get(r, {})
+            exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1
+                                  or (b not in listed and b not in held)], dtype=np.int64)
             tail = t.tail_block(r)
             head = ad.reserve.ids()
             p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude)
