@@ -122,6 +122,10 @@ _TIGHT_POOL_REASON = ("the headroom (64 blocks by default, topped up from whatev
                       "the pool: in pools of 5-32 blocks it takes the blocks vLLM needs, so a request is "
                       "admitted a step late or not at all, or preempted, where vLLM alone runs it; an empty "
                       "step gives the headroom back and the next one retakes it (churn)")
+_RESET_BLOCKED_REASON = ("reset_prefix_cache cannot succeed while the adapter keeps blocks allocated: the "
+                         "headroom (unless given back first) and, with a step in flight, the preempted "
+                         "requests' blocks that the forced defer_block_free fences; "
+                         "reset_prefix_cache(reset_running_requests=True) then raises RuntimeError")
 DIVERGENCE_RULES: list[dict] = [
     {"cause": "unsupported_kv_layout", "kind": "inherent",
      "error": r"\[single_full_attention_pool\]",
@@ -135,15 +139,9 @@ DIVERGENCE_RULES: list[dict] = [
                "(null_substitution, reservation) reject"},
     {"cause": "reset_prefix_cache_blocked", "kind": "bug",
      "error": r"Failed to reset KV cache|reset_prefix_cache\(\)",
-     "reason": "reset_prefix_cache cannot succeed while the adapter keeps blocks allocated: the "
-               "headroom (unless given back first) and, with a step in flight, the preempted "
-               "requests' blocks that the forced defer_block_free fences; "
-               "reset_prefix_cache(reset_running_requests=True) then raises RuntimeError"},
+     "reason": _RESET_BLOCKED_REASON},
     {"cause": "reset_prefix_cache_blocked", "kind": "bug", "test": r"reset_prefix_cache",
-     "reason": "reset_prefix_cache cannot succeed while the adapter keeps blocks allocated: the "
-               "headroom (unless given back first) and, with a step in flight, the preempted "
-               "requests' blocks that the forced defer_block_free fences; "
-               "reset_prefix_cache(reset_running_requests=True) then raises RuntimeError"},
+     "reason": _RESET_BLOCKED_REASON},
     {"cause": "defer_block_free_forced", "kind": "inherent", "test": _DEFER_TESTS,
      "reason": "defer_block_free is forced on (the relocation fence runs on vLLM's deferred frees): "
                "a request freed or preempted while its step is in flight returns its blocks only "
