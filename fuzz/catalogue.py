@@ -94,8 +94,8 @@ CATALOGUE: list[Fault] = [
               "    sources = np.sort(candidates[:m])\n    n_dest = min(max(int(need[m - 1]), m), limit)\n"
               "    if n_dest == 0:\n        return None, worthwhile\n    dests = [int(b) for b in headroom[:n_dest]]"),)),
     Fault("plan_dup_dst", "9 duplicate destination slot (planner)", "the planner gives two tokens one destination", "planner",
-          (_p(P, "propose", "        moves[:, 4] = placed[:, 1]\n",
-              "        moves[:, 4] = placed[:, 1]\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"),)),
+          (_p(P, "propose", "        moves[:, 4] = offset\n",
+              "        moves[:, 4] = offset\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"),)),
     Fault("plan_overlaps_inflight", "I4 overlap with an in-flight plan", "blocks of an in-flight plan are planned again",
           "planner", (_p(P, "ReclamationManager.plan_request", "excluded=self._busy_mask if self.in_flight else None",
                          "excluded=None"),
@@ -129,7 +129,7 @@ CATALOGUE: list[Fault] = [
                          "        res = Applied(mv, [], sorted({int(b) for b in mv[:, 3]}), list(plan.sources))"),)),
     # ---------------------------------------------------------------- placement
     Fault("placement_off_by_one", "5 wrong-slot placement", "the k-th moved token goes to slot k+1", "placement",
-          (_p(L, "place", "out.append((k // S, k % S))", "out.append(((k + one) // S, (k + one) % S))"),)),
+          (_p(L, "place", "return before // S, before % S", "return (before + one) // S, (before + one) % S"),)),
     # ---------------------------------------------------------------- the copy engine (faulty engines)
     Fault("copy_flip_byte", "I1 corrupted relocation", "one byte of one moved K/V entry flips", "decode",
           engine="copy_flip_byte"),
@@ -169,7 +169,7 @@ CATALOGUE: list[Fault] = [
           (_p(PH, "PrefixHashRules.drop_sources", "            self.pool.evict_blocks(hashed)\n", "            pass\n"),)),
     Fault("adapter_pop_not_null", "positional block list broken",
           "a source is popped from vLLM's block list instead of null-substituted", "adapter",
-          (_p(MI, "BlockMirror.detach", "lst[i] = self.null", "lst.pop(i)"),)),
+          (_p(MI, "BlockMirror.detach_many", "lst[i] = self.null", "lst.pop(i)"),)),
     Fault("adapter_headroom_to_allocate", "3 reservation leak", "headroom blocks are handed back to vLLM's allocate_slots",
           "adapter", (_p(HR, "Headroom.before_schedule", "self.put(pool.get_new_blocks(take))",
                          "got = pool.get_new_blocks(take)\n                    self.put(got)\n"

@@ -19,8 +19,10 @@ terms, and Z3 is asked for a liveness pattern that breaks each property:
 
 Encoding (why it is fast enough for 8 x 16 = 128 symbolic bits):
 
-- ``place`` calls ``ite``, ``+``, ``//`` and ``%`` on whatever ``zero``/``one`` are. Z3's
-  ``ArithRef`` has no ``//`` (``place(..., ite=z3.If, zero=z3.IntVal(0), ...)`` raises
+- ``place`` calls ``ite``, a cumulative sum, ``-``, ``//`` and ``%`` on arrays of whatever
+  ``zero``/``one`` are: here object arrays (numpy applies each operator element by element,
+  the cumulative sum as ``k_i = k_(i-1) + inc_i``), with ``ite`` vectorised by
+  ``np.frompyfunc``. Z3's ``ArithRef`` has no ``//`` (``place(..., ite=z3.If, ...)`` raises
   TypeError), so the proof passes a thin wrapper, :class:`_Sym`, whose operators mean exactly
   Python's: ``a // S`` and ``a % S`` (``S`` a positive int) are fresh Ints ``q, r`` with
   ``a == S*q + r, 0 <= r < S`` (floor division and Python's modulo), shared between ``//``
@@ -43,7 +45,7 @@ Encoding (why it is fast enough for 8 x 16 = 128 symbolic bits):
   not proved (a planted fault) it is asked without them.
 
 Owns: nothing beyond the Z3 solver of one proof.
-May call: vtoken.placement (the function proved), z3.
+May call: vtoken.placement (the function proved), numpy, z3.
 Costs: one solver call per property and cube: about 2 s of CPU for 8 x 16 (exponential in the bound,
 in principle).
 """
@@ -54,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import z3
 
 from vtoken.placement import place
@@ -187,13 +190,18 @@ def prove_placement(n_blocks: int = 8, S: int = 16, timeout_s: float = 60.0,
     N = n_blocks * S
     enc = _Enc()
     live = [z3.Bool(f"live_{i}") for i in range(N)]
-    out = place(live, S, ite=_make_ite(enc), zero=_Sym(z3.IntVal(0), enc), one=_Sym(z3.IntVal(1), enc))
-    if len(out) != N:
+    flags = np.empty(N, dtype=object)  # place() runs on object arrays: each element a Z3 term
+    flags[:] = live
+    out = place(flags, S, ite=np.frompyfunc(_make_ite(enc), 3, 1), zero=_Sym(z3.IntVal(0), enc),
+                one=_Sym(z3.IntVal(1), enc))
+    shapes = [np.shape(x) for x in out] if isinstance(out, tuple) and len(out) == 2 else None
+    if shapes != [(N,), (N,)]:
         return ProofResult(False, time.perf_counter() - t0,
-                           {"property": "shape", "why": f"place returned {len(out)} entries for {N} candidates"},
-                           {}, n_blocks, S)
-    d = [o[0].e if isinstance(o[0], _Sym) else z3.IntVal(o[0]) for o in out]
-    off = [o[1].e if isinstance(o[1], _Sym) else z3.IntVal(o[1]) for o in out]
+                           {"property": "shape", "why": f"place returned {shapes or type(out).__name__}, not "
+                                                        f"two arrays of {N} entries"}, {}, n_blocks, S)
+    term = lambda x: x.e if isinstance(x, _Sym) else z3.IntVal(int(x))  # noqa: E731
+    d = [term(x) for x in out[0]]
+    off = [term(x) for x in out[1]]
     pos = [S * d[i] + off[i] for i in range(N)]
 
     # The specification side: independent live counts.

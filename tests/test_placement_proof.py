@@ -1,5 +1,6 @@
 """The bounded proof of the placement rule (``vtoken.invariants.placement_proof``)."""
 
+import numpy as np
 import pytest
 
 from vtoken.fuzz.planted import planted
@@ -27,8 +28,8 @@ def _replay(ce, S):
     """Run the real place() on the counterexample's live bits (fault still planted: the
     patched function is the module's attribute while the patch is in)."""
     live = [bool(b) for b in ce["live"]]
-    out = placement.place(live, S)
-    return live, out
+    dest_index, offset = placement.place(np.asarray(live), S)
+    return live, list(zip(dest_index.tolist(), offset.tolist()))
 
 
 def test_off_by_one_yields_a_real_counterexample():
@@ -61,9 +62,22 @@ def test_without_the_fault_the_same_pattern_is_fine():
     with planted("placement_off_by_one"):
         ce = prove_placement(2, 4, stop_at_first=True).counterexample
     live = [bool(b) for b in ce["live"]]
-    out = place(live, 4)
+    out = list(zip(*(a.tolist() for a in place(np.asarray(live), 4))))
     k = 0
     for i, l in enumerate(live):
         if l:
             assert out[i] == (k // 4, k % 4)
             k += 1
+
+
+def test_place_on_numbers_is_the_rank_among_the_live():
+    """The array the planner runs equals the rule stated per token (every pattern of 10 flags)."""
+    for bits in range(1 << 10):
+        live = np.array([(bits >> i) & 1 == 1 for i in range(10)])
+        for S in (1, 3, 4):
+            d, off = place(live, S)
+            k = 0
+            for i in range(10):
+                if live[i]:
+                    assert (int(d[i]), int(off[i])) == (k // S, k % S), (bits, S, i)
+                    k += 1

@@ -175,3 +175,21 @@ def test_change_sets_name_what_changed_and_only_that():
     t.free_request("b")  # "a" alone references dead block 1: releasable for "a", a's table unchanged
     assert t.take_lone_dead() == {1} and t.take_changed() == {"b"}
     assert sorted(t.releasable_blocks("a").tolist()) == [1, 2]
+
+
+def test_reclaim_inputs_agree_with_the_single_queries_and_refuse_bad_input():
+    """The reclaim bound's one-lookup read equals the queries it replaces; bad input raises
+    the same codes as ``references`` (and changes nothing: it is a read)."""
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("a", [1, 2, 3], 10)
+    t.evict_tokens("a", [0, 1, 9])
+    for tail in (None, 3, 5):
+        got = t.reclaim_inputs("a", tail)
+        held = tail is not None and t.references("a", tail)
+        assert got == (t.num_blocks_of("a"), t.num_live("a"), held, t.block_live_count(tail) if held else 0)
+    with pytest.raises(TableError) as e:
+        t.reclaim_inputs("nope", 3)
+    assert e.value.code == "unknown_request"
+    with pytest.raises(TableError) as e:
+        t.reclaim_inputs("a", 16)
+    assert e.value.code == "block_out_of_range"

@@ -5,37 +5,35 @@ in logical order, filling each destination completely before the next: the ``k``
 token (counting in logical order from 0) goes to destination ``k // S`` at offset
 ``k % S``.
 
-:func:`place` is written only with ``+``, ``//``, ``%`` and an injected if-then-else, so the
-same code runs on Python ints (the planner) and on Z3 integer expressions (the bounded
-proof in ``invariants/``): the proof checks this function, not a transcription of it.
+:func:`place` is written only with array ``+``/``-`` (a cumulative sum), ``//``, ``%`` and an
+injected elementwise if-then-else, so the same code runs on integer arrays (the planner,
+vectorised) and on object arrays of Z3 integer terms (the bounded proof in ``invariants/``):
+the proof checks this function, not a transcription of it.
 
 Owns: nothing (pure functions).
-May call: typing only; never spec/, invariants/, fuzz/ or reports/ (the proof in invariants/ calls
+May call: numpy only; never spec/, invariants/, fuzz/ or reports/ (the proof in invariants/ calls
 it, not the other way round).
-Costs: ``place`` O(candidate tokens), ``dest_count`` O(1).
+Costs: ``place`` O(candidate tokens) in numpy, ``dest_count`` O(1).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
+
+import numpy as np
 
 
-def _py_ite(c, a, b):
-    return a if c else b
+def place(live, S: int, ite: Callable = np.where, zero=0, one=1) -> tuple:
+    """For each candidate token (logical order): ``(dest_index, offset)``, as two arrays.
 
-
-def place(live: Sequence, S: int, ite: Callable = _py_ite, zero=0, one=1) -> list[tuple]:
-    """For each candidate token (logical order) return ``(dest_index, offset)``.
-
-    ``live[i]`` says whether candidate ``i`` is live; dead candidates get an entry too (it
-    is meaningless and ignored). ``dest_index`` indexes the plan's destination list.
+    ``live``: a 1-d array of flags, candidate ``i`` live or not; dead candidates get an
+    entry too (it is meaningless and ignored). ``dest_index`` indexes the plan's destination
+    list. ``ite(flags, a, b)`` is an elementwise if-then-else (``np.where`` on numbers; the
+    proof passes a symbolic one and object arrays). O(candidates), vectorised.
     """
-    out = []
-    k = zero  # live tokens placed so far
-    for flag in live:
-        out.append((k // S, k % S))
-        k = ite(flag, k + one, k)
-    return out
+    inc = ite(live, one, zero)  # 1 for a live candidate, 0 for a dead one
+    before = np.cumsum(inc) - inc  # live candidates before each: its rank among the live (k)
+    return before // S, before % S
 
 
 def dest_count(n_live: int, S: int) -> int:

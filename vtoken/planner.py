@@ -78,10 +78,8 @@ def reclaim_bound(table: TokenTable, req_id, tail: Optional[int]) -> int:
     below 0 cannot gain. (The tail's live count is at least the request's own live tokens
     there, so the bound never undercounts.)
     """
-    S = table.S
-    has_tail = tail is not None and table.references(req_id, tail)
-    in_tail = table.block_live_count(tail) if has_tail else 0
-    return table.num_blocks_of(req_id) - int(has_tail) - -(-max(0, table.num_live(req_id) - in_tail) // S)
+    n_blocks, n_live, has_tail, in_tail = table.reclaim_inputs(req_id, tail)
+    return n_blocks - int(has_tail) - -(-max(0, n_live - in_tail) // table.S)
 
 
 def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: int, tail: Optional[int],
@@ -126,16 +124,18 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     sources = np.sort(candidates[:m])
     dests = [int(b) for b in headroom[: int(need[m - 1])]]
     ids, slots = table.live_slots(req_id)
-    sel = np.isin(slots // S, sources)
+    is_source = np.zeros(table.num_blocks, dtype=bool)  # a mask, not np.isin's sort per call
+    is_source[sources] = True
+    sel = is_source[slots // S]
     toks, src = ids[sel], slots[sel]  # logical order
     moves = np.empty((len(toks), 5), dtype=np.int64)
     moves[:, 0] = toks
     moves[:, 1] = src // S
     moves[:, 2] = src % S
     if len(toks):
-        placed = np.asarray(place([True] * len(toks), S), dtype=np.int64)
-        moves[:, 3] = np.asarray(dests, dtype=np.int64)[placed[:, 0]]
-        moves[:, 4] = placed[:, 1]
+        dest_index, offset = place(np.ones(len(toks), dtype=bool), S)
+        moves[:, 3] = np.asarray(dests, dtype=np.int64)[dest_index]
+        moves[:, 4] = offset
     return Proposal(sources.tolist(), dests, moves), worthwhile
 
 

@@ -856,6 +856,17 @@ class TokenTable:
         """How many blocks the request references. O(1)."""
         return len(self._req(req_id).blocks)
 
+    def reclaim_inputs(self, req_id, tail) -> tuple[int, int, bool, int]:
+        """``(blocks referenced, live tokens, references tail?, live count of block tail)``:
+        what the planner's reclaim bound reads, in one lookup (the last is 0 unless the
+        request references ``tail``; ``tail`` may be None). Checks as :meth:`references`. O(1)."""
+        r = self._req(req_id)
+        if tail is None:
+            return len(r.blocks), r.n_live, False, 0
+        b = self._block(tail)
+        held = b in r.blocks
+        return len(r.blocks), r.n_live, held, (int(self.n_b[b]) if held else 0)
+
     def references(self, req_id, block_id: int) -> bool:
         """Does the request reference ``block_id``? Checks: ``not_integer``,
         ``block_out_of_range``. O(1)."""

@@ -199,7 +199,8 @@ class VTokenAdapter:
         self.reserve = Headroom(self.harness, self.cfg.headroom if self.reclaim else 0, headroom_pool_fraction,
                                 self.S, self.stats)
         self.book = PlanBook(self)
-        self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, on_start=self._on_list_start)
+        self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, self.pool.blocks,
+                                  on_start=self._on_list_start)
         self.fence = FenceLedger()
         self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=evict_unfaithful_hashes)
         self.check = RuntimeChecks(self, full_every=check_full_every, paranoid=paranoid_checks)
@@ -325,16 +326,27 @@ class VTokenAdapter:
         """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
         entry (``mirror.detach``) or drop it from the held destinations. Returns the index
         (-1 for a held destination)."""
-        if self.mirror.index(r, blk.block_id) is not None:
-            return self.mirror.detach(r, blk)
+        return self.detach_all(r, [blk])[0]
+
+    def detach_all(self, r: str, blks) -> list[int]:
+        """:meth:`detach` for several blocks (a plan's sources), in one pass over the list and
+        the held destinations; every block is checked to be held for ``r`` before any entry
+        changes. Returns the indices in the given order (-1: a held destination)."""
+        mirror = self.mirror
+        listed = [blk for blk in blks if mirror.index(r, blk.block_id) is not None]
+        rest = {id(blk): blk for blk in blks if mirror.index(r, blk.block_id) is None}
         held = self.held.get(r, [])
-        for j, x in enumerate(held):
-            if x is blk:
-                held.pop(j)
-                return -1
-        raise AdapterAssumptionError("table_in_step",
-                                     f"request {r!r}: the table references block {blk.block_id}, which the "
-                                     f"scheduler side does not hold for it")
+        if rest:
+            have = {id(x) for x in held}
+            missing = [blk.block_id for blk in rest.values() if id(blk) not in have]
+            if missing:
+                raise AdapterAssumptionError("table_in_step",
+                                             f"request {r!r}: the table references block(s) {missing}, which the "
+                                             f"scheduler side does not hold for it")
+        at = dict(zip(map(id, listed), mirror.detach_many(r, listed))) if listed else {}
+        if rest:
+            held[:] = [x for x in held if id(x) not in rest]
+        return [at.get(id(blk), -1) for blk in blks]
 
     def free_blocks(self, blocks: list, fence: int) -> None:
         """Return blocks the adapter holds, through vLLM's own fenced path."""

@@ -35,6 +35,24 @@ from collections import Counter
 from .assumptions import AdapterAssumptionError
 
 
+_HEADROOM = ("headroom",)
+_DESTINATIONS = ("held", "dest")
+
+
+def _describe(kind: tuple) -> str:
+    """A block's role in the checks' ledger, as the error names it."""
+    role = kind[0]
+    if role == "held":
+        return f"destination of request {kind[1]!r}"
+    if role == "source":
+        p = kind[1]
+        return f"source of plan {p.id} (request {p.req_id!r}, fence {p.seq})"
+    if role == "dest":
+        p = kind[1]
+        return f"destination of in-flight plan {p.id} (request {p.req_id!r})"
+    return "headroom"
+
+
 class RuntimeChecks:
     def __init__(self, adapter, full_every: int = 64, paranoid: bool = False):
         self.ad = adapter
@@ -79,21 +97,21 @@ class RuntimeChecks:
         ad.fence.check()
         reqs, self.touched_requests = self.touched_requests, set()
         mine: Counter = Counter()
-        kind: dict[int, str] = {}
+        kind: dict[int, tuple] = {}
         fresh = ad.reserve.take_fresh()  # the rest of the headroom: at the full scan
         for b in fresh:
             mine[b.block_id] += 1
-            kind[b.block_id] = "headroom"
+            kind[b.block_id] = _HEADROOM
         for r in reqs:
             for b in ad.held.get(r, ()):
                 mine[b.block_id] += 1
-                kind[b.block_id] = f"destination of request {r!r}"
+                kind[b.block_id] = ("held", r)
         for p in ad.plans.values():
             self._plan_blocks(p, mine, kind)
         deferred = self._deferred_counts()
         self._check_headroom(where, lambda bid: min(ad.mirror.holders(bid), default=None), fresh)
-        for bid, n in mine.items():
-            self._check_refs(where, bid, n, len(ad.mirror.holders(bid)) + deferred.get(bid, 0), kind[bid])
+        holders = ad.mirror.holders
+        self._check_refs(where, mine, kind, lambda bid: len(holders(bid)) + deferred.get(bid, 0))
         self._check_sources_detached(where, thorough=False)
         ad.mirror.check_lists(where, requests=reqs)
         if table:
@@ -119,14 +137,14 @@ class RuntimeChecks:
         ad.fence.check()
         holders = self.holders()
         mine: Counter = Counter()
-        kind: dict[int, str] = {}
+        kind: dict[int, tuple] = {}
         for b in ad.headroom:
             mine[b.block_id] += 1
-            kind[b.block_id] = "headroom"
+            kind[b.block_id] = _HEADROOM
         for r, v in ad.held.items():
             for b in v:
                 mine[b.block_id] += 1
-                kind[b.block_id] = f"destination of request {r!r}"
+                kind[b.block_id] = ("held", r)
         for p in ad.plans.values():
             self._plan_blocks(p, mine, kind)
         in_lists = {}
@@ -136,8 +154,7 @@ class RuntimeChecks:
                     in_lists.setdefault(b.block_id, r)
         ad.reserve.take_fresh()
         self._check_headroom(where, in_lists.get, ad.headroom)
-        for bid, n in mine.items():
-            self._check_refs(where, bid, n, holders.get(bid, 0), kind[bid])
+        self._check_refs(where, mine, kind, lambda bid: holders.get(bid, 0))
         self._check_sources_detached(where, thorough=True)
         ad.mirror.check_lists(where)
 
@@ -184,12 +201,13 @@ class RuntimeChecks:
 
     @staticmethod
     def _plan_blocks(p, mine: Counter, kind: dict) -> None:
+        src, dst = ("source", p), ("dest", p)
         for b in p.sources:
             mine[b.block_id] += 1
-            kind[b.block_id] = f"source of plan {p.id} (request {p.req_id!r}, fence {p.seq})"
+            kind[b.block_id] = src
         for b in p.dests:
             mine[b.block_id] += 1
-            kind[b.block_id] = f"destination of in-flight plan {p.id} (request {p.req_id!r})"
+            kind[b.block_id] = dst
 
     def _check_headroom(self, where: str, list_holder, blocks) -> None:
         for b in blocks:
@@ -204,19 +222,24 @@ class RuntimeChecks:
                     "reservation", f"{where}: headroom block {bid} has ref_cnt {b.ref_cnt} (want 1), "
                     f"hash {'set' if b.block_hash is not None else 'none'}")
 
-    def _check_refs(self, where: str, bid: int, n: int, others: int, kind: str) -> None:
-        ad = self.ad
-        blk = ad.block(bid)
-        if blk.ref_cnt != n + others:
-            check = "fence" if kind.startswith("source") else "ownership"
-            raise AdapterAssumptionError(
-                check, f"{where}: block {bid} ({kind}) has ref_cnt {blk.ref_cnt}, but the adapter holds {n} and "
-                f"request lists / deferred frees hold {others}: it was returned to the pool while still held "
-                f"(freed before its fence)")
-        if "destination" in kind and (blk.block_hash is not None or bid in ad.pool.cached_block_hashes_by_block):
-            raise AdapterAssumptionError(
-                "prefix_hash", f"{where}: block {bid} ({kind}) carries a prefix-cache hash "
-                f"({blk.block_hash!r}) although it holds relocated tokens of mixed positions")
+    def _check_refs(self, where: str, mine: Counter, kind: dict, others) -> None:
+        """Each block the adapter holds has ``ref_cnt`` = the adapter's holds (``mine``) +
+        ``others(block)`` (request lists, deferred frees); a destination carries no prefix
+        hash. ``kind``: block -> its role (see :func:`_describe`, formatted only for an error)."""
+        blocks, cached = self.ad.pool.blocks, self.ad.pool.cached_block_hashes_by_block
+        for bid, n in mine.items():
+            blk = blocks[bid]
+            k = kind[bid]
+            if blk.ref_cnt != n + others(bid):
+                check = "fence" if k[0] == "source" else "ownership"
+                raise AdapterAssumptionError(
+                    check, f"{where}: block {bid} ({_describe(k)}) has ref_cnt {blk.ref_cnt}, but the adapter holds "
+                    f"{n} and request lists / deferred frees hold {others(bid)}: it was returned to the pool while "
+                    f"still held (freed before its fence)")
+            if k[0] in _DESTINATIONS and (blk.block_hash is not None or bid in cached):
+                raise AdapterAssumptionError(
+                    "prefix_hash", f"{where}: block {bid} ({_describe(k)}) carries a prefix-cache hash "
+                    f"({blk.block_hash!r}) although it holds relocated tokens of mixed positions")
 
     def _check_sources_detached(self, where: str, thorough: bool) -> None:
         """No source of a plan in flight is in its request's list (at its old index, or with

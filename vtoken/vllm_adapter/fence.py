@@ -19,7 +19,7 @@ from typing import Optional
 from .assumptions import AdapterAssumptionError
 
 
-@dataclass
+@dataclass(slots=True)
 class FenceEntry:
     block: int
     plan: int

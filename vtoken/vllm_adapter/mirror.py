@@ -6,7 +6,8 @@ Owns: per request ``ids`` (the positional block ids: ``scheduled_new_reqs.block_
 (block id -> index, for the entries not substituted), ``subst`` (index -> block id the
 adapter replaced by ``null_block``), ``incarnation`` (the step that (re)started the list), and
 the reverse index ``where`` (block id -> requests whose list holds it), so a check can count
-a block's holders without scanning every list.
+a block's holders without scanning every list, and ``expect`` (the KVCacheBlock objects the
+list must hold, the null block where substituted), so a list is checked by identity in C.
 It never frees a block. ``detach`` is the one place a request's list changes under vLLM:
 the entry becomes ``null_block``, the list keeps its length (vLLM's allocator grows lists
 positionally; popping would break that).
@@ -16,17 +17,20 @@ Costs: O(new block ids) per output, O(1) per detach, O(list) per :meth:`check_li
 
 from __future__ import annotations
 
+from operator import is_
 from typing import Callable, Optional
 
 from .assumptions import AdapterAssumptionError
 
 
 class BlockMirror:
-    def __init__(self, req_to_blocks, null_block, on_start: Optional[Callable[[str, int], None]] = None):
+    def __init__(self, req_to_blocks, null_block, blocks, on_start: Optional[Callable[[str, int], None]] = None):
         self.req_to_blocks = req_to_blocks  # vLLM's live dict: request -> list of KVCacheBlock
         self.null = null_block
+        self.blocks = blocks  # vLLM's pool.blocks: block id -> its KVCacheBlock (blocks[i].block_id == i)
         self.on_start = on_start  # called with (request, seq) when a list (re)starts
         self.ids: dict[str, list[int]] = {}
+        self.expect: dict[str, list] = {}  # the list vLLM must hold: blocks[id], null where substituted
         self.pos: dict[str, dict[int, int]] = {}
         self.subst: dict[str, dict[int, int]] = {}
         self.incarnation: dict[str, int] = {}
@@ -52,9 +56,11 @@ class BlockMirror:
             elif ids:
                 m = self.ids.setdefault(r, [])
                 pos = self.pos.setdefault(r, {})
+                ex = self.expect.setdefault(r, [])
                 for b in ids:
                     pos[b] = len(m)
                     m.append(b)
+                    ex.append(self.blocks[b])
                     self.where.setdefault(b, set()).add(r)
                 self.changed.add(r)
 
@@ -65,6 +71,7 @@ class BlockMirror:
             self.where.setdefault(b, set()).add(r)
         self.changed.add(r)
         self.ids[r] = ids
+        self.expect[r] = [self.blocks[b] for b in ids]
         self.pos[r] = {b: i for i, b in enumerate(ids)}
         self.subst[r] = {}
         self.incarnation[r] = seq
@@ -74,7 +81,7 @@ class BlockMirror:
     def forget(self, r: str) -> None:
         self._unindex(r)
         self.changed.add(r)
-        for d in (self.ids, self.pos, self.subst, self.incarnation):
+        for d in (self.ids, self.expect, self.pos, self.subst, self.incarnation):
             d.pop(r, None)
 
     def _unindex(self, r: str) -> None:
@@ -101,7 +108,12 @@ class BlockMirror:
     def detach(self, r: str, blk) -> int:
         """Null-substitute ``blk``'s entry in ``r``'s list (the adapter takes the request's
         reference over); returns its index."""
-        b = blk.block_id
+        return self.detach_many(r, [blk])[0]
+
+    def detach_many(self, r: str, blks) -> list[int]:
+        """:meth:`detach` for several blocks of ``r``'s list (a plan's sources): all are
+        validated before any entry changes; returns their indices, in the given order.
+        O(len(blks))."""
         pos = self.pos.get(r, {})
         lst = self.req_to_blocks.get(r)
         m = self.ids.get(r, [])
@@ -109,20 +121,36 @@ class BlockMirror:
             raise AdapterAssumptionError(
                 "null_substitution", f"request {r!r}'s block list has {len(lst)} entries, the scheduler "
                 f"outputs gave it {len(m)} (an entry was popped instead of null-substituted)")
-        i = pos.pop(b)
-        if lst is None or i >= len(lst) or lst[i] is not blk:
-            got = None if lst is None or i >= len(lst) else lst[i].block_id
-            raise AdapterAssumptionError(
-                "table_in_step", f"request {r!r}: block {b} expected at req_to_blocks index {i}, found {got}")
-        lst[i] = self.null
-        self.subst.setdefault(r, {})[i] = b
-        holders = self.where.get(b)
-        if holders is not None:
-            holders.discard(r)
-            if not holders:
-                del self.where[b]
+        missing = [blk.block_id for blk in blks if blk.block_id not in pos]
+        if missing:
+            raise AdapterAssumptionError("table_in_step", f"request {r!r}: blocks {missing} are not in its block "
+                                                          f"list (or were substituted already)")
+        idx = [pos[blk.block_id] for blk in blks]
+        if len(set(idx)) != len(idx):
+            raise AdapterAssumptionError("null_substitution", f"request {r!r}: blocks "
+                                         f"{[blk.block_id for blk in blks]} name one entry twice")
+        for blk, i in zip(blks, idx):
+            if lst is None or i >= len(lst) or lst[i] is not blk:
+                got = None if lst is None or i >= len(lst) else lst[i].block_id
+                raise AdapterAssumptionError(
+                    "table_in_step", f"request {r!r}: block {blk.block_id} expected at req_to_blocks index {i}, "
+                    f"found {got}")
+        sub = self.subst.setdefault(r, {})
+        ex = self.expect[r]
+        where = self.where
+        for i, blk in sorted(zip(idx, blks), key=lambda x: -x[0]):  # last index first (any order is right)
+            b = blk.block_id
+            del pos[b]
+            lst[i] = self.null
+            ex[i] = self.null
+            sub[i] = b
+            holders = where.get(b)
+            if holders is not None:
+                holders.discard(r)
+                if not holders:
+                    del where[b]
         self.changed.add(r)
-        return i
+        return idx
 
     def check_lists(self, where: str, requests=None) -> None:
         """Every mirrored request's ``req_to_blocks`` equals its mirror, with null exactly
@@ -137,6 +165,8 @@ class BlockMirror:
                     "null_substitution", f"{where}: request {r!r}'s block list has {len(lst)} entries, the scheduler "
                     f"outputs gave it {len(m)} (an entry was popped instead of null-substituted, or the list "
                     f"re-grew): {[b.block_id for b in lst]} vs {m}")
+            if all(map(is_, lst, self.expect[r])):  # the fast path: the very objects expected, in C
+                continue
             sub = self.subst.get(r, {})
             for i, (blk, bid) in enumerate(zip(lst, m)):
                 if i in sub:

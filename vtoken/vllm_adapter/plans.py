@@ -35,7 +35,7 @@ class PlanBook:
         self.busy: dict[str, int] = {}  # req -> its plan in flight
         self.history: list[dict] = []  # snapshots of applied plans (planner_config.record_snapshots)
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
-        self.bound: dict[str, int] = {}  # request -> positive reclaim bound (cached)
+        self.bound: dict[str, tuple] = {}  # request -> (-its positive reclaim bound, arrival, request), cached
         self._ids = itertools.count(1)
         self._clock = itertools.count().__next__  # snapshot event times
 
@@ -49,20 +49,23 @@ class PlanBook:
         if not ad.headroom or ad.steps % cfg.check_every or \
                 not should_reclaim(cfg, **trigger_inputs(t, ad.pool.get_num_free_blocks())):
             return
+        bound, arrival = self.bound, ad.arrival
         for r in self.stale_bounds:
             gain = reclaim_bound(t, r, t.tail_block(r)) if r in t else 0
             if gain > 0:
-                self.bound[r] = gain
+                bound[r] = (-gain, arrival(r), r)  # the sort key, kept with the bound
             else:
-                self.bound.pop(r, None)
+                bound.pop(r, None)
         self.stale_bounds = set()
         busy, current, running = self.busy, ad.current, ad.running
-        scored = sorted((-g, ad.arrival(r), r) for r, g in self.bound.items()
-                        if r not in busy and current(r) and running(r))
         pool_blocks = ad.pool.blocks
-        for _, _, r in scored:
+        # largest bound first, arrival breaks ties; the eligibility tests run only on the
+        # requests reached before the step's plans or the headroom run out
+        for _, _, r in sorted(bound.values()):
             if len(meta.plans) >= ad.max_plans_per_step or not ad.headroom:
                 break
+            if r in busy or not current(r) or not running(r):
+                continue
             blocks = t.block_array(r).tolist()
             held = {x.block_id for x in ad.held.get(r, ())}  # ``ad.accounted`` for every block, in one pass
             listed = ad.mirror.pos.get(r, {})
@@ -103,8 +106,7 @@ class PlanBook:
                 [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids}
                  for q in self.plans.values()])
         ad.hashes.drop_sources(sources)
-        for blk in sources:
-            plan.source_index[blk.block_id] = ad.detach(r, blk)
+        plan.source_index = dict(zip(p.sources, ad.detach_all(r, sources)))
         ad.fence.open(plan)
         ad.check.touch([r])
         self.plans[plan.id] = plan

@@ -1,0 +1,73 @@
+"""Taking a plan's sources over in one batch (``VTokenAdapter.detach_all`` and
+``BlockMirror.detach_many``): every block is checked before any entry changes, so a refused
+batch leaves vLLM's list, the mirror and the held destinations as they were."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vtoken.invariants.relocation_hash import RelocationChecker
+
+pytestmark = pytest.mark.vllm
+
+
+def _adapter(model):
+    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
+    from vtoken.vllm_adapter.worker import VTokenWorker
+
+    S, N = 8, 64
+    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, reclaim=False,
+                       planner_config=default_adapter_planner_config(headroom=4), max_model_len=512)
+    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=0.0, seed=0)
+    d = AdapterDriver(ad, w)
+    ad.add_request("q0", np.random.default_rng([0]).integers(1, 500, size=40).tolist(), max_tokens=8)
+    for _ in range(2):
+        d.step()
+    return ad
+
+
+def _state(ad, r):
+    return ([b.block_id for b in ad.req_to_blocks[r]], list(ad.mirror[r]), dict(ad.mirror.pos[r]),
+            dict(ad.mirror.subst.get(r, {})), [b.block_id for b in ad.held.get(r, [])])
+
+
+def test_a_batch_with_a_block_not_held_changes_nothing(model):
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ad = _adapter(model)
+    lst = ad.req_to_blocks["q0"]
+    stranger = next(b for b in ad.pool.blocks if not b.is_null and b.ref_cnt == 0)
+    before = _state(ad, "q0")
+    with pytest.raises(AdapterAssumptionError) as e:
+        ad.detach_all("q0", [lst[0], lst[1], stranger])
+    assert e.value.check == "table_in_step" and str(stranger.block_id) in str(e.value)
+    assert _state(ad, "q0") == before
+
+
+def test_a_batch_naming_one_entry_twice_changes_nothing(model):
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ad = _adapter(model)
+    lst = ad.req_to_blocks["q0"]
+    before = _state(ad, "q0")
+    with pytest.raises(AdapterAssumptionError) as e:
+        ad.mirror.detach_many("q0", [lst[1], lst[1]])
+    assert e.value.check == "null_substitution"
+    assert _state(ad, "q0") == before
+
+
+def test_a_mixed_batch_substitutes_listed_blocks_and_drops_held_ones(model):
+    ad = _adapter(model)
+    lst = ad.req_to_blocks["q0"]
+    a, b = lst[0], lst[2]
+    held = ad.pool.get_new_blocks(1)[0]  # stands for a destination the request was handed
+    ad.held.setdefault("q0", []).append(held)
+    got = ad.detach_all("q0", [b, held, a])
+    assert got == [2, -1, 0]
+    assert lst[0] is ad.pool.null_block and lst[2] is ad.pool.null_block and len(lst) == len(ad.mirror["q0"])
+    assert ad.mirror.subst["q0"] == {0: a.block_id, 2: b.block_id}
+    assert held not in ad.held["q0"] and ad.mirror.index("q0", a.block_id) is None
+    ad.mirror.check_lists("test")  # the substituted list still agrees with its mirror
+    for blk in (a, b, held):  # hand the references back so the pool balances
+        ad.pool.free_blocks([blk])
