@@ -187,6 +187,7 @@ def test_reclaim_inputs_agree_with_the_single_queries_and_refuse_bad_input():
         got = t.reclaim_inputs("a", tail)
         held = tail is not None and t.references("a", tail)
         assert got == (t.num_blocks_of("a"), t.num_live("a"), held, t.block_live_count(tail) if held else 0)
+    assert t.reclaim_inputs("a") == t.reclaim_inputs("a", t.tail_block("a"))  # default: the table's own tail
     with pytest.raises(TableError) as e:
         t.reclaim_inputs("nope", 3)
     assert e.value.code == "unknown_request"

@@ -47,7 +47,7 @@ from .allocator import BlockAllocator
 from .errors import PlanError
 from .placement import place
 from .snapshot import SCHEMA, request_state
-from .table import TokenTable
+from .table import OWN_TAIL, TokenTable
 
 PLANNED, COPYING, COMPLETED, APPLIED, ABORTED = "planned", "copying", "completed", "applied", "aborted"
 
@@ -70,8 +70,9 @@ class Proposal:
         return len(self.sources) - len(self.dests)
 
 
-def reclaim_bound(table: TokenTable, req_id, tail: Optional[int]) -> int:
-    """Upper bound on the blocks a plan for ``req_id`` can free (O(1)).
+def reclaim_bound(table: TokenTable, req_id, tail=OWN_TAIL) -> int:
+    """Upper bound on the blocks a plan for ``req_id`` can free (O(1)); ``tail``: the block
+    being written (None: none; default: the table's ``tail_block``).
 
     Exact when every other block is eligible and neither B nor the headroom binds: the tail
     stays, the rest packs into ``ceil(live outside the tail / S)`` blocks. A request at or

@@ -211,6 +211,16 @@ def _moves_array(moves, what: str = "moves") -> np.ndarray:
     return _objects_to_int64(flat, what, "bad_move").reshape(-1, 5)
 
 
+class _OwnTail:
+    """:meth:`TokenTable.reclaim_inputs`' default: the request's own tail block."""
+
+    def __repr__(self) -> str:
+        return "OWN_TAIL"
+
+
+OWN_TAIL = _OwnTail()
+
+
 class _Req:
     """One request's host arrays; its device entries live in a segment of the table's pool."""
 
@@ -856,16 +866,22 @@ class TokenTable:
         """How many blocks the request references. O(1)."""
         return len(self._req(req_id).blocks)
 
-    def reclaim_inputs(self, req_id, tail) -> tuple[int, int, bool, int]:
+    def reclaim_inputs(self, req_id, tail=OWN_TAIL) -> tuple[int, int, bool, int]:
         """``(blocks referenced, live tokens, references tail?, live count of block tail)``:
         what the planner's reclaim bound reads, in one lookup (the last is 0 unless the
-        request references ``tail``; ``tail`` may be None). Checks as :meth:`references`. O(1)."""
+        request references ``tail``). ``tail``: a block id, None (no tail), or ``OWN_TAIL``
+        (default) for :meth:`tail_block`'s block. Checks as :meth:`references`. O(1)."""
         r = self._req(req_id)
-        if tail is None:
+        if tail is OWN_TAIL:
+            if not r.n:
+                return len(r.blocks), r.n_live, False, 0
+            b = r.slot.item(r.n - 1) // self.S  # a slot the table wrote: in range (item(): no numpy scalar)
+        elif tail is None:
             return len(r.blocks), r.n_live, False, 0
-        b = self._block(tail)
+        else:
+            b = self._block(tail)
         held = b in r.blocks
-        return len(r.blocks), r.n_live, held, (int(self.n_b[b]) if held else 0)
+        return len(r.blocks), r.n_live, held, (self.n_b.item(b) if held else 0)
 
     def references(self, req_id, block_id: int) -> bool:
         """Does the request reference ``block_id``? Checks: ``not_integer``,

@@ -332,9 +332,13 @@ class VTokenAdapter:
         """:meth:`detach` for several blocks (a plan's sources), in one pass over the list and
         the held destinations; every block is checked to be held for ``r`` before any entry
         changes. Returns the indices in the given order (-1: a held destination)."""
-        mirror = self.mirror
-        listed = [blk for blk in blks if mirror.index(r, blk.block_id) is not None]
-        rest = {id(blk): blk for blk in blks if mirror.index(r, blk.block_id) is None}
+        pos = self.mirror.pos.get(r, {})
+        listed, rest = [], {}
+        for blk in blks:
+            if blk.block_id in pos:
+                listed.append(blk)
+            else:
+                rest[id(blk)] = blk
         held = self.held.get(r, [])
         if rest:
             have = {id(x) for x in held}
@@ -343,7 +347,7 @@ class VTokenAdapter:
                 raise AdapterAssumptionError("table_in_step",
                                              f"request {r!r}: the table references block(s) {missing}, which the "
                                              f"scheduler side does not hold for it")
-        at = dict(zip(map(id, listed), mirror.detach_many(r, listed))) if listed else {}
+        at = dict(zip(map(id, listed), self.mirror.detach_many(r, listed))) if listed else {}
         if rest:
             held[:] = [x for x in held if id(x) not in rest]
         return [at.get(id(blk), -1) for blk in blks]
@@ -514,5 +518,5 @@ class VTokenAdapter:
             raise AdapterAssumptionError(
                 "all_returned", f"free count {free} (want {self.N - 1}); referenced blocks {held[:10]}; "
                 f"adapter still holds {left}; deferred_frees {len(sched.deferred_frees)}; "
-                f"plans in flight {list(self.book.plans)}; fence ledger {sorted(self.fence.pending)}")
+                f"plans in flight {list(self.book.plans)}; fence ledger (plans) {sorted(self.fence.pending)}")
         return {"free": free, "N": self.N}

@@ -51,7 +51,7 @@ class PlanBook:
             return
         bound, arrival = self.bound, ad.arrival
         for r in self.stale_bounds:
-            gain = reclaim_bound(t, r, t.tail_block(r)) if r in t else 0
+            gain = reclaim_bound(t, r) if r in t else 0  # the table's tail: the block being written
             if gain > 0:
                 bound[r] = (-gain, arrival(r), r)  # the sort key, kept with the bound
             else:
@@ -90,9 +90,11 @@ class PlanBook:
         the request's list, drop the sources' prefix-cache hashes (no hit may land on a block
         in flight), open their fence entries, and ride on step ``meta.seq``."""
         ad = self.ad
-        sources = [ad.block(b) for b in p.sources]
-        for blk in sources:  # refused before anything changes hands
-            if blk.ref_cnt != 1 or ad.table.refs[blk.block_id] != 1:
+        pool_blocks = ad.pool.blocks
+        sources = [pool_blocks[b] for b in p.sources]
+        table_refs = ad.table.refs[p.sources].tolist()
+        for blk, refs in zip(sources, table_refs):  # refused before anything changes hands
+            if blk.ref_cnt != 1 or refs != 1:
                 ad.stats["shared_blocks_moved"] += 1
                 raise AdapterAssumptionError(
                     "shared_never_moved", f"plan for request {r!r} takes block {blk.block_id} as a source "
@@ -184,7 +186,7 @@ class PlanBook:
                     "prefix_hash", f"source block {blk.block_id} of plan {plan.id} (request {plan.req_id!r}) carries "
                     f"a prefix-cache hash at its free: its hash was dropped at launch, so it was re-hashed while in "
                     f"flight")
-            ad.fence.close(blk.block_id, processed, copy_done)
+        ad.fence.close(plan, processed, copy_done)
         plan.record("free", blocks=plan.source_ids)
         ad.stats["sources_freed"] += len(plan.sources)
         ad.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)
