@@ -4,6 +4,7 @@ Every plan made here is also checked against the written contract, ``vtoken.spec
 the planner machine (``fuzz/planner_machine.py``) covers the space between the examples.
 """
 
+import numpy as np
 import pytest
 
 from vtoken import BlockAllocator, TokenTable
@@ -433,3 +434,28 @@ def test_best_reduction_brute_force():
     v["tokens"][5][2] = v["tokens"][7][2] = False
     v["max_sources"] = 4
     assert best_reduction(v, 0) == 2
+
+
+def test_reclaim_bounds_equal_the_single_bound_and_refuse_an_unknown_request():
+    """The batch bound the adapter computes is the single-request bound, request by request
+    (the table's own tails), and an unknown request is refused like the single query."""
+    from vtoken import TableError, TokenTable
+    from vtoken.planner import reclaim_bound, reclaim_bounds
+
+    t = TokenTable(4, 64)
+    rng = np.random.default_rng(3)
+    nxt = 1
+    for i in range(6):
+        n = int(rng.integers(1, 30))
+        k = -(-n // 4)
+        t.sync_new_tokens(f"r{i}", list(range(nxt, nxt + k)), n)
+        nxt += k
+        dead = rng.choice(n, size=int(rng.integers(0, n)), replace=False)
+        if len(dead):
+            t.evict_tokens(f"r{i}", sorted(dead.tolist()))
+    ids = [f"r{i}" for i in range(6)]
+    assert reclaim_bounds(t, ids).tolist() == [reclaim_bound(t, r) for r in ids]
+    assert reclaim_bounds(t, []).tolist() == []
+    with pytest.raises(TableError) as e:
+        reclaim_bounds(t, ["r0", "nope"])
+    assert e.value.code == "unknown_request"

@@ -194,3 +194,17 @@ def test_reclaim_inputs_agree_with_the_single_queries_and_refuse_bad_input():
     with pytest.raises(TableError) as e:
         t.reclaim_inputs("a", 16)
     assert e.value.code == "block_out_of_range"
+
+
+def test_block_array_is_cached_read_only_and_follows_the_block_set():
+    t = make()
+    a = t.block_array("a")
+    assert t.block_array("a") is a  # unchanged set: the same array, no rebuild
+    with pytest.raises(ValueError):
+        a[0] = 7  # callers copy before they modify
+    t.sync_new_tokens("a", [1, 2, 3], 9)  # a new block referenced
+    b = t.block_array("a")
+    assert b is not a and sorted(b.tolist()) == [1, 2, 3] and sorted(a.tolist()) == [1, 2]
+    t.evict_tokens("a", [8])
+    t.release_empty_blocks("a", [3])
+    assert sorted(t.block_array("a").tolist()) == [1, 2]

@@ -224,7 +224,8 @@ OWN_TAIL = _OwnTail()
 class _Req:
     """One request's host arrays; its device entries live in a segment of the table's pool."""
 
-    __slots__ = ("slot", "live", "n", "n_live", "blocks", "base", "cap", "map_cache", "map_len", "map_src_n", "map_dirty")
+    __slots__ = ("slot", "live", "n", "n_live", "blocks", "block_arr", "base", "cap", "map_cache", "map_len", "map_src_n",
+                 "map_dirty")
 
     def __init__(self):
         self.slot = np.full(64, -1, dtype=np.int64)
@@ -232,6 +233,7 @@ class _Req:
         self.n = 0
         self.n_live = 0
         self.blocks: set[int] = set()
+        self.block_arr = None  # read-only int64 array of ``blocks``, None once the set changed (block_array)
         self.base = -1  # device segment [base, base + cap) in the pool
         self.cap = 0
         self.map_cache = None  # compacted live slots (device), see slot_mapping
@@ -415,6 +417,7 @@ class TokenTable:
     def _ref_block(self, r: _Req, b: int) -> None:
         assert b not in r.blocks, f"block {b} referenced twice by one request"
         r.blocks.add(b)
+        r.block_arr = None
         if self.refs[b] == 0:
             self._ref_blocks += 1
         self.refs[b] += 1
@@ -422,6 +425,7 @@ class TokenTable:
     def _unref_block(self, r: _Req, b: int) -> None:
         assert b in r.blocks and self.refs[b] > 0, f"block {b} unreferenced by a request that does not hold it"
         r.blocks.discard(b)
+        r.block_arr = None
         self.refs[b] -= 1
         if self.refs[b] == 0:
             self._ref_blocks -= 1
@@ -787,7 +791,7 @@ class TokenTable:
     # ------------------------------------------------------------------ queries
     # Costs are stated per method. A per-step caller (planner, adapter, engine) uses only the
     # O(1) and O(length)/O(blocks) ones without a sort: num_live, length, num_blocks_of,
-    # references, tail_block, block_refs, block_live_count (O(1)); block_array,
+    # references, tail_block, block_refs, block_live_count, block_array when unchanged (O(1));
     # releasable_blocks (O(blocks)); live_slots, are_live (O(length) / O(ids)); slot_mapping
     # (cached). blocks_of sorts: snapshots and checks only.
     # Every request-taking query raises bad_request_id / unknown_request first.
@@ -828,10 +832,15 @@ class TokenTable:
         return sorted(self._req(req_id).blocks)
 
     def block_array(self, req_id) -> np.ndarray:
-        """The blocks the request references, in no particular order, as a new int64 array
-        (O(blocks), no sort)."""
-        bl = self._req(req_id).blocks
-        return np.fromiter(bl, dtype=np.int64, count=len(bl))
+        """The blocks the request references, in no particular order, as a read-only int64
+        array: built in O(blocks) (no sort) when the request's block set changed since the last
+        call, else the same array (O(1)). Copy it to modify it."""
+        r = self._req(req_id)
+        if r.block_arr is None:
+            arr = np.fromiter(r.blocks, dtype=np.int64, count=len(r.blocks))
+            arr.flags.writeable = False
+            r.block_arr = arr
+        return r.block_arr
 
     def take_changed(self) -> set:
         """The requests whose blocks or liveness changed (created, a new block referenced,
@@ -882,6 +891,26 @@ class TokenTable:
             b = self._block(tail)
         held = b in r.blocks
         return len(r.blocks), r.n_live, held, (self.n_b.item(b) if held else 0)
+
+    def reclaim_inputs_many(self, req_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`reclaim_inputs` with each request's own tail, for many requests at once: four
+        int64 arrays in ``req_ids`` order. Checks each id as :meth:`reclaim_inputs` (the first
+        bad one raises; nothing changes: a read). O(requests), one lookup each."""
+        S = self.S
+        n_blocks, n_live, has_tail, in_tail = [], [], [], []
+        for rid in req_ids:
+            r = self._req(rid)
+            n_blocks.append(len(r.blocks))
+            n_live.append(r.n_live)
+            b = r.slot.item(r.n - 1) // S if r.n else -1
+            if b >= 0 and b in r.blocks:
+                has_tail.append(1)
+                in_tail.append(self.n_b.item(b))
+            else:
+                has_tail.append(0)
+                in_tail.append(0)
+        return (np.array(n_blocks, dtype=np.int64), np.array(n_live, dtype=np.int64),
+                np.array(has_tail, dtype=np.int64), np.array(in_tail, dtype=np.int64))
 
     def references(self, req_id, block_id: int) -> bool:
         """Does the request reference ``block_id``? Checks: ``not_integer``,

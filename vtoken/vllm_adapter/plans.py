@@ -4,7 +4,7 @@ Owns: the plans in flight (``plans``: one reference held on each of their source
 destinations until the worker reports them), the request each one busies (``busy``: one
 plan per request, I4), the cached positive reclaim bounds and the requests whose bound is
 stale, and the completed plans' snapshots (``history``).
-Plans come from :mod:`vtoken.planner` only (``should_reclaim``, ``reclaim_bound``,
+Plans come from :mod:`vtoken.planner` only (``should_reclaim``, ``reclaim_bounds``,
 ``propose``: the planner every path runs); the worker applies them with
 ``planner.apply_completed``. At launch the destinations leave the headroom, the sources
 are null-substituted in the request's list (the mirror), lose their prefix-cache hash and
@@ -25,7 +25,7 @@ import numpy as np
 
 from .assumptions import AdapterAssumptionError
 from .messages import AdapterPlan, StepMeta
-from ..planner import Proposal, plan_snapshot, propose, reclaim_bound, should_reclaim, trigger_inputs
+from ..planner import Proposal, plan_snapshot, propose, reclaim_bounds, should_reclaim, trigger_inputs
 
 
 class PlanBook:
@@ -50,8 +50,10 @@ class PlanBook:
                 not should_reclaim(cfg, **trigger_inputs(t, ad.pool.get_num_free_blocks())):
             return
         bound, arrival = self.bound, ad.arrival
-        for r in self.stale_bounds:
-            gain = reclaim_bound(t, r) if r in t else 0  # the table's tail: the block being written
+        stale = [r for r in self.stale_bounds if r in t]
+        for r in self.stale_bounds.difference(stale):  # gone from the table
+            bound.pop(r, None)
+        for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
             if gain > 0:
                 bound[r] = (-gain, arrival(r), r)  # the sort key, kept with the bound
             else:
