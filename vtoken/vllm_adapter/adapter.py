@@ -482,7 +482,7 @@ class VTokenAdapter:
         whose current incarnation the worker has executed), then the finished plans."""
         processed = self.scheduler.processed_step_seq  # the worker has executed up to here
         m = self.mirror
-        self.hashes.absorb(rep.faithful, lambda r: r in m and m.incarnation.get(r, 1 << 62) <= processed)
+        self.hashes.absorb(rep.faithful, m.incarnation, processed)  # mirrored requests only: incarnation's keys
         self.book.absorb(rep.plans)
 
     # ------------------------------------------------------------------ driving

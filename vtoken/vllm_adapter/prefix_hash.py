@@ -44,9 +44,12 @@ class PrefixHashRules:
         self.faithful.pop(r, None)
         self.scanned.pop(r, None)
 
-    def absorb(self, reported: dict, alive) -> None:
-        """The worker's full-context lengths, for the requests ``alive(r)`` says are current."""
-        self.faithful = {r: v for r, v in reported.items() if alive(r)}
+    def absorb(self, reported: dict, started: dict, processed: int) -> None:
+        """The worker's full-context lengths, for the requests whose current list started
+        (``started``: request -> the step its incarnation began, the mirror's) at or before
+        ``processed``: the worker has executed that incarnation."""
+        late = 1 << 62
+        self.faithful = {r: v for r, v in reported.items() if started.get(r, late) <= processed}
 
     def is_faithful(self, r: str, index: int) -> bool:
         """Was positional block ``index`` of ``r`` computed with full context?"""
