@@ -55,6 +55,8 @@ ROWS = [
     (["bench", "table", "--seed", "-1"], "--seed"),
     (["bench", "table", "--profile"], "--profile"),
     (["bench-adapter", "--seed", "-1"], "--seed"),
+    (["bench-adapter", "--repeats", "0"], "--repeats"),
+    (["bench", "table", "--repeats", "2"], "--repeats"),
     # simulate
     (["simulate", "frontier", "--seeds", "0", "--out", "{out}"], "--seeds"),
     (["simulate", "nope"], "experiment"),

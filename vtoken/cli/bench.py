@@ -122,24 +122,29 @@ def main_bench(argv) -> int:
     import argparse
     import importlib.util
 
-    from .args import nonneg_int
+    from .args import nonneg_int, positive_int
 
     ap = argparse.ArgumentParser(prog="vtoken bench")
     ap.add_argument("what", choices=sorted(BENCHES))
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
     ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--profile", action="store_true", help="adapter: add the cProfile top-10 of evict50 at the largest R")
+    ap.add_argument("--repeats", type=positive_int, default=None,
+                    help="adapter: the whole measurement N times, ratio = the median of the N ratios (default 1)")
     ap.add_argument("--json", action="store_true", help="(the last stdout line is one JSON object either way)")
     a = ap.parse_args(argv)
     if a.profile and a.what != "adapter":
         ap.error("argument --profile: only with adapter")
+    if a.repeats is not None and a.what != "adapter":
+        ap.error("argument --repeats: only with adapter")
     if a.what == "adapter" and importlib.util.find_spec("vllm") is None:
         ap.error("argument what: adapter needs vLLM installed (make vllm)")
     if a.what == "adapter":  # prints its own table, then the JSON line
         from .bench_adapter import main as bench_adapter_main
 
         return bench_adapter_main((["--quick"] if a.quick else []) + ["--seed", str(a.seed)] +
-                                  (["--profile"] if a.profile else []))
+                                  (["--profile"] if a.profile else []) +
+                                  (["--repeats", str(a.repeats)] if a.repeats is not None else []))
     res = BENCHES[a.what](seed=a.seed, quick=a.quick)
     print(json.dumps(res, sort_keys=True))
     return 0

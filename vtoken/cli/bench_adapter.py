@@ -13,12 +13,15 @@ all in one process, interleaved in rounds (a shared machine's noise hits them al
 Sync scheduling, prefix caching on, S = 16, prompts of 256-1024 tokens, a pool large enough
 that nothing is preempted. Per variant and R: the median of the per-step cost over the
 measured decode steps; ``ratio`` = median variant / median plain; ``spread`` = (p75 - p25) /
-median of each variant. The last stdout line is one JSON object.
+median of each variant. ``--repeats N`` runs the whole measurement N times on fresh runs of the
+same workload and reports the median of the N ratios (each in ``ratio_runs``): on a shared
+machine one run's ratio moves by +-0.1. The last stdout line is one JSON object.
 
 Owns: one harness, scheduler, adapter and worker per variant of a run, dropped when it returns.
 May call: vtoken.vllm_adapter (adapter, harness, worker), vtoken.model, vtoken.table, .args, torch,
 numpy, cProfile.
-Costs: one decode per variant and round on the real vLLM scheduler: minutes; the profile pass more.
+Costs: one decode per variant, round and repeat on the real vLLM scheduler: about 2 minutes a repeat;
+the profile pass more.
 """
 
 from __future__ import annotations
@@ -93,47 +96,68 @@ class _Run:
                 "spread": (self.times[(3 * n) // 4] - self.times[n // 4]) / med if med else 0.0, "steps": n}
 
 
-def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int = 50, profile_evict: bool = False) -> dict:
-    """Run every variant at each R (interleaved rounds of 5 steps); see the module docstring."""
+def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int = 50, profile_evict: bool = False,
+                  repeats: int = 1) -> dict:
+    """Run every variant at each R (interleaved rounds of 5 steps); see the module docstring.
+
+    ``repeats``: the whole measurement again, on fresh runs of the same workload; ``ratio`` is
+    then the median over the repeats of each repeat's ratio (``ratio_runs`` lists them), so
+    one slow stretch of a shared machine moves one repeat, not the figure."""
     import torch
 
     torch.set_num_threads(1)
     model = _model()
     if quick:
         Rs, steps = (8,), 10
-    out = {"ratio": {}, "spread": {}, "median_ms": {}, "R": list(Rs), "steps": steps, "variants": list(VARIANTS)}
+    out = {"ratio": {}, "spread": {}, "median_ms": {}, "ratio_runs": {}, "R": list(Rs), "steps": steps,
+           "repeats": int(repeats), "variants": list(VARIANTS)}
     for R in Rs:
         rng = np.random.default_rng([seed, R])
         lo, hi = (32, 64) if quick else (256, 1024)
         prompts = [rng.integers(1, 63, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(R)]
-        new = steps + 48  # decoding through the measured steps and the profile
-        runs = {v: _Run(v, R, prompts, new, seed, model) for v in VARIANTS}
-        for run in runs.values():  # prefill (chunked) until every request decodes, not measured
-            for _ in range(200):
-                run.step(False)
-                if len(run.sched.running) == R and all(r.num_computed_tokens >= r.num_prompt_tokens
-                                                          for r in run.sched.running):
-                    break
-        done = 0
-        while done < steps:
-            k = min(5, steps - done)
-            for run in runs.values():
-                for _ in range(k):
-                    run.step(True)
-            done += k
-        st = {v: r.stats() for v, r in runs.items()}
-        plain = st["plain"]["median_ms"]
-        out["median_ms"][str(R)] = {v: s["median_ms"] for v, s in st.items()}
-        out["ratio"][str(R)] = {v: s["median_ms"] / plain for v, s in st.items() if v != "plain"}
-        out["spread"][str(R)] = {v: s["spread"] for v, s in st.items()}
-        out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].ad.stats["applied"]
-        if profile_evict and R == max(Rs):
-            out["profile_top10"] = _profile(runs["evict50"], steps)
+        reps = []
+        for rep in range(max(1, int(repeats))):
+            runs = _measure(R, prompts, steps, seed, model)
+            st = {v: r.stats() for v, r in runs.items()}
+            plain = st["plain"]["median_ms"]
+            reps.append(({v: s["median_ms"] / plain for v, s in st.items() if v != "plain"}, st))
+            if rep == 0:
+                out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].ad.stats["applied"]
+            if profile_evict and R == max(Rs) and rep == 0:
+                out["profile_top10"] = _profile(runs["evict50"], steps)
+            del runs
+        key = str(R)
+        out["ratio_runs"][key] = {v: [r[v] for r, _ in reps] for v in reps[0][0]}
+        out["ratio"][key] = {v: statistics.median(x) for v, x in out["ratio_runs"][key].items()}
+        out["median_ms"][key] = {v: statistics.median(st[v]["median_ms"] for _, st in reps) for v in VARIANTS}
+        out["spread"][key] = {v: statistics.median(st[v]["spread"] for _, st in reps) for v in VARIANTS}
     return out
 
 
+def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:
+    """One interleaved measurement: a fresh run per variant, prefilled, then ``steps`` decode
+    steps each in rounds of 5."""
+    new = steps + 48  # decoding through the measured steps and the profile
+    runs = {v: _Run(v, R, prompts, new, seed, model) for v in VARIANTS}
+    for run in runs.values():  # prefill (chunked) until every request decodes, not measured
+        for _ in range(200):
+            run.step(False)
+            if len(run.sched.running) == R and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                                      for r in run.sched.running):
+                break
+    done = 0
+    while done < steps:
+        k = min(5, steps - done)
+        for run in runs.values():
+            for _ in range(k):
+                run.step(True)
+        done += k
+    return runs
+
+
 def _profile(run: _Run, steps: int) -> list[str]:
-    """cProfile top-10 (cumulative) of the scheduler-side calls of ``run`` over more steps."""
+    """cProfile top-10 (cumulative) of the adapter's own functions (``vtoken/``) inside the
+    scheduler-side calls of ``run``, over up to 30 more steps."""
     import cProfile
     import io
     import pstats
@@ -144,22 +168,24 @@ def _profile(run: _Run, steps: int) -> list[str]:
         outp = run.w.execute(sched_out)
         pr.runcall(run.sched.update_from_output, sched_out, outp)
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(10)
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(r"vtoken[/\\]", 10)
     return [l for l in s.getvalue().splitlines() if l.strip()][:24]
 
 
 def main(argv=None) -> int:
     import argparse
 
-    from .args import nonneg_int
+    from .args import nonneg_int, positive_int
 
     ap = argparse.ArgumentParser(prog="vtoken bench adapter", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
     ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--profile", action="store_true", help="add the cProfile top-10 of evict50 at the largest R")
+    ap.add_argument("--repeats", type=positive_int, default=1,
+                    help="the whole measurement N times; ratio = the median of the N ratios")
     ap.add_argument("--json", action="store_true", help="(the last line is JSON either way)")
     a = ap.parse_args(argv)
-    res = bench_adapter(seed=a.seed, quick=a.quick, profile_evict=a.profile)
+    res = bench_adapter(seed=a.seed, quick=a.quick, profile_evict=a.profile, repeats=a.repeats)
     for R, row in res["ratio"].items():
         print(f"R={R}: plain {res['median_ms'][R]['plain']:.2f} ms/step; " +
               ", ".join(f"{v} x{x:.2f}" for v, x in row.items()))
