@@ -88,6 +88,14 @@ class _Run:
             self.times.append((t1 - t0) + (t3 - t2))
         return sched_out.total_num_scheduled_tokens > 0
 
+    def prefill(self, R: int) -> None:
+        """Step (chunked prefill, not measured) until all ``R`` requests run and decode."""
+        for _ in range(200):
+            self.step(False)
+            if len(self.sched.running) == R and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                                       for r in self.sched.running):
+                return
+
     def stats(self) -> dict:
         self.times.sort()
         n = len(self.times)
@@ -123,9 +131,9 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
             reps.append(({v: s["median_ms"] / plain for v, s in st.items() if v != "plain"}, st))
             if rep == 0:
                 out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].ad.stats["applied"]
-            if profile_evict and R == max(Rs) and rep == 0:
-                out["profile_top10"] = _profile(runs["evict50"], steps)
             del runs
+        if profile_evict and R == max(Rs):
+            out["profile_top10"] = _profile(R, prompts, steps, seed, model)
         key = str(R)
         out["ratio_runs"][key] = {v: [r[v] for r, _ in reps] for v in reps[0][0]}
         out["ratio"][key] = {v: statistics.median(x) for v, x in out["ratio_runs"][key].items()}
@@ -139,12 +147,8 @@ def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:
     steps each in rounds of 5."""
     new = steps + 48  # decoding through the measured steps and the profile
     runs = {v: _Run(v, R, prompts, new, seed, model) for v in VARIANTS}
-    for run in runs.values():  # prefill (chunked) until every request decodes, not measured
-        for _ in range(200):
-            run.step(False)
-            if len(run.sched.running) == R and all(r.num_computed_tokens >= r.num_prompt_tokens
-                                                      for r in run.sched.running):
-                break
+    for run in runs.values():
+        run.prefill(R)
     done = 0
     while done < steps:
         k = min(5, steps - done)
@@ -155,16 +159,19 @@ def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:
     return runs
 
 
-def _profile(run: _Run, steps: int) -> list[str]:
+def _profile(R: int, prompts: list, steps: int, seed: int, model) -> list[str]:
     """cProfile top-10 (cumulative) of the adapter's own functions (``vtoken/``) inside the
-    scheduler-side calls of ``run``, over up to 30 more steps."""
+    scheduler-side calls of a fresh ``evict50`` run, over the same decode window the
+    measurement times (its first ``steps`` decode steps, after the prefill)."""
     import cProfile
     import io
     import pstats
 
+    run = _Run("evict50", R, prompts, steps + 48, seed, model)
+    run.prefill(R)
     pr = cProfile.Profile()
-    for _ in range(min(steps, 30)):
-        sched_out = (pr.runcall(run.sched.schedule))
+    for _ in range(steps):
+        sched_out = pr.runcall(run.sched.schedule)
         outp = run.w.execute(sched_out)
         pr.runcall(run.sched.update_from_output, sched_out, outp)
     s = io.StringIO()
