@@ -57,6 +57,21 @@ def test_a_batch_naming_one_entry_twice_changes_nothing(model):
     assert _state(ad, "q0") == before
 
 
+def test_a_batch_naming_a_held_destination_twice_changes_nothing(model):
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ad = _adapter(model)
+    held = ad.pool.get_new_blocks(1)[0]
+    ad.held.setdefault("q0", []).append(held)
+    before = _state(ad, "q0")
+    with pytest.raises(AdapterAssumptionError) as e:
+        ad.detach_all("q0", [held, held])
+    assert e.value.check == "table_in_step" and "twice" in str(e.value)
+    assert _state(ad, "q0") == before
+    ad.held["q0"].remove(held)
+    ad.pool.free_blocks([held])
+
+
 def test_a_mixed_batch_substitutes_listed_blocks_and_drops_held_ones(model):
     ad = _adapter(model)
     lst = ad.req_to_blocks["q0"]

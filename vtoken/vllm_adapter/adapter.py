@@ -332,6 +332,9 @@ class VTokenAdapter:
         """:meth:`detach` for several blocks (a plan's sources), in one pass over the list and
         the held destinations; every block is checked to be held for ``r`` before any entry
         changes. Returns the indices in the given order (-1: a held destination)."""
+        if len({id(blk) for blk in blks}) != len(blks):
+            raise AdapterAssumptionError("table_in_step", f"request {r!r}: blocks {[blk.block_id for blk in blks]} "
+                                                          f"name one block twice")
         pos = self.mirror.pos.get(r, {})
         listed, rest = [], {}
         for blk in blks:
