@@ -882,35 +882,26 @@ class TokenTable:
         (default) for :meth:`tail_block`'s block. Checks as :meth:`references`. O(1)."""
         r = self._req(req_id)
         if tail is OWN_TAIL:
-            if not r.n:
-                return len(r.blocks), r.n_live, False, 0
-            b = r.slot.item(r.n - 1) // self.S  # a slot the table wrote: in range (item(): no numpy scalar)
-        elif tail is None:
-            return len(r.blocks), r.n_live, False, 0
+            b = self._tail_of(r)
         else:
-            b = self._block(tail)
-        held = b in r.blocks
-        return len(r.blocks), r.n_live, held, (self.n_b.item(b) if held else 0)
+            b = None if tail is None else self._block(tail)
+        return self._reclaim_row(r, b)
 
     def reclaim_inputs_many(self, req_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`reclaim_inputs` with each request's own tail, for many requests at once: four
         int64 arrays in ``req_ids`` order. Checks each id as :meth:`reclaim_inputs` (the first
         bad one raises; nothing changes: a read). O(requests), one lookup each."""
-        S = self.S
-        n_blocks, n_live, has_tail, in_tail = [], [], [], []
-        for rid in req_ids:
-            r = self._req(rid)
-            n_blocks.append(len(r.blocks))
-            n_live.append(r.n_live)
-            b = r.slot.item(r.n - 1) // S if r.n else -1
-            if b >= 0 and b in r.blocks:
-                has_tail.append(1)
-                in_tail.append(self.n_b.item(b))
-            else:
-                has_tail.append(0)
-                in_tail.append(0)
-        return (np.array(n_blocks, dtype=np.int64), np.array(n_live, dtype=np.int64),
-                np.array(has_tail, dtype=np.int64), np.array(in_tail, dtype=np.int64))
+        rows = [self._reclaim_row(r, self._tail_of(r)) for r in map(self._req, req_ids)]
+        return tuple(np.array(col, dtype=np.int64) for col in zip(*rows)) if rows else \
+            tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
+
+    def _tail_of(self, r: _Req) -> int | None:
+        """The block of ``r``'s last position (a slot the table wrote: in range), None when empty."""
+        return r.slot.item(r.n - 1) // self.S if r.n else None  # item(): a Python int, no numpy scalar
+
+    def _reclaim_row(self, r: _Req, b: int | None) -> tuple[int, int, bool, int]:
+        held = b is not None and b in r.blocks
+        return len(r.blocks), r.n_live, held, (self.n_b.item(b) if held else 0)
 
     def references(self, req_id, block_id: int) -> bool:
         """Does the request reference ``block_id``? Checks: ``not_integer``,
@@ -923,8 +914,7 @@ class TokenTable:
 
         It is the block being written: a planner never takes it as a source. O(1).
         """
-        r = self._req(req_id)
-        return int(r.slot[r.n - 1]) // self.S if r.n else None
+        return self._tail_of(self._req(req_id))
 
     def live_slots(self, req_id) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, slots)``: the live token ids in logical order and their slots (new int64
