@@ -322,6 +322,13 @@ class VTokenAdapter:
             return "held"
         return None
 
+    def unaccounted(self, r: str, block_ids, also=frozenset()) -> list[int]:
+        """Of ``block_ids`` (in order), those the adapter does not hold for ``r``: not in its
+        list (the mirror), not a held destination, not in ``also``. :meth:`accounted` for many
+        blocks, in one pass over the held destinations."""
+        listed, held = self.mirror.pos.get(r, {}), {x.block_id for x in self.held.get(r, ())}
+        return [b for b in block_ids if b not in listed and b not in held and b not in also]
+
     def detach(self, r: str, blk) -> int:
         """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
         entry (``mirror.detach``) or drop it from the held destinations. Returns the index
@@ -332,28 +339,22 @@ class VTokenAdapter:
         """:meth:`detach` for several blocks (a plan's sources), in one pass over the list and
         the held destinations; every block is checked to be held for ``r`` before any entry
         changes. Returns the indices in the given order (-1: a held destination)."""
-        if len({id(blk) for blk in blks}) != len(blks):
-            raise AdapterAssumptionError("table_in_step", f"request {r!r}: blocks {[blk.block_id for blk in blks]} "
-                                                          f"name one block twice")
+        ids = [blk.block_id for blk in blks]
+        if len(set(ids)) != len(ids):
+            raise AdapterAssumptionError("table_in_step", f"request {r!r}: blocks {ids} name one block twice")
+        missing = self.unaccounted(r, ids)
+        if missing:
+            raise AdapterAssumptionError("table_in_step",
+                                         f"request {r!r}: the table references block(s) {missing}, which the "
+                                         f"scheduler side does not hold for it")
         pos = self.mirror.pos.get(r, {})
-        listed, rest = [], {}
-        for blk in blks:
-            if blk.block_id in pos:
-                listed.append(blk)
-            else:
-                rest[id(blk)] = blk
-        held = self.held.get(r, [])
-        if rest:
-            have = {id(x) for x in held}
-            missing = [blk.block_id for blk in rest.values() if id(blk) not in have]
-            if missing:
-                raise AdapterAssumptionError("table_in_step",
-                                             f"request {r!r}: the table references block(s) {missing}, which the "
-                                             f"scheduler side does not hold for it")
-        at = dict(zip(map(id, listed), self.mirror.detach_many(r, listed))) if listed else {}
-        if rest:
-            held[:] = [x for x in held if id(x) not in rest]
-        return [at.get(id(blk), -1) for blk in blks]
+        listed = [blk for blk in blks if blk.block_id in pos]
+        at = dict(zip((blk.block_id for blk in listed), self.mirror.detach_many(r, listed))) if listed else {}
+        if len(listed) < len(blks):  # the rest are held destinations
+            gone = set(ids).difference(at)
+            held = self.held[r]
+            held[:] = [x for x in held if x.block_id not in gone]
+        return [at.get(b, -1) for b in ids]
 
     def free_blocks(self, blocks: list, fence: int) -> None:
         """Return blocks the adapter holds, through vLLM's own fenced path."""

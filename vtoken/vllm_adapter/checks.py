@@ -176,9 +176,7 @@ class RuntimeChecks:
         for r in (m.ids if requests is None else requests):
             if r not in m or r not in t or m.incarnation.get(r, 0) > processed:
                 continue
-            listed, held = m.pos.get(r, {}), {b.block_id for b in ad.held.get(r, ())}
-            more = pend.get(r, _NONE) | inflight.get(r, _NONE)
-            extra = [b for b in t.block_array(r).tolist() if b not in listed and b not in held and b not in more]
+            extra = ad.unaccounted(r, t.block_array(r).tolist(), also=pend.get(r, _NONE) | inflight.get(r, _NONE))
             if extra:
                 raise AdapterAssumptionError(
                     "table_in_step", f"request {r!r}: the token table references blocks {sorted(extra)} that the "

@@ -86,11 +86,15 @@ class BlockMirror:
 
     def _unindex(self, r: str) -> None:
         for b in self.pos.get(r, {}):
-            holders = self.where.get(b)
-            if holders is not None:
-                holders.discard(r)
-                if not holders:
-                    del self.where[b]
+            self._drop_holder(b, r)
+
+    def _drop_holder(self, b: int, r: str) -> None:
+        """``r``'s list no longer holds ``b`` (the reverse index forgets an empty entry)."""
+        holders = self.where.get(b)
+        if holders is not None:
+            holders.discard(r)
+            if not holders:
+                del self.where[b]
 
     def take_changed(self) -> set:
         """Requests whose list was started, grown, substituted or forgotten since the last call."""
@@ -137,18 +141,13 @@ class BlockMirror:
                     f"found {got}")
         sub = self.subst.setdefault(r, {})
         ex = self.expect[r]
-        where = self.where
         for i, blk in sorted(zip(idx, blks), key=lambda x: -x[0]):  # last index first (any order is right)
             b = blk.block_id
             del pos[b]
             lst[i] = self.null
             ex[i] = self.null
             sub[i] = b
-            holders = where.get(b)
-            if holders is not None:
-                holders.discard(r)
-                if not holders:
-                    del where[b]
+            self._drop_holder(b, r)
         self.changed.add(r)
         return idx
 

@@ -69,10 +69,8 @@ class PlanBook:
             if r in busy or not current(r) or not running(r):
                 continue
             blocks = t.block_array(r).tolist()
-            held = {x.block_id for x in ad.held.get(r, ())}  # ``ad.accounted`` for every block, in one pass
-            listed = ad.mirror.pos.get(r, {})
-            exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1
-                                  or (b not in listed and b not in held)], dtype=np.int64)
+            not_ours = set(ad.unaccounted(r, blocks))
+            exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1 or b in not_ours], dtype=np.int64)
             tail = t.tail_block(r)
             head = ad.reserve.ids()
             p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude)
