@@ -414,10 +414,10 @@ def check_adapter_bench(ctx) -> CheckResult:
     verdict (the goals live in the bench, not in a timed check)."""
     if vllm_version() is None:
         return CheckResult("adapter-step-cost", None, _no_vllm("the adapter bench needs vLLM's scheduler"))
-    from vtoken.cli.bench_adapter import bench_adapter
+    from vtoken.cli.bench_adapter import bench_adapter, ratio_text
 
     res = bench_adapter(seed=ctx["seed"], quick=ctx["quick"])
-    parts = [f"R={R}: " + ", ".join(f"{v} x{x:.2f}" for v, x in row.items()) for R, row in res["ratio"].items()]
+    parts = [f"R={R}: " + ratio_text(res, R) for R in res["ratio"]]
     return CheckResult("adapter-step-cost", None,
                        "scheduler-side step cost x plain vLLM 0.33.0 (checks on unless _nochecks): " + "; ".join(parts),
                        metrics=res, measurement=True)

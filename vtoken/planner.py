@@ -112,7 +112,7 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
 
     Returns ``(proposal, worthwhile)``: ``worthwhile`` says a positive reduction existed
     without the headroom limit (a ``None`` proposal with ``worthwhile`` is a deferral).
-    Reads only; cost O(blocks of the request + its length). The contract is
+    Reads only; cost O(blocks of the request + its length x log B). The contract is
     ``vtoken.spec.planner.plan_errors`` / ``best_reduction``.
     """
     S = table.S
@@ -138,9 +138,9 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     sources = np.sort(candidates[:m])
     dests = [int(b) for b in headroom[: int(need[m - 1])]]
     ids, slots = table.live_slots(req_id)
-    is_source = np.zeros(table.num_blocks, dtype=bool)  # a mask, not np.isin's sort per call
-    is_source[sources] = True
-    sel = is_source[slots // S]
+    blk = slots // S
+    at = np.minimum(np.searchsorted(sources, blk), len(sources) - 1)  # sources is sorted: O(length log B)
+    sel = sources[at] == blk
     toks, src = ids[sel], slots[sel]  # logical order
     moves = np.empty((len(toks), 5), dtype=np.int64)
     moves[:, 0] = toks

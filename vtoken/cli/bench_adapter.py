@@ -142,6 +142,11 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
     return out
 
 
+def ratio_text(res: dict, R: str) -> str:
+    """``res``'s ratios at ``R`` as one line: ``off x1.07, defaults x1.09, ...``."""
+    return ", ".join(f"{v} x{x:.2f}" for v, x in res["ratio"][R].items())
+
+
 def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:
     """One interleaved measurement: a fresh run per variant, prefilled, then ``steps`` decode
     steps each in rounds of 5."""
@@ -193,9 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="(the last line is JSON either way)")
     a = ap.parse_args(argv)
     res = bench_adapter(seed=a.seed, quick=a.quick, profile_evict=a.profile, repeats=a.repeats)
-    for R, row in res["ratio"].items():
-        print(f"R={R}: plain {res['median_ms'][R]['plain']:.2f} ms/step; " +
-              ", ".join(f"{v} x{x:.2f}" for v, x in row.items()))
+    for R in res["ratio"]:
+        print(f"R={R}: plain {res['median_ms'][R]['plain']:.2f} ms/step; " + ratio_text(res, R))
     for line in res.get("profile_top10", []):
         print(line)
     print(json.dumps(res, sort_keys=True))
