@@ -4,8 +4,8 @@ A plan rides on step ``seq``: that step's forward still reads its sources and th
 of them runs after it, so a source may return to the pool only when BOTH hold: step ``seq``
 has been processed (``processed_step_seq >= seq``) and the worker reported the copy done.
 :meth:`FenceLedger.check` verifies every closed entry once.
-Owns: one entry per plan whose sources are pending (opened at launch, marked when the copy is
-reported, closed when the adapter hands the sources back), and the closed entries not yet checked.
+Owns: one entry per plan whose sources are pending (opened at launch, closed with the copy's
+state when the adapter hands the sources back), and the closed entries not yet checked.
 May call: nothing but ``assumptions``.
 Costs: O(1) per operation.
 """
@@ -25,7 +25,6 @@ class FenceEntry:
     req_id: str
     fence: int  # the plan's step seq
     sources: list  # the plan's source block ids
-    copy_done: bool = False
     freed_at: Optional[int] = None  # processed_step_seq when its sources were handed back to the pool
     freed_copy_done: Optional[bool] = None
 
@@ -42,11 +41,6 @@ class FenceLedger:
     def open(self, plan) -> None:
         """The plan launched: its sources are pending until their fence."""
         self.pending[plan.id] = FenceEntry(plan.id, plan.req_id, plan.seq, plan.source_ids)
-
-    def copy_reported(self, plan, done: bool) -> None:
-        e = self.pending.get(plan.id)
-        if e is not None:
-            e.copy_done = bool(done)
 
     def drop(self, plan) -> None:
         """The plan aborted: its sources are not handed back through the fence."""

@@ -142,7 +142,6 @@ class PlanBook:
                 raise AdapterAssumptionError(
                     "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources "
                     f"{res.shared_sources} are referenced by another request at copy time")
-            ad.fence.copy_reported(plan, res.copy_done)
             ad.check.touch([plan.req_id])
             ad.look_again(plan.req_id)  # it may release again now that no plan flies
             alive = not plan.orphaned and plan.req_id in ad.mirror
