@@ -15,7 +15,9 @@ What it does (``run``):
      (``PlannerConfig(record_snapshots=True)``, a ``NullCopyEngine`` with latency) driven by
      a seeded scheduler stand-in: shared prefixes, growth and evictions while copies are in
      flight, attention reads through the table's slot mapping recorded while plans fly.
-     Snapshots at launch (``post`` null) and after apply.
+     Snapshots at launch (``post`` null) and after apply. Runs alternate in-place plans
+     (``in_place=True``, the default: ``plan.fills``) and out-of-place ones (fresh
+     ``dests``), so the operators of both kinds find bases; so does ``engine``.
    - ``engine``: ``vtoken.decode.DecodeEngine(check_relocations=RelocationChecker)`` decoding with the
      small paged decoder on the CPU (several policies, block sizes, copy lags): applied
      snapshots with the engine's events and the relocation checker's K/V digests.
@@ -97,7 +99,7 @@ def collect_planner(seed: int = 0, runs: int = 4, steps: int = 14) -> list[dict]
             pos[plan.req_id] = [0 if b in src else b for b in pos[plan.req_id]]
 
         cfg = PlannerConfig(theta_f=0.0, check_every=1, max_sources=rng.choice((2, 4, 8)), headroom=8,
-                            record_snapshots=True)
+                            record_snapshots=True, in_place=run % 2 == 0)
         m = ReclamationManager(t, a, engine=NullCopyEngine(rng.choice((1, 2, 3))), config=cfg, on_applied=on_applied)
         first = None
         for r in range(rng.randint(3, 6)):
@@ -161,7 +163,7 @@ def collect_engine(seed: int = 0, runs: int = 4, new_tokens: int = 40) -> list[d
             policy, S, lag = configs[run % len(configs)]
             prompts = make_prompts(4, 32, model.config.vocab_size, seed=seed * 101 + run)
             cfg = PlannerConfig(theta_f=0.1, check_every=1, max_sources=8, headroom=8, low_watermark=None,
-                                record_snapshots=True)
+                                record_snapshots=True, in_place=run % 2 == 0)
             eng = DecodeEngine(model, mode="vtoken", policy=policy, evict_ratio=0.5, block_size=S, seed=seed + run,
                                check_relocations=RelocationChecker, planner_config=cfg, copy_kwargs={"lag": lag})
             eng.run(prompts, new_tokens)
@@ -247,8 +249,29 @@ def _live_moves(s):
     return [k for k, mv in enumerate(s["plan"]["moves"]) if mv[0] not in ev]
 
 
+def _fills(s) -> list:
+    """The plan's fills (in-place compaction; absent == [])."""
+    return s["plan"].get("fills", [])
+
+
+def _dests_used_now(s) -> None:
+    """Rewrite a recorded ``dests_used`` to follow the moves (fresh blocks only, not fills)."""
+    if s.get("dests_used") is not None:
+        ev, fills = set(s["evicted_in_flight"]), set(_fills(s))
+        s["dests_used"] = sorted({mv[3] for mv in s["plan"]["moves"] if mv[0] not in ev} - fills)
+
+
+def _follow(s, k: int) -> None:
+    """After retargeting move ``k``: the table followed it (post, when applied, and not evicted)."""
+    post, mv = _post(s), s["plan"]["moves"][k]
+    if post is not None and mv[0] not in set(s["evicted_in_flight"]):
+        post["tokens"][mv[0]] = [mv[3], mv[4], True]
+        _ensure_block(post, mv[3])
+
+
 def _all_blocks(s) -> set:
     out = set(s["plan"]["sources"]) | set(s["plan"]["dests"]) | set(s["headroom"]) | set(s["shared_blocks"])
+    out |= set(_fills(s))
     for state in (s["pre"], s.get("post") or {"requests": {}}):
         for r in state["requests"].values():
             out |= set(r["blocks"]) | {tok[0] for tok in r["tokens"]}
@@ -257,7 +280,7 @@ def _all_blocks(s) -> set:
     for mv in s["plan"]["moves"]:
         out |= {mv[1], mv[3]}
     for p in s["in_flight"]:
-        out |= set(p["sources"]) | set(p["dests"])
+        out |= set(p["sources"]) | set(p["dests"]) | set(p.get("fills", []))
     for ev in s["schedule"]:
         out |= set(ev.get("blocks", ()))
     return out
@@ -344,13 +367,8 @@ def op_alias_slot(s, rng) -> bool:
     else:
         o = pre["tokens"][rng.choice(occupied)]
         moves[k][3:] = [o[0], o[1]]
-    if post is not None and moves[k][0] not in set(s["evicted_in_flight"]):
-        t = moves[k][0]
-        post["tokens"][t] = [moves[k][3], moves[k][4], True]  # the table followed the move
-        _ensure_block(post, moves[k][3])
-    if s.get("dests_used") is not None:
-        ev = set(s["evicted_in_flight"])
-        s["dests_used"] = sorted({mv[3] for mv in moves if mv[0] not in ev})
+    _follow(s, k)  # the table followed the move
+    _dests_used_now(s)
     return True
 
 
@@ -390,7 +408,8 @@ def op_move_shared_block(s, rng) -> bool:
 
 def op_move_tail_block(s, rng) -> bool:
     """The tail block (still being written) is a source or a destination."""
-    src, dst = s["plan"]["sources"], sorted({mv[3] for mv in s["plan"]["moves"]} | set(s["plan"]["dests"]))
+    src = s["plan"]["sources"]
+    dst = sorted({mv[3] for mv in s["plan"]["moves"]} | set(s["plan"]["dests"]) | set(_fills(s)))
     opts = [("src", b) for b in src] + [("dst", b) for b in dst]
     if not opts:
         return False
@@ -402,7 +421,7 @@ def op_move_tail_block(s, rng) -> bool:
 def op_overlap_in_flight(s, rng) -> bool:
     """An in-flight plan overlapping the plan's blocks, with the plan's own id or another."""
     plan = s["plan"]
-    ours = sorted(set(plan["sources"]) | set(plan["dests"]) | {mv[3] for mv in plan["moves"]})
+    ours = sorted(set(plan["sources"]) | set(plan["dests"]) | set(_fills(s)) | {mv[3] for mv in plan["moves"]})
     ids = {p["id"] for p in s["in_flight"]} | {plan["id"]}
     other_id = max(ids) + 1
     how = rng.choice(("same_id_overlap", "same_id_apart", "other_id_same_request", "other_id_other_request"))
@@ -529,8 +548,7 @@ def op_resurrect_evicted(s, rng) -> bool:
         t = moves[rng.choice(live)][0]
         s["evicted_in_flight"] = [t]
         post["tokens"][t] = [pre["tokens"][t][0], pre["tokens"][t][1], False]
-        if s.get("dests_used") is not None:
-            s["dests_used"] = sorted({mv[3] for mv in moves if mv[0] != t})
+        _dests_used_now(s)
         ev = [t]
     t = rng.choice(ev)
     if rng.random() < 0.5:
@@ -584,6 +602,154 @@ def op_move_from_unheld_slot(s, rng) -> bool:
     return True
 
 
+# ---------------------------------------------------------------- in-place plans (plan.fills)
+def _fill_moves(s) -> list[int]:
+    """Indices of the moves into a fill."""
+    fills = set(_fills(s))
+    return [k for k, mv in enumerate(s["plan"]["moves"]) if mv[3] in fills]
+
+
+def op_fill_occupied_slot(s, rng) -> bool:
+    """A move into a fill lands on a slot holding a live token of the request (not a hole)."""
+    fills, moves, pre, post = set(_fills(s)), s["plan"]["moves"], _pre(s), _post(s)
+    if not fills or not moves:
+        return False
+    moved = {mv[0] for mv in moves}
+    occupied = [t for t, tok in enumerate(pre["tokens"]) if tok[2] and tok[0] in fills and t not in moved
+                and (post is None or (post["tokens"][t][2] and post["tokens"][t][:2] == tok[:2]))]
+    if not occupied:
+        return False
+    k = rng.choice(_fill_moves(s) or list(range(len(moves))))
+    o = pre["tokens"][rng.choice(occupied)]
+    moves[k][3:] = [o[0], o[1]]
+    _follow(s, k)
+    _dests_used_now(s)
+    return True
+
+
+def op_fill_shared(s, rng) -> bool:
+    """A fill is a shared block: in ``shared_blocks``, or in another request's block list."""
+    fills = _fills(s)
+    if not fills:
+        return False
+    b = rng.choice(fills)
+    if rng.random() < 0.5:
+        s["shared_blocks"] = sorted(set(s["shared_blocks"]) | {b})
+        return True
+    toks = [list(tok) for tok in _pre(s)["tokens"] if tok[2] and tok[0] == b]  # the same (prefix) tokens
+    s["pre"]["requests"][_other_request(s)] = {"length": len(toks), "blocks": [b], "tail_block": None, "tokens": toks}
+    return True
+
+
+def op_fill_tail(s, rng) -> bool:
+    """A fill is the request's tail block (still being written)."""
+    fills = _fills(s)
+    if not fills:
+        return False
+    _pre(s)["tail_block"] = rng.choice(fills)
+    return True
+
+
+def op_fill_is_source(s, rng) -> bool:
+    """A block is both a source and a fill (a source listed as a fill, or a fill as a source)."""
+    plan = s["plan"]
+    fills, src = _fills(s), plan["sources"]
+    opts = [("src_as_fill", b) for b in src if b not in fills] + [("fill_as_src", b) for b in fills if b not in src]
+    if not opts:
+        return False
+    how, b = rng.choice(opts)
+    if how == "src_as_fill":
+        plan["fills"] = fills + [b]
+    else:
+        plan["sources"] = src + [b]
+    return True
+
+
+def op_fill_in_flight(s, rng) -> bool:
+    """A fill is also a block (source, destination or fill) of another plan still in flight."""
+    fills = _fills(s)
+    if not fills:
+        return False
+    plan = s["plan"]
+    b = rng.choice(fills)
+    pid = max({p["id"] for p in s["in_flight"]} | {plan["id"]}) + 1
+    req = plan["request"] if rng.random() < 0.5 else _other_request(s)
+    fresh = _fresh(s, 1)[0]
+    role = rng.choice(("sources", "dests", "fills"))
+    entry = {"id": pid, "request": req, "sources": [fresh], "dests": [], "fills": []}
+    entry[role] = entry[role] + [b]
+    s["in_flight"] = s["in_flight"] + [entry]
+    return True
+
+
+def op_fill_not_owned(s, rng) -> bool:
+    """A fill is not the request's block: a fresh block, or another request's, listed as a fill
+    (its moves relabelled to land there, or not)."""
+    plan, fills = s["plan"], _fills(s)
+    x = _fresh(s, 1)[0]
+    if rng.random() < 0.5:  # another request holds it
+        s["pre"]["requests"][_other_request(s)] = {"length": 0, "blocks": [x], "tail_block": None, "tokens": []}
+    into = {}
+    for k in _fill_moves(s):
+        into.setdefault(plan["moves"][k][3], []).append(k)
+    if into and rng.random() < 0.5:  # the moves into one fill go to x instead (same offsets: x is empty)
+        f = rng.choice(sorted(into))
+        plan["fills"] = [x if b == f else b for b in fills]
+        for k in into[f]:
+            plan["moves"][k][3] = x
+            _follow(s, k)
+    else:
+        plan["fills"] = fills + [x]
+    return True
+
+
+def op_move_to_unlisted_block(s, rng) -> bool:
+    """A move writes a block that is neither a destination nor a fill: a fill dropped from
+    ``plan.fills``, or a move sent to a fresh block listed nowhere."""
+    plan, moves, S = s["plan"], s["plan"]["moves"], s["block_size"]
+    if not moves:
+        return False
+    fm = _fill_moves(s)
+    if fm and rng.random() < 0.5:
+        f = moves[rng.choice(fm)][3]
+        plan["fills"] = [b for b in _fills(s) if b != f]
+        return True
+    k = rng.randrange(len(moves))
+    moves[k][3:] = [_fresh(s, 1)[0], rng.randrange(S)]
+    _follow(s, k)
+    return True
+
+
+def op_read_fill_hole_before_copy(s, rng) -> bool:
+    """Attention reads a hole of a fill (a slot the copy may write) before the copy completes."""
+    fills, S, plan = _fills(s), s["block_size"], s["plan"]
+    if not fills:
+        return False
+    live = {tok[0] * S + tok[1] for tok in _pre(s)["tokens"] if tok[2]}
+    targets = [(plan["moves"][k][0], plan["moves"][k][3] * S + plan["moves"][k][4]) for k in _fill_moves(s)]
+    holes = [(0, b * S + o) for b in fills for o in range(S) if b * S + o not in live]
+    opts = [x for x in targets if x[1] not in live] or holes
+    if not opts:
+        return False
+    tok, slot = rng.choice(opts)
+    req = plan["request"] if rng.random() < 0.7 else _other_request(s)
+    _insert_after_launch(s, [{"kind": "read", "request": req, "tokens": [tok], "slots": [slot]}])
+    return True
+
+
+def op_free_fill_before_copy(s, rng) -> bool:
+    """A fill is freed (or handed to another request) before the copy into it completes."""
+    fills = _fills(s)
+    if not fills:
+        return False
+    b = rng.choice(fills)
+    evs = [{"kind": "free", "blocks": [b]}]
+    if rng.random() < 0.5:
+        evs.append({"kind": "alloc", "request": _other_request(s), "blocks": [b]})
+    _insert_after_launch(s, evs)
+    return True
+
+
 @dataclass(frozen=True)
 class Operator:
     name: str
@@ -609,6 +775,19 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("resurrect_evicted", "I1", op_resurrect_evicted, "resurrect a token evicted in flight"),
     Operator("oversubscribe_headroom", "I4", op_oversubscribe_headroom, "over-subscribe the headroom"),
     Operator("move_from_unheld_slot", "I1", op_move_from_unheld_slot, "a move from a slot the table does not hold"),
+    # in-place plans: moves into the holes of the request's own blocks (plan.fills)
+    Operator("fill_occupied_slot", "I2", op_fill_occupied_slot, "move into a fill's slot that holds a live token"),
+    Operator("fill_shared", "I4", op_fill_shared, "fill a shared block"),
+    Operator("fill_tail", "I4", op_fill_tail, "fill the tail block"),
+    Operator("fill_is_source", "I4", op_fill_is_source, "a block both a source and a fill"),
+    Operator("fill_in_flight", "I4", op_fill_in_flight, "fill a block of another in-flight plan"),
+    Operator("fill_not_owned", "I4", op_fill_not_owned, "fill a block that is not the request's"),
+    Operator("move_to_unlisted_block", "I4", op_move_to_unlisted_block,
+             "move into a block that is neither a destination nor a fill"),
+    Operator("read_fill_hole_before_copy", "I3", op_read_fill_hole_before_copy,
+             "read a fill's hole before the copy completes"),
+    Operator("free_fill_before_copy", "I3", op_free_fill_before_copy,
+             "free or hand off a fill before its copy completes"),
 )
 
 

@@ -13,8 +13,12 @@ Notation: ``R`` = the plan's request, ``n`` its pre length, ``pre[t]`` / ``post[
 ``t``'s ``(slot, live)`` before / after the plan (slot = ``block * S + offset``), ``E`` the
 recorded ``evicted_in_flight`` (taken as empty with ``evictions_in_flight=False``: no
 eviction can have happened), *shared* = ``shared_blocks`` united with every block that
-two or more requests of ``pre`` list in their ``blocks``, ``D`` = the plan's destination
-blocks (``plan.dests`` and the blocks its moves write).
+two or more requests of ``pre`` list in their ``blocks``, ``F`` = the plan's fills
+(``plan.fills``, absent == ``[]``: the request's own blocks whose holes take moved tokens,
+in-place compaction), ``D`` = the plan's fresh destination blocks (``plan.dests`` and the
+blocks its moves write that are not fills). A *hole* of a fill is a slot of it holding no
+live token of ``R`` in ``pre``. Every rule about out-of-place plans (``F`` empty) is as it
+was before fills existed.
 
 - **I1** token conservation (rule names in brackets)
 
@@ -35,7 +39,8 @@ blocks (``plan.dests`` and the blocks its moves write).
 
   - [pre_unique] ``R``'s live slots before the plan, the moves' destination slots and the
     other requests' live slots outside shared blocks are pairwise distinct (no move lands
-    on an occupied slot, no two moves share a destination);
+    on an occupied slot, no two moves share a destination; so a move into a fill lands on
+    a hole);
   - [post_unique] after the plan no two live tokens of ``R`` share a slot;
   - [null] no live token and no destination in the null block 0 (``validate`` refuses
     both; kept as a second line);
@@ -46,30 +51,36 @@ blocks (``plan.dests`` and the blocks its moves write).
   a ``fence`` of the plan at time ``w`` (the first after the launch) means every event
   with ``t > w`` happens after ``c``. Without a launch nothing is known. So an event that
   touches the plan's blocks is a violation [early] when there is no fence or its ``t <=
-  w``: a read of a slot in ``D``; a free of a source; an alloc of a source (to anyone) or
-  of a block in ``D`` to another request; a write into a source block or onto a
-  destination slot. [stale_read] A read of ``R``'s live token before the plan's
-  ``apply`` uses its pre slot; after it, a moved token not in ``E`` is read at its
-  destination.
+  w``: a read of a slot in ``D`` or of a hole of a fill (the copy writes there; reads of a
+  fill's live slots are fine); a free of a source or a fill; an alloc of a source or a
+  fill (to anyone) or of a block in ``D`` to another request; a write into a source block,
+  onto a destination slot or onto a hole of a fill. [stale_read] A read of ``R``'s live
+  token before the plan's ``apply`` uses its pre slot; after it, a moved token not in
+  ``E`` is read at its destination.
 
 - **I4** layout-aware planning
 
   - [consistent] per move: token live at the move's source, source block in
-    ``plan.sources``, destination block in ``plan.dests``;
+    ``plan.sources``, destination block in ``plan.dests`` or ``plan.fills``;
   - [emptied] every live token of ``R`` in a source block is moved;
   - [blocks] sources are ``R``'s blocks; no source or destination is shared, the tail, or
     both a source and a destination; destinations are fresh (not ``R``'s, not another
-    request's) and in the headroom; no block of the plan belongs to an in-flight plan
-    (any request);
+    request's) and in the headroom; fills are ``R``'s private blocks (in its ``pre``
+    blocks, not shared, not the tail, neither a source nor a destination); no block of the
+    plan (source, fill or destination) belongs to an in-flight plan (its sources, dests or
+    fills; any request);
   - [duplicate_id] no in-flight plan carries the plan's id, and no two in-flight plans
     share one;
-  - [duplicate_block] ``plan.sources`` and ``plan.dests`` name no block twice;
+  - [duplicate_block] ``plan.sources``, ``plan.dests`` and ``plan.fills`` name no block
+    twice;
     [dst_once] each destination slot is used once;
   - [decrease] the block count strictly decreases: more sources than destinations listed
-    and than destination blocks used by the moves;
-  - [dests_used] when recorded, ``dests_used`` is exactly the blocks the moves not in
-    ``E`` write;
-  - [free_before_apply] no source is freed before the plan's ``apply``.
+    and than destination blocks (not fills) used by the moves;
+  - [dests_used] when recorded, ``dests_used`` is exactly the blocks other than fills the
+    moves not in ``E`` write;
+  - [free_before_apply] no source or fill is freed before the plan's ``apply``;
+  - [fill_kept] after the plan (``post`` not null) every fill is still one of ``R``'s
+    blocks.
 
 Owns: nothing (pure functions).
 May call: vtoken.snapshot (validate), collections; never z3.
@@ -121,6 +132,8 @@ class _View:
         plan = snap["plan"]
         self.pid, self.req = plan["id"], plan["request"]
         self.sources, self.dests = list(plan["sources"]), list(plan["dests"])
+        self.fills = list(plan.get("fills", []))
+        self.fill_set = set(self.fills)
         self.moves = [tuple(mv) for mv in plan["moves"]]
         self.digests = plan.get("digests")
         reqs = snap["pre"]["requests"]
@@ -130,10 +143,13 @@ class _View:
         self.pre_live = [bool(l) for _b, _o, l in r["tokens"]]
         self.pre_blocks = set(r["blocks"])
         self.tail = r.get("tail_block")
+        self.pre_live_slots = {s for s, l in zip(self.pre_slot, self.pre_live) if l}
         self.post = snap.get("post") is not None
         self.post_slot, self.post_live = [], []
+        self.post_blocks = set()
         if self.post:
             q = snap["post"]["requests"][self.req]
+            self.post_blocks = set(q["blocks"])
             self.post_slot = [b * S + o for b, o, _l in q["tokens"]]
             self.post_live = [bool(l) for _b, _o, l in q["tokens"]]
         self.recorded_evicted = set(snap["evicted_in_flight"])
@@ -155,7 +171,7 @@ class _View:
         self.schedule = list(snap["schedule"])
         self.dests_used = snap.get("dests_used")
         self.move_dst_blocks = {mv[3] for mv in self.moves}
-        self.dst_all = set(self.dests) | self.move_dst_blocks
+        self.dst_all = set(self.dests) | (self.move_dst_blocks - self.fill_set)  # fresh destinations
         self.moved = {}  # token -> index of its first move
         for k, mv in enumerate(self.moves):
             self.moved.setdefault(mv[0], k)
@@ -303,20 +319,25 @@ def _i3(d: _View) -> list[Violation]:
     out, S, sched = [], d.S, d.schedule
     if not sched:
         return out
-    src, dst = set(d.sources), d.dst_all
+    src, dst, fills = set(d.sources), d.dst_all, d.fill_set
     dst_slots = {mv[3] * S + mv[4] for mv in d.moves}
+
+    def hole(s):  # a slot of a fill without a live token of R before the plan: the copy may write it
+        return s // S in fills and s not in d.pre_live_slots
+
     w = sched[d.fence]["t"] if d.fence is not None else None
     for i, ev in enumerate(sched):
         kind = ev["kind"]
         if kind == "read":
-            hit = [(t, s) for t, s in zip(ev["tokens"], ev["slots"]) if s // S in dst]
+            hit = [(t, s) for t, s in zip(ev["tokens"], ev["slots"]) if s // S in dst or hole(s)]
         elif kind == "free":
-            hit = [b for b in ev["blocks"] if b in src]
+            hit = [b for b in ev["blocks"] if b in src or b in fills]
         elif kind == "alloc":
             other = str(ev["request"]) != str(d.req)
-            hit = [b for b in ev["blocks"] if b in src or (other and b in dst)]
+            hit = [b for b in ev["blocks"] if b in src or b in fills or (other and b in dst)]
         elif kind == "write":
-            hit = [(ev["token"], ev["slot"])] if (ev["slot"] // S in src or ev["slot"] in dst_slots) else []
+            s = ev["slot"]
+            hit = [(ev["token"], s)] if (s // S in src or s in dst_slots or hole(s)) else []
         else:
             continue
         if not hit or (w is not None and ev["t"] > w):
@@ -325,15 +346,18 @@ def _i3(d: _View) -> list[Violation]:
                 ("with no launch of the plan" if d.launch is None else
                  "before any fence of the plan" if w is None else f"not after the fence at t={w}"))
         if kind == "read":
-            why = (f"attention reads destination slot(s) of plan {d.pid} "
+            what = "destination slot(s)" if any(s // S in dst for _t, s in hit) else "fill hole slot(s)"
+            why = (f"attention reads {what} of plan {d.pid} "
                    f"({', '.join(f'token {t} at {_loc(S, s)}' for t, s in hit[:4])}) {when}")
         elif kind == "free":
-            why = f"source block(s) {hit} of plan {d.pid} freed {when}"
+            role = "source" if all(b in src for b in hit) else "fill" if all(b in fills for b in hit) else "source/fill"
+            why = f"{role} block(s) {hit} of plan {d.pid} freed {when}"
         elif kind == "alloc":
             why = f"block(s) {hit} of plan {d.pid} handed to request {ev['request']!r} {when}"
         else:
             (t, s), = hit
-            role = "in a source block" if s // S in src else "on a destination slot"
+            role = ("in a source block" if s // S in src else "on a destination slot" if s in dst_slots
+                    else "on a hole of a fill")
             why = f"new token {t} written at {_loc(S, s)}, {role} of plan {d.pid}, {when}"
         out.append(Violation("I3", why, {"event": i, "t": ev["t"]}, "early"))
     for i, ev in enumerate(sched):
@@ -356,7 +380,7 @@ def _i3(d: _View) -> list[Violation]:
 # ---------------------------------------------------------------------------------- I4
 def _i4(d: _View) -> list[Violation]:
     out, S, n = [], d.S, d.n
-    srcs, dests = set(d.sources), set(d.dests)
+    srcs, dests, fills = set(d.sources), set(d.dests), d.fill_set
 
     def v(rule, why, **model):
         out.append(Violation("I4", why, model, rule))
@@ -372,9 +396,9 @@ def _i4(d: _View) -> list[Violation]:
         elif sb not in srcs:
             v("consistent", f"move #{k} takes token {t} out of block {sb}, which is not one of the plan's sources "
                             f"{d.sources}", move=k)
-        elif db not in dests:
+        elif db not in dests and db not in fills:
             v("consistent", f"move #{k} sends token {t} to block {db}, which is not one of the plan's destinations "
-                            f"{d.dests}", move=k)
+                            f"{d.dests} nor of its fills {d.fills}", move=k)
     for t in range(n):
         if d.pre_live[t] and d.pre_slot[t] // S in srcs and t not in d.moved:
             v("emptied", f"live token {t} in source block {d.pre_slot[t] // S} is not moved: the source is not emptied",
@@ -388,6 +412,8 @@ def _i4(d: _View) -> list[Violation]:
             v("blocks", f"plan {d.pid} moves the tail block {b} (still being written)", x=b)
         if b in d.dst_all:
             v("blocks", f"block {b} is both a source and a destination of plan {d.pid}", x=b)
+        if b in fills:
+            v("blocks", f"block {b} is both a source and a fill of plan {d.pid}", x=b)
     for b in sorted(d.dst_all):
         if b in d.shared:
             v("blocks", f"plan {d.pid} writes into shared-prefix block {b} (a destination)", x=b)
@@ -399,20 +425,29 @@ def _i4(d: _View) -> list[Violation]:
             v("blocks", f"destination block {b} belongs to request {d.other_blocks[b]!r}", x=b)
         if b not in d.headroom:
             v("blocks", f"destination block {b} is not in the headroom {sorted(d.headroom)}", x=b)
-    ours = srcs | d.dst_all
+    for b in sorted(fills):  # a fill: R's own private block, not the tail, neither a source nor a destination
+        if b not in d.pre_blocks:
+            v("blocks", f"fill block {b} is not a block of request {d.req!r}", x=b)
+        if b in d.shared:
+            v("blocks", f"plan {d.pid} fills shared-prefix block {b}", x=b)
+        if d.tail is not None and b == d.tail:
+            v("blocks", f"plan {d.pid} fills the tail block {b} (still being written)", x=b)
+        if b in dests:
+            v("blocks", f"block {b} is both a fill and a destination of plan {d.pid}", x=b)
+    ours = srcs | d.dst_all | fills
     ids = Counter(p["id"] for p in d.in_flight)
     for p in d.in_flight:
         if p["id"] == d.pid:
             v("duplicate_id", f"in-flight plan {p['id']} (request {p['request']!r}) carries plan {d.pid}'s own id",
               in_flight=p["id"])
-        both = sorted(ours & (set(p["sources"]) | set(p["dests"])))
+        both = sorted(ours & (set(p["sources"]) | set(p["dests"]) | set(p.get("fills", []))))
         if both:
             v("blocks", f"plan {d.pid} overlaps in-flight plan {p['id']} (request {p['request']!r}): block {both[0]}",
               in_flight=p["id"], x=both[0])
     for pid, c in sorted(ids.items()):
         if c > 1:
             v("duplicate_id", f"{c} in-flight plans carry id {pid}", in_flight=pid)
-    for name, lst in (("sources", d.sources), ("dests", d.dests)):
+    for name, lst in (("sources", d.sources), ("dests", d.dests), ("fills", d.fills)):
         c = Counter(lst)
         twice = sorted(b for b, k in c.items() if k > 1)
         if twice:
@@ -422,22 +457,27 @@ def _i4(d: _View) -> list[Violation]:
         a, b = hit
         mv = d.moves[a]
         v("dst_once", f"destination slot {_loc(S, mv[3] * S + mv[4])} is used twice (moves #{a} and #{b})", a=a, b=b)
-    n_src, n_used, n_listed = len(srcs), len(d.move_dst_blocks), len(dests)
+    n_src, n_used, n_listed = len(srcs), len(d.move_dst_blocks - fills), len(dests)
     if n_src <= n_used or n_src <= n_listed:
         v("decrease", f"plan {d.pid} does not reduce the block count: {n_src} source(s) vs {n_listed} destination(s) "
                       f"listed, {n_used} used", sources=n_src, dests_listed=n_listed, dests_used=n_used)
     if d.dests_used is not None:
-        want = {mv[3] for mv in d.moves if mv[0] not in d.recorded_evicted}
+        want = {mv[3] for mv in d.moves if mv[0] not in d.recorded_evicted} - fills
         if set(d.dests_used) != want:
             v("dests_used", f"dests_used {sorted(d.dests_used)} differs from the blocks the applied moves write "
                             f"{sorted(want)}")
     last = len(d.schedule) if d.apply is None else d.apply
     for i, ev in enumerate(d.schedule):
         if ev["kind"] == "free" and i < last:
-            hit = [b for b in ev["blocks"] if b in srcs]
+            hit = [b for b in ev["blocks"] if b in srcs or b in fills]
             if hit:
-                v("free_before_apply", f"source block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan "
+                role = "source" if all(b in srcs for b in hit) else "fill" if all(b in fills for b in hit) \
+                    else "source/fill"
+                v("free_before_apply", f"{role} block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan "
                                        f"{d.pid} is applied", event=i)
+    if d.post:
+        for b in sorted(fills - d.post_blocks):
+            v("fill_kept", f"fill block {b} is no longer a block of request {d.req!r} after the plan", x=b)
     return out
 
 

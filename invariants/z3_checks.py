@@ -9,7 +9,10 @@ naming the field, never a KeyError or TypeError.
 The rules are those of the plain-Python checker :mod:`vtoken.invariants.snapshot_checks`
 (its docstring is the reference list, with rule names); the two implementations must agree
 on every snapshot (the same violated invariants; every rule named here is one it names).
-In short (``R`` = the plan's request, ``E`` = the snapshot's ``evicted_in_flight``):
+In short (``R`` = the plan's request, ``E`` = the snapshot's ``evicted_in_flight``, ``F`` =
+``plan.fills``, absent == ``[]``: ``R``'s own blocks whose *holes* -- slots without a live
+token of ``R`` before the plan -- take moved tokens, in-place compaction; the fresh
+destinations are ``plan.dests`` and the blocks the moves write that are not fills):
 
 - **I1** token conservation: every move names a token of ``R`` that is live and sits at the
   move's source; no token is moved twice; after the plan every moved token not in ``E`` is
@@ -19,24 +22,29 @@ In short (``R`` = the plan's request, ``E`` = the snapshot's ``evicted_in_flight
   (``plan.digests``) agree across the copy.
 - **I2** unique mapping: the live slots of ``R`` before the plan, the moves' destination
   slots and the live slots of other requests (outside shared blocks) are pairwise
-  distinct; after the plan no two live tokens of ``R`` share a slot and none sits in a
+  distinct (so a move into a fill lands on a hole); after the plan no two live tokens of
+  ``R`` share a slot and none sits in a
   source block or a block the schedule frees (unless re-allocated to ``R`` after); no
   destination and no live token in the null block (a second line behind ``validate``).
 - **I3** pre-attention visibility, with the copy's completion time ``c`` symbolic
   (``c > t_launch``; a ``fence`` of this plan at ``w`` makes every later event happen at
-  ``max(t, c)``): no read of a destination block's slot, no ``free`` of a source block,
-  no ``write`` into a source block or onto a destination slot, no ``alloc`` of a source
-  block (or of a destination block to another request) can happen before ``c``. Read
+  ``max(t, c)``): no read of a fresh destination block's slot or of a fill's hole, no
+  ``free`` of a source or fill block, no ``write`` into a source block, onto a destination
+  slot or onto a fill's hole, no ``alloc`` of a source or fill block (or of a fresh
+  destination block to another request) can happen before ``c``. Read
   consistency (concrete): a read of ``R``'s token before the plan's ``apply`` uses its pre
   slot, after it the moved token's destination (no stale slot mapping).
 - **I4** layout-aware planning: moves come from a consistent snapshot (token live, at the
-  move's source, source block among the plan's sources, destination among its dests);
-  sources and destinations avoid shared blocks (``shared_blocks`` and every block two
-  requests list), the tail block and each other; destinations are fresh (no request's
-  block) and from the headroom; no block is shared with any in-flight plan and no in-flight
-  plan carries the plan's id (nor two the same id); the block count strictly decreases;
-  each destination slot is used once; every live token in a source block is moved;
-  ``dests_used`` matches the applied moves; no source is freed before ``apply``.
+  move's source, source block among the plan's sources, destination among its dests or
+  fills); sources and destinations avoid shared blocks (``shared_blocks`` and every block
+  two requests list), the tail block and each other; destinations are fresh (no request's
+  block) and from the headroom; fills are ``R``'s private blocks (its, not shared, not the
+  tail, neither a source nor a destination) and still ``R``'s after the plan; no block
+  (source, fill, destination) is shared with any in-flight plan's sources, dests or fills
+  and no in-flight plan carries the plan's id (nor two the same id); the block count
+  strictly decreases (sources against fresh destinations); each destination slot is used
+  once; every live token in a source block is moved; ``dests_used`` matches the applied
+  moves outside fills; no source or fill is freed before ``apply``.
 
 Encoding and why it scales (4096 moves: ~0.3 s of CPU, measured):
 
@@ -99,6 +107,7 @@ class _Snap:
         self.req = plan["request"]
         self.sources = list(plan["sources"])
         self.dests = list(plan["dests"])
+        self.fills = list(plan.get("fills", []))  # in-place compaction: R's blocks whose holes take tokens
         self.moves = m = _int_array(plan["moves"], "plan.moves", 5)
         self.src_slot = m[:, 1] * S + m[:, 2]
         self.dst_slot = m[:, 3] * S + m[:, 4]
@@ -109,11 +118,14 @@ class _Snap:
         self.pre_live = (self.pre[:, 2] != 0).tolist()
         self.pre_slot = self.pre[:, 0] * S + self.pre[:, 1]
         self.pre_blocks = list(pre["blocks"])
+        self.pre_live_slots = set(self.pre_slot[np.asarray(self.pre_live, dtype=bool)].tolist()) if self.n else set()
         self.tail = pre.get("tail_block")
         self.post = None
+        self.post_blocks: list = []
         self.post_live, self.post_slot = [], np.zeros(0, dtype=np.int64)
         if snap.get("post") is not None:
             q = snap["post"]["requests"][self.req]  # validate: present, at least n tokens
+            self.post_blocks = list(q["blocks"])
             self.post = _int_array(q["tokens"], f"post.requests[{self.req!r}].tokens", 3)
             self.post_live = (self.post[:, 2] != 0).tolist()
             self.post_slot = self.post[:, 0] * S + self.post[:, 1]
@@ -138,7 +150,8 @@ class _Snap:
         self.in_flight = list(snap["in_flight"])
         self.schedule = list(snap["schedule"])
         self.dests_used = snap.get("dests_used")
-        self.dst_blocks = sorted(set(m[:, 3].tolist()))
+        self.dst_blocks = sorted(set(m[:, 3].tolist()))  # every block a move writes, fills included
+        self.fresh_dst_blocks = sorted(set(self.dst_blocks) - set(self.fills))  # ... the fresh ones
         # The snapshot's own record of the moved tokens evicted while the copy flew (their
         # moves dropped, left dead at the pre slot). Nothing is inferred from the post state:
         # with evictions_in_flight=False the record is taken as empty (no eviction possible).
@@ -528,20 +541,27 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
     if not sched:
         return out
     launch, fence, apply = _plan_events(d)
-    src, dst = set(d.sources), set(d.dests) | set(d.dst_blocks)
+    fills = set(d.fills)
+    src, dst = set(d.sources), set(d.dests) | set(d.fresh_dst_blocks)
     dst_slots = set(d.dst_slot.tolist())
+    live_pre = d.pre_live_slots
+
+    def hole(s):  # a slot of a fill holding no live token of R before the plan: the copy may write it
+        return s // S in fills and s not in live_pre
+
     cands = []  # (event index, kind, what it touches)
     for i, ev in enumerate(sched):
         kind = ev["kind"]
-        if kind == "read":
-            hit = [(t, s) for t, s in zip(ev["tokens"], ev["slots"]) if s // S in dst]
+        if kind == "read":  # a fresh destination's slot, or a fill's hole (its live slots are R's, readable)
+            hit = [(t, s) for t, s in zip(ev["tokens"], ev["slots"]) if s // S in dst or hole(s)]
         elif kind == "free":
-            hit = [b for b in ev["blocks"] if b in src]
-        elif kind == "alloc":  # a source reused, or a destination handed to another request
+            hit = [b for b in ev["blocks"] if b in src or b in fills]
+        elif kind == "alloc":  # a source or fill reused, or a destination handed to another request
             other = str(ev["request"]) != str(d.req)
-            hit = [b for b in ev["blocks"] if b in src or (other and b in dst)]
+            hit = [b for b in ev["blocks"] if b in src or b in fills or (other and b in dst)]
         elif kind == "write":  # a new token into a source block, or onto a slot the copy writes
-            hit = [(ev["token"], ev["slot"])] if (ev["slot"] // S in src or ev["slot"] in dst_slots) else []
+            s_ = ev["slot"]
+            hit = [(ev["token"], s_)] if (s_ // S in src or s_ in dst_slots or hole(s_)) else []
         else:
             continue
         if hit:
@@ -567,14 +587,17 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
                     f"c={model['c']}; launched t={t_launch}, " + ("no fence before)" if w is None or ev["t"] <= w else "fenced)"))
         if kind == "read":
             desc = ", ".join(f"token {t} at {_loc(S, s)}" for t, s in hit[:4])
-            why = f"attention reads destination slot(s) of plan {d.pid} ({desc}) {when}"
+            what = "destination slot(s)" if any(s // S in dst for _t, s in hit) else "fill hole slot(s)"
+            why = f"attention reads {what} of plan {d.pid} ({desc}) {when}"
         elif kind == "free":
-            why = f"source block(s) {hit} of plan {d.pid} freed {when}"
+            role = "source" if all(b in src for b in hit) else "fill" if all(b in fills for b in hit) else "source/fill"
+            why = f"{role} block(s) {hit} of plan {d.pid} freed {when}"
         elif kind == "alloc":
             why = f"block(s) {hit} of plan {d.pid} handed to request {ev['request']!r} {when}"
         else:
             (t, s), = hit
-            role = "in a source block" if s // S in src else "on a destination slot"
+            role = ("in a source block" if s // S in src else "on a destination slot" if s in dst_slots
+                    else "on a hole of a fill")
             why = f"new token {t} written at {_loc(S, s)}, {role} of plan {d.pid}, {when}"
         out.append(Violation("I3", why, model, "early"))
     # concrete read consistency: before apply the pre slot, after it the destination
@@ -607,19 +630,21 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     out = []
     S, n, m = d.S, d.n, d.moves
     pl, ps = d.pre_live, d.pre_slot
-    src, dests = d.sources, d.dests
-    srcs, dsts = set(src), set(dests)
-    dst_all = sorted(dsts | set(d.dst_blocks))
+    src, dests, fill_list = d.sources, d.dests, d.fills
+    srcs, dsts, fills = set(src), set(dests), set(fill_list)
+    dst_all = sorted(dsts | set(d.fresh_dst_blocks))  # fresh destinations: listed, or written and not a fill
+    lands = dsts | fills  # where a move may write
 
     def v(rule, why, **model):
         out.append(Violation("I4", why, model, rule))
 
     # consistent snapshot: per move, token live at the move's source, source among the plan's
-    # sources, destination among its dests. Membership is a fact table: predicates fixed per block.
-    blocks = set(m[:, 1].tolist()) | set(m[:, 3].tolist()) | set((d.pre_slot // S).tolist()) | srcs | dsts
+    # sources, destination among its dests or fills. Membership is a fact table: predicates fixed per block.
+    blocks = set(m[:, 1].tolist()) | set(m[:, 3].tolist()) | set((d.pre_slot // S).tolist()) | srcs | lands
     prelude = ("(declare-fun src@ (Int) Bool)(declare-fun dst@ (Int) Bool)"
                + "".join(f"(assert {'' if b in srcs else '(not '}(src@ {b}){'' if b in srcs else ')'})"
-                         f"(assert {'' if b in dsts else '(not '}(dst@ {b}){'' if b in dsts else ')'})" for b in blocks))
+                         f"(assert {'' if b in lands else '(not '}(dst@ {b}){'' if b in lands else ')'})"
+                         for b in blocks))
     dis = []
     for k, (t, sb, ss, db) in enumerate(zip(m[:, 0].tolist(), m[:, 1].tolist(), d.src_slot.tolist(), m[:, 3].tolist())):
         if not 0 <= t < n:
@@ -640,7 +665,8 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         elif sb not in srcs:
             why = f"move #{k} takes token {t} out of block {sb}, which is not one of the plan's sources {src}"
         else:
-            why = f"move #{k} sends token {t} to block {db}, which is not one of the plan's destinations {dests}"
+            why = (f"move #{k} sends token {t} to block {db}, which is not one of the plan's destinations {dests} "
+                   f"nor of its fills {fill_list}")
         v("consistent", why, **model)
     # every source emptied of the request's live tokens
     moved = _moved_mask(d).tolist()
@@ -654,7 +680,7 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
 
     def each(blocks, member, msg, rule="blocks", **extra):
         for b in sorted(set(blocks)):
-            cands.append((msg.format(b=b), member(b), dict(x=b, **extra), rule))
+            cands.append((msg.replace("{b}", str(b)), member(b), dict(x=b, **extra), rule))
 
     pre_blocks, shared, head, dset = set(d.pre_blocks), set(d.shared), set(d.headroom), set(dst_all)
     each(src, lambda b: b not in pre_blocks,
@@ -665,15 +691,26 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         each(src, lambda b: b == d.tail, f"plan {d.pid} moves the tail block {{b}} (still being written)")
         each(dst_all, lambda b: b == d.tail, f"plan {d.pid} writes into the tail block {{b}}")
     each(src, lambda b: b in dset, f"block {{b}} is both a source and a destination of plan {d.pid}")
+    each(src, lambda b: b in fills, f"block {{b}} is both a source and a fill of plan {d.pid}")
     each(dst_all, lambda b: b in pre_blocks,
          f"destination block {{b}} already belongs to request {d.req!r} (not a fresh block)")
     each(dst_all, lambda b: b not in pre_blocks and b in d.other_blocks,
          "destination block {b} belongs to another request")
     each(dst_all, lambda b: b not in head, f"destination block {{b}} is not in the headroom {d.headroom}")
-    ours = srcs | dset
+    # a fill: R's own private block, not the tail, not a destination; still R's after the plan
+    each(fills, lambda b: b not in pre_blocks, f"fill block {{b}} is not a block of request {d.req!r}")
+    each(fills, lambda b: b in shared, f"plan {d.pid} fills shared-prefix block {{b}}")
+    if d.tail is not None:
+        each(fills, lambda b: b == d.tail, f"plan {d.pid} fills the tail block {{b}} (still being written)")
+    each(fills, lambda b: b in dsts, f"block {{b}} is both a fill and a destination of plan {d.pid}")
+    if d.post is not None:
+        post_blocks = set(d.post_blocks)
+        each(fills, lambda b: b not in post_blocks,
+             f"fill block {{b}} is no longer a block of request {d.req!r} after the plan", rule="fill_kept")
+    ours = srcs | dset | fills
     seen_ids: dict = {}
     for p in d.in_flight:  # no block shared with an in-flight plan (any request); no duplicate ids
-        theirs = set(p["sources"]) | set(p["dests"])
+        theirs = set(p["sources"]) | set(p["dests"]) | set(p.get("fills", []))
         each(ours, lambda b, th=theirs: b in th,
              f"plan {d.pid} overlaps in-flight plan {p['id']} (request {p['request']!r}): block {{b}}",
              in_flight=p["id"])
@@ -688,16 +725,17 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         model.update(extra)
         v(rule, msg, **model)
     # no block named twice; each destination slot used once
-    res = ask.distinct({"sources": list(src), "dests": list(dests), "dst_once": d.dst_slot.tolist()})
-    for name in ("sources", "dests"):
+    lists = {"sources": list(src), "dests": list(dests), "fills": list(fill_list)}
+    res = ask.distinct({**lists, "dst_once": d.dst_slot.tolist()})
+    for name in ("sources", "dests", "fills"):
         if name in res:
             a, _b2, model = res[name]
-            v("duplicate_block", f"plan.{name} names block {(src if name == 'sources' else dests)[a]} twice", **model)
+            v("duplicate_block", f"plan.{name} names block {lists[name][a]} twice", **model)
     if "dst_once" in res:
         a, b, model = res["dst_once"]
         v("dst_once", f"destination slot {_loc(S, int(d.dst_slot[a]))} is used twice (moves #{a} and #{b})", **model)
-    # the block count strictly decreases: sources > destinations listed and > destinations used
-    n_src, n_used, n_listed = len(srcs), len(d.dst_blocks), len(dsts)
+    # the block count strictly decreases: sources > destinations listed and > fresh destinations used
+    n_src, n_used, n_listed = len(srcs), len(d.fresh_dst_blocks), len(dsts)
     ns, nu, nl = (ask.name(x) for x in ("n_sources", "n_used", "n_listed"))
     if ask.holds(f"(declare-const {ns} Int)(declare-const {nu} Int)(declare-const {nl} Int)",
                  f"(and (= {ns} {n_src}) (= {nu} {n_used}) (= {nl} {n_listed}) (or (<= {ns} {nu}) (<= {ns} {nl})))"):
@@ -706,7 +744,8 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     # dests_used, when recorded: exactly the blocks the moves not recorded as evicted write
     if d.dests_used is not None:
         rec = d.recorded_evicted
-        want = {db for t, db in zip(m[:, 0].tolist(), m[:, 3].tolist()) if not (0 <= t < n and rec[t])}
+        want = {db for t, db in zip(m[:, 0].tolist(), m[:, 3].tolist())
+                if not (0 <= t < n and rec[t]) and db not in fills}
         used = set(d.dests_used)
         every = sorted(want | used)
         pre_u = "(declare-fun used@ (Int) Bool)(declare-fun want@ (Int) Bool)" + "".join(
@@ -721,12 +760,14 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     # lifecycle: sources freed only after the plan is applied (free events as an indexed fact table:
     # event index, "frees a source", position before/after the plan's apply event)
     _launch, _fence, apply = _plan_events(d)
-    frees = [(i, ev, [b for b in ev["blocks"] if b in srcs]) for i, ev in enumerate(d.schedule) if ev["kind"] == "free"]
+    frees = [(i, ev, [b for b in ev["blocks"] if b in srcs or b in fills]) for i, ev in enumerate(d.schedule)
+             if ev["kind"] == "free"]
     last = len(d.schedule) if apply is None else apply
     dis = [f"(and (= IDX {k}) {_b(bool(hit))} (< {i} {last}))" for k, (i, _ev, hit) in enumerate(frees)]
     for k, model in ask.index("f", dis):
         i, ev, hit = frees[k]
-        v("free_before_apply", f"source block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan {d.pid} is "
+        role = "source" if all(b in srcs for b in hit) else "fill" if all(b in fills for b in hit) else "source/fill"
+        v("free_before_apply", f"{role} block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan {d.pid} is "
                                f"applied", event=i, t=ev["t"], blocks=hit, **model)
     return out
 
@@ -780,6 +821,7 @@ def check_and_explain(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True)
         return f"malformed snapshot: {e}"
     t0 = time.perf_counter()
     lines = [f"plan {d.pid} on request {d.req!r}: {len(d.moves)} moves, sources {d.sources}, dests {d.dests}"
+             f"{f', fills {d.fills}' if d.fills else ''}"
              f"{'' if d.post is not None else ' (not applied: post-state checks skipped)'}"]
     ev = [t for t, e in enumerate(d.recorded_evicted) if e]
     if ev:
@@ -799,17 +841,32 @@ def check_and_explain(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True)
     return "\n".join(lines)
 
 
-def synthetic_snapshot(n_moves: int, S: int = 16, reads: bool = True) -> dict:
+def synthetic_snapshot(n_moves: int, S: int = 16, reads: bool = True, in_place: bool = False) -> dict:
     """A valid, applied snapshot with ``n_moves`` moves: half-full source blocks packed into
     fresh destinations, a tail block, the full schedule (launch, reads of the pre slots,
-    fence, apply, free, reads of the post slots)."""
+    fence, apply, free, reads of the post slots).
+
+    ``in_place=True``: the same sources, emptied into the holes of the request's own other
+    blocks instead (``plan.fills``: each holds ``S // 2`` live tokens, then holes where dead
+    tokens last were; no destination at all). The fills stay the request's."""
     half = max(1, S // 2)
     n_src = -(-n_moves // half)
-    n_dst = -(-n_moves // S)
     src = list(range(1, n_src + 1))
-    tail = n_src + 1
-    dests = list(range(n_src + 2, n_src + 2 + n_dst))
-    headroom = dests + [n_src + 2 + n_dst + k for k in range(2)]
+    fills: list = []
+    fill_live = S // 2
+    if in_place:
+        holes = S - fill_live
+        fills = list(range(n_src + 1, n_src + 1 + -(-n_moves // holes)))
+        targets = [(b, o) for b in fills for o in range(fill_live, S)]
+        n_dst = 0
+    else:
+        n_dst = -(-n_moves // S)
+        targets = []
+    tail = n_src + len(fills) + 1
+    dests = list(range(tail + 1, tail + 1 + n_dst))
+    headroom = dests + [tail + 1 + n_dst + k for k in range(2)]
+    if not in_place:
+        targets = [(b, o) for b in dests for o in range(S)]
     pre, post, moves = [], [], []
     k = 0
     for b in src:
@@ -817,17 +874,21 @@ def synthetic_snapshot(n_moves: int, S: int = 16, reads: bool = True) -> dict:
             live = o < half and k < n_moves
             pre.append([b, o, live])
             if live:
-                db, do = dests[k // S], k % S
+                db, do = targets[k]
                 moves.append([len(pre) - 1, b, o, db, do])
                 post.append([db, do, True])
                 k += 1
             else:
                 post.append([b, o, False])
+    for b in fills:  # live tokens first, then dead ones where the holes are
+        for o in range(S):
+            pre.append([b, o, o < fill_live])
+            post.append([b, o, o < fill_live])
     for o in range(S // 2):  # the tail block, half written
         pre.append([tail, o, True])
         post.append([tail, o, True])
     n = len(pre)
-    blocks_pre = src + [tail]
+    blocks_pre = src + fills + [tail]
     live_pre = [t for t in range(n) if pre[t][2]]
     sched = []
     t = 0
@@ -845,18 +906,22 @@ def synthetic_snapshot(n_moves: int, S: int = 16, reads: bool = True) -> dict:
     ev("free", blocks=list(src))
     if reads:
         ev("read", request="r0", tokens=list(live_pre), slots=[post[i][0] * S + post[i][1] for i in live_pre])
+    plan = {"id": 1, "request": "r0", "sources": src, "dests": dests, "moves": moves}
+    if in_place:
+        plan["fills"] = fills
     return {
         "schema": SCHEMA,
         "block_size": S,
-        "plan": {"id": 1, "request": "r0", "sources": src, "dests": dests, "moves": moves},
+        "plan": plan,
         "pre": {"requests": {"r0": {"length": n, "blocks": blocks_pre, "tail_block": tail, "tokens": pre}}},
-        "post": {"requests": {"r0": {"length": n, "blocks": sorted(dests + [tail]), "tail_block": None, "tokens": post}}},
+        "post": {"requests": {"r0": {"length": n, "blocks": sorted(dests + fills + [tail]), "tail_block": None,
+                                     "tokens": post}}},
         "shared_blocks": [],
         "headroom": headroom,
         "in_flight": [],
         "schedule": sched,
         "evicted_in_flight": [],
-        "dests_used": sorted({mv[3] for mv in moves}),
+        "dests_used": sorted({mv[3] for mv in moves} - set(fills)),
     }
 
 

@@ -28,7 +28,7 @@ def sample():
 def test_sample_every_mutant_rejected_every_valid_snapshot_accepted(sample):
     r = sample
     assert r["failures"] == [], r["failures"][:5]
-    assert r["operators"] == len(mutants.OPERATORS) >= 15
+    assert r["operators"] == len(mutants.OPERATORS) >= 24
     assert r["valid"] > 0 and r["valid_accepted"] == r["valid"]
     assert r["mutants"] == PER_OP * r["operators"] and r["rejected"] == r["mutants"]
     assert r["malformed"] == 0 and r["disagreements"] == 0 and r["operators_short"] == []
@@ -47,6 +47,9 @@ def test_the_issue_operators_are_all_there():
                      "overlap_in_flight", "not_decreasing", "read_before_copy", "free_before_copy",
                      "write_source_before_copy", "live_in_freed_block", "change_digest", "resurrect_evicted",
                      "oversubscribe_headroom", "move_from_unheld_slot"}
+    # in-place plans (plan.fills): each way a fill can be wrong
+    assert names >= {"fill_occupied_slot", "fill_shared", "fill_tail", "fill_is_source", "fill_in_flight",
+                     "fill_not_owned", "move_to_unlisted_block", "read_fill_hole_before_copy", "free_fill_before_copy"}
     assert {op.invariant for op in mutants.OPERATORS} == {"I1", "I2", "I3", "I4"}
 
 
@@ -57,22 +60,44 @@ def test_deterministic_for_a_seed():
     assert json.dumps(strip(a), sort_keys=True) == json.dumps(strip(b), sort_keys=True)
 
 
+def _synthetic_bases():
+    """Two hand-checked valid snapshots with digests: out of place (fresh dests) and in place
+    (plan.fills: the moves land in the holes of the request's own blocks)."""
+    out = {}
+    for name, in_place in (("out_of_place", False), ("in_place", True)):
+        base = synthetic_snapshot(8, S=4, in_place=in_place)
+        k = len(base["plan"]["moves"])
+        base["plan"]["digests"] = {"method": "xxh3", "pre": list(range(7, 7 + k)), "post": list(range(7, 7 + k))}
+        assert snapshot_checks.check_snapshot(base) == [] and z3_checks.check_snapshot(base) == [], name
+        out[name] = base
+    assert out["in_place"]["plan"]["fills"] and out["in_place"]["plan"]["dests"] == []
+    return out
+
+
 def test_each_operator_plants_a_well_formed_violation_in_a_synthetic_snapshot():
     """Independent of the collectors: every operator on a hand-checked valid snapshot (with
     digests, an in-flight copy and a recorded eviction) yields a well-formed mutant both
-    checkers reject with the operator's invariant."""
-    base = synthetic_snapshot(8, S=4)
-    k = len(base["plan"]["moves"])
-    base["plan"]["digests"] = {"method": "xxh3", "pre": list(range(7, 7 + k)), "post": list(range(7, 7 + k))}
-    assert snapshot_checks.check_snapshot(base) == [] and z3_checks.check_snapshot(base) == []
+    checkers reject with the operator's invariant. Every operator applies to one of the two
+    bases at least (the fill operators to the in-place one), most to both."""
+    bases = _synthetic_bases()
     for op in mutants.OPERATORS:
-        for i in range(6):
-            mut = copy.deepcopy(base)
-            assert op.fn(mut, random.Random(f"{op.name}/{i}")), op.name
-            assert mut != base, op.name
-            validate(mut)
-            for check in (snapshot_checks.check_snapshot, z3_checks.check_snapshot):
-                assert op.invariant in {v.invariant for v in check(mut)}, (op.name, i, check.__module__)
+        applied = set()
+        for name, base in bases.items():
+            for i in range(6):
+                mut = copy.deepcopy(base)
+                if not op.fn(mut, random.Random(f"{op.name}/{name}/{i}")):
+                    continue
+                applied.add(name)
+                assert mut != base, (op.name, name)
+                validate(mut)
+                sets = {}
+                for check in (snapshot_checks.check_snapshot, z3_checks.check_snapshot):
+                    sets[check.__module__] = {v.invariant for v in check(mut)}
+                    assert op.invariant in sets[check.__module__], (op.name, name, i, check.__module__)
+                assert len({frozenset(x) for x in sets.values()}) == 1, (op.name, name, i, sets)
+        assert applied, op.name
+        if op.name.startswith(("fill_", "read_fill", "free_fill")):
+            assert "in_place" in applied, op.name
 
 
 def test_cli_json_last_line(capsys):

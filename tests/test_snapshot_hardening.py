@@ -90,6 +90,14 @@ CASES = [
     ("digests_wrong_length", _set(("plan", "digests"), {"pre": [1], "post": [1]}), "plan.digests.pre", "bad_count"),
     ("digest_too_wide", lambda: _digests(good(), 2 ** 64), "plan.digests.pre[0]", "out_of_range"),
     ("dests_used_twice", _set(("dests_used",), [10, 10]), "dests_used", "bad_field"),
+    # plan.fills (in-place compaction): optional, validated like sources/dests
+    ("fills_null", _set(("plan", "fills"), None), "plan.fills", "bad_field"),
+    ("fills_not_a_list", _set(("plan", "fills"), 5), "plan.fills", "bad_field"),
+    ("bool_in_fills", _set(("plan", "fills"), [True]), "plan.fills[0]", "bad_field"),
+    ("null_block_fill", _set(("plan", "fills"), [3, 0]), "plan.fills", "null_block"),
+    ("huge_fill", _set(("plan", "fills"), [2 ** 31]), "plan.fills[0]", "out_of_range"),
+    ("in_flight_fills_not_blocks", _set(("in_flight",), [{"id": 2, "request": "r9", "sources": [40], "dests": [],
+                                                          "fills": ["x"]}]), "in_flight[0].fills[0]", "bad_field"),
 ]
 
 
@@ -155,6 +163,18 @@ def test_a_directory_a_missing_file_and_a_file_too_large(tmp_path):
         f.truncate(MAX_FILE_BYTES + 1)
     dt, e = _timed_load_file(big)
     assert e.code == "too_large" and dt < LIMIT_S
+
+
+def test_fills_are_optional_and_in_flight_entries_may_carry_them():
+    s = good()
+    assert "fills" not in s["plan"]
+    validate(s)  # absent == []
+    s["plan"]["fills"] = []
+    s["in_flight"] = [{"id": 2, "request": "r9", "sources": [40], "dests": [], "fills": [41]},
+                      {"id": 3, "request": "r8", "sources": [42], "dests": [43]}]
+    validate(s)
+    ip = synthetic_snapshot(8, S=4, in_place=True)
+    assert loads(text_of(ip))["plan"]["fills"] == [5, 6, 7, 8]
 
 
 def test_validate_refuses_python_objects_json_cannot_hold():
@@ -273,7 +293,7 @@ def _paths(node, path=()):
 def test_structure_mutations_of_a_valid_snapshot_through_both_checkers(data):
     """A valid snapshot with one subtree replaced by arbitrary JSON (or deleted): both
     checkers answer (a list of violations) or raise SnapshotError, each within 1 s."""
-    snap = synthetic_snapshot(6, S=4)
+    snap = synthetic_snapshot(6, S=4, in_place=data.draw(st.booleans()))
     paths = list(_paths(snap))
     path = data.draw(st.sampled_from(paths))
     node = snap

@@ -38,17 +38,19 @@ def planted(name):
 
 
 # ------------------------------------------------------------------------------ scenarios
-def _manager(t, a, latency=0, headroom=4):
-    cfg = PlannerConfig(record_snapshots=True, headroom=headroom, theta_f=0.0)
+def _manager(t, a, latency=0, headroom=4, in_place=False):
+    """The scenarios below pin out-of-place layouts (fresh destinations from the headroom);
+    ``in_place=True`` (the shipped default) fills the request's own holes instead."""
+    cfg = PlannerConfig(record_snapshots=True, headroom=headroom, theta_f=0.0, in_place=in_place)
     return ReclamationManager(t, a, engine=NullCopyEngine(latency), config=cfg)
 
 
-def fragmented(latency=0, headroom=4):
+def fragmented(latency=0, headroom=4, in_place=False):
     """Request 'a': blocks 1..4 (4 = tail); live counts 1, 2, 2, 2 after eviction."""
     t, a = TokenTable(S, 32), BlockAllocator(32)
     t.sync_new_tokens("a", a.allocate(4), 14)
     t.evict_tokens("a", [0, 1, 2, 4, 5, 8, 9])
-    return t, a, _manager(t, a, latency, headroom)
+    return t, a, _manager(t, a, latency, headroom, in_place)
 
 
 def shared_prefix():
@@ -161,6 +163,45 @@ def test_eviction_and_growth_while_the_copy_is_in_flight_pass():
     assert "evicted while the copy was in flight" in check_and_explain(p.snapshot)
     strict = check_snapshot(p.snapshot, evictions_in_flight=False)
     assert kinds(strict) == {"I1"} and f"token {moved[-1]} is dropped" in expl(strict, "I1")
+
+
+def test_real_in_place_planner_snapshots_pass_every_stage():
+    """The shipped default: the plan moves block 1's live token into a hole of block 2 (its
+    fill), no destination. (Needs the planner's snapshot writer to record ``plan.fills``.)"""
+    t, a, m = fragmented(latency=1, in_place=True)
+    p = m.plan_request("a")
+    snap = p.snapshot
+    assert snap["plan"]["fills"] == [2] and snap["plan"]["dests"] == [] and snap["plan"]["sources"] == [1]
+    assert check_snapshot(snap) == [], check_and_explain(snap)
+    m.launch(p)
+    reads(m, p)  # while the copy flies: the fill's live tokens are read where they are
+    assert check_snapshot(snap) == [], check_and_explain(snap)
+    m.poll(force_sync=True)
+    reads(m, p)
+    assert snap["post"] is not None and snap["dests_used"] == []
+    assert check_snapshot(snap) == [], check_and_explain(snap)
+    assert "fills [2]" in check_and_explain(snap)
+
+
+def test_in_place_synthetic_snapshot_passes_and_a_hole_read_is_a_race():
+    snap = synthetic_snapshot(8, S=S, in_place=True)
+    assert check_snapshot(snap) == [] and "fills [5, 6, 7, 8]" in check_and_explain(snap)
+    tok, _sb, _so, fb, fo = snap["plan"]["moves"][0]
+    _insert_before_fence(snap, {"kind": "read", "request": "z", "tokens": [tok], "slots": [fb * S + fo]})
+    vs = check_snapshot(snap, ("I3",))
+    v = next(v for v in vs if "fill hole slot" in v.explanation)
+    assert v.model["c"] > v.model["t"]  # Z3's completion time: after the read
+    assert f"token {tok} at (block {fb}, offset {fo})" in v.explanation
+
+
+def test_z3_check_scales_to_4096_moves_in_place():
+    snap = synthetic_snapshot(4096, in_place=True)
+    assert len(snap["plan"]["moves"]) == 4096 and len(snap["plan"]["fills"]) == 512
+    assert check_snapshot(snap) == []
+    mv = snap["plan"]["moves"]
+    mv[4000][3:] = [mv[17][3], 0]  # into a live slot of a fill (offset 0 of every fill is live)
+    vs = check_snapshot(snap)
+    assert kinds(vs) >= {"I2"} and "occupied slot" in expl(vs, "I2") and "move #4000" in expl(vs, "I2")
 
 
 def test_check_and_explain_reports_each_invariant():

@@ -8,6 +8,7 @@ to, that an audit records, and that can be replayed. Schema ``vtoken.plan-snapsh
       "schema": "vtoken.plan-snapshot/1",
       "block_size": S,
       "plan": {"id": int, "request": str, "sources": [block], "dests": [block],
+               "fills": [block],                                              # optional (absent == [])
                "moves": [[token, src_block, src_offset, dst_block, dst_offset], ...],
                "digests": {"method": str, "pre": [d | null], "post": [d | null]}   # optional
               },
@@ -17,13 +18,24 @@ to, that an audit records, and that can be replayed. Schema ``vtoken.plan-snapsh
       "post": {"requests": {...same shape...}} | null       # null until the plan is applied
       "shared_blocks": [block],        # referenced by more than one request at plan time
       "headroom": [block],             # reserved blocks available to the planner
-      "in_flight": [{"id", "request", "sources", "dests"}],   # other plans still copying
+      "in_flight": [{"id", "request", "sources", "dests", "fills"?}],   # other plans still copying
       "schedule": [event, ...],        # in time order, see below
       "evicted_in_flight": [token],    # REQUIRED (empty list when none), see below
-      "dests_used": [block]            # optional: destinations that received a token
+      "dests_used": [block]            # optional: fresh destinations that received a token
     }
 
 Fields:
+
+- ``plan.fills`` (optional; absent means ``[]``, the out-of-place plan): in-place
+  compaction. The request's own private blocks (not shared, not its tail, not a source,
+  not a destination) whose *holes* -- slots holding no live token of the request before
+  the plan -- receive moved tokens; listed in fill order. A move's destination block is one
+  of ``plan.dests`` (fresh blocks from the headroom) or one of ``plan.fills``; a move into
+  a fill lands on a hole. Fills stay the request's blocks after the plan and are in flight
+  like sources while the copy flies. Validated like ``sources``/``dests`` (a list of block
+  ids, never the null block 0; ``null`` is refused: omit the key instead); the rules on
+  them are the checks' (``vtoken.invariants.snapshot_checks``). An ``in_flight`` entry may
+  carry its plan's ``fills`` the same way (absent == ``[]``).
 
 - ``tokens[i] = [block, offset, live]``: the token's slot ``block * S + offset`` (for a dead
   token: where it last was) and its live bit, a JSON boolean (``1``/``0`` are refused: a
@@ -33,8 +45,9 @@ Fields:
   at its pre slot. Every id is below the request's pre length and is moved by the plan.
   The checks read this record: a moved token that is live before the plan, not listed
   here, and not live at its destination afterwards is LOST (I1).
-- ``dests_used``: written at apply, the destination blocks the applied moves landed in
-  (``plan.dests`` stays as planned, matching ``plan.moves``).
+- ``dests_used``: written at apply, the fresh destination blocks the applied moves landed
+  in (``plan.dests`` stays as planned, matching ``plan.moves``); fills are never listed
+  (they were, and stay, the request's).
 - ``plan.digests`` (optional): per move, aligned with ``plan.moves``, a 64-bit digest of
   the moved token's K/V bytes (all layers) read at its source before the copy (``pre``)
   and at its destination after it (``post``); ``null`` where the writer had no bytes (a
@@ -258,6 +271,9 @@ def validate(snap) -> dict:
     dst = _block_list(_need(plan, "dests", list, "plan"), "plan.dests")
     if 0 in src or 0 in dst:
         _fail("null_block", "plan.sources/dests name the null block 0")
+    if "fills" in plan:
+        if 0 in _block_list(_need(plan, "fills", list, "plan"), "plan.fills"):
+            _fail("null_block", "plan.fills names the null block 0")
     moves = _list(_need(plan, "moves", list, "plan"), "plan.moves", MAX_TOKENS)
     for i, mv in enumerate(moves):
         if not isinstance(mv, list) or len(mv) != 5 or not all(_is_int(x) for x in mv):
@@ -293,6 +309,8 @@ def validate(snap) -> dict:
         _int(_need(p, "id", int, w), f"{w}.id", 0, MAX_ID)
         _block_list(_need(p, "sources", list, w), f"{w}.sources")
         _block_list(_need(p, "dests", list, w), f"{w}.dests")
+        if "fills" in p:
+            _block_list(_need(p, "fills", list, w), f"{w}.fills")
         if "request" not in p:
             _fail("missing_field", f"{w}.request is missing")
         _name(p["request"], f"{w}.request")
