@@ -78,7 +78,8 @@ def _model():
 class _Run:
     """One adapter + worker + driver, and what the machine observes of it."""
 
-    def __init__(self, *, reclaim: bool, S, N, H, B, async_, caching, lag, ratio, budget, checks: bool):
+    def __init__(self, *, reclaim: bool, S, N, H, B, async_, caching, lag, ratio, budget, checks: bool,
+                 in_place: bool = True):
         from vtoken.invariants.plan_contract import check_proposal
         from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
         from vtoken.vllm_adapter.worker import VTokenWorker
@@ -86,7 +87,8 @@ class _Run:
         self.ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
                                 reclaim=reclaim, max_model_len=512, max_num_batched_tokens=budget, max_num_seqs=8,
                                 planner_config=default_adapter_planner_config(headroom=H, max_sources=B,
-                                                                              record_snapshots=reclaim),
+                                                                              record_snapshots=reclaim,
+                                                                              in_place=in_place),
                                 checks=checks,
                                 # pools of 16-48 blocks: the shipped cap (1/16) would leave no
                                 # headroom at all; 1/4 keeps reclamation under test on them
@@ -304,7 +306,7 @@ class _Run:
         for r, v in ad.held.items():
             owners[f"destinations of {r!r}"] = [b.block_id for b in v]
         for p in ad.plans.values():
-            owners[f"plan {p.id}"] = p.source_ids + p.dest_ids
+            owners[f"plan {p.id}"] = p.block_ids
         for i, (seq, blocks) in enumerate(ad.scheduler.deferred_frees):
             owners[f"deferred free #{i} (fence {seq})"] = [b.block_id for b in blocks if not b.is_null]
         owners["machine (pool pressure)"] = [b.block_id for b in self.grabbed]
@@ -320,7 +322,7 @@ class _Run:
             for b in v:
                 assert b.block_hash is None, f"destination block {b.block_id} carries a prefix-cache hash"
         for p in ad.plans.values():
-            for b in p.sources + p.dests:
+            for b in p.blocks:
                 assert b.block_hash is None, f"block {b.block_id} of in-flight plan {p.id} carries a prefix-cache hash"
 
     def check_snapshots(self, done: int) -> int:
@@ -343,9 +345,13 @@ class AdapterMachine(RuleBasedStateMachine):
 
     @initialize(S=st.sampled_from([4, 4, 8]), N=st.integers(16, 48), H=st.integers(1, 4), B=st.integers(1, 8),
                 async_=st.booleans(), caching=st.sampled_from([True, True, False]), lag=st.integers(0, 4),
-                ratio=st.sampled_from([0.3, 0.5, 0.6]), budget=st.sampled_from([2048, 2048, 64]))
-    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget):
-        kw = dict(S=S, N=N, H=H, B=B, async_=async_, caching=caching, lag=lag, ratio=ratio, budget=budget)
+                ratio=st.sampled_from([0.3, 0.5, 0.6]), budget=st.sampled_from([2048, 2048, 64]),
+                in_place=st.booleans())
+    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget, in_place):
+        # both compactions: in place (the default: fills, no destination) and out of place
+        # (the paper's: fresh headroom destinations), so faults of either path are reachable
+        kw = dict(S=S, N=N, H=H, B=B, async_=async_, caching=caching, lag=lag, ratio=ratio, budget=budget,
+                  in_place=in_place)
         note(f"adapter machine: {kw}")
         self.S, self.N, self.H = S, N, H
         self.vt = _Run(reclaim=True, checks=True, **kw)

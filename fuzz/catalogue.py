@@ -89,13 +89,15 @@ CATALOGUE: list[Fault] = [
     Fault("plan_moves_tail", "I4 tail block moved", "the block being written is a compaction source", "planner",
           (_p(P, "propose", " & (blocks != (tail if tail is not None else -1))", ""),)),
     Fault("plan_nondecreasing", "I4 non-decreasing plan accepted", "a plan that frees no block is made", "planner",
-          (_p(P, "propose", "    if reductions[m - 1] <= 0:\n        return None, worthwhile\n    sources = np.sort(candidates[:m])\n"
-                            "    dests = [int(b) for b in headroom[: int(need[m - 1])]]",
-              "    sources = np.sort(candidates[:m])\n    n_dest = min(max(int(need[m - 1]), m), limit)\n"
-              "    if n_dest == 0:\n        return None, worthwhile\n    dests = [int(b) for b in headroom[:n_dest]]"),)),
+          (_p(P, "propose", "        if reductions[m - 1] <= 0:\n            return None, worthwhile\n"
+                            "        dests = [int(b) for b in headroom[: int(need[m - 1])]]",
+              "        n_dest = min(max(int(need[m - 1]), m), limit)\n"
+              "        if n_dest == 0:\n            return None, worthwhile\n        dests = [int(b) for b in headroom[:n_dest]]"),)),
     Fault("plan_dup_dst", "9 duplicate destination slot (planner)", "the planner gives two tokens one destination", "planner",
           (_p(P, "propose", "        moves[:, 4] = offset\n",
-              "        moves[:, 4] = offset\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"),)),
+              "        moves[:, 4] = offset\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"),
+           _p(P, "propose", "        moves[:, 4] = hole_offset[:len(toks)]\n",
+              "        moves[:, 4] = hole_offset[:len(toks)]\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"))),
     Fault("plan_overlaps_inflight", "I4 overlap with an in-flight plan", "blocks of an in-flight plan are planned again",
           "planner", (_p(P, "ReclamationManager.plan_request", "excluded=self._busy_mask if self.in_flight else None",
                          "excluded=None"),
@@ -124,9 +126,10 @@ CATALOGUE: list[Fault] = [
                       _p(P, "ReclamationManager.finish_request", "self._deferred.setdefault(plan.id, []).extend(mine)",
                          "self._deferred[plan.id] = mine"))),
     Fault("skip_apply", "6 table not updated after the copy", "a completed plan frees sources without updating the table",
-          "planner", (_p(P, "ReclamationManager.apply", "res = apply_completed(t, plan.req_id, plan.sources, plan.moves)",
+          "planner", (_p(P, "ReclamationManager.apply",
+                         "res = apply_completed(t, plan.req_id, plan.sources, plan.moves, fills=plan.fills)",
                          "mv = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)\n"
-                         "        res = Applied(mv, [], sorted({int(b) for b in mv[:, 3]}), list(plan.sources))"),)),
+                         "        res = Applied(mv, [], sorted({int(b) for b in mv[:, 3]} - set(plan.fills)), list(plan.sources))"),)),
     # ---------------------------------------------------------------- placement
     Fault("placement_off_by_one", "5 wrong-slot placement", "the k-th moved token goes to slot k+1", "placement",
           (_p(L, "place", "return before // S, before % S", "return (before + one) // S, (before + one) % S"),)),
@@ -158,11 +161,13 @@ CATALOGUE: list[Fault] = [
                       _p(PL, "PlanBook.free_sources",
                          "        ad.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)\n", ""))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
-          "a source's prefix-cache hash moves to the destination at launch (the tokens moved, the hash follows)",
-          "adapter", (_p(PL, "PlanBook.launch", "        ad.hashes.drop_sources(sources)\n",
+          "a source's prefix-cache hash moves to the destination (or first fill) at launch (the tokens moved, the hash follows)",
+          "adapter", (_p(PL, "PlanBook.launch", "        ad.hashes.drop_sources(sources + fills)\n",
+                         "        ad.hashes.drop_sources(fills)\n"
                          "        for blk in sources:\n"
-                         "            if dests and dests[0].block_hash is None and blk.block_hash is not None:\n"
-                         "                ad.pool.move_block_hashes(blk, dests[0])\n"
+                         "            to = (dests or fills)[:1]\n"
+                         "            if to and to[0].block_hash is None and blk.block_hash is not None:\n"
+                         "                ad.pool.move_block_hashes(blk, to[0])\n"
                          "            else:\n                ad.hashes.drop_sources([blk])\n"),)),
     Fault("adapter_source_keeps_hash", "7/I4 in-flight prefix hit on a source",
           "a source keeps its prefix-cache hash while its copy flies (vLLM can hand it out as a hit)", "adapter",

@@ -522,8 +522,9 @@ class RelocationChecker:
         nslots = int(self.kv.num_slots)
         owners = self._live_owners()
         blocks = set(dst_blocks)
-        for s, (rid, t) in owners.items():  # destinations are fresh headroom blocks: nobody's yet
-            if s // S in blocks:
+        fills = {int(b) for b in getattr(plan, "fills", ())}
+        for s, (rid, t) in owners.items():  # fresh destinations are nobody's yet; a fill's holes are nobody's
+            if s // S in blocks and (s // S not in fills or s in writes):
                 self._fail(plan, "foreign_token",
                            f"at launch, request {rid!r} token {t} is live at slot {s} in destination block {s // S} "
                            f"of plan {plan.id}: the copy would overwrite or alias it", token=t, layer=None)
@@ -759,7 +760,8 @@ def _minimal_snapshot(plan, S: int) -> dict:
 
     return {"schema": SCHEMA, "block_size": S,
             "plan": {"id": int(plan.id), "request": str(plan.req_id), "sources": list(plan.sources),
-                     "dests": list(plan.dests), "moves": np.asarray(plan.moves).tolist()},
+                     "dests": list(plan.dests), "fills": list(getattr(plan, "fills", ())),
+                     "moves": np.asarray(plan.moves).tolist()},
             "pre": {"requests": {}}, "post": None, "shared_blocks": [], "headroom": [], "in_flight": [],
             "schedule": [], "evicted_in_flight": []}
 

@@ -91,9 +91,11 @@ def _rest(S, specs, k, left, full_prefix, prev) -> Iterator[tuple]:
         specs.pop()
 
 
-def build_state(S: int, specs: list, max_blocks: int):
+def build_state(S: int, specs: list, max_blocks: int, in_place: bool = True):
     """The real table, allocator and manager for one enumerated state, and each request's
-    positional block list (the scheduler's view)."""
+    positional block list (the scheduler's view). ``in_place``: the planner's compaction
+    (``PlannerConfig.in_place``: into the request's own holes, or out of place into the
+    headroom)."""
     headroom = max_blocks + 1
     nblocks = 1 + max_blocks + headroom + len(specs) + 1  # + room for each request to grow a block
     table, alloc = TokenTable(S, nblocks), BlockAllocator(nblocks)
@@ -113,7 +115,7 @@ def build_state(S: int, specs: list, max_blocks: int):
         dead = [i for i, b in enumerate(bits) if not b]
         if dead:
             table.evict_tokens(r, dead)
-    cfg = PlannerConfig(theta_f=-1.0, headroom=headroom, record_snapshots=True)
+    cfg = PlannerConfig(theta_f=-1.0, headroom=headroom, record_snapshots=True, in_place=in_place)
     mgr = ReclamationManager(table, alloc, engine=NullCopyEngine(0), config=cfg)
     return table, alloc, mgr, positions
 
@@ -141,7 +143,8 @@ def _read(mgr, plan) -> None:
                    slots=[int(x) for x in t.slot_mapping(rid).tolist()])
 
 
-def check_state(S: int, specs: list, max_blocks: int, churn: bool = False) -> tuple[int, list[str]]:
+def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
+                in_place: bool = True) -> tuple[int, list[str]]:
     """Plan, launch, apply; check every snapshot. Returns (snapshots checked, violations).
 
     Round 1 plans and launches (the copy engine needs one poll to finish, so the plans are
@@ -152,7 +155,7 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False) -> tu
     """
     found, checked = [], 0
     try:
-        table, alloc, mgr, positions = build_state(S, specs, max_blocks)
+        table, alloc, mgr, positions = build_state(S, specs, max_blocks, in_place)
     except Exception as e:  # the table/allocator refused a state the enumerator thinks valid
         return 0, [f"build: {type(e).__name__}: {e}"]
     mgr.engine.latency = 1
@@ -207,11 +210,13 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False) -> tu
 
 def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAULT_BOUND["max_blocks"],
                     max_requests: int = DEFAULT_BOUND["max_requests"], time_budget_s: float = 60.0,
-                    churn: bool = True) -> dict:
+                    churn: bool = True, modes=(True, False)) -> dict:
     """Check every state within the bound (or as many as ``time_budget_s`` allows).
 
-    With ``churn`` every state that makes a plan is run a second time with evictions and
-    growth while its copies are in flight (``plans`` counts the snapshots of both runs).
+    Every state is run once per compaction mode in ``modes`` (``in_place`` True: the
+    default, into the request's own holes; False: out of place, into the headroom). With
+    ``churn`` every run that makes a plan is repeated with evictions and growth while its
+    copies are in flight (``plans`` counts the snapshots of all runs).
 
     Returns ``states`` (states built), ``plans`` (snapshots checked), ``violations`` (count),
     ``examples`` (the first few, as text), ``seconds`` and ``bound_reached`` (True when every
@@ -226,10 +231,14 @@ def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAU
             reached = False
             break
         states += 1
-        n, found = check_state(S, specs, max_blocks)
-        if churn and n:
-            n2, found2 = check_state(S, specs, max_blocks, churn=True)
-            n, found = n + n2, found + [f"(churn) {f}" for f in found2]
+        n, found = 0, []
+        for in_place in modes:
+            tag = "in place" if in_place else "out of place"
+            n1, found1 = check_state(S, specs, max_blocks, in_place=in_place)
+            n, found = n + n1, found + [f"({tag}) {f}" for f in found1]
+            if churn and n1:
+                n2, found2 = check_state(S, specs, max_blocks, churn=True, in_place=in_place)
+                n, found = n + n2, found + [f"({tag}, churn) {f}" for f in found2]
         plans += n
         for f in found:
             violations.append(f"S={S} specs={[(L, ''.join('1' if b else '0' for b in bits), sh) for L, bits, sh in specs]}: {f}")

@@ -118,7 +118,8 @@ _TIGHT_POOL_TESTS = (r"test_priority_preemption_bug\.py::|::test_kv_connector_ha
 _DEFER_TESTS = (r"::test_gate_disabled_without_connector$|"
                 r"::test_evicted_blocks_release_their_auxiliary_outputs_past_capacity$|"
                 r"::test_preempt_during_execution$|::test_kv_pressure_preemption_with_inflight_output\[")
-_TIGHT_POOL_REASON = ("the headroom (64 blocks by default, topped up from whatever is free) is not bounded by "
+_TIGHT_POOL_REASON = ("a headroom (none by default: in-place plans need no destination; one set in the "
+                      "adapter settings is topped up from whatever is free) is not bounded by "
                       "the pool: in pools of 5-32 blocks it takes the blocks vLLM needs, so a request is "
                       "admitted a step late or not at all, or preempted, where vLLM alone runs it; an empty "
                       "step gives the headroom back and the next one retakes it (churn)")

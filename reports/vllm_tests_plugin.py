@@ -23,8 +23,8 @@ directly. Patching one helper would miss the others, so the plugin patches the c
   ``_free_request_blocks()`` hooks), reads the geometry off it (``VllmHarness.around``) and
   sets ``defer_block_free = True``, exactly as an adapter-built scheduler.
   ``isinstance`` checks of the tests still hold (the new class subclasses the old one).
-* settings: the adapter's defaults (reclamation on, ``PlannerConfig()``: headroom 64,
-  runtime checks on) unless ``--vtoken-adapter-settings JSON`` says otherwise. No eviction
+* settings: the adapter's defaults (reclamation on, ``PlannerConfig()``: in-place
+  compaction, so no headroom is reserved; runtime checks on) unless ``--vtoken-adapter-settings JSON`` says otherwise. No eviction
   acts: no worker is attached and the token table stays empty, so no block is ever
   released or relocated; what remains is everything the adapter does around vLLM anyway
   (the headroom reservation and admission back-pressure, ``defer_block_free``, the hooks

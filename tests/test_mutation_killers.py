@@ -128,6 +128,7 @@ def test_the_device_lookup_cache_does_not_grow_under_request_churn():
 def make(nb=32, headroom=2, latency=0, **cfg):
     table, alloc = TokenTable(S, nb), BlockAllocator(nb)
     cfg.setdefault("theta_f", 0.0)
+    cfg.setdefault("in_place", False)  # these scenarios count destinations: the out-of-place lifecycle
     mgr = ReclamationManager(table, alloc, NullCopyEngine(latency), PlannerConfig(headroom=headroom, **cfg))
     return table, alloc, mgr
 
@@ -160,22 +161,24 @@ def test_the_headroom_is_topped_up_to_exactly_its_size():
     assert len(mgr.headroom) == 3 and alloc.num_reserved == 3
 
 
-def test_default_config_reserves_its_headroom_and_plans_at_most_b_sources():
-    """The shipped defaults (B = 32 sources, 64 headroom blocks, theta_f 0.25, every step, the
-    watermark derived, copy_steps 4, no cap on plans per round, and no snapshots: recording
-    keeps every applied plan in ``history``, memory a long run cannot afford by default).
-    Kills: planner.py `headroom: int = 64` -> 63, `max_sources: int = 32` -> 31/33,
-    `record_snapshots: bool = False` -> True."""
+def test_default_config_plans_in_place_without_headroom_and_at_most_b_sources():
+    """The shipped defaults (in-place plans, so no headroom block reserved; B = 32 sources,
+    theta_f 0.25, every step, the watermark derived, copy_steps 4, no cap on plans per round,
+    and no snapshots: recording keeps every applied plan in ``history``, memory a long run
+    cannot afford by default). Kills: planner.py `headroom: int = 0` -> 1, `max_sources: int
+    = 32` -> 31/33, `record_snapshots: bool = False` -> True, `in_place: bool = True` -> False."""
     cfg = PlannerConfig()
-    assert (cfg.theta_f, cfg.check_every, cfg.max_sources, cfg.headroom, cfg.low_watermark, cfg.copy_steps) == \
-        (0.25, 1, 32, 64, None, 4)
+    assert (cfg.theta_f, cfg.check_every, cfg.max_sources, cfg.headroom, cfg.low_watermark, cfg.copy_steps,
+            cfg.in_place) == (0.25, 1, 32, 0, None, 4, True)
     table, alloc = TokenTable(S, 128), BlockAllocator(128)
     mgr = ReclamationManager(table, alloc)
-    assert len(mgr.headroom) == 64 and not mgr.backpressure
-    sparse(table, alloc, "a", 41, keep=1)  # 40 one-live blocks and a full tail: F > 0.25
+    assert mgr.headroom == [] and alloc.num_reserved == 0 and not mgr.backpressure
+    sparse(table, alloc, "a", 61, keep=1)  # 60 one-live blocks (S = 4) and a full tail: F > 0.25
     assert mgr.eligible()
     (plan,) = mgr.step(force_sync=True)
-    assert len(plan.sources) == 32 and len(plan.dests) == 8 and plan.state == APPLIED
+    # 180 holes could free 45 blocks: B caps it at 32; their 32 live tokens fill the 3 holes
+    # of each of the next 11 one-live blocks
+    assert len(plan.sources) == 32 and plan.dests == [] and len(plan.fills) == 11 and plan.state == APPLIED
     assert plan.snapshot is None and mgr.history == []
 
 

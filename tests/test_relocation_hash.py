@@ -139,7 +139,7 @@ class Rig:
         self.copy = engine(self.kv, S, lag=lag)
         self.chk = RelocationChecker(self.kv, self.table, out_dir=out_dir, method=method,
                                      raise_on_failure=raise_on_failure)
-        cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=6, record_snapshots=True)
+        cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=6, record_snapshots=True, in_place=False)
         self.mgr = ReclamationManager(self.table, self.alloc, self.chk.wrap(self.copy), cfg,
                                       on_applied=self.chk.after_apply)
         self.blocks = {}
@@ -286,7 +286,7 @@ def layout(live_in_sources=8, engine=KVCopyEngine, foreign_in_dest=False, raise_
     t.evict_tokens("a", sorted(evict))
     copy = engine(kv, S)
     chk = RelocationChecker(kv, t, raise_on_failure=raise_on_failure)
-    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=2, record_snapshots=True)
+    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=2, record_snapshots=True, in_place=False)
     mgr = ReclamationManager(t, a, chk.wrap(copy), cfg, on_applied=chk.after_apply)
     blocks_b = a.allocate(2)
     t.sync_new_tokens("b", blocks_b, 6)
@@ -549,7 +549,7 @@ def flip_sweep(dtype, method) -> dict:
     t, a = TokenTable(4, 32), BlockAllocator(32)
     t.sync_new_tokens("r", a.allocate(5), 20)
     t.evict_tokens("r", [0, 1, 5, 6, 9, 10, 11, 14])
-    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=4, record_snapshots=False)
+    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=4, record_snapshots=False, in_place=False)
     base = kv.kv.clone()
     (plan,) = ReclamationManager(t, a, KVCopyEngine(kv, 4), cfg).plan_round()  # a real plan (its copy is redone)
     n_moves = len(plan.moves)
@@ -702,3 +702,50 @@ def test_digests_of_no_tokens():
     none = torch.empty(0, dtype=torch.int64)
     assert token_layer_digests(kv, none).shape == (0, 2)
     assert device_fingerprint(kv, none).shape[:2] == (0, 2)
+
+
+# ---------------------------------------------------------------- in-place plans (fills)
+def inplace_layout(engine=KVCopyEngine, raise_on_failure=True):
+    """Request 'a' on blocks 1..5 (S = 4; 5 = the tail): block 1 keeps 2 live tokens, blocks
+    2..4 miss offset 1 (one hole each). The in-place plan empties block 1 into the holes of
+    blocks 2 and 3; nothing comes from the headroom."""
+    kv = cache(5)
+    t, a = TokenTable(S, NB), BlockAllocator(NB)
+    blocks = a.allocate(5)
+    t.sync_new_tokens("a", blocks, 5 * S)
+    t.evict_tokens("a", [0, 1, 5, 9, 13])
+    chk = RelocationChecker(kv, t, raise_on_failure=raise_on_failure)
+    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=0, record_snapshots=True)
+    mgr = ReclamationManager(t, a, chk.wrap(engine(kv, S)), cfg, on_applied=chk.after_apply)
+    return kv, t, chk, mgr
+
+
+def test_in_place_plan_fills_holes_and_passes_the_checker():
+    kv, t, chk, mgr = inplace_layout()
+    (plan,) = mgr.plan_round()
+    assert plan.sources == [1] and plan.fills == [2, 3] and plan.dests == []
+    assert plan.moves[:, 3:].tolist() == [[2, 1], [3, 1]]  # the holes, fill after fill
+    mgr.poll(force_sync=True)
+    assert chk.failed == 0 and chk.passed == 2 and chk.guarded > 0
+    assert t.location("a", 2) == (2, 1) and t.location("a", 3) == (3, 1) and not t.references("a", 1)
+
+
+def test_in_place_write_past_a_hole_into_the_fills_live_token_is_caught():
+    """One slot past the last hole written (block 3 offset 2) is a live token of 'a' in the
+    fill itself: the guard covers a fill's live slots, not only free ones."""
+    kv, t, chk, mgr = inplace_layout(engine=WritePastEngine)
+    with pytest.raises(RelocationCheckError) as ei:
+        mgr.plan_round()
+        mgr.poll(force_sync=True)
+    assert ei.value.code == "guard_overwritten" and "slot 14 (block 3 offset 2)" in str(ei.value)
+    assert "live token 10 of request 'a'" in str(ei.value)
+
+
+def test_in_place_move_onto_a_live_slot_of_the_fill_is_caught_at_launch():
+    kv, t, chk, mgr = inplace_layout()
+    plan = mgr.plan_request("a")
+    plan.moves = plan.moves.copy()
+    plan.moves[1, 4] = 2  # block 3 offset 2 holds live token 10
+    with pytest.raises(RelocationCheckError) as ei:
+        mgr.launch(plan)
+    assert ei.value.code == "foreign_token" and "token 10" in str(ei.value)

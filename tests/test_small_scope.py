@@ -39,10 +39,16 @@ def test_churn_evicts_and_grows_while_a_copy_is_in_flight():
     spec = [(6, (False, True, False, True, True, True), False)]  # S=2: blocks 1 live, 1 live, tail
     n, found = check_state(2, spec, 3, churn=True)
     assert found == [] and n >= 2
-    table, alloc, mgr, positions = build_state(2, spec, 3)
+    table, alloc, mgr, positions = build_state(2, spec, 3, in_place=False)
     mgr.engine.latency = 1
     (p,) = mgr.plan_round()
-    assert p.moves[:, 0].tolist() == [1, 3]
+    assert p.moves[:, 0].tolist() == [1, 3]  # out of place: both one-live blocks into one fresh block
+    n, found = check_state(2, spec, 3, churn=True, in_place=False)
+    assert found == [] and n >= 2
+    table, alloc, mgr, positions = build_state(2, spec, 3)
+    (p,) = mgr.plan_round()
+    # in place: the first one-live block's token goes into the hole of the second
+    assert p.sources == [positions[0][0]] and p.fills == [positions[0][1]] and p.moves[:, 0].tolist() == [1]
 
 
 @pytest.mark.parametrize("fault,bound,words", [

@@ -452,13 +452,13 @@ class DecodeEngine:
 
     def _watch_alloc(self, req_id, blocks) -> None:
         for p in self._watched():
-            hit = sorted(set(blocks) & (set(p.sources) | set(p.dests)))
+            hit = sorted(set(blocks) & set(p.blocks))
             if hit:
                 self.manager.record(p, "alloc", request=str(req_id), blocks=hit)
 
     def _watch_rw(self, req_id, read_ids, read_slots, write_ids, write_slots) -> None:
         for p in self._watched():
-            blk = np.asarray(sorted(set(p.sources) | set(p.dests)), dtype=np.int64)
+            blk = np.asarray(sorted(set(p.blocks)), dtype=np.int64)
             if read_slots is not None and len(read_slots):
                 m = np.isin(read_slots // self.S, blk)
                 if m.any():

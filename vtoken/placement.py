@@ -13,7 +13,11 @@ the proof checks this function, not a transcription of it.
 Owns: nothing (pure functions).
 May call: numpy only; never spec/, invariants/, fuzz/ or reports/ (the proof in invariants/ calls
 it, not the other way round).
-Costs: ``place`` O(candidate tokens) in numpy, ``dest_count`` O(1).
+In-place compaction (:func:`holes`) first fills the *holes* of the plan's fill blocks (slots
+holding no live token), fill after fill, each in ascending offset; the ``k``-th moved token
+takes the ``k``-th hole. Only tokens beyond the holes go to fresh destinations by ``place``.
+
+Costs: ``place`` O(candidate tokens) in numpy, ``holes`` O(fills x S), ``dest_count`` O(1).
 """
 
 from __future__ import annotations
@@ -39,3 +43,16 @@ def place(live, S: int, ite: Callable = np.where, zero=0, one=1) -> tuple:
 def dest_count(n_live: int, S: int) -> int:
     """ceil(n_live / S): destinations a plan needs for ``n_live`` tokens."""
     return -(-n_live // S)
+
+
+def holes(occupied, fills) -> tuple:
+    """The fill order of in-place compaction: ``(block, offset)`` arrays of every hole of
+    ``fills``, fill after fill (in list order), ascending offset within a fill.
+
+    ``occupied``: a ``(len(fills), S)`` bool array, row ``i`` the slots of ``fills[i]`` that
+    hold a live token. The ``k``-th moved token (logical order) goes to the ``k``-th hole.
+    O(fills x S).
+    """
+    occ = np.asarray(occupied, dtype=bool)
+    row, offset = np.nonzero(~occ)  # row-major: fill order, then ascending offset
+    return np.asarray(fills, dtype=np.int64)[row], offset.astype(np.int64)

@@ -45,7 +45,7 @@ import numpy as np
 
 from .allocator import BlockAllocator
 from .errors import PlanError
-from .placement import place
+from .placement import holes, place
 from .snapshot import SCHEMA, request_state
 from .table import OWN_TAIL, TokenTable
 
@@ -62,8 +62,9 @@ class Proposal:
     """A plan for one request, before launch: nothing has changed anywhere yet."""
 
     sources: list  # block ids the plan empties (moved-out and all-dead ones), sorted
-    dests: list  # destination block ids, a prefix of the headroom given to ``propose``
+    dests: list  # fresh destination block ids, a prefix of the headroom given to ``propose``
     moves: np.ndarray  # (k, 5) int64: token, src_block, src_offset, dst_block, dst_offset
+    fills: list = field(default_factory=list)  # the request's own blocks whose holes take tokens, in fill order
 
     @property
     def reduction(self) -> int:
@@ -97,23 +98,31 @@ def _bound(n_blocks, n_live, has_tail, in_tail, S: int):
 
 
 def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: int, tail: Optional[int],
-            excluded: Optional[np.ndarray] = None, max_dests: Optional[int] = None) -> tuple[Optional[Proposal], bool]:
+            excluded: Optional[np.ndarray] = None, max_dests: Optional[int] = None,
+            in_place: bool = True) -> tuple[Optional[Proposal], bool]:
     """Stage 3 for one request: the best plan, or ``None`` when no positive reduction fits.
 
     Candidates are the request's blocks that only it references (``refs == 1``), that are
     not its ``tail``, not full of live tokens and not ``excluded`` (a bool mask over all
     blocks, or an array of block ids: in-flight plans' blocks, blocks the substrate shares,
-    blocks the caller does not hold for the request). Sorted by live count (block id breaks
-    ties, so the result is deterministic), the best prefix of at most ``max_sources``
-    blocks is taken: the one whose reduction ``sources - ceil(T_live / S)`` is largest,
-    among those whose destinations fit in ``headroom`` (and ``max_dests``). Destinations
-    are the first ``ceil(T_live / S)`` headroom blocks, filled completely one after another
-    in logical token order (:func:`vtoken.placement.place`).
+    blocks the caller does not hold for the request), sorted by live count (block id breaks
+    ties, so the result is deterministic).
+
+    ``in_place`` (the default, ``PlannerConfig.in_place``): sources are the first
+    ``m = min(B, floor(H / S))`` candidates, H the holes (slots without a live token) of all
+    candidates; their live tokens go into the holes of the next candidates in the same
+    order (the plan's ``fills``, as many as they need; :func:`vtoken.placement.holes`), so a
+    plan moves exactly the live tokens of the blocks it frees and needs no destination: no
+    plan frees more (whatever the sources, moved - holes left = m S - H). ``in_place=False``
+    (the paper's out-of-place compaction): the best prefix of at most ``max_sources``
+    candidates by ``sources - ceil(T_live / S)``, among those whose destinations fit in
+    ``headroom`` (and ``max_dests``), packed into the first ``ceil(T_live / S)`` headroom
+    blocks in logical order (:func:`vtoken.placement.place`).
 
     Returns ``(proposal, worthwhile)``: ``worthwhile`` says a positive reduction existed
     without the headroom limit (a ``None`` proposal with ``worthwhile`` is a deferral).
-    Reads only; cost O(blocks of the request + its length x log B). The contract is
-    ``vtoken.spec.planner.plan_errors`` / ``best_reduction``.
+    Reads only; cost O(blocks of the request + its length x log B (+ fills x S)). The
+    contract is ``vtoken.spec.planner.plan_errors`` / ``best_reduction``.
     """
     S = table.S
     limit = len(headroom) if max_dests is None else max(0, min(int(max_dests), len(headroom)))
@@ -127,16 +136,28 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     if len(candidates) == 0:
         return None, False
     order = np.lexsort((candidates, live_counts))  # fewest live first; block id breaks ties
-    candidates, live_counts = candidates[order][:max_sources], live_counts[order][:max_sources]
-    need = -(-np.cumsum(live_counts) // S)  # destinations for each prefix
-    reductions = np.arange(1, len(candidates) + 1) - need
-    worthwhile = bool(reductions.max() > 0)
-    reductions[need > limit] = -1  # shrink to what the headroom can serve
-    m = int(np.argmax(reductions)) + 1
-    if reductions[m - 1] <= 0:
-        return None, worthwhile
+    candidates, live_counts = candidates[order], live_counts[order]
+    fills: list = []
+    dests: list = []
+    if in_place:
+        m = min(int(max_sources), int((S - live_counts).sum()) // S)
+        if m <= 0:
+            return None, False
+        moved = int(live_counts[:m].sum())
+        room = np.cumsum(S - live_counts[m:])  # holes of the first j fill candidates
+        fills = candidates[m:m + (int(np.searchsorted(room, moved)) + 1 if moved else 0)].tolist()
+        worthwhile = True
+    else:
+        candidates, live_counts = candidates[:max_sources], live_counts[:max_sources]
+        need = -(-np.cumsum(live_counts) // S)  # destinations for each prefix
+        reductions = np.arange(1, len(candidates) + 1) - need
+        worthwhile = bool(reductions.max() > 0)
+        reductions[need > limit] = -1  # shrink to what the headroom can serve
+        m = int(np.argmax(reductions)) + 1
+        if reductions[m - 1] <= 0:
+            return None, worthwhile
+        dests = [int(b) for b in headroom[: int(need[m - 1])]]
     sources = np.sort(candidates[:m])
-    dests = [int(b) for b in headroom[: int(need[m - 1])]]
     ids, slots = table.live_slots(req_id)
     blk = slots // S
     at = np.minimum(np.searchsorted(sources, blk), len(sources) - 1)  # sources is sorted: O(length log B)
@@ -146,11 +167,17 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     moves[:, 0] = toks
     moves[:, 1] = src // S
     moves[:, 2] = src % S
-    if len(toks):
+    if len(toks) and in_place:
+        f = np.asarray(fills, dtype=np.int64)
+        occupied = table.claims[f[:, None] * S + np.arange(S)] > 0
+        hole_block, hole_offset = holes(occupied, f)
+        moves[:, 3] = hole_block[:len(toks)]
+        moves[:, 4] = hole_offset[:len(toks)]
+    elif len(toks):
         dest_index, offset = place(np.ones(len(toks), dtype=bool), S)
         moves[:, 3] = np.asarray(dests, dtype=np.int64)[dest_index]
         moves[:, 4] = offset
-    return Proposal(sources.tolist(), dests, moves), worthwhile
+    return Proposal(sources.tolist(), dests, moves, fills), worthwhile
 
 
 @dataclass
@@ -159,11 +186,12 @@ class Applied:
 
     moves: np.ndarray  # the moves applied (their tokens were still live)
     evicted_in_flight: list  # moved tokens evicted while the copy flew: left dead where they were
-    used_dests: list  # destination blocks that received a token, sorted (the rest are unused)
+    used_dests: list  # fresh destination blocks that received a token, sorted (the rest are unused; fills not listed)
     emptied: list  # the plan's sources, all now unreferenced by the request, sorted
 
 
-def apply_completed(table: TokenTable, req_id, sources: Sequence[int], moves: np.ndarray) -> Applied:
+def apply_completed(table: TokenTable, req_id, sources: Sequence[int], moves: np.ndarray,
+                    fills: Sequence[int] = ()) -> Applied:
     """Apply a plan whose copy has completed: the table's part of ``completed -> applied``.
 
     Moves of tokens evicted while the copy was in flight are dropped (those tokens stay
@@ -173,9 +201,11 @@ def apply_completed(table: TokenTable, req_id, sources: Sequence[int], moves: np
     frees the sources (one reference each) and hands ``used_dests`` to the request.
 
     Validated before anything changes: a source another request references
-    (``shared_source``: shared blocks never move), or one that would keep a live token
-    (``not_emptied``), raises :class:`PlanError` with the table untouched. Cost O(moves +
-    sources).
+    (``shared_source``: shared blocks never move), one that would keep a live token
+    (``not_emptied``), or a fill (``fills``: the request's blocks whose holes the copy
+    wrote) that is no longer the request's alone (``shared_fill``: the copy already wrote
+    it, so this is corruption, never an abort) raises :class:`PlanError` with the table
+    untouched. Cost O(moves + sources + fills).
     """
     m = np.asarray(moves, dtype=np.int64).reshape(-1, 5)
     srcs = sorted(int(b) for b in sources)
@@ -193,15 +223,21 @@ def apply_completed(table: TokenTable, req_id, sources: Sequence[int], moves: np
         if table.block_live_count(b) != moved_from.get(b, 0):
             raise PlanError("not_emptied", f"request {req_id!r}: source block {b} holds {table.block_live_count(b)} "
                                            f"live token(s), the plan moves {moved_from.get(b, 0)} out of it")
+    for b in fills:
+        if table.block_refs(b) != 1 or not table.references(req_id, b):
+            raise PlanError("shared_fill", f"request {req_id!r}: fill block {b} has {table.block_refs(b)} referencing "
+                                           f"request(s) at apply (the request's: {table.references(req_id, b)}); a "
+                                           f"block in flight is never shared or released")
     stray = set(moved_from) - set(srcs)
     if stray:
         raise PlanError("not_emptied", f"request {req_id!r}: moves out of blocks {sorted(stray)}, not sources")
+    landed = np.unique(m[:, 3]).tolist() if len(m) else []
+    used = [b for b in landed if not table.references(req_id, b)]  # fresh: not a fill (already the request's)
     emptied = table.apply_moves(req_id, m) if len(m) else []
     rest = sorted(set(srcs) - set(emptied))
     if rest:  # all-dead sources: nothing to move, the table just lets go of them
         emptied = sorted(list(emptied) + table.release_empty_blocks(req_id, rest))
     assert emptied == srcs, f"plan emptied {emptied}, sources {srcs}"  # guaranteed by the checks above
-    used = sorted({int(b) for b in m[:, 3]}) if len(m) else []
     return Applied(m, evicted, used, emptied)
 
 
@@ -209,7 +245,7 @@ def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, t
                   headroom: Sequence[int], in_flight: Sequence[dict]) -> dict:
     """The plan snapshot (``vtoken.snapshot`` schema) at planning time; O(length of the request).
 
-    ``in_flight``: ``{"id", "request", "sources", "dests"}`` of every other plan still copying.
+    ``in_flight``: ``{"id", "request", "sources", "dests", "fills"}`` of every other plan still copying.
     ``post`` stays null and ``evicted_in_flight`` empty until :func:`snapshot_applied`.
     """
     shared = sorted(int(b) for b in table.blocks_of(req_id) if table.block_refs(b) > 1)
@@ -217,7 +253,8 @@ def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, t
         "schema": SCHEMA,
         "block_size": table.S,
         "plan": {"id": int(plan_id), "request": str(req_id), "sources": [int(b) for b in proposal.sources],
-                 "dests": [int(b) for b in proposal.dests], "moves": proposal.moves.tolist()},
+                 "dests": [int(b) for b in proposal.dests], "fills": [int(b) for b in proposal.fills],
+                 "moves": proposal.moves.tolist()},
         "pre": {"requests": {str(req_id): request_state(table, req_id, tail)}},
         "post": None,
         "shared_blocks": shared,
@@ -270,17 +307,20 @@ class PlannerConfig:
       F stays under 0.25 while the free blocks run out (preempted at step 4,289, no plan).
     * ``check_every = 1``: a check is O(requests) counters and reads, nothing to amortise;
       intervals 1-4 all hold the frontier (the robustness grid).
-    * ``max_sources = 32`` (B = 2 S): a plan needs S sources to free one block when every
-      block misses a single token (S (S - 1) live tokens fill S - 1 destinations), which is
-      what H2O leaves right after it starts evicting. B = 8 loses the frontier (preempted at
-      step ~4,450), 16 holds; more only makes single plans, and bytes in flight, bigger.
-    * ``headroom = 64`` (4 S): destinations are reclamation's throughput (a plan over one-hole
-      blocks needs S - 1 of them per block it frees, held for the copy's latency, and the
-      manager tops the headroom up again while they fly, so up to twice this is reserved).
-      48 loses the frontier at check interval 4 with copy latency 4 (preempted at step
-      4,673), 64 holds every cell of the grid. It is a block count sized for pools of
-      thousands of blocks (the paper's 3,438-11,519); a pool of a few hundred blocks should
-      pass a smaller one (the adapter and the decode engine take it as an argument).
+    * ``in_place = True``: a plan moves the live tokens of the blocks it frees into the holes
+      of the request's other private blocks (``propose``), so it moves exactly the lower bound
+      (the live tokens of the blocks freed) and needs no destination block. Out-of-place
+      compaction (the paper's, ``in_place=False``) also moves the tokens of the blocks it
+      fills: over blocks filled to f of S it moves 1 / (1 - f) times the bound, 16x where H2O
+      leaves one hole per block (measured at the frontier: ~131 tokens moved per block freed,
+      in place ~8).
+    * ``max_sources = 32`` (B = 2 S): blocks a plan may free at once (its bytes in flight are
+      at most B S tokens). Out of place, a plan needs S sources to free one block when every
+      block misses a single token; B = 8 lost the frontier there (preempted at step ~4,450).
+    * ``headroom = 0``: in-place plans take no destination, so nothing is reserved. Out of
+      place (``in_place=False``) destinations are reclamation's throughput: 64 (4 S) held
+      every cell of the robustness grid there, 48 lost the frontier at check interval 4 with
+      copy latency 4 (sized for pools of thousands of blocks, the paper's 3,438-11,519).
     * ``low_watermark = None``: derived, see above and :func:`low_watermark`. A fixed 16
       loses the frontier at copy latency 1 (preempted at step ~4,340).
     * ``copy_steps = 4``: the copy latency (steps) the watermark's reaction reserve covers.
@@ -288,19 +328,19 @@ class PlannerConfig:
       the headroom bounds the destinations; a cap only delays plans under pressure.
     * ``record_snapshots = False``: every applied plan would be kept in ``history``.
 
-    The price of reclaiming everything under pressure is copy traffic: ~131 tokens moved per
-    block freed at the frontier (the earlier lazy tuned point, watermark 48: ~97, but it
-    breaks at copy latency 4 or check interval 4).
+    The price of reclaiming everything under pressure is copy traffic: in place it is the
+    bound itself (moved / bound 1.00 at the frontier, ``vtoken simulate frontier``).
     """
 
     theta_f: float = 0.25
     check_every: int = 1  # K: scheduler steps between eligibility checks
     max_sources: int = 32  # B: source blocks per plan
-    headroom: int = 64  # blocks reserved for compaction destinations
+    headroom: int = 0  # blocks reserved for compaction destinations (out-of-place plans only)
     low_watermark: Optional[int] = None  # None: derived (low_watermark()); < 0: no pressure branch
     copy_steps: int = 4  # copy latency (steps) the derived watermark's reaction reserve covers
     max_plans_per_round: int = 1 << 30
     record_snapshots: bool = False
+    in_place: bool = True  # fill the request's own holes (no headroom needed); False: the paper's out-of-place
 
 
 def trigger_inputs(table: TokenTable, free_blocks: int) -> dict:
@@ -353,8 +393,9 @@ class Plan:
     id: int
     req_id: object
     sources: list  # blocks the plan empties (all of them: moved-out and all-dead ones)
-    dests: list  # destination blocks, taken from the headroom
+    dests: list  # fresh destination blocks, taken from the headroom
     moves: np.ndarray  # (k, 5): token, src_block, src_offset, dst_block, dst_offset
+    fills: list = field(default_factory=list)  # the request's blocks whose holes take tokens (stay its own)
     state: str = PLANNED
     handle: object = None
     snapshot: Optional[dict] = None
@@ -364,6 +405,11 @@ class Plan:
     @property
     def reduction(self) -> int:
         return len(self.sources) - len(self.dests)
+
+    @property
+    def blocks(self) -> list:
+        """Every block the copy touches (busy while it flies): sources, fills, dests."""
+        return list(self.sources) + list(self.fills) + list(self.dests)
 
 
 class NullCopyEngine:
@@ -463,17 +509,18 @@ class ReclamationManager:
         """
         tail = self._tail_of(req_id)
         prop, worthwhile = propose(self.table, req_id, self.headroom, max_sources=self.cfg.max_sources, tail=tail,
-                                   excluded=self._busy_mask if self.in_flight else None, max_dests=max_dests)
+                                   excluded=self._busy_mask if self.in_flight else None, max_dests=max_dests,
+                                   in_place=self.cfg.in_place)
         if prop is None:
             if worthwhile:
                 self.stats["deferred"] += 1  # worth doing, but the headroom is short
             return None
-        plan = Plan(next(self._ids), req_id, prop.sources, prop.dests, prop.moves)
+        plan = Plan(next(self._ids), req_id, prop.sources, prop.dests, prop.moves, prop.fills)
         if self.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(
                 self.table, req_id, plan.id, prop, tail, self.headroom,
-                [{"id": p.id, "request": str(p.req_id), "sources": list(p.sources), "dests": list(p.dests)}
-                 for p in self.in_flight.values()])
+                [{"id": p.id, "request": str(p.req_id), "sources": list(p.sources), "dests": list(p.dests),
+                  "fills": list(p.fills)} for p in self.in_flight.values()])
         return plan
 
     def record(self, p: Plan, kind: str, **fields) -> None:
@@ -494,8 +541,7 @@ class ReclamationManager:
             if not taken <= set(self.headroom):
                 raise PlanError("stale_plan", f"plan {plan.id}: destinations {plan.dests} are no longer in the headroom")
             self.headroom = [b for b in self.headroom if b not in taken]
-        self._busy_mask[plan.sources] = True
-        self._busy_mask[plan.dests] = True
+        self._busy_mask[plan.blocks] = True
         plan.state = COPYING
         self.in_flight[plan.id] = plan
         self.stats["plans"] += 1
@@ -539,7 +585,7 @@ class ReclamationManager:
             # corruption: apply_completed refuses it.)
             self.abort(plan)
             return
-        res = apply_completed(t, plan.req_id, plan.sources, plan.moves)
+        res = apply_completed(t, plan.req_id, plan.sources, plan.moves, fills=plan.fills)
         self._release(plan)
         plan.moves, plan.evicted_in_flight = res.moves, res.evicted_in_flight
         used = res.used_dests
@@ -573,8 +619,7 @@ class ReclamationManager:
     def _release(self, plan: Plan) -> None:
         assert self.in_flight.get(plan.id) is plan, f"plan {plan.id} released but not in flight"
         del self.in_flight[plan.id]
-        self._busy_mask[plan.sources] = False
-        self._busy_mask[plan.dests] = False
+        self._busy_mask[plan.blocks] = False
 
     def finish_request(self, req_id, held_blocks) -> list[int]:
         """The request finished or was preempted: forget it and free the blocks it held.
@@ -591,7 +636,7 @@ class ReclamationManager:
         for plan in self.in_flight.values():
             if plan.req_id == req_id and not plan.orphaned:
                 plan.orphaned = True
-                mine = [b for b in held_blocks if b in plan.sources]
+                mine = [b for b in held_blocks if b in plan.sources or b in plan.fills]  # the copy reads / writes them
                 self._deferred.setdefault(plan.id, []).extend(mine)
                 later |= set(mine)
         now = [b for b in held_blocks if b not in later]

@@ -527,3 +527,38 @@ def test_an_unaudited_vllm_version_is_refused_at_start(monkeypatch):
         VTokenAdapter(block_size=8, num_blocks=32)
     monkeypatch.setenv(ALLOW_ENV, "0.32.0")  # the audit of 0.32.0
     VTokenAdapter(block_size=8, num_blocks=32).close()
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_in_place_plan_holds_its_fills_hashless_and_gives_them_back(model, async_):
+    """In-place compaction (the default): a plan's fills (the request's blocks whose holes
+    take the moved tokens) leave the request's list at launch like its sources, carry no
+    prefix-cache hash, are never free while the copy flies, and come back to the request
+    (``held``) when it reports; no headroom block is ever used."""
+    S = 4
+    ad, w, d = make(model, S=S, N=64, H=0, ratio=0.5, async_=async_, lag=3, caching=True)
+    assert ad.cfg.in_place and ad.headroom == []
+    for i in range(3):
+        ad.add_request(f"q{i}", prompt(i, 24 + 4 * i), max_tokens=40)
+    seen: dict = {}
+    back = 0
+    while ad.has_work():
+        d.step()
+        for pid, p in ad.plans.items():
+            if p.fills and not p.orphaned:
+                seen[pid] = p
+        free = {b.block_id for b in ad.pool.free_block_queue.get_all_free_blocks()}
+        for pid, p in list(seen.items()):
+            if pid in ad.plans:
+                lst = ad.req_to_blocks.get(p.req_id, [])
+                for b in p.fills:
+                    assert b.block_hash is None and b.ref_cnt == 1 and b.block_id not in free, b
+                    assert not any(x is b for x in lst), f"fill {b.block_id} still in {p.req_id}'s list"
+            elif not p.orphaned and p.req_id in ad.mirror:
+                held = {x.block_id for x in ad.held.get(p.req_id, [])}
+                back += all(b.block_id in held or b.ref_cnt == 0 for b in p.fills)
+                del seen[pid]
+    ad.close()
+    assert ad.stats["fills"] > 0 and back > 0, (ad.stats["fills"], back)
+    assert ad.stats["dests_used"] == 0 and ad.stats["applied"] > 0
+    assert w.hash_failures == 0 and w.hash_checks >= 2 * ad.stats["applied"]

@@ -85,10 +85,12 @@ def kv_budget(model: str, gpu_mem_util: float, block_size: int = 16) -> int:
     return int((gpu_mem_util * M - 2 * g["params"] - other) // (g["kv_bytes_per_token"] * block_size))
 
 
-# The earlier hand-tuned point (issue 14's "vToken tuned" column): reclaim only when free blocks
-# fall to 48 (theta_F = 1.0: the F gate never opens on its own), big plans, 48 headroom, 2 plans
-# per round. It reaches the ideal at copy latency 1 / check interval 1 and breaks off it.
-TUNED = dict(theta_f=1.0, check_every=1, max_sources=128, headroom=48, low_watermark=48, max_plans_per_round=2)
+# The earlier hand-tuned point (issue 14's "vToken tuned" column), out of place as it was (the
+# paper's compaction into fresh headroom blocks): reclaim only when free blocks fall to 48
+# (theta_F = 1.0: the F gate never opens on its own), big plans, 48 headroom, 2 plans per
+# round. It reaches the ideal at copy latency 1 / check interval 1 and breaks off it.
+TUNED = dict(theta_f=1.0, check_every=1, max_sources=128, headroom=48, low_watermark=48, max_plans_per_round=2,
+             in_place=False)
 # The shipped defaults: PlannerConfig() as it is.
 DEFAULT: dict = {}
 # One factor at a time away from the shipped defaults, at the large budget and C = ideal
@@ -96,7 +98,8 @@ DEFAULT: dict = {}
 ABLATIONS = [
     ("paper trigger: F > 0.25 only (no watermark)", dict(low_watermark=-1), 1),
     ("fixed watermark 16", dict(low_watermark=16), 1),
-    ("headroom 32", dict(headroom=32), 1), ("headroom 16", dict(headroom=16), 1),
+    ("out of place, headroom 64 (the paper's compaction)", dict(in_place=False, headroom=64), 1),
+    ("out of place, headroom 16", dict(in_place=False, headroom=16), 1),
     ("max_sources 16", dict(max_sources=16), 1), ("max_sources 8", dict(max_sources=8), 1),
 ]
 
@@ -487,10 +490,11 @@ def _markdown(res, st) -> str:
              f"the derived watermark). Earlier tuned point: `{st['tuned']}`. Copy engine: {res['copy_engine']}.\n")
     L.append("## Copy traffic at the frontier (shipped defaults)\n")
     L.append("Per plan the lower bound of the work is the live tokens of the blocks it frees: for a plan with s "
-             "sources and d destinations, the live tokens of its s - d emptiest sources. Out-of-place compaction "
-             "also moves the tokens of the d fullest sources, so a plan over sources filled to f of S moves at least "
-             "1 / (1 - f) times the bound. Every moved token is a live token of a source the plan frees "
-             "(moved / source live).\n")
+             "sources and d fresh destinations, the live tokens of its s - d emptiest sources. The shipped defaults "
+             "compact in place (the sources' live tokens go into holes of the request's other blocks: d = 0, moved "
+             "= the bound); out-of-place compaction (the tuned point, the paper's) also moves the tokens of the d "
+             "fullest sources, so a plan over sources filled to f of S moves at least 1 / (1 - f) times the bound. "
+             "Every moved token is a live token of a source the plan frees (moved / source live).\n")
     rows = []
     for label in res["budgets"]:
         for sysname, name in (("vtoken_default", "defaults"), ("vtoken", "tuned")):

@@ -99,7 +99,7 @@ class Replay:
         self.req_tl: list | None = [] if req_timeline else None
         self.phase_timing, self.want_slot_mapping, self.force_sync = phase_timing, slot_mapping, force_sync
         self.active: list[_R] = []
-        self.busy: dict[int, int] = {}  # source block -> plan id (in-flight plans)
+        self.busy: dict[int, int] = {}  # source or fill block -> plan id (in-flight plans)
         self.busy_mask = np.zeros(self.num_blocks, dtype=bool)  # the same, as a mask (vector lookups)
         self.plan_req: dict[int, int] = {}
         self.mgr = None
@@ -142,7 +142,7 @@ class Replay:
 
     def _on_applied(self, plan) -> None:
         r = self.reqs.get(plan.req_id)
-        for b in plan.sources:
+        for b in plan.sources + plan.fills:
             if self.busy.get(b) == plan.id:
                 del self.busy[b]
                 self.busy_mask[b] = False
@@ -291,7 +291,7 @@ class Replay:
                 fl_dst += len(p.dests)
                 if p.id not in self.plan_req:
                     self.plan_req[p.id] = p.req_id
-                    for b in p.sources:
+                    for b in p.sources + p.fills:  # the copy reads the sources and writes the fills' holes
                         self.busy[b] = p.id
                         self.busy_mask[b] = True
                     self._count_plan(p)

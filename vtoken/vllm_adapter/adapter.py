@@ -61,11 +61,13 @@ pass as shipped still pass; the 40 divergences left are inherent to the design):
 - ``defer_block_free`` is forced on (the fence the relocation protocol needs): vLLM's tests
   of its own gate, and async preemption of a request with output in flight (vLLM frees at
   once, the fence waits one step), see the fence (5 tests);
-- while requests run, the headroom is held: exact free-block counts differ by it (2 tests).
+- while requests run, a headroom (out-of-place compaction only; the default in-place plans
+  reserve none) is held: exact free-block counts differ by it (2 tests when one is set).
 
-Prefix caching: shared-prefix blocks are never moved or released (a candidate must have
-``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the token table);
-destinations never enter a request's list, so vLLM never hashes them.
+Prefix caching: shared-prefix blocks are never moved, filled or released (a candidate must
+have ``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the token table);
+destinations and fills (whose hash is dropped at launch: their bytes change) never enter
+a request's list again, so vLLM never hashes them.
 Owns: the vLLM scheduler instance it drives (through ``hooks``), the token table the
 worker writes, every applied destination (``held``), the rooms it builds (``reserve``,
 ``book``, ``mirror``, ``fence``, ``hashes``, ``check``); vLLM owns the request lists.
@@ -188,7 +190,7 @@ class VTokenAdapter:
         self.table = TokenTable(self.S, self.N, device=table_device)
         self.worker = None
         self.stats = dict(plans=0, applied=0, aborted=0, moves=0, sources_freed=0, dests_used=0,
-                          dests_returned=0, released_empty=0, hashes_kept=0, hashes_evicted=0,
+                          dests_returned=0, fills=0, released_empty=0, hashes_kept=0, hashes_evicted=0,
                           shared_blocks_moved=0, backpressure_steps=0, held_back_max=0, headroom_idle_returns=0,
                           orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
                           unfaithful_hashes_evicted=0, source_hashes_dropped=0)

@@ -37,7 +37,7 @@ from .assumptions import AdapterAssumptionError
 
 _HEADROOM = ("headroom",)
 _NONE: frozenset = frozenset()
-_DESTINATIONS = ("held", "dest")
+_DESTINATIONS = ("held", "dest", "fill")
 
 
 def _describe(kind: tuple) -> str:
@@ -51,6 +51,9 @@ def _describe(kind: tuple) -> str:
     if role == "dest":
         p = kind[1]
         return f"destination of in-flight plan {p.id} (request {p.req_id!r})"
+    if role == "fill":
+        p = kind[1]
+        return f"fill of in-flight plan {p.id} (request {p.req_id!r})"
     return "headroom"
 
 
@@ -171,7 +174,7 @@ class RuntimeChecks:
             pend.setdefault(r, set()).add(b)
         inflight: dict[str, set] = {}
         for p in ad.plans.values():
-            inflight.setdefault(p.req_id, set()).update(p.source_ids + p.dest_ids)
+            inflight.setdefault(p.req_id, set()).update(p.block_ids)
         m = ad.mirror
         for r in (m.ids if requests is None else requests):
             if r not in m or r not in t or m.incarnation.get(r, 0) > processed:
@@ -200,13 +203,10 @@ class RuntimeChecks:
 
     @staticmethod
     def _plan_blocks(p, mine: Counter, kind: dict) -> None:
-        src, dst = ("source", p), ("dest", p)
-        for b in p.sources:
-            mine[b.block_id] += 1
-            kind[b.block_id] = src
-        for b in p.dests:
-            mine[b.block_id] += 1
-            kind[b.block_id] = dst
+        for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)):
+            for b in blocks:
+                mine[b.block_id] += 1
+                kind[b.block_id] = (role, p)
 
     def _check_headroom(self, where: str, list_holder, blocks) -> None:
         for b in blocks:
@@ -241,17 +241,17 @@ class RuntimeChecks:
                     f"({blk.block_hash!r}) although it holds relocated tokens of mixed positions")
 
     def _check_sources_detached(self, where: str, thorough: bool) -> None:
-        """No source of a plan in flight is in its request's list (at its old index, or with
+        """No source or fill of a plan in flight is in its request's list (at its old index, or with
         ``thorough`` anywhere in the list)."""
         ad = self.ad
         for p in ad.plans.values():
             if p.orphaned:
                 continue
             own = ad.req_to_blocks.get(p.req_id, [])
-            for b in p.sources:
+            for b in p.sources + p.fills:
                 i = p.source_index.get(b.block_id, -1)
                 there = any(x is b for x in own) if thorough else (0 <= i < len(own) and own[i] is b)
                 if there or ad.mirror.index(p.req_id, b.block_id) is not None:
                     raise AdapterAssumptionError(
-                        "null_substitution", f"{where}: source block {b.block_id} of plan {p.id} is still in "
+                        "null_substitution", f"{where}: block {b.block_id} (a source or fill) of plan {p.id} is still in "
                         f"request {p.req_id!r}'s block list")

@@ -23,8 +23,8 @@ class AdapterPlan:
     """One compaction plan as the scheduler side made it (vLLM ``KVCacheBlock`` objects).
 
     Ownership: from launch until the worker reports it, the adapter holds the plan's
-    sources (null-substituted out of the request's list, one reference each) and its
-    destinations (taken from the headroom)."""
+    sources and fills (null-substituted out of the request's list or taken from its held
+    destinations, one reference each) and its fresh destinations (taken from the headroom)."""
 
     id: int
     req_id: str
@@ -32,6 +32,7 @@ class AdapterPlan:
     sources: list  # KVCacheBlock
     dests: list  # KVCacheBlock (from the headroom)
     moves: np.ndarray  # (k, 5): token, src_block, src_offset, dst_block, dst_offset
+    fills: list = field(default_factory=list)  # KVCacheBlock: the request's blocks whose holes take tokens
     source_index: dict = field(default_factory=dict)  # source block id -> positional index (or -1: a held dest)
     snapshot: Optional[dict] = None  # the plan snapshot (planner_config.record_snapshots)
     orphaned: bool = False  # the request was freed while the plan flew
@@ -44,6 +45,19 @@ class AdapterPlan:
     @property
     def dest_ids(self) -> list[int]:
         return [b.block_id for b in self.dests]
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return [b.block_id for b in self.fills]
+
+    @property
+    def blocks(self) -> list:
+        """Every block the plan holds while it flies: sources, fills, fresh destinations."""
+        return self.sources + self.fills + self.dests
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
 
     def record(self, kind: str, **fields) -> None:
         """Append an event to the plan's snapshot schedule (when a snapshot is recorded)."""
@@ -64,7 +78,7 @@ class StepMeta:
 @dataclass
 class PlanResult:
     status: str  # "applied" | "aborted"
-    used_dests: list = field(default_factory=list)
+    used_dests: list = field(default_factory=list)  # fresh destinations that received a token (not fills)
     moved: int = 0
     copy_done: bool = True  # the copy out of the sources has completed (or never ran)
     table_kept: bool = False  # aborted with the request still reading its sources

@@ -1,16 +1,18 @@
 """The plan book: the adapter's compaction plans, from proposal to the worker's report.
 
-Owns: the plans in flight (``plans``: one reference held on each of their sources and
-destinations until the worker reports them), the request each one busies (``busy``: one
+Owns: the plans in flight (``plans``: one reference held on each of their sources, fills
+and destinations until the worker reports them), the request each one busies (``busy``: one
 plan per request, I4), the cached positive reclaim bounds and the requests whose bound is
 stale, and the completed plans' snapshots (``history``).
 Plans come from :mod:`vtoken.planner` only (``should_reclaim``, ``reclaim_bounds``,
 ``propose``: the planner every path runs); the worker applies them with
 ``planner.apply_completed``. At launch the destinations leave the headroom, the sources
-are null-substituted in the request's list (the mirror), lose their prefix-cache hash and
-open their fence entries. At the report, used destinations go to the request (the adapter's
-``held``) or back to the pool if it is gone, unused ones back to the headroom, and sources
-back through vLLM's fenced free (``_free_cow_retained_blocks(sources, plan.seq)``).
+and fills (the request's blocks whose holes take tokens: in-place compaction) are
+null-substituted in the request's list (the mirror) or taken out of its held blocks and
+lose their prefix-cache hash, and the sources open their fence entries. At the report,
+fills and used destinations go to the request (the adapter's ``held``) or back to the pool
+if it is gone, unused destinations back to the headroom, and sources back through vLLM's
+fenced free (``_free_cow_retained_blocks(sources, plan.seq)``).
 May call: the adapter it serves (its table, pool, scheduler, mirror, fence ledger, prefix
 rules, checks, ``held`` and ``stats``) and the toolkit's ``plan_hook`` when one is attached.
 Costs: per planning step O(requests whose table changed + requests with a positive bound),
@@ -46,7 +48,8 @@ class PlanBook:
         shares or the scheduler side does not hold for the request excluded."""
         ad = self.ad
         t, cfg = ad.table, ad.cfg
-        if not ad.headroom or ad.steps % cfg.check_every or \
+        need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed
+        if (need_head and not ad.headroom) or ad.steps % cfg.check_every or \
                 not should_reclaim(cfg, **trigger_inputs(t, ad.pool.get_num_free_blocks())):
             return
         bound, arrival = self.bound, ad.arrival
@@ -64,7 +67,7 @@ class PlanBook:
         # largest bound first, arrival breaks ties; the eligibility tests run only on the
         # requests reached before the step's plans or the headroom run out
         for _, _, r in sorted(bound.values()):
-            if len(meta.plans) >= ad.max_plans_per_step or not ad.headroom:
+            if len(meta.plans) >= ad.max_plans_per_step or (need_head and not ad.headroom):
                 break
             if r in busy or not current(r) or not running(r):
                 continue
@@ -73,42 +76,46 @@ class PlanBook:
             exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1 or b in not_ours], dtype=np.int64)
             tail = t.tail_block(r)
             head = ad.reserve.ids()
-            p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude)
+            p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude, in_place=cfg.in_place)
             if p is None:
                 continue
             if ad.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
-                flying = [b for q in self.plans.values() for b in q.source_ids + q.dest_ids]
+                flying = [b for q in self.plans.values() for b in q.block_ids]
                 try:
                     ad.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=head, excluded=exclude.tolist(),
-                                 max_sources=cfg.max_sources, in_flight=flying)
+                                 max_sources=cfg.max_sources, in_flight=flying, in_place=cfg.in_place)
                 except AssertionError as e:
                     raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self.launch(meta, r, p, tail, head)
 
     def launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
-        """Take the proposal's destinations from the headroom, null-substitute its sources in
-        the request's list, drop the sources' prefix-cache hashes (no hit may land on a block
-        in flight), open their fence entries, and ride on step ``meta.seq``."""
+        """Take the proposal's destinations from the headroom, take its sources and fills
+        over from the request (null-substituted in its list, or out of its held
+        destinations), drop their prefix-cache hashes (no hit may land on a block in flight,
+        and a fill's bytes change), open the sources' fence entries, and ride on step
+        ``meta.seq``."""
         ad = self.ad
         pool_blocks = ad.pool.blocks
         sources = [pool_blocks[b] for b in p.sources]
-        table_refs = ad.table.refs[p.sources].tolist()
-        for blk, refs in zip(sources, table_refs):  # refused before anything changes hands
+        fills = [pool_blocks[b] for b in p.fills]
+        table_refs = ad.table.refs[np.asarray(p.sources + p.fills, dtype=np.int64)].tolist()
+        for k, (blk, refs) in enumerate(zip(sources + fills, table_refs)):  # refused before anything changes hands
             if blk.ref_cnt != 1 or refs != 1:
                 ad.stats["shared_blocks_moved"] += 1
                 raise AdapterAssumptionError(
-                    "shared_never_moved", f"plan for request {r!r} takes block {blk.block_id} as a source "
-                    f"(vLLM ref_cnt {blk.ref_cnt}, table refs {int(ad.table.refs[blk.block_id])}) at step {meta.seq}")
+                    "shared_never_moved", f"plan for request {r!r} takes block {blk.block_id} as a "
+                    f"{'source' if k < len(sources) else 'fill'} (vLLM ref_cnt {blk.ref_cnt}, table refs "
+                    f"{int(ad.table.refs[blk.block_id])}) at step {meta.seq}")
         dests = ad.reserve.take(p.dests)
         plan = AdapterPlan(id=next(self._ids), req_id=r, seq=meta.seq, sources=sources, dests=dests,
-                           moves=np.asarray(p.moves, dtype=np.int64).reshape(-1, 5), clock=self._clock)
+                           moves=np.asarray(p.moves, dtype=np.int64).reshape(-1, 5), fills=fills, clock=self._clock)
         if ad.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(
                 ad.table, r, plan.id, p, tail, head,
-                [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids}
-                 for q in self.plans.values()])
-        ad.hashes.drop_sources(sources)
-        plan.source_index = dict(zip(p.sources, ad.detach_all(r, sources)))
+                [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids,
+                  "fills": q.fill_ids} for q in self.plans.values()])
+        ad.hashes.drop_sources(sources + fills)
+        plan.source_index = dict(zip(p.sources, ad.detach_all(r, sources + fills)))
         ad.fence.open(plan)
         ad.check.touch([r])
         self.plans[plan.id] = plan
@@ -153,12 +160,13 @@ class PlanBook:
                 ad.reserve.put(unused)  # never written: straight back to the reservation
                 stats["dests_returned"] += len(unused)
                 stats["dests_used"] += len(used)
+                stats["fills"] += len(plan.fills)
                 stats["applied"] += 1
                 stats["moves"] += int(res.moved)
-                if alive:
-                    ad.held.setdefault(plan.req_id, []).extend(used)
+                if alive:  # fills stay the request's: held, like destinations (never hashed again)
+                    ad.held.setdefault(plan.req_id, []).extend(plan.fills + used)
                 else:
-                    ad.free_blocks(used, gone_fence)
+                    ad.free_blocks(plan.fills + used, max(plan.seq, gone_fence))
                 self.free_sources(plan, copy_done=res.copy_done)
                 if plan.snapshot is not None and plan.snapshot["post"] is not None:
                     self.history.append(plan.snapshot)  # completed by the worker (snapshot_applied)
@@ -166,10 +174,10 @@ class PlanBook:
                 stats["aborted"] += 1
                 ad.reserve.put(plan.dests)
                 ad.fence.drop(plan)
-                if alive and res.table_kept:
-                    ad.held.setdefault(plan.req_id, []).extend(plan.sources)  # still read by the request
+                if alive and res.table_kept:  # still read by the request
+                    ad.held.setdefault(plan.req_id, []).extend(plan.sources + plan.fills)
                 else:
-                    ad.free_blocks(plan.sources, max(plan.seq, gone_fence))
+                    ad.free_blocks(plan.sources + plan.fills, max(plan.seq, gone_fence))
 
     def free_sources(self, plan: AdapterPlan, copy_done: bool) -> None:
         """Hand a plan's sources back to the pool at their fence: vLLM's

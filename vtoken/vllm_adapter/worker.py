@@ -48,7 +48,7 @@ applied; the per-request work is for scheduled requests only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -75,6 +75,7 @@ class _WPlan:
     dests: list
     moves: np.ndarray
     snapshot: Optional[dict] = None
+    fills: list = field(default_factory=list)
 
 
 @dataclass
@@ -305,16 +306,16 @@ class VTokenWorker:
             rep.plans[ap.id] = PlanResult("aborted", copy_done=True, reason="request gone before the copy")
             self.stats["aborted"] += 1
             return
-        shared = [b for b in srcs if t.block_refs(b) != 1 or not t.references(r, b)]
+        shared = [b for b in srcs + ap.fill_ids if t.block_refs(b) != 1 or not t.references(r, b)]
         if shared:
             rep.plans[ap.id] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
-                                          reason="source shared or not the request's")
+                                          reason="source or fill shared or not the request's")
             self.stats["aborted"] += 1
             return
         m = np.asarray(ap.moves, dtype=np.int64).reshape(-1, 5)
         if len(m):
             m = m[t.are_live(r, m[:, 0])]  # tokens evicted since planning stay dead where they were
-        wp = _WPlan(ap.id, r, srcs, list(ap.dest_ids), m, snapshot=ap.snapshot)
+        wp = _WPlan(ap.id, r, srcs, list(ap.dest_ids), m, snapshot=ap.snapshot, fills=list(ap.fill_ids))
         handle = self.engine.launch(wp)
         ap.record("launch", plan=ap.id)
         self.pending[ap.id] = (wp, handle, ap, w.gen)
@@ -345,13 +346,13 @@ class VTokenWorker:
         try:
             # the planned moves: apply_completed drops those whose token died since planning
             # (before the copy, or while it flew) and records them as evicted in flight
-            res = apply_completed(t, r, wp.sources, ap.moves)
+            res = apply_completed(t, r, wp.sources, ap.moves, fills=wp.fills)
         except PlanError as e:
-            if e.code != "shared_source":
+            if e.code not in ("shared_source", "shared_fill"):
                 raise
             # the adapter's launch rule makes this impossible (sources lose their hash, so no
             # prefix hit lands on them): report it, the adapter raises shared_never_moved
-            shared = [b for b in wp.sources if t.block_refs(b) != 1]
+            shared = [b for b in wp.sources + wp.fills if t.block_refs(b) != 1]
             rep.plans[pid] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
                                         reason=str(e))
             self.stats["aborted"] += 1
