@@ -23,10 +23,10 @@ Checks:
   (a prefix-cache hit) while its copy was in flight; tokens evicted while their copy was
   in flight stay dead where they were, and the rest of the plan applies;
 - a request finishing while its copy is in flight: its other blocks are freed at once, the
-  sources only once the copy has completed;
+  sources and fills only once the copy has completed;
 - after every step: implementation and reference tables agree; I2 and block accounting
   (``invariants.table_checks``); headroom blocks RESERVED and owned by nobody; in-flight
-  sources still allocated and in-flight destinations still reserved (nothing freed or
+  sources and fills still allocated and in-flight destinations still reserved (nothing freed or
   reused under a copy); allocator references equal exactly what the scheduler holds plus
   what finished requests' in-flight copies still read (nothing leaked); the tail never
   moved.
@@ -66,8 +66,8 @@ from .hard_states import hard
 
 
 def plan_as_data(plan) -> dict:
-    return {"sources": [int(b) for b in plan.sources], "dests": [int(b) for b in plan.dests],
-            "moves": [[int(x) for x in mv] for mv in plan.moves.tolist()]}
+    return {"sources": [int(b) for b in plan.sources], "fills": [int(b) for b in getattr(plan, "fills", [])],
+            "dests": [int(b) for b in plan.dests], "moves": [[int(x) for x in mv] for mv in plan.moves.tolist()]}
 
 
 class _Flight:
@@ -78,6 +78,7 @@ class _Flight:
         self.rid = plan.req_id
         self.sources = [int(b) for b in plan.sources]
         self.dests = [int(b) for b in plan.dests]
+        self.fills = [int(b) for b in getattr(plan, "fills", [])]  # the request's own blocks whose holes it writes
         self.moves = [[int(x) for x in mv] for mv in plan.moves.tolist()]
 
 
@@ -174,8 +175,9 @@ class PlannerMachine(RuleBasedStateMachine):
             "blocks": blocks,
             "refs": {b: self.spec.refs(b) for b in blocks},
             "tail": self._tail(rid),
-            "in_flight": sorted({b for f in self._copying_plans() for b in f.sources + f.dests}),
+            "in_flight": sorted({b for f in self._copying_plans() for b in f.sources + f.dests + f.fills}),
             "headroom": list(self.mgr.headroom),
+            "in_place": bool(getattr(self.cfg, "in_place", False)),
         }
 
     def _observable(self):
@@ -229,7 +231,8 @@ class PlannerMachine(RuleBasedStateMachine):
         self.spec.release_empty_blocks(rid, sorted(set(f.sources) - set(emptied)))
         used = [int(b) for b in plan.dests]
         assert set(used) <= set(f.dests), f"plan {plan.id} applied destinations {used} it was not given {f.dests}"
-        assert set(used) == {mv[3] for mv in moves}, f"plan {plan.id}: destinations {used} but moves into {sorted({mv[3] for mv in moves})}"
+        into = {mv[3] for mv in moves} - set(f.fills)  # fills were the request's already
+        assert set(used) == into, f"plan {plan.id}: destinations {used} but moves into {sorted(into)} (fills {f.fills})"
         src = set(f.sources)
         self.pos[rid] = [0 if b in src else b for b in self.pos[rid]]
         self.held[rid] = [b for b in self.held[rid] if b not in src] + used
@@ -276,6 +279,11 @@ class PlannerMachine(RuleBasedStateMachine):
         prefix = self.pos[parent][:k]
         if 0 in prefix:
             return  # a freed position: nothing to share
+        if {b for f in self._copying_plans() for b in f.fills} & set(prefix):
+            # the scheduler's obligation: a fill in flight is never shared (its holes are being
+            # written; vLLM drops its prefix-cache hash at launch), unlike a source, whose plan aborts
+            event("prefix hit refused: a fill in flight")
+            return
         if {b for f in self._copying_plans() for b in f.sources} & set(prefix):
             event("hard: prefix hit on a block being compacted")  # its plan must abort on completion
         extra = self._alloc(data.draw(st.integers(0, 3), label="private_blocks"))
@@ -397,11 +405,11 @@ class PlannerMachine(RuleBasedStateMachine):
         PlannerMachine.ops += 1
         self.spec.free_request(rid)
         freed = self.mgr.finish_request(rid, held)
-        for f in mine:
-            early = set(freed) & set(f.sources)
-            assert not early, f"finish freed {sorted(early)}, sources of plan {f.plan.id} still copying"
-            self.deferred.setdefault(f.plan.id, []).extend(b for b in held if b in f.sources)
-        assert sorted(freed) == sorted(b for b in held if not any(b in f.sources for f in mine))
+        for f in mine:  # the copy reads its sources and writes its fills: both freed at its end
+            early = set(freed) & set(f.sources + f.fills)
+            assert not early, f"finish freed {sorted(early)}, sources of plan {f.plan.id} still copying (or its fills)"
+            self.deferred.setdefault(f.plan.id, []).extend(b for b in held if b in f.sources or b in f.fills)
+        assert sorted(freed) == sorted(b for b in held if not any(b in f.sources or b in f.fills for f in mine))
 
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
@@ -493,12 +501,12 @@ class PlannerMachine(RuleBasedStateMachine):
         assert si == ss, f"state differs:\n impl={si}\n spec={ss}"
         a = self.alloc.export_state()
         head = list(self.mgr.headroom)
-        fly_src = {b for f in self.flying.values() for b in f.sources}
+        fly_src = {b for f in self.flying.values() for b in f.sources + f.fills}  # the request's blocks under a copy
         fly_dst = {b for f in self.flying.values() for b in f.dests}
         for f in self.flying.values():
-            for b in f.sources:
+            for b in f.sources + f.fills:
                 assert self.alloc.state[b] == USED and self.alloc.ref[b] >= 1, \
-                    f"source {b} of in-flight plan {f.plan.id} was freed before its copy completed"
+                    f"source or fill {b} of in-flight plan {f.plan.id} was freed before its copy completed"
             for b in f.dests:
                 assert self.alloc.state[b] == RESERVED and b not in head, \
                     f"destination {b} of in-flight plan {f.plan.id} is not reserved for it"
@@ -510,7 +518,7 @@ class PlannerMachine(RuleBasedStateMachine):
         assert set(a["reserved"]) == set(head) | fly_dst, \
             f"reserved {a['reserved']} != headroom {head} + in-flight destinations {sorted(fly_dst)}"
         owners = {f"request {r}": bl for r, bl in self.held.items()}
-        owners.update({f"plan {pid} (finished requests' sources)": bl for pid, bl in self.deferred.items()})
+        owners.update({f"plan {pid} (finished requests' sources and fills)": bl for pid, bl in self.deferred.items()})
         owners["headroom"] = head
         for f in self.flying.values():
             owners[f"plan {f.plan.id} destinations"] = f.dests

@@ -23,7 +23,10 @@ contract, error codes and check order included):
 
 A planner (:class:`PlannerProtocol`) offers ``propose(view, max_dests) -> plan | None`` on
 the spec planner's *view* and *plan* (``vtoken.spec.planner``'s docstring); a class attribute
-``OPTIMAL = True`` claims the best reduction (then it is checked too).
+``OPTIMAL = True`` claims the best reduction (then it is checked too), and an attribute
+``in_place = True`` (the planner's configuration, as vtoken's ``PlannerConfig.in_place``;
+absent: False) says its plans may move tokens into the holes of the request's own blocks
+(the plan's ``fills``): the views it is given then say ``"in_place": True``.
 
 :func:`table_machine_for` / :func:`planner_machine_for` return the machines bound to a class;
 :class:`Conforming` is the thin wrapper that translates errors and records the operations,
@@ -296,7 +299,7 @@ class PlannerContractMachine(RuleBasedStateMachine):
                 "tokens": [[t["block"], t["offset"], t["live"]] for t in toks], "blocks": blocks,
                 "refs": {b: self.spec.refs(b) for b in blocks},
                 "tail": self.pos[rid][(n - 1) // self.S] if n else None, "in_flight": [],
-                "headroom": list(self.headroom)}
+                "headroom": list(self.headroom), "in_place": bool(getattr(self.planner, "in_place", False))}
         max_dests = data.draw(st.integers(0, len(self.headroom)), label="max_dests") if limit else len(self.headroom)
         PlannerContractMachine.ops += 1
         plan = self.planner.propose(view, max_dests)
@@ -305,7 +308,7 @@ class PlannerContractMachine(RuleBasedStateMachine):
             if getattr(self.planner_cls, "OPTIMAL", False):
                 assert best == 0, f"propose: returned no plan, but a valid plan reduces by {best}: view={view}"
             return
-        plan = {"sources": list(plan["sources"]), "dests": list(plan["dests"]),
+        plan = {"sources": list(plan["sources"]), "fills": list(plan.get("fills", [])), "dests": list(plan["dests"]),
                 "moves": [list(m) for m in plan["moves"]]}
         errs = plan_errors(view, plan)
         assert not errs, f"propose: the plan breaks the contract: {errs}\n plan={plan}\n view={view}"
@@ -317,7 +320,7 @@ class PlannerContractMachine(RuleBasedStateMachine):
         emptied = self.spec.apply_moves(rid, plan["moves"])
         rest = sorted(set(plan["sources"]) - set(emptied))
         self.spec.release_empty_blocks(rid, rest)
-        used = {m[3] for m in plan["moves"]}
+        used = {m[3] for m in plan["moves"]} - set(plan["fills"])  # fills are the request's own already
         self.headroom = [b for b in self.headroom if b not in used]
         self.free += plan["sources"]
         self.pos[rid] = [0 if b in plan["sources"] else b for b in self.pos[rid]]

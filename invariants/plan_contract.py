@@ -3,7 +3,10 @@
 The vLLM adapter and the machines hand every proposal to :func:`check_proposal` before it
 launches (the adapter through its ``plan_hook``): the view is rebuilt from the table's
 public read API, then the reference rules (``plan_errors``) and optimality
-(``best_reduction`` over the same headroom) are asked.
+(``best_reduction`` over the same headroom) are asked. ``in_place`` is the implementation's
+``PlannerConfig.in_place`` (the view's mode: fills allowed); the proposal's ``fills``
+(absent: none) go into the plan, and ``in_flight`` must list every in-flight plan's
+sources, destinations and fills.
 
 Owns: nothing (a pure check).
 May call: vtoken.spec.planner, invariants.table_checks; the table's public read API.
@@ -18,8 +21,10 @@ from vtoken.spec.planner import best_reduction, plan_errors
 from .table_checks import InvariantViolation
 
 
-def view_of(table, req_id, *, tail, headroom, max_sources: int, in_flight=(), excluded=()) -> dict:
-    """The spec planner's view of one request, read through the table's public API."""
+def view_of(table, req_id, *, tail, headroom, max_sources: int, in_flight=(), excluded=(),
+            in_place: bool = False) -> dict:
+    """The spec planner's view of one request, read through the table's public API
+    (``in_flight``: the blocks of the plans still copying, their fills included)."""
     S = table.S
     slots, live = table.slots(req_id), table.live_mask(req_id)
     blocks = table.blocks_of(req_id)
@@ -32,16 +37,19 @@ def view_of(table, req_id, *, tail, headroom, max_sources: int, in_flight=(), ex
         "in_flight": sorted(int(b) for b in in_flight),
         "headroom": [int(b) for b in headroom],
         "excluded": sorted(int(b) for b in excluded),
+        "in_place": bool(in_place),
     }
 
 
-def check_proposal(*, table, req_id, proposal, tail, headroom, max_sources: int, in_flight=(), excluded=()) -> dict:
+def check_proposal(*, table, req_id, proposal, tail, headroom, max_sources: int, in_flight=(), excluded=(),
+                   in_place: bool = False) -> dict:
     """Raise :class:`InvariantViolation` (``plan_contract``) unless the proposal obeys every
     rule of the reference planner and reduces by the best reduction the headroom allows.
     Returns the view (for reports)."""
     view = view_of(table, req_id, tail=tail, headroom=headroom, max_sources=max_sources, in_flight=in_flight,
-                   excluded=excluded)
-    plan = {"sources": [int(b) for b in proposal.sources], "dests": [int(b) for b in proposal.dests],
+                   excluded=excluded, in_place=in_place)
+    plan = {"sources": [int(b) for b in proposal.sources], "fills": [int(b) for b in getattr(proposal, "fills", [])],
+            "dests": [int(b) for b in proposal.dests],
             "moves": [[int(x) for x in mv] for mv in proposal.moves.tolist()]}
     errs = plan_errors(view, plan)
     if errs:

@@ -10,14 +10,21 @@ A *view* is what a plan for one request is made from::
      "blocks":    [block, ...],                   # blocks the request references
      "refs":      {block: n},                     # requests referencing it (> 1: shared prefix)
      "tail":      block or None,                  # block holding the request's last position
-     "in_flight": [block, ...],                   # sources and destinations of plans still copying
-     "headroom":  [block, ...],                   # reserved blocks, the only destinations
-     "excluded":  [block, ...]}                   # optional: blocks the caller forbids as sources
-                                                  # (the substrate shares them, or does not hold
-                                                  # them for this request: vLLM's ref_cnt != 1)
+     "in_flight": [block, ...],                   # sources, destinations and fills of plans still copying
+     "headroom":  [block, ...],                   # reserved blocks, the only fresh destinations
+     "excluded":  [block, ...],                   # optional: blocks the caller forbids as sources
+                                                  # and fills (the substrate shares them, or does
+                                                  # not hold them for this request: vLLM's
+                                                  # ref_cnt != 1)
+     "in_place":  bool}                           # optional, absent == False: fills allowed
 
-A *plan* is ``{"sources": [block], "dests": [block], "moves": [[token, src_block,
-src_offset, dst_block, dst_offset], ...]}``. Its reduction is ``len(sources) - len(dests)``.
+A *plan* is ``{"sources": [block], "fills": [block], "dests": [block], "moves": [[token,
+src_block, src_offset, dst_block, dst_offset], ...]}`` (``fills`` optional, absent ==
+``[]``). Its reduction is ``len(sources) - len(dests)``: fills cost nothing. A *hole* of a
+block is a slot of it holding no live token of the request (before the plan); a fill is
+one of the request's own private blocks whose holes take moved tokens (in-place
+compaction). With ``in_place`` False (the paper's out-of-place compaction) a plan has no
+fills.
 
 The rules (each violation is reported as ``"<code>: <detail>"``):
 
@@ -30,19 +37,31 @@ Sources (I4: shared-prefix blocks never move; no overlap with in-flight plans)
   ``source_shared`` (refs != 1); ``source_tail`` (still being written);
   ``source_in_flight``; ``source_excluded``; ``source_not_emptied`` (a live token of the request in a source
   is not moved: a source must end empty, or it cannot be freed).
-Destinations (out-of-place compaction into the evacuation headroom)
+Fills (the same test as a source, and neither a source nor a destination)
+  ``fill_not_allowed`` (any fill when the view is not ``in_place``); ``null_fill`` (the
+  null block; its other rules are not asked); ``duplicate_fill``; ``fill_not_owned``;
+  ``fill_shared`` (refs != 1); ``fill_tail``; ``fill_in_flight``; ``fill_excluded``;
+  ``fill_is_source``; ``fill_is_dest``.
+Destinations (fresh blocks from the evacuation headroom) and slots
   ``duplicate_dest``; ``null_dest``; ``dest_out_of_range``; ``dest_not_headroom``;
-  ``dest_in_flight``; ``move_to_unlisted_dest``; ``bad_offset``; ``duplicate_slot``.
-Placement (fill each destination completely, one after another, in logical order)
-  ``fill_order``: the k-th moved token in logical order goes to ``dests[k // S]`` at
-  offset ``k % S``; ``dest_count``: exactly ``ceil(moved / S)`` destinations are listed.
+  ``dest_in_flight``; ``move_to_unlisted_dest`` (the block is neither a fill nor a
+  destination); ``bad_offset``; ``duplicate_slot``; ``slot_occupied`` (a move into a fill
+  lands on a slot holding a live token of the request, not on a hole).
+Placement (the one rule: holes of the fills, then whole destinations, in logical order)
+  The target sequence is the holes of ``fills[0]`` by ascending offset, the holes of
+  ``fills[1]``, ... (each fill once), then ``(dests[0], 0..S-1)``, ``(dests[1], 0..S-1)``,
+  ...; ``fill_order``: the k-th moved token in logical order goes to the k-th target;
+  ``fill_count``: every fill receives at least one token; ``dest_count``: exactly
+  ``ceil(max(0, moved - holes of the fills) / S)`` destinations are listed. With no fills
+  this is the paper's rule (``dests[k // S]`` at offset ``k % S``, ``ceil(moved / S)``
+  destinations).
 Reduction (I4: reclamation that frees nothing is refused)
   ``not_reducing``: ``len(sources) > len(dests)`` must hold.
 
 Owns: nothing (pure functions over plain data).
 May call: collections, itertools; never the system, invariants/, fuzz/ or reports/.
-Costs: ``plan_errors`` O(tokens + moves); ``best_reduction`` brute force over multisets of live
-counts (combinatorial in ``max_sources``): small fuzz sizes only.
+Costs: ``plan_errors`` O(tokens + moves + (fills + dests) S); ``best_reduction`` brute force over
+multisets of live counts (combinatorial in ``max_sources``): small fuzz sizes only.
 """
 
 from __future__ import annotations
@@ -58,7 +77,8 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def eligible_sources(view) -> list:
-    """Blocks a plan may empty: the request's own, unshared, not the tail, not in flight."""
+    """Blocks a plan may empty (or fill, in place): the request's own, unshared, not the
+    tail, not in flight, not excluded."""
     flying = set(view["in_flight"]) | set(view.get("excluded", ()))
     return sorted(b for b in set(view["blocks"])
                   if view["refs"].get(b, 0) == 1 and b != view["tail"] and b not in flying)
@@ -69,11 +89,19 @@ def live_in(view, block) -> int:
     return sum(1 for b, _, live in view["tokens"] if live and b == block)
 
 
+def holes_in(view, block) -> list:
+    """The holes of ``block``: its offsets holding no live token of the request, ascending."""
+    taken = {o for b, o, live in view["tokens"] if live and b == block}
+    return [o for o in range(view["S"]) if o not in taken]
+
+
 def plan_errors(view, plan) -> list:
     """Every rule ``plan`` breaks, given ``view``; ``[]`` for a valid plan."""
     S, N, toks = view["S"], view["num_blocks"], view["tokens"]
     mine, flying, headroom = set(view["blocks"]), set(view["in_flight"]), set(view["headroom"])
+    excluded = set(view.get("excluded", ()))
     sources, dests = list(plan["sources"]), list(plan["dests"])
+    fills = list(plan.get("fills", []))
     errs = []
 
     def bad(code, detail):
@@ -116,13 +144,37 @@ def plan_errors(view, plan) -> list:
             bad("source_tail", f"block {b}")
         if b in flying:
             bad("source_in_flight", f"block {b}")
-        if b in set(view.get("excluded", ())):
+        if b in excluded:
             bad("source_excluded", f"block {b}")
     for t, (b, _, live) in enumerate(toks):
         if live and b in sources and t not in moved:
             bad("source_not_emptied", f"live token {t} stays in source {b}")
 
-    # -- destinations
+    # -- fills: the request's own private blocks, as a source would be, but neither a source nor a dest
+    if fills and not view.get("in_place", False):
+        bad("fill_not_allowed", f"fills {fills}: the view is out-of-place only")
+    if len(set(fills)) != len(fills):
+        bad("duplicate_fill", f"{fills}")
+    for b in dict.fromkeys(fills):
+        if b == NULL_BLOCK:
+            bad("null_fill", "the null block 0")
+            continue
+        if b not in mine:
+            bad("fill_not_owned", f"block {b}")
+        elif view["refs"].get(b, 0) != 1:
+            bad("fill_shared", f"block {b} has {view['refs'].get(b, 0)} references")
+        if b == view["tail"]:
+            bad("fill_tail", f"block {b}")
+        if b in flying:
+            bad("fill_in_flight", f"block {b}")
+        if b in excluded:
+            bad("fill_excluded", f"block {b}")
+        if b in sources:
+            bad("fill_is_source", f"block {b}")
+        if b in dests:
+            bad("fill_is_dest", f"block {b}")
+
+    # -- destinations and slots
     if len(set(dests)) != len(dests):
         bad("duplicate_dest", f"{dests}")
     for b in dests:
@@ -134,23 +186,33 @@ def plan_errors(view, plan) -> list:
             bad("dest_not_headroom", f"block {b}")
         if b in flying:
             bad("dest_in_flight", f"block {b}")
+    holes = {b: holes_in(view, b) for b in dict.fromkeys(fills)}  # each fill once, in fill order
     slots = set()
     for t, _, _, db, do in good:
-        if db not in dests:
+        if db not in dests and db not in holes:
             bad("move_to_unlisted_dest", f"token {t} -> block {db}")
         if not 0 <= do < S:
             bad("bad_offset", f"token {t} -> offset {do}")
+        if db in holes and 0 <= do < S and do not in holes[db]:
+            bad("slot_occupied", f"token {t} -> ({db}, {do}): a live token of the request is there")
         if (db, do) in slots:
             bad("duplicate_slot", f"token {t} -> ({db}, {do})")
         slots.add((db, do))
 
-    # -- placement: fill destinations completely, one after another, in logical order
+    # -- placement: the fills' holes, then whole destinations, in logical order
+    targets = [(b, o) for b, hs in holes.items() for o in hs] + [(d, o) for d in dests for o in range(S)]
     for k, (t, _, _, db, do) in enumerate(sorted(good)):
-        want = (dests[k // S], k % S) if k // S < len(dests) else None
+        want = targets[k] if k < len(targets) else None
         if (db, do) != want:
             bad("fill_order", f"token {t} (#{k} in logical order) -> ({db}, {do}), expected {want}")
-    if len(dests) != ceil_div(len(good), S):
-        bad("dest_count", f"{len(dests)} destinations for {len(good)} moved tokens (S={S})")
+    into = {mv[3] for mv in good}
+    for b in holes:
+        if b not in into:
+            bad("fill_count", f"fill {b} receives no token")
+    n_holes = sum(len(hs) for hs in holes.values())
+    if len(dests) != ceil_div(max(0, len(good) - n_holes), S):
+        bad("dest_count", f"{len(dests)} destinations for {len(good)} moved tokens, {n_holes} holes in the "
+                          f"fills (S={S})")
 
     # -- reduction
     if not len(sources) > len(dests):
@@ -163,19 +225,27 @@ def best_reduction(view, max_dests: int) -> int:
     destinations; 0 when no valid plan exists (none reduces the block count).
 
     Brute force over the candidate source sets. A valid plan for source set X moves all of
-    X's live tokens, T(X), and then needs exactly ceil(T(X) / S) destinations, so its
-    reduction depends only on |X| and T(X). Blocks with the same live count are therefore
-    interchangeable, and it is enough to try every sub-multiset of the eligible blocks'
-    live counts of size 1..B (at most a few hundred for the fuzzer's sizes).
+    X's live tokens, T(X). Out of place it then needs exactly ceil(T(X) / S) destinations;
+    in place (``view["in_place"]``) the holes of the other eligible blocks, H(E \\ X), take
+    tokens first (any of them may be a fill), so it needs ceil(max(0, T(X) - H(E \\ X)) / S).
+    H(E \\ X) = H(E) - (|X| S - T(X)), so either way the reduction depends only on |X| and
+    T(X): blocks with the same live count are interchangeable, and it is enough to try every
+    sub-multiset of the eligible blocks' live counts of size 1..B (at most a few hundred for
+    the fuzzer's sizes). (In place the best is min(B, floor(H(E) / S)), with no destination;
+    the brute force does not assume it.)
     """
     S, B = view["S"], view["max_sources"]
-    have = Counter(live_in(view, b) for b in eligible_sources(view))
+    eligible = eligible_sources(view)
+    have = Counter(live_in(view, b) for b in eligible)
+    holes_all = sum(S - live_in(view, b) for b in eligible) if view.get("in_place", False) else None
     best = 0
     for k in range(1, min(B, sum(have.values())) + 1):
         for pick in combinations_with_replacement(sorted(have), k):
             if any(pick.count(n) > have[n] for n in set(pick)):
                 continue  # not that many blocks with this live count
-            need = ceil_div(sum(pick), S)
+            moved = sum(pick)
+            room = 0 if holes_all is None else holes_all - (k * S - moved)  # holes outside the sources
+            need = ceil_div(max(0, moved - room), S)
             if need <= max_dests:
                 best = max(best, k - need)
     return best
