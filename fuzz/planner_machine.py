@@ -104,15 +104,17 @@ class PlannerMachine(RuleBasedStateMachine):
 
     @initialize(S=st.sampled_from([1, 2, 2, 4, 4]), nb=st.integers(6, 16), headroom=st.integers(0, 3),
                 max_sources=st.integers(1, 4), latency=st.integers(0, 3), check_every=st.sampled_from([1, 1, 2]),
-                data=st.data())
-    def setup(self, S, nb, headroom, max_sources, latency, check_every, data):
+                in_place=st.booleans(), data=st.data())
+    def setup(self, S, nb, headroom, max_sources, latency, check_every, in_place, data):
         self.S = S
         self.table = TokenTable(S, nb)
         self.spec = SpecTokenTable(S, nb)
         self.alloc = BlockAllocator(nb)
         self.engine = RecordingEngine(latency=latency)
+        # both compactions (in place: fills, the default; out of place: fresh headroom
+        # destinations), so faults of either path are reachable
         self.cfg = PlannerConfig(theta_f=0.0, check_every=check_every, max_sources=max_sources,
-                                 headroom=headroom, low_watermark=None)
+                                 headroom=headroom, low_watermark=None, in_place=in_place)
         self.mgr = ReclamationManager(self.table, self.alloc, self.engine, self.cfg, on_applied=self._on_applied)
         # Every plan the manager makes, including inside step(), goes through the checks;
         # every launch is recorded before the copy is issued.
@@ -127,7 +129,8 @@ class PlannerMachine(RuleBasedStateMachine):
         # references accumulate (a request id can finish, resume and finish again mid-copy)
         self.deferred: dict[int, list[int]] = {}
         self.next_id = 0
-        note(f"S={S} num_blocks={nb} headroom={headroom} B={max_sources} latency={latency} K={check_every}")
+        note(f"S={S} num_blocks={nb} headroom={headroom} B={max_sources} latency={latency} K={check_every} "
+             f"in_place={in_place}")
         # a few requests to start from, so most runs reach fragmentation and planning
         for _ in range(data.draw(st.integers(1, 2), label="initial_requests")):
             self.add_request(data.draw(st.integers(2, 4), label="nblocks"), data)

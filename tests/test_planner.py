@@ -22,6 +22,7 @@ def make(nb=16, headroom=2, latency=0, **cfg):
     table, alloc = TokenTable(S, nb), BlockAllocator(nb)
     applied = []
     cfg.setdefault("theta_f", 0.0)
+    cfg.setdefault("in_place", False)  # these scenarios are the out-of-place lifecycle (fresh destinations)
     mgr = ReclamationManager(table, alloc, NullCopyEngine(latency), PlannerConfig(headroom=headroom, **cfg),
                              on_applied=applied.append)
     return table, alloc, mgr, applied
@@ -42,12 +43,13 @@ def view(table, mgr, rid):
             "tokens": [[int(s) // S, int(s) % S, bool(l)] for s, l in zip(slots.tolist(), live.tolist())],
             "blocks": blocks, "refs": {b: table.block_refs(b) for b in blocks},
             "tail": int(slots[n - 1]) // S if n else None,
-            "in_flight": sorted({b for p in mgr.in_flight.values() for b in p.sources + p.dests}),
-            "headroom": list(mgr.headroom)}
+            "in_flight": sorted({b for p in mgr.in_flight.values() for b in p.blocks}),
+            "headroom": list(mgr.headroom), "in_place": mgr.cfg.in_place}
 
 
 def data(plan):
-    return {"sources": list(plan.sources), "dests": list(plan.dests), "moves": plan.moves.tolist()}
+    return {"sources": list(plan.sources), "fills": list(plan.fills), "dests": list(plan.dests),
+            "moves": plan.moves.tolist()}
 
 
 def plan_checked(table, mgr, rid, max_dests=None):
@@ -288,19 +290,20 @@ def inputs(**kw):
 
 
 def test_derived_watermark_is_the_larger_of_footprint_and_reserve():
-    cfg = PlannerConfig()  # headroom 64, check_every 1, copy_steps 4
-    # footprint ceil(1000 / 10) = 100; reserve 64 + ceil(10 * 6 / 16) = 68
-    assert low_watermark(cfg, ref_blocks=1000, num_requests=10, block_size=16) == 100
-    assert low_watermark(cfg, ref_blocks=1001, num_requests=10, block_size=16) == 101  # ceil
-    # small requests: the reserve rules; ceil(200 * 6 / 16) = 75, + 64
-    assert low_watermark(cfg, ref_blocks=400, num_requests=200, block_size=16) == 139
-    assert low_watermark(cfg, ref_blocks=400, num_requests=199, block_size=16) == 64 + 75  # ceil(1194 / 16) = 75
-    assert low_watermark(cfg, ref_blocks=400, num_requests=190, block_size=16) == 64 + 72  # 1140 / 16 = 71.25
-    # check interval and copy latency widen the reserve
-    k4 = PlannerConfig(check_every=4, copy_steps=0)
-    assert low_watermark(k4, ref_blocks=0, num_requests=16, block_size=16) == 64 + 5
-    # no request: the headroom plus one step of one request
-    assert low_watermark(cfg, ref_blocks=0, num_requests=0, block_size=16) == 64 + 1
+    for cfg in (PlannerConfig(), PlannerConfig(headroom=64, in_place=False)):  # headroom 0 / 64; K 1, copy_steps 4
+        h = cfg.headroom
+        # footprint ceil(1000 / 10) = 100; reserve h + ceil(10 * 6 / 16) = h + 4
+        assert low_watermark(cfg, ref_blocks=1000, num_requests=10, block_size=16) == 100
+        assert low_watermark(cfg, ref_blocks=1001, num_requests=10, block_size=16) == 101  # ceil
+        # small requests: the reserve rules; ceil(200 * 6 / 16) = 75, + h
+        assert low_watermark(cfg, ref_blocks=200, num_requests=200, block_size=16) == h + 75
+        assert low_watermark(cfg, ref_blocks=200, num_requests=199, block_size=16) == h + 75  # ceil(1194 / 16) = 75
+        assert low_watermark(cfg, ref_blocks=200, num_requests=190, block_size=16) == h + 72  # 1140 / 16 = 71.25
+        # check interval and copy latency widen the reserve
+        k4 = PlannerConfig(check_every=4, copy_steps=0, headroom=h)
+        assert low_watermark(k4, ref_blocks=0, num_requests=16, block_size=16) == h + 5
+        # no request: the headroom plus one step of one request
+        assert low_watermark(cfg, ref_blocks=0, num_requests=0, block_size=16) == h + 1
     # an explicit watermark wins, whatever the pool
     assert low_watermark(PlannerConfig(low_watermark=7), ref_blocks=10 ** 6, num_requests=1, block_size=16) == 7
 
@@ -459,3 +462,37 @@ def test_reclaim_bounds_equal_the_single_bound_and_refuse_an_unknown_request():
     with pytest.raises(TableError) as e:
         reclaim_bounds(t, ["r0", "nope"])
     assert e.value.code == "unknown_request"
+
+
+# ---------------------------------------------------------------- in place (the default)
+def test_in_place_plan_fills_holes_without_headroom_and_checks_against_the_contract():
+    """Blocks 1..4 keep offsets 1 and 3 (S = 4), the tail is full: 8 holes free 2 blocks.
+    In place the two emptiest blocks' tokens go into the holes of the next two: nothing is
+    taken from the headroom, and the plan is what the reference contract calls best."""
+    table, alloc, mgr, applied = make(headroom=0, in_place=True)
+    blocks = half_empty(table, alloc)
+    plan = plan_checked(table, mgr, "a")
+    assert plan.sources == blocks[:2] and plan.fills == blocks[2:4] and plan.dests == []
+    assert plan.moves[:, 3:].tolist() == [[blocks[2], 0], [blocks[2], 2], [blocks[3], 0], [blocks[3], 2]]
+    mgr.launch(plan)
+    mgr.poll(force_sync=True)
+    assert plan.state == APPLIED and applied == [plan] and plan.dests == []
+    assert all(alloc.state[b] == FREE for b in plan.sources)
+    assert sorted(table.blocks_of("a")) == sorted(blocks[2:]) and table.waste_ratio() == 0.0
+
+
+def test_in_place_request_finishing_mid_copy_frees_its_fills_only_after_the_copy():
+    """The copy writes into the fills' holes: a request that finishes while it flies hands
+    its references on fills and sources to the manager, which frees them when it completes."""
+    table, alloc, mgr, applied = make(headroom=0, in_place=True, latency=2)
+    blocks = half_empty(table, alloc)
+    (plan,) = mgr.plan_round()
+    assert plan.fills and mgr.is_busy(plan.fills[0])
+    freed_now = mgr.finish_request("a", blocks)
+    assert freed_now == [blocks[4]]  # only the tail: the copy still reads the sources and writes the fills
+    assert all(alloc.state[b] == USED for b in plan.sources + plan.fills)
+    mgr.poll()
+    assert all(alloc.state[b] == USED for b in plan.sources + plan.fills)  # still pending
+    mgr.poll(force_sync=True)
+    assert plan.state == ABORTED and all(alloc.state[b] == FREE for b in blocks)
+    assert not mgr.is_busy(plan.fills[0])

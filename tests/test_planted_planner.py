@@ -21,7 +21,7 @@ pytestmark = pytest.mark.invariants
 # fault -> the checks that may catch it (a regex over the failure message)
 PLANNER_FAULTS = {
     "plan_moves_shared": r"source_shared",
-    "plan_moves_tail": r"source_tail",
+    "plan_moves_tail": r"source_tail|fill_tail",  # in place the tail is taken as a fill as often as a source
     "plan_nondecreasing": r"not_reducing|dest_count|no plan, but a valid plan",
     "plan_dup_dst": r"duplicate_slot|fill_order",
     "free_sources_at_plan": r"freed before its copy completed|aborted plan changed state|ownership",
@@ -39,7 +39,9 @@ OTHER_FAULTS = {
 
 
 def _caught(fault):
-    fast = settings(settings(), phases=[Phase.explicit, Phase.generate], database=None, max_examples=400,
+    # 800: the machine draws the compaction mode too (in place / out of place), so a fault of
+    # one lifecycle path needs about twice the examples it did with one mode (stops at the first)
+    fast = settings(settings(), phases=[Phase.explicit, Phase.generate], database=None, max_examples=800,
                     report_multiple_bugs=False)
     with planted(fault):
         with pytest.raises((AssertionError, VTokenError)) as e:
