@@ -135,17 +135,20 @@ def plan_errors(view, plan) -> list:
         bad("duplicate_source", f"{sources}")
     if len(sources) > view["max_sources"]:
         bad("too_many_sources", f"{len(sources)} > B={view['max_sources']}")
-    for b in sources:
+    def own_private(kind, b):  # a source or a fill: the request's own, unshared, not the tail, idle, allowed
         if b not in mine:
-            bad("source_not_owned", f"block {b}")
+            bad(f"{kind}_not_owned", f"block {b}")
         elif view["refs"].get(b, 0) != 1:
-            bad("source_shared", f"block {b} has {view['refs'].get(b, 0)} references")
+            bad(f"{kind}_shared", f"block {b} has {view['refs'].get(b, 0)} references")
         if b == view["tail"]:
-            bad("source_tail", f"block {b}")
+            bad(f"{kind}_tail", f"block {b}")
         if b in flying:
-            bad("source_in_flight", f"block {b}")
+            bad(f"{kind}_in_flight", f"block {b}")
         if b in excluded:
-            bad("source_excluded", f"block {b}")
+            bad(f"{kind}_excluded", f"block {b}")
+
+    for b in sources:
+        own_private("source", b)
     for t, (b, _, live) in enumerate(toks):
         if live and b in sources and t not in moved:
             bad("source_not_emptied", f"live token {t} stays in source {b}")
@@ -159,16 +162,7 @@ def plan_errors(view, plan) -> list:
         if b == NULL_BLOCK:
             bad("null_fill", "the null block 0")
             continue
-        if b not in mine:
-            bad("fill_not_owned", f"block {b}")
-        elif view["refs"].get(b, 0) != 1:
-            bad("fill_shared", f"block {b} has {view['refs'].get(b, 0)} references")
-        if b == view["tail"]:
-            bad("fill_tail", f"block {b}")
-        if b in flying:
-            bad("fill_in_flight", f"block {b}")
-        if b in excluded:
-            bad("fill_excluded", f"block {b}")
+        own_private("fill", b)
         if b in sources:
             bad("fill_is_source", f"block {b}")
         if b in dests:

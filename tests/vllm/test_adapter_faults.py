@@ -21,7 +21,7 @@ PLANTED = {
                                   r"block \d+ \(source of plan \d+ \(request '[^']+', fence \d+\)\) has ref_cnt 0.*"
                                   r"freed before its fence"),
     "adapter_stale_prefix_hash": ("prefix_hash", "no relocated block keeps a stale prefix-cache hash",
-                                  r"block \d+ \(destination of (in-flight plan \d+ \()?request '[^']+'\)+ carries a "
+                                  r"block \d+ \((destination|fill) of (in-flight plan \d+ \()?request '[^']+'\)+ carries a "
                                   r"prefix-cache hash"),
     "adapter_pop_not_null": ("null_substitution", "null-substituted in req_to_blocks, list length kept",
                              r"block list has \d+ entries, the scheduler outputs gave it \d+"),

@@ -22,7 +22,7 @@ The rooms of the adapter
   substitution (a moved or released block's entry becomes ``null_block``, never popped);
 - ``fence``: no plan source goes back to the pool before its step is processed and its
   copy reported done;
-- ``prefix_hash``: sources lose their hash at launch, released blocks keep it only with full
+- ``prefix_hash``: sources and fills lose their hash at launch, released blocks keep it only with full
   context, hashes of blocks computed after a request's first eviction are dropped;
 - ``checks``: the runtime checks against vLLM's pool (``ASSUMPTIONS`` in ``assumptions``);
 - ``messages``: what rides on the outputs (``StepMeta``, ``AdapterPlan``) and comes back

@@ -15,7 +15,7 @@ ASSUMPTIONS: dict[str, str] = {
     "fence": "sources freed only after the fence (their copy completed and the step that "
              "carried the plan processed)",
     "prefix_hash": "no relocated block keeps a stale prefix-cache hash (destinations are "
-                   "never hashed; sources lose their hash at launch; a released block keeps it "
+                   "never hashed; sources and fills lose their hash at launch; a released block keeps it "
                    "only if it was computed with full context)",
     "null_substitution": "moved or released blocks are null-substituted in req_to_blocks, "
                          "list length kept (never popped)",

@@ -4,9 +4,10 @@ token ids promise.
 vLLM hashes every full block of a request's list by its token ids. Three rules keep the
 prefix cache honest under token eviction and relocation:
 
-- a plan's sources lose their hash at launch (:meth:`PrefixHashRules.drop_sources`): a block
-  in flight must never be handed out as a prefix hit (a hit makes it shared, and shared
-  blocks never move); destinations are never hashed (they never enter a request's list);
+- a plan's sources and fills lose their hash at launch (:meth:`PrefixHashRules.drop_sources`):
+  a block in flight must never be handed out as a prefix hit (a hit makes it shared, and
+  shared blocks never move; a fill's bytes change); destinations and fills are never hashed
+  again (they never enter a request's list again);
 - a released block (all tokens evicted, no copy) keeps its hash only if it was computed
   with full context (:meth:`on_release`): a token computed after an eviction attended to
   fewer tokens than a fresh prefill would, so its K/V is not what the token ids promise;
@@ -98,8 +99,8 @@ class PrefixHashRules:
             self.stats["hashes_evicted"] += 1
 
     def drop_sources(self, blocks) -> None:
-        """A plan launches with ``blocks`` as sources: no prefix hit may land on one in flight
-        (one ``evict_blocks`` call for the plan)."""
+        """A plan launches with ``blocks`` as its sources and fills: no prefix hit may land on
+        one in flight, and a fill's bytes change (one ``evict_blocks`` call for the plan)."""
         hashed = {blk.block_id for blk in blocks if blk.block_hash is not None}
         if hashed:
             self.pool.evict_blocks(hashed)
