@@ -391,8 +391,11 @@ class VTokenAdapter:
         tab, emptied, lists = self.table.take_changed(), self.table.take_emptied(), self.mirror.take_changed()
         if tab or lists:
             # a block becomes releasable when an eviction empties it, or when it stops
-            # being the tail (the list grew); plans re-add their request when they land
-            self.release_todo |= emptied | lists
+            # being the tail (the list grew: only a request with a dead token can have an
+            # all-dead block); plans re-add their request when they land
+            t = self.table
+            self.release_todo |= emptied
+            self.release_todo.update(r for r in lists if r in t and t.num_live(r) < t.length(r))
             for b in self.table.take_lone_dead():  # a sharer left: the holder may release it now
                 self.release_todo |= self.mirror.holders(b)
             self.book.stale_bounds |= tab | lists
