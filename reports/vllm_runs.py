@@ -88,17 +88,18 @@ def _prompt(seed: int, i: int, n: int, vocab: int = 512) -> list[int]:
 
 def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: int, num_blocks: int,
          block_size: int = 16, prefix_caching: bool = True, async_scheduling: bool = True, copy_lag: int = 0,
-         headroom: Optional[int] = None, snapshot_dir=None, late: Optional[dict] = None, evict_ratio: float = 0.5,
+         headroom: int = 8, snapshot_dir=None, late: Optional[dict] = None, evict_ratio: float = 0.5,
          max_num_batched_tokens: int = 2048) -> dict:
     """One decode through the adapter; returns outputs and measurements (raises on a broken
     assumption). ``late``: requests added after the first step (prefix-hit requests).
-    ``headroom``: None runs the shipped planner defaults (``PlannerConfig()``), as a user gets."""
+    ``headroom``: the planner defaults but for a small reservation: in-place plans never use
+    it, but the reservation path (out-of-place plans, ``in_place=False``) stays under the
+    audit's runtime checks (the planted ``adapter_headroom_to_allocate`` is caught here)."""
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     ad = VTokenAdapter(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                        async_scheduling=async_scheduling, reclaim=reclaim,
-                       planner_config=default_adapter_planner_config(**({} if headroom is None else
-                                                                        {"headroom": headroom})),
+                       planner_config=default_adapter_planner_config(headroom=headroom),
                        max_num_batched_tokens=max_num_batched_tokens)
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,
                      seed=seed, check_relocations=RelocationChecker if reclaim else None, snapshot_dir=snapshot_dir, copy_lag=copy_lag)
@@ -347,7 +348,7 @@ def check_assumptions() -> list[dict]:
             first = {"a0": prefix + _prompt(7, 0, 3 * S + 3)}
             late = {f"a{i}": (prefix if i < 3 else []) + _prompt(7, i, 3 * S + 2 * i) for i in range(1, 6)}
             run = _run(reclaim=True, prompts=first, late=late, max_tokens=40, policy="random", seed=7,
-                       num_blocks=44, block_size=S, copy_lag=1)
+                       num_blocks=44, block_size=S, copy_lag=1, headroom=4)
             st = run["stats"]
             info = (f"{st['applied']} relocations, {run['hash_checks']} hash checks, {st['sources_freed']} sources "
                     f"freed at their fence, {st['released_empty']} empty blocks released, "
