@@ -10,18 +10,22 @@ Stage 2 (headroom-aware admission): ``headroom`` blocks are *reserved* in the al
 (carved out of the same budget, never extra memory). ``backpressure`` tells the scheduler
 to stop admitting new requests while the headroom is short.
 
-Stage 3 (planning), per request: candidate sources are the request's blocks that are
-private (referenced only by it), not its tail (the block holding its last position, which
-is still being written), not in an in-flight plan and not full. Sorted by live count, the
-best prefix (at most ``max_sources`` blocks) is taken: the one whose
-``sources - ceil(T_live / S)`` reduction is largest; a plan is made only if it is positive
-and only with the destinations the headroom can give (the set is shrunk otherwise, or the
-plan is deferred). Destinations are filled completely, one after another, in logical
-token order (``vtoken.placement.place``).
+Stage 3 (planning), per request: candidates are the request's blocks that are private
+(referenced only by it), not its tail (the block holding its last position, which is still
+being written), not in an in-flight plan and not full, sorted by live count. In place (the
+default, ``PlannerConfig.in_place``) the emptiest ``min(B, floor(holes / S))`` are the
+sources and their live tokens go into the holes of the next candidates (the plan's
+*fills*, which stay the request's; ``vtoken.placement.holes``): no destination block, so
+the headroom is 0 by default. Out of place (the paper's) the best prefix (at most
+``max_sources`` blocks) by ``sources - ceil(T_live / S)`` is taken, only with the
+destinations the headroom can give (the set is shrunk otherwise, or the plan is
+deferred), filled completely one after another in logical token order
+(``vtoken.placement.place``).
 
 Lifecycle: ``planned -> copying -> completed -> applied`` (or ``aborted``). The copy engine
 copies the K/V; only once its completion is observed are destination blocks handed to the
-request, the table updated, and the source blocks freed -- never at planning time. Tokens
+request, the table updated, and the source blocks freed -- never at planning time (fills
+are busy until then: no other plan, release or free touches them). Tokens
 evicted while their copy was in flight are left dead where they were (a destination no
 live token landed in goes back to the headroom); a plan one of whose sources became
 shared meanwhile (a prefix-cache hit) is aborted, since shared blocks never move.
