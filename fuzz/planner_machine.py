@@ -128,6 +128,10 @@ class PlannerMachine(RuleBasedStateMachine):
         # plan id -> blocks of finished requests it still reads: every finished incarnation's
         # references accumulate (a request id can finish, resume and finish again mid-copy)
         self.deferred: dict[int, list[int]] = {}
+        # blocks some plan wrote moved tokens into (fills): their bytes no longer match their
+        # positions, so no prefix hit may land on them (vLLM drops their hash at launch) until
+        # they are allocated afresh
+        self.rewritten: set = set()
         self.next_id = 0
         note(f"S={S} num_blocks={nb} headroom={headroom} B={max_sources} latency={latency} K={check_every} "
              f"in_place={in_place}")
@@ -140,7 +144,10 @@ class PlannerMachine(RuleBasedStateMachine):
         return sorted(self.pos)
 
     def _alloc(self, n):
-        return alloc_or_none(self.alloc, n)
+        got = alloc_or_none(self.alloc, n)
+        if got:
+            self.rewritten.difference_update(got)  # fresh blocks: whatever was written there is gone
+        return got
 
     def _sync(self, rid, total):
         PlannerMachine.ops += 1
@@ -218,6 +225,7 @@ class PlannerMachine(RuleBasedStateMachine):
 
     def _recorded_launch(self, plan):
         self.flying[plan.id] = _Flight(plan)
+        self.rewritten.update(plan.fills)
         self._launch(plan)
 
     def _on_applied(self, plan):
@@ -249,8 +257,12 @@ class PlannerMachine(RuleBasedStateMachine):
                 # an orphaned plan's request finished or was preempted while it flew: its
                 # destinations go back to the pool (unreserved), not to the headroom
                 if f.plan.state == ABORTED and f.rid in self.pos and not f.plan.orphaned:
+                    # back in the headroom, unless a plan launched since (in flight, or applied at
+                    # once under force_sync, not reconciled yet) took it again
+                    taken = {b for g in self.flying.values() if g.plan is not f.plan for b in g.dests}
                     for b in f.dests:
-                        assert b in self.mgr.headroom, f"aborted plan {pid}: destination {b} not back in the headroom"
+                        assert b in self.mgr.headroom or b in taken, \
+                            f"aborted plan {pid}: destination {b} not back in the headroom"
 
     # ------------------------------------------------------------------ rules: the workload
     # At most MAX_REQUESTS at once: the pool is small, and a few longer requests (several
@@ -282,10 +294,11 @@ class PlannerMachine(RuleBasedStateMachine):
         prefix = self.pos[parent][:k]
         if 0 in prefix:
             return  # a freed position: nothing to share
-        if {b for f in self._copying_plans() for b in f.fills} & set(prefix):
-            # the scheduler's obligation: a fill in flight is never shared (its holes are being
-            # written; vLLM drops its prefix-cache hash at launch), unlike a source, whose plan aborts
-            event("prefix hit refused: a fill in flight")
+        if self.rewritten & set(prefix):
+            # the scheduler's obligation: a fill, in flight or since, is never a prefix hit (its
+            # holes hold other positions' tokens; vLLM drops its hash at launch), unlike a
+            # source in flight, whose plan aborts
+            event("prefix hit refused: a block a plan filled")
             return
         if {b for f in self._copying_plans() for b in f.sources} & set(prefix):
             event("hard: prefix hit on a block being compacted")  # its plan must abort on completion
