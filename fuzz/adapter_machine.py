@@ -198,8 +198,8 @@ class _Run:
                 if not b.is_null:
                     now[b.block_id] = r
         for r, v in ad.held.items():
-            for b in v:
-                now[b.block_id] = r
+            for b in v:  # v: {block id: block}
+                now[b] = r
         for b, r in self.holder_of.items():
             if b not in now and ad.pool.blocks[b].ref_cnt > 0:
                 self.leaving[b] = (r, self.last_sched.get(r, 0))
@@ -304,7 +304,7 @@ class _Run:
             owners[f"list of {r!r}"] = [b.block_id for b in lst if not b.is_null]
         owners["headroom"] = [b.block_id for b in ad.headroom]
         for r, v in ad.held.items():
-            owners[f"destinations of {r!r}"] = [b.block_id for b in v]
+            owners[f"destinations of {r!r}"] = list(v)
         for p in ad.plans.values():
             owners[f"plan {p.id}"] = p.block_ids
         for i, (seq, blocks) in enumerate(ad.scheduler.deferred_frees):
@@ -319,7 +319,7 @@ class _Run:
         for b in ad.headroom:
             assert b.block_hash is None, f"headroom block {b.block_id} carries a prefix-cache hash"
         for v in ad.held.values():
-            for b in v:
+            for b in v.values():
                 assert b.block_hash is None, f"destination block {b.block_id} carries a prefix-cache hash"
         for p in ad.plans.values():
             for b in p.blocks:

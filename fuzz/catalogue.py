@@ -188,7 +188,7 @@ CATALOGUE: list[Fault] = [
     Fault("adapter_resume_appends", "resumed block list appended",
           "preemption is taken for a pause: the adapter keeps the preempted request's mirror and appends the "
           "resumed request's new block list to it instead of replacing it", "adapter",
-          (_p(MI, "BlockMirror.observe", "            if r in c.resumed_req_ids:\n",
+          (_p(MI, "BlockMirror.observe", "            if r in resumed:\n",
               "            if False:\n"),
            _p(AD, "VTokenAdapter._on_request_free", "        self.mirror.forget(r)\n",
               "        if request.is_finished():\n            self.mirror.forget(r)\n"))),

@@ -86,7 +86,7 @@ def test_table_in_step_new_grow_preempt_finish(model, async_):
                 assert req.request_id in t
                 assert t.length(req.request_id) == req.num_computed_tokens, req.request_id
                 listed = {b.block_id for b in ad.req_to_blocks[req.request_id] if not b.is_null}
-                held = {b.block_id for b in ad.held.get(req.request_id, [])}
+                held = set(ad.held.get(req.request_id, ()))
                 assert set(t.blocks_of(req.request_id)) <= listed | held
         seen["finished"] = sum(1 for r in ad.requests.values() if r.is_finished())
     while d.in_flight:
@@ -555,7 +555,7 @@ def test_in_place_plan_holds_its_fills_hashless_and_gives_them_back(model, async
                     assert b.block_hash is None and b.ref_cnt == 1 and b.block_id not in free, b
                     assert not any(x is b for x in lst), f"fill {b.block_id} still in {p.req_id}'s list"
             elif not p.orphaned and p.req_id in ad.mirror:
-                held = {x.block_id for x in ad.held.get(p.req_id, [])}
+                held = set(ad.held.get(p.req_id, ()))
                 back += all(b.block_id in held or b.ref_cnt == 0 for b in p.fills)
                 del seen[pid]
     ad.close()

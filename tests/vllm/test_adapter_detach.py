@@ -29,7 +29,7 @@ def _adapter(model):
 
 def _state(ad, r):
     return ([b.block_id for b in ad.req_to_blocks[r]], list(ad.mirror[r]), dict(ad.mirror.pos[r]),
-            dict(ad.mirror.subst.get(r, {})), [b.block_id for b in ad.held.get(r, [])])
+            dict(ad.mirror.subst.get(r, {})), list(ad.held.get(r, {})))
 
 
 def test_a_batch_with_a_block_not_held_changes_nothing(model):
@@ -62,13 +62,13 @@ def test_a_batch_naming_a_held_destination_twice_changes_nothing(model):
 
     ad = _adapter(model)
     held = ad.pool.get_new_blocks(1)[0]
-    ad.held.setdefault("q0", []).append(held)
+    ad.hold("q0", [held])
     before = _state(ad, "q0")
     with pytest.raises(AdapterAssumptionError) as e:
         ad.detach_all("q0", [held, held])
     assert e.value.check == "table_in_step" and "twice" in str(e.value)
     assert _state(ad, "q0") == before
-    ad.held["q0"].remove(held)
+    del ad.held["q0"][held.block_id]
     ad.pool.free_blocks([held])
 
 
@@ -77,12 +77,28 @@ def test_a_mixed_batch_substitutes_listed_blocks_and_drops_held_ones(model):
     lst = ad.req_to_blocks["q0"]
     a, b = lst[0], lst[2]
     held = ad.pool.get_new_blocks(1)[0]  # stands for a destination the request was handed
-    ad.held.setdefault("q0", []).append(held)
+    ad.hold("q0", [held])
     got = ad.detach_all("q0", [b, held, a])
     assert got == [2, -1, 0]
     assert lst[0] is ad.pool.null_block and lst[2] is ad.pool.null_block and len(lst) == len(ad.mirror["q0"])
     assert ad.mirror.subst["q0"] == {0: a.block_id, 2: b.block_id}
-    assert held not in ad.held["q0"] and ad.mirror.index("q0", a.block_id) is None
+    assert held.block_id not in ad.held["q0"] and ad.mirror.index("q0", a.block_id) is None
     ad.mirror.check_lists("test")  # the substituted list still agrees with its mirror
     for blk in (a, b, held):  # hand the references back so the pool balances
         ad.pool.free_blocks([blk])
+
+
+def test_holding_a_block_twice_is_refused_and_changes_nothing(model):
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ad = _adapter(model)
+    held = ad.pool.get_new_blocks(2)
+    ad.hold("q0", held[:1])
+    before = _state(ad, "q0")
+    for again in ([held[0]], [held[1], held[1]], [held[1], held[0]]):
+        with pytest.raises(AdapterAssumptionError) as e:
+            ad.hold("q0", again)
+        assert e.value.check == "ownership" and "held twice" in str(e.value)
+        assert _state(ad, "q0") == before
+    del ad.held["q0"][held[0].block_id]
+    ad.pool.free_blocks(held)

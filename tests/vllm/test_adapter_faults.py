@@ -149,7 +149,7 @@ def test_hashed_destination_is_caught(model):
     _until(d, lambda: any(ad.held.values()))
     r, dests = next((r, v) for r, v in ad.held.items() if v)
     hashed = next(b for lst in ad.req_to_blocks.values() for b in lst if b.block_hash is not None)
-    ad.pool.move_block_hashes(hashed, dests[0])
+    ad.pool.move_block_hashes(hashed, next(iter(dests.values())))
     with pytest.raises(AdapterAssumptionError, match=r"\[prefix_hash\].*destination of request"):
         ad.check_all()
 

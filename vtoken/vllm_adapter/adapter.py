@@ -98,6 +98,7 @@ from ..planner import PlannerConfig
 from ..table import TokenTable
 
 _RUNNING = None  # vllm.v1.request.RequestStatus.RUNNING, bound at first use (vLLM loads lazily)
+_NO_BLOCKS: dict = {}  # read-only stand-in for a request with no entry
 
 __all__ = [
     "ASSUMPTIONS",
@@ -194,7 +195,9 @@ class VTokenAdapter:
                           shared_blocks_moved=0, backpressure_steps=0, held_back_max=0, headroom_idle_returns=0,
                           orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
                           unfaithful_hashes_evicted=0, source_hashes_dropped=0)
-        self.held: dict[str, list] = {}  # req -> applied destination blocks (one adapter reference each)
+        # req -> {block id: KVCacheBlock}: its applied destinations and fills (one adapter
+        # reference each), in the order they were taken
+        self.held: dict[str, dict] = {}
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
         self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
         # the rooms
@@ -209,6 +212,7 @@ class VTokenAdapter:
         # per-step work follows what changed: the requests whose table or list changed since
         # they were last looked at
         self.release_todo: set = set()  # requests to look at for all-dead blocks
+        self.tail_wait: dict[str, int] = {}  # request -> its all-dead tail block, kept until the tail moves
         self._arrival: dict[str, int] = {}  # request -> arrival order (deterministic iteration)
         self.plan_hook = None
         self.requests: dict[str, Any] = {}  # every vLLM Request made (outputs stay readable)
@@ -317,19 +321,31 @@ class VTokenAdapter:
         self.release_todo.add(r)
 
     def accounted(self, r: str, b: int) -> str | None:
-        """Where the adapter holds block ``b`` for ``r``: 'list', 'held' or None."""
+        """Where the adapter holds block ``b`` for ``r``: 'list', 'held' or None. O(1)."""
         if self.mirror.index(r, b) is not None:
             return "list"
-        if any(x.block_id == b for x in self.held.get(r, ())):
+        if b in self.held.get(r, _NO_BLOCKS):
             return "held"
         return None
 
     def unaccounted(self, r: str, block_ids, also=frozenset()) -> list[int]:
         """Of ``block_ids`` (in order), those the adapter does not hold for ``r``: not in its
-        list (the mirror), not a held destination, not in ``also``. :meth:`accounted` for many
-        blocks, in one pass over the held destinations."""
-        listed, held = self.mirror.pos.get(r, {}), {x.block_id for x in self.held.get(r, ())}
+        list (the mirror), not a held destination, not in ``also``: :meth:`accounted` for many
+        blocks. O(len(block_ids))."""
+        listed, held = self.mirror.pos.get(r, _NO_BLOCKS), self.held.get(r, _NO_BLOCKS)
         return [b for b in block_ids if b not in listed and b not in held and b not in also]
+
+    def hold(self, r: str, blocks) -> None:
+        """``r`` keeps ``blocks`` (a landed plan's fills and used destinations) through the
+        adapter's reference on each: they are in no list, so only ``held`` frees them (at
+        ``r``'s free, with its fence). A block held twice is an ownership error (one adapter
+        reference each), refused before anything is added."""
+        h = self.held.setdefault(r, {})
+        ids = [b.block_id for b in blocks]
+        twice = [b for b in ids if b in h]
+        if twice or len(set(ids)) != len(ids):
+            raise AdapterAssumptionError("ownership", f"request {r!r}: blocks {twice or ids} would be held twice")
+        h.update(zip(ids, blocks))
 
     def detach(self, r: str, blk) -> int:
         """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
@@ -353,9 +369,9 @@ class VTokenAdapter:
         listed = [blk for blk in blks if blk.block_id in pos]
         at = dict(zip((blk.block_id for blk in listed), self.mirror.detach_many(r, listed))) if listed else {}
         if len(listed) < len(blks):  # the rest are held destinations
-            gone = set(ids).difference(at)
             held = self.held[r]
-            held[:] = [x for x in held if x.block_id not in gone]
+            for b in set(ids).difference(at):
+                del held[b]
         return [at.get(b, -1) for b in ids]
 
     def free_blocks(self, blocks: list, fence: int) -> None:
@@ -366,7 +382,7 @@ class VTokenAdapter:
 
     def _on_list_start(self, r: str, seq: int) -> None:
         """A request's block list (re)started (new or resumed): a new incarnation."""
-        self.held.setdefault(r, [])
+        self.held.setdefault(r, {})
         self.gone_fence.pop(r, None)
         self.hashes.restart(r)
 
@@ -390,16 +406,20 @@ class VTokenAdapter:
         grown lists): the requests to look at again, and what the checks must cover."""
         tab, emptied, lists = self.table.take_changed(), self.table.take_emptied(), self.mirror.take_changed()
         if tab or lists:
-            # a block becomes releasable when an eviction empties it, or when it stops
-            # being the tail (the list grew: only a request with a dead token can have an
-            # all-dead block); plans re-add their request when they land
-            t = self.table
+            # a block becomes releasable when an eviction empties it, when a sharer leaves it
+            # to one holder, or (below) when it stops being the tail; a request whose plan
+            # lands or that had to wait is looked at again (look_again, release_todo)
             self.release_todo |= emptied
-            self.release_todo.update(r for r in lists if r in t and t.num_live(r) < t.length(r))
-            for b in self.table.take_lone_dead():  # a sharer left: the holder may release it now
+            for b in self.table.take_lone_dead():
                 self.release_todo |= self.mirror.holders(b)
             self.book.stale_bounds |= tab | lists
-            self.check.touch(lists)  # ownership changes with lists and the adapter's own events
+            self.check.touch_lists(lists)  # their lists and tables; ownership changes with the adapter's own events
+        if self.tail_wait:  # O(requests whose all-dead tail was kept)
+            t = self.table
+            for r, b in list(self.tail_wait.items()):
+                if r not in t or t.tail_block(r) != b:
+                    del self.tail_wait[r]
+                    self.release_todo.add(r)
 
     def _after_schedule(self, sched_out) -> None:
         self.stats["preemptions"] += len(sched_out.preempted_req_ids or ())
@@ -441,8 +461,11 @@ class VTokenAdapter:
             out = []
             for b in sorted(t.releasable_blocks(r).tolist()):  # block order: a deterministic free order
                 blk = self.block(b)
-                if b == tail or self.accounted(r, b) is None:
-                    continue  # still written (a list growth brings it back), or not ours
+                if b == tail:
+                    self.tail_wait[r] = b  # still written: looked at again when the tail moves
+                    continue
+                if self.accounted(r, b) is None:
+                    continue  # not ours (in flight or released already)
                 if blk.ref_cnt != 1:  # shared in vLLM (a prefix hit not synced yet): look again next step
                     self.release_todo.add(r)
                     continue
@@ -464,7 +487,8 @@ class VTokenAdapter:
         self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r), upto=1 << 30)
         self.hashes.forget(r)
         fence = sched.sched_step_seq if not sched._request_blocks_can_be_freed(request) else 0
-        dests = self.held.pop(r, [])
+        dests = list(self.held.pop(r, _NO_BLOCKS).values())
+        self.tail_wait.pop(r, None)
         self.check.touch([r])
         if dests:
             self.free_blocks(dests, fence)
@@ -522,7 +546,7 @@ class VTokenAdapter:
         self.reserve.give_back()
         free = self.pool.get_num_free_blocks()
         held = [b.block_id for b in self.pool.blocks if not b.is_null and b.ref_cnt != 0]
-        left = {r: [b.block_id for b in v] for r, v in self.held.items() if v}
+        left = {r: list(v) for r, v in self.held.items() if v}
         if free != self.N - 1 or held or left or sched.deferred_frees or self.book.plans or len(self.fence):
             raise AdapterAssumptionError(
                 "all_returned", f"free count {free} (want {self.N - 1}); referenced blocks {held[:10]}; "

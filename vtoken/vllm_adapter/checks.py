@@ -31,12 +31,14 @@ full O(pool) (request lists, deferred frees and the adapter's holdings).
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 
 from .assumptions import AdapterAssumptionError
 
 
 _HEADROOM = ("headroom",)
 _NONE: frozenset = frozenset()
+_NO_IDS: dict = {}
 _DESTINATIONS = ("held", "dest", "fill")
 
 
@@ -64,7 +66,8 @@ class RuntimeChecks:
         self.paranoid = bool(paranoid)
         self.hooks = 0
         self.full_scans = 0
-        self.touched_requests: set = set()
+        self.touched_requests: set = set()  # the adapter changed what it holds for these
+        self.touched_lists: set = set()  # vLLM changed their lists (their holdings unchanged)
         self.false_alarms: list[str] = []  # incremental findings the full scan did not confirm
 
     # ------------------------------------------------------------------ what changed
@@ -73,6 +76,12 @@ class RuntimeChecks:
         and destinations are checked at the next hook (the blocks new to the headroom and
         the plans in flight are checked at every hook)."""
         self.touched_requests.update(requests)
+
+    def touch_lists(self, requests) -> None:
+        """Requests whose block list vLLM changed (started, grown) or whose table the worker
+        changed: their lists and tables are checked at the next hook; the blocks the adapter
+        holds for them did not change hands (O(given))."""
+        self.touched_lists.update(requests)
 
     def after_hook(self, where: str, table: bool = False) -> None:
         """The checks of one hook: incremental, or the full scan when it is due."""
@@ -83,6 +92,7 @@ class RuntimeChecks:
                 self.check_table()
             self.full_scans += 1
             self.touched_requests.clear()
+            self.touched_lists.clear()
             return
         try:
             self.check_touched(where, table=table)
@@ -100,65 +110,36 @@ class RuntimeChecks:
         ad = self.ad
         ad.fence.check()
         reqs, self.touched_requests = self.touched_requests, set()
-        mine: Counter = Counter()
-        kind: dict[int, tuple] = {}
+        lists, self.touched_lists = self.touched_lists | reqs, set()
         fresh = ad.reserve.take_fresh()  # the rest of the headroom: at the full scan
-        for b in fresh:
-            mine[b.block_id] += 1
-            kind[b.block_id] = _HEADROOM
-        for r in reqs:
-            for b in ad.held.get(r, ()):
-                mine[b.block_id] += 1
-                kind[b.block_id] = ("held", r)
-        for p in ad.plans.values():
-            self._plan_blocks(p, mine, kind)
+        held = [(r, ad.held[r]) for r in reqs if r in ad.held]
         deferred = self._deferred_counts()
         self._check_headroom(where, lambda bid: min(ad.mirror.holders(bid), default=None), fresh)
-        holders = ad.mirror.holders
-        self._check_refs(where, mine, kind, lambda bid: len(holders(bid)) + deferred.get(bid, 0))
+        listed, no = ad.mirror.where, ()
+        self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
         self._check_sources_detached(where, thorough=False)
-        ad.mirror.check_lists(where, requests=reqs)
+        ad.mirror.check_lists(where, requests=lists)
         if table:
-            self.check_table(requests=reqs | {p.req_id for p in ad.plans.values()})
+            self.check_table(requests=lists | {p.req_id for p in ad.plans.values()})
 
     # ------------------------------------------------------------------ the full scan
-    def holders(self) -> Counter:
-        """References on each block from request lists and vLLM's deferred frees (vLLM's own
-        lists, not the mirror)."""
-        ad = self.ad
-        c: Counter = Counter()
-        for lst in ad.req_to_blocks.values():
-            for b in lst:
-                if not b.is_null:
-                    c[b.block_id] += 1
-        c.update(self._deferred_counts())
-        return c
-
     def check_pool(self, where: str) -> None:
-        """Reservation, ownership, fence and prefix-hash checks against the pool itself, then
-        every list against its mirror."""
+        """Reservation, ownership, fence and prefix-hash checks against the pool itself (a
+        block's holders counted from vLLM's own lists and deferred frees, not the mirror),
+        then every list against its mirror."""
         ad = self.ad
         ad.fence.check()
-        holders = self.holders()
-        mine: Counter = Counter()
-        kind: dict[int, tuple] = {}
-        for b in ad.headroom:
-            mine[b.block_id] += 1
-            kind[b.block_id] = _HEADROOM
-        for r, v in ad.held.items():
-            for b in v:
-                mine[b.block_id] += 1
-                kind[b.block_id] = ("held", r)
-        for p in ad.plans.values():
-            self._plan_blocks(p, mine, kind)
-        in_lists = {}
-        for r, lst in ad.req_to_blocks.items():
-            for b in lst:
-                if not b.is_null:
-                    in_lists.setdefault(b.block_id, r)
+        listed = {r: [b.block_id for b in lst if not b.is_null] for r, lst in ad.req_to_blocks.items()}
+        holders = Counter(chain.from_iterable(listed.values()))
+        in_lists = holders.copy()
+        holders.update(self._deferred_counts())
+
+        def list_holder(bid):  # the first request whose list holds bid (names a violation)
+            return next((r for r, ids in listed.items() if bid in ids), None) if in_lists.get(bid) else None
+
         ad.reserve.take_fresh()
-        self._check_headroom(where, in_lists.get, ad.headroom)
-        self._check_refs(where, mine, kind, lambda bid: holders.get(bid, 0))
+        self._check_headroom(where, list_holder, ad.headroom)
+        self._check_refs(where, ad.headroom, list(ad.held.items()), lambda bid: holders.get(bid, 0))
         self._check_sources_detached(where, thorough=True)
         ad.mirror.check_lists(where)
 
@@ -179,7 +160,9 @@ class RuntimeChecks:
         for r in (m.ids if requests is None else requests):
             if r not in m or r not in t or m.incarnation.get(r, 0) > processed:
                 continue
-            extra = ad.unaccounted(r, t.block_array(r).tolist(), also=pend.get(r, _NONE) | inflight.get(r, _NONE))
+            # ad.unaccounted as set differences in C (the dicts' keys: listed ids, held ids)
+            extra = set(t.block_array(r).tolist()).difference(m.pos.get(r, _NO_IDS), ad.held.get(r, _NO_IDS),
+                                                              pend.get(r, _NONE), inflight.get(r, _NONE))
             if extra:
                 raise AdapterAssumptionError(
                     "table_in_step", f"request {r!r}: the token table references blocks {sorted(extra)} that the "
@@ -201,12 +184,16 @@ class RuntimeChecks:
                     c[b.block_id] += 1
         return c
 
-    @staticmethod
-    def _plan_blocks(p, mine: Counter, kind: dict) -> None:
-        for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)):
-            for b in blocks:
-                mine[b.block_id] += 1
-                kind[b.block_id] = (role, p)
+    def _roles(self, headroom, held) -> dict[int, tuple]:
+        """Each block the adapter holds -> its role (see :func:`_describe`), for an error's
+        message only."""
+        kind: dict[int, tuple] = {b.block_id: _HEADROOM for b in headroom}
+        for r, h in held:
+            kind.update(dict.fromkeys(h, ("held", r)))  # h: {block id: block}
+        for p in self.ad.plans.values():
+            for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)):
+                kind.update((b.block_id, (role, p)) for b in blocks)
+        return kind
 
     def _check_headroom(self, where: str, list_holder, blocks) -> None:
         for b in blocks:
@@ -221,12 +208,28 @@ class RuntimeChecks:
                     "reservation", f"{where}: headroom block {bid} has ref_cnt {b.ref_cnt} (want 1), "
                     f"hash {'set' if b.block_hash is not None else 'none'}")
 
-    def _check_refs(self, where: str, mine: Counter, kind: dict, others) -> None:
-        """Each block the adapter holds has ``ref_cnt`` = the adapter's holds (``mine``) +
-        ``others(block)`` (request lists, deferred frees); a destination carries no prefix
-        hash. ``kind``: block -> its role (see :func:`_describe`, formatted only for an error)."""
-        blocks, cached = self.ad.pool.blocks, self.ad.pool.cached_block_hashes_by_block
-        for bid, n in mine.items():
+    def _check_refs(self, where: str, headroom, held, others) -> None:
+        """Each block the adapter holds (``headroom`` blocks, the ``(request, {id: block})``
+        pairs of ``held``, every block of the plans in flight) has ``ref_cnt`` = the adapter's
+        holds on it + ``others(block)`` (request lists, deferred frees); a destination or fill
+        carries no prefix hash. The holds are counted in C (``Counter``) and compared in one
+        comprehension; only when that finds something are the roles worked out and the first
+        violation (in the order headroom, held, plans) named."""
+        ad = self.ad
+        blocks, cached = ad.pool.blocks, ad.pool.cached_block_hashes_by_block
+        mine = Counter(b.block_id for b in headroom)
+        dest_like = [b for _, h in held for b in h]
+        mine.update(dest_like)
+        for p in ad.plans.values():
+            ids = [b.block_id for b in p.fills] + [b.block_id for b in p.dests]
+            mine.update(b.block_id for b in p.sources)
+            mine.update(ids)
+            dest_like += ids
+        if not any(blocks[bid].ref_cnt != n + others(bid) for bid, n in mine.items()) and \
+                not any(blocks[bid].block_hash is not None or bid in cached for bid in dest_like):
+            return
+        kind = self._roles(headroom, held)
+        for bid, n in mine.items():  # the first violation, named (the roles as the errors give them)
             blk = blocks[bid]
             k = kind[bid]
             if blk.ref_cnt != n + others(bid):

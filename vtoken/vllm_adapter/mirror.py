@@ -17,7 +17,7 @@ Costs: O(new block ids) per output, O(1) per detach, O(list) per :meth:`check_li
 
 from __future__ import annotations
 
-from operator import is_
+from operator import is_, itemgetter
 from typing import Callable, Optional
 
 from .assumptions import AdapterAssumptionError
@@ -49,9 +49,13 @@ class BlockMirror:
         for d in sched_out.scheduled_new_reqs:
             self.start(d.req_id, list(d.block_ids[0]), seq_next)
         c = sched_out.scheduled_cached_reqs
-        for r, nb in zip(c.req_ids, c.new_block_ids):
+        resumed = c.resumed_req_ids
+        # a decode step grows few lists: only requests with new blocks (or resumed) are visited
+        changed = [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if (nb and nb[0]) or r in resumed] \
+            if resumed else [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if nb and nb[0]]
+        for r, nb in changed:
             ids = list(nb[0]) if nb else []
-            if r in c.resumed_req_ids:
+            if r in resumed:
                 self.start(r, ids, seq_next)
             elif ids:
                 m = self.ids.setdefault(r, [])
@@ -141,13 +145,18 @@ class BlockMirror:
                     f"found {got}")
         sub = self.subst.setdefault(r, {})
         ex = self.expect[r]
-        for i, blk in sorted(zip(idx, blks), key=lambda x: -x[0]):  # last index first (any order is right)
+        where = self.where
+        for i, blk in sorted(zip(idx, blks), key=itemgetter(0), reverse=True):  # last index first (any order is right)
             b = blk.block_id
             del pos[b]
             lst[i] = self.null
             ex[i] = self.null
             sub[i] = b
-            self._drop_holder(b, r)
+            holders = where.get(b)  # _drop_holder, inlined (a plan detaches tens of blocks)
+            if holders is not None:
+                holders.discard(r)
+                if not holders:
+                    del where[b]
         self.changed.add(r)
         return idx
 
