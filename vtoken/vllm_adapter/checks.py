@@ -9,18 +9,20 @@ flight, the mirror, the fence ledger, pending releases) and vLLM's (``req_to_blo
 ``table_in_step``. It owns nothing and changes nothing.
 
 What a hook costs (``after_hook``): the checks run on what changed since the last hook,
-plus the adapter's own small, bounded holdings. The adapter reports the requests each event
-touched (``touch``); the check then covers those requests' lists, tables and destinations,
-the headroom blocks that entered it since the last hook and every block of the
-plans in flight (at most ``max_plans_per_step`` x (B + destinations) per step in flight),
-counting a block's holders from the mirror's reverse index and vLLM's deferred frees
-instead of scanning every list. Every ``full_every`` hooks (default 64), at idle
+plus the adapter's own small, bounded holdings. The adapter reports the requests each of
+its own events changed the holdings of (``touch``: launch, report, release, free) and the
+requests whose list vLLM changed or whose table the worker changed (``touch_lists``); the
+check then covers the lists and tables of both, the held destinations and fills of the
+first, the headroom blocks that entered it since the last hook and every block of the
+plans in flight (at most ``max_plans_per_step`` x (B + fills + destinations) per step in
+flight), counting a block's holders from the mirror's reverse index and vLLM's deferred
+frees instead of scanning every list. Every ``full_every`` hooks (default 64), at idle
 (``drain_idle``, ``close``) and with ``paranoid`` on every hook, the full scan runs instead:
 every block the adapter holds against holders counted from vLLM's own lists, every list
 against its mirror, every table. A violation the full scan sees is therefore caught within
 ``full_every`` hooks at the latest, and on the hook it happens when it touches what
 changed.
-Owns: the touched-request set, the hook counter (when the next full scan runs) and the
+Owns: the touched-request sets, the hook counter (when the next full scan runs) and the
 false alarms seen. It changes nothing of the adapter's or vLLM's state but the headroom's
 record of blocks new since the last check (``Headroom.take_fresh``).
 May call: the adapter's state and vLLM's pool and lists, read only.
@@ -173,16 +175,12 @@ class RuntimeChecks:
         self.check_table()
 
     # ------------------------------------------------------------------ shared pieces
-    def _deferred(self, bid: int) -> bool:
-        return any(b.block_id == bid for _, blocks in self.ad.scheduler.deferred_frees for b in blocks)
-
-    def _deferred_counts(self) -> Counter:
-        c: Counter = Counter()
-        for _, blocks in self.ad.scheduler.deferred_frees:
-            for b in blocks:
-                if not b.is_null:
-                    c[b.block_id] += 1
-        return c
+    def _deferred_counts(self) -> dict:
+        """References on each block held by vLLM's deferred frees ({} when none wait)."""
+        deferred = self.ad.scheduler.deferred_frees
+        if not deferred:
+            return {}
+        return Counter(b.block_id for _, blocks in deferred for b in blocks if not b.is_null)
 
     def _roles(self, headroom, held) -> dict[int, tuple]:
         """Each block the adapter holds -> its role (see :func:`_describe`), for an error's
@@ -217,14 +215,15 @@ class RuntimeChecks:
         violation (in the order headroom, held, plans) named."""
         ad = self.ad
         blocks, cached = ad.pool.blocks, ad.pool.cached_block_hashes_by_block
-        mine = Counter(b.block_id for b in headroom)
         dest_like = [b for _, h in held for b in h]
-        mine.update(dest_like)
+        ids = [b.block_id for b in headroom] + dest_like  # every hold, in the order the errors name them
         for p in ad.plans.values():
-            ids = [b.block_id for b in p.fills] + [b.block_id for b in p.dests]
-            mine.update(b.block_id for b in p.sources)
-            mine.update(ids)
-            dest_like += ids
+            more = [b.block_id for b in p.fills] + [b.block_id for b in p.dests]
+            ids += [b.block_id for b in p.sources] + more
+            dest_like += more
+        if not ids:
+            return
+        mine = Counter(ids)
         if not any(blocks[bid].ref_cnt != n + others(bid) for bid, n in mine.items()) and \
                 not any(blocks[bid].block_hash is not None or bid in cached for bid in dest_like):
             return
