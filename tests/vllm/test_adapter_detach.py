@@ -68,7 +68,7 @@ def test_a_batch_naming_a_held_destination_twice_changes_nothing(model):
         ad.detach_all("q0", [held, held])
     assert e.value.check == "table_in_step" and "twice" in str(e.value)
     assert _state(ad, "q0") == before
-    del ad.held["q0"][held.block_id]
+    ad.detach_all("q0", [held])  # the test's hold taken back (held and its index)
     ad.pool.free_blocks([held])
 
 
@@ -100,5 +100,5 @@ def test_holding_a_block_twice_is_refused_and_changes_nothing(model):
             ad.hold("q0", again)
         assert e.value.check == "ownership" and "held twice" in str(e.value)
         assert _state(ad, "q0") == before
-    del ad.held["q0"][held[0].block_id]
+    ad.detach_all("q0", held[:1])
     ad.pool.free_blocks(held)

@@ -92,3 +92,49 @@ def test_an_adapter_event_on_the_request_checks_its_holdings_on_that_hook(model)
     with pytest.raises(Exception) as e:
         ad.check.after_hook("test")
     assert getattr(e.value, "check", None) == "ownership" and f"block {blk.block_id}" in str(e.value)
+
+
+def test_a_block_entering_a_list_while_the_adapter_holds_it_is_caught_on_that_hook(model):
+    """The entries vLLM put in lists are checked against every adapter holding (held blocks
+    by their index, plans in flight, headroom): the block's own request need not be touched."""
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ad, d, r = _holding(model, 1 << 20)
+    blk = next(iter(ad.held[r].values()))
+    ad.check.touch_entries([("q9", blk.block_id)])  # as if vLLM had allocated it to q9
+    with pytest.raises(AdapterAssumptionError) as e:
+        ad.check.check_touched("test")  # the incremental check alone (after_hook confirms with a full scan)
+    assert e.value.check == "ownership" and f"block {blk.block_id}" in str(e.value) and "'q9'" in str(e.value)
+
+
+def test_a_held_block_vllm_hands_out_again_is_caught_when_it_is_handed_out(model):
+    """Freed behind the adapter's back, then allocated by vLLM to a growing list: caught on
+    the hook of that allocation, with no full scan in reach and before the worker writes it."""
+    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+    from vtoken.vllm_adapter.worker import VTokenWorker
+
+    S, N = 8, 96
+    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, max_model_len=512,
+                       check_full_every=1 << 20)
+    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=0.5,
+                     seed=0)
+    d = AdapterDriver(ad, w)
+    for i in range(3):
+        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 63, size=40).tolist(), max_tokens=200)
+    for _ in range(200):
+        if any(ad.held.get(r) for r in ad.req_to_blocks if r not in ad.busy):
+            break
+        d.step()
+    r = next(r for r in ad.req_to_blocks if ad.held.get(r) and r not in ad.busy)
+    blk = next(iter(ad.held[r].values()))
+    ad.pool.free_blocks([blk])
+    for _ in range(100):
+        try:
+            d.step()
+        except AdapterAssumptionError as e:
+            # the incremental check saw it enter a list; the full scan it triggers names the verdict
+            assert e.check == "ownership" and f"block {blk.block_id}" in str(e), e
+            assert "entered request" in str(e.__context__), "the incremental check caught it as it was handed out"
+            return
+    raise AssertionError("never caught")

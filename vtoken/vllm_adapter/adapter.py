@@ -198,6 +198,7 @@ class VTokenAdapter:
         # req -> {block id: KVCacheBlock}: its applied destinations and fills (one adapter
         # reference each), in the order they were taken
         self.held: dict[str, dict] = {}
+        self.held_owner: dict[int, str] = {}  # block id -> the request holding it (``held`` inverted)
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
         self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
         # the rooms
@@ -346,6 +347,7 @@ class VTokenAdapter:
         if twice or len(set(ids)) != len(ids):
             raise AdapterAssumptionError("ownership", f"request {r!r}: blocks {twice or ids} would be held twice")
         h.update(zip(ids, blocks))
+        self.held_owner.update(dict.fromkeys(ids, r))
 
     def detach(self, r: str, blk) -> int:
         """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
@@ -372,6 +374,7 @@ class VTokenAdapter:
             held = self.held[r]
             for b in set(ids).difference(at):
                 del held[b]
+                del self.held_owner[b]
         return [at.get(b, -1) for b in ids]
 
     def free_blocks(self, blocks: list, fence: int) -> None:
@@ -414,6 +417,9 @@ class VTokenAdapter:
                 self.release_todo |= self.mirror.holders(b)
             self.book.stale_bounds |= tab | lists
             self.check.touch_lists(lists)  # their lists and tables; ownership changes with the adapter's own events
+        new = self.mirror.take_new_ids()
+        if new and self.checks:
+            self.check.touch_entries(new)  # blocks vLLM put in a list: never one the adapter holds
         if self.tail_wait:  # O(requests whose all-dead tail was kept)
             t = self.table
             for r, b in list(self.tail_wait.items()):
@@ -488,6 +494,8 @@ class VTokenAdapter:
         self.hashes.forget(r)
         fence = sched.sched_step_seq if not sched._request_blocks_can_be_freed(request) else 0
         dests = list(self.held.pop(r, _NO_BLOCKS).values())
+        for b in dests:
+            del self.held_owner[b.block_id]
         self.tail_wait.pop(r, None)
         self.check.touch([r])
         if dests:

@@ -70,6 +70,7 @@ class RuntimeChecks:
         self.full_scans = 0
         self.touched_requests: set = set()  # the adapter changed what it holds for these
         self.touched_lists: set = set()  # vLLM changed their lists (their holdings unchanged)
+        self.new_entries: list = []  # (request, block id) vLLM put in a list since the last hook
         self.false_alarms: list[str] = []  # incremental findings the full scan did not confirm
 
     # ------------------------------------------------------------------ what changed
@@ -85,6 +86,12 @@ class RuntimeChecks:
         holds for them did not change hands (O(given))."""
         self.touched_lists.update(requests)
 
+    def touch_entries(self, entries) -> None:
+        """``(request, block id)`` pairs vLLM put in a list (new, grown, resumed): each is
+        checked at the next hook against every block the adapter holds (a held block vLLM
+        hands out again was freed behind the adapter's back). O(given)."""
+        self.new_entries += entries
+
     def after_hook(self, where: str, table: bool = False) -> None:
         """The checks of one hook: incremental, or the full scan when it is due."""
         self.hooks += 1
@@ -95,6 +102,7 @@ class RuntimeChecks:
             self.full_scans += 1
             self.touched_requests.clear()
             self.touched_lists.clear()
+            self.new_entries = []
             return
         try:
             self.check_touched(where, table=table)
@@ -117,6 +125,7 @@ class RuntimeChecks:
         held = [(r, ad.held[r]) for r in reqs if r in ad.held]
         deferred = self._deferred_counts()
         self._check_headroom(where, lambda bid: min(ad.mirror.holders(bid), default=None), fresh)
+        self._check_new_entries(where)
         listed, no = ad.mirror.where, ()
         self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
         self._check_sources_detached(where, thorough=False)
@@ -140,6 +149,11 @@ class RuntimeChecks:
             return next((r for r, ids in listed.items() if bid in ids), None) if in_lists.get(bid) else None
 
         ad.reserve.take_fresh()
+        self.new_entries = []  # every list is scanned below
+        owner = {b: r for r, h in ad.held.items() for b in h}
+        if owner != ad.held_owner:
+            raise AdapterAssumptionError("ownership", f"{where}: the held-block index disagrees with the held blocks: "
+                                                      f"{sorted(set(owner.items()) ^ set(ad.held_owner.items()))[:8]}")
         self._check_headroom(where, list_holder, ad.headroom)
         self._check_refs(where, ad.headroom, list(ad.held.items()), lambda bid: holders.get(bid, 0))
         self._check_sources_detached(where, thorough=True)
@@ -192,6 +206,31 @@ class RuntimeChecks:
             for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)):
                 kind.update((b.block_id, (role, p)) for b in blocks)
         return kind
+
+    def _check_new_entries(self, where: str) -> None:
+        """No block vLLM put in a list since the last hook is one the adapter holds: in the
+        headroom (``reservation``), a source of a plan in flight (``fence``), a fill or
+        destination in flight or held for a request (``ownership``). O(new entries + plans'
+        blocks + headroom)."""
+        entries, self.new_entries = self.new_entries, []
+        if not entries:
+            return
+        ad = self.ad
+        owner = ad.held_owner
+        flying = {b.block_id: (role, p) for p in ad.plans.values()
+                  for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)) for b in blocks}
+        heads = {b.block_id for b in ad.headroom}
+        for r, bid in entries:
+            if bid in heads:
+                raise AdapterAssumptionError(
+                    "reservation", f"{where}: headroom block {bid} is in request {r!r}'s block list "
+                    f"(ref_cnt {ad.pool.blocks[bid].ref_cnt}): vLLM handed it out while the adapter holds it")
+            k = flying.get(bid) or (("held", owner[bid]) if bid in owner else None)
+            if k is not None:
+                raise AdapterAssumptionError(
+                    "fence" if k[0] == "source" else "ownership",
+                    f"{where}: block {bid} ({_describe(k)}) entered request {r!r}'s block list while the adapter "
+                    f"holds it (ref_cnt {ad.pool.blocks[bid].ref_cnt}): it was returned to the pool while still held")
 
     def _check_headroom(self, where: str, list_holder, blocks) -> None:
         for b in blocks:

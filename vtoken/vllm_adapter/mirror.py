@@ -36,6 +36,7 @@ class BlockMirror:
         self.incarnation: dict[str, int] = {}
         self.where: dict[int, set] = {}  # block id -> requests whose list holds it (not substituted)
         self.changed: set = set()  # requests whose list changed since take_changed()
+        self.new_ids: list[tuple[str, int]] = []  # (request, block id) entered a list since take_new_ids()
 
     def __contains__(self, r) -> bool:
         return r in self.ids
@@ -66,6 +67,7 @@ class BlockMirror:
                     m.append(b)
                     ex.append(self.blocks[b])
                     self.where.setdefault(b, set()).add(r)
+                self.new_ids += [(r, b) for b in ids]
                 self.changed.add(r)
 
     def start(self, r: str, ids: list[int], seq: int) -> None:
@@ -73,6 +75,7 @@ class BlockMirror:
         self._unindex(r)
         for b in ids:
             self.where.setdefault(b, set()).add(r)
+        self.new_ids += [(r, b) for b in ids]
         self.changed.add(r)
         self.ids[r] = ids
         self.expect[r] = [self.blocks[b] for b in ids]
@@ -103,6 +106,12 @@ class BlockMirror:
     def take_changed(self) -> set:
         """Requests whose list was started, grown, substituted or forgotten since the last call."""
         out, self.changed = self.changed, set()
+        return out
+
+    def take_new_ids(self) -> list[tuple[str, int]]:
+        """``(request, block id)`` for every block that entered a list (new, grown, resumed)
+        since the last call."""
+        out, self.new_ids = self.new_ids, []
         return out
 
     def holders(self, b: int) -> set:
