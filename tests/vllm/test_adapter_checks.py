@@ -104,3 +104,123 @@ def test_incremental_mode_scans_less_than_the_pool(model):
             break
         d.step()
     assert ad.check.hooks >= 40 and ad.check.full_scans <= ad.check.hooks // 16 + 1
+
+# ---------------------------------------------------------------- what the per-step work looks at
+# An all-dead tail block stays (it is still written) and is released once the tail moves to
+# a new block, with no other event on the request (``tail_wait``): the per-step work does not
+# re-scan every growing request for all-dead blocks. A grown list is checked as a list and a
+# table, not its holdings; a held block freed behind the adapter's back is still caught: when
+# vLLM hands it out, on the hook of the next adapter event on its request, and within
+# ``check_full_every`` hooks by the full scan otherwise.
+
+
+def _defaults_run(model, ratio, full_every=64, reclaim=True, requests=3, S=8, N=96):
+    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter
+    from vtoken.vllm_adapter.worker import VTokenWorker
+
+    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, max_model_len=512,
+                       check_full_every=full_every, reclaim=reclaim)
+    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=ratio,
+                     seed=0)
+    d = AdapterDriver(ad, w)
+    for i in range(requests):
+        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 500, size=40).tolist(), max_tokens=60)
+    for _ in range(3):
+        d.step()
+    return ad, d
+
+
+def test_an_all_dead_tail_is_released_once_the_tail_moves(model):
+    ad, d = _defaults_run(model, 0.0, reclaim=False, requests=1)
+    t, r, S = ad.table, "q0", ad.S
+    while t.length(r) % S:  # until the tail block is full: the next token opens a new block
+        d.step()
+    n = t.length(r)
+    tail = t.tail_block(r)
+    t.evict_tokens(r, list(range(n - S, n)))  # every token of the tail block dies
+    assert tail in t.releasable_blocks(r).tolist()
+    released = ad.stats["released_empty"]
+    d.step()  # scheduled while the block is still the tail: kept; the token goes into a new block
+    assert tail in t.blocks_of(r) and t.tail_block(r) != tail and ad.stats["released_empty"] == released
+    assert r in ad.release_todo and r not in ad.tail_wait, "the moved tail puts the request up for a look"
+    d.step()
+    assert tail not in t.blocks_of(r) and ad.block(tail).ref_cnt == 0, "not released after the tail moved"
+    assert ad.stats["released_empty"] == released + 1
+    ad.check_all()
+
+
+def _holding(model, full_every):
+    ad, d = _defaults_run(model, 0.5, full_every=full_every)
+    for _ in range(200):
+        if any(ad.held.get(r) for r in ad.req_to_blocks if r not in ad.busy):
+            break
+        d.step()
+    r = next(r for r in ad.req_to_blocks if ad.held.get(r) and r not in ad.busy)
+    return ad, d, r
+
+
+def test_a_held_block_freed_behind_the_adapters_back_is_caught_within_k_hooks(model):
+    K = 8
+    ad, d, r = _holding(model, K)
+    blk = next(iter(ad.held[r].values()))
+    ad.pool.free_blocks([blk])  # vLLM's pool now counts it free; the adapter still holds it
+    hooks, e = _hooks_until_caught(d, ad, 2 * K)
+    assert e is not None, f"not caught in {2 * K} steps"
+    assert e.check == "ownership" and f"block {blk.block_id}" in str(e), e
+    assert hooks <= K, f"caught after {hooks} hooks, the full scan runs every {K}"
+
+
+def test_an_adapter_event_on_the_request_checks_its_holdings_on_that_hook(model):
+    ad, d, r = _holding(model, 1 << 20)  # no full scan in reach
+    blk = next(iter(ad.held[r].values()))
+    ad.pool.free_blocks([blk])
+    ad.check.touch([r])  # what the adapter's own events on r do (launch, report, release, free)
+    with pytest.raises(Exception) as e:
+        ad.check.after_hook("test")
+    assert getattr(e.value, "check", None) == "ownership" and f"block {blk.block_id}" in str(e.value)
+
+
+def test_a_block_entering_a_list_while_the_adapter_holds_it_is_caught_on_that_hook(model):
+    """The entries vLLM put in lists are checked against every adapter holding (held blocks
+    by their index, plans in flight, headroom): the block's own request need not be touched."""
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ad, d, r = _holding(model, 1 << 20)
+    blk = next(iter(ad.held[r].values()))
+    ad.check.touch_entries([("q9", blk.block_id)])  # as if vLLM had allocated it to q9
+    with pytest.raises(AdapterAssumptionError) as e:
+        ad.check.check_touched("test")  # the incremental check alone (after_hook confirms with a full scan)
+    assert e.value.check == "ownership" and f"block {blk.block_id}" in str(e.value) and "'q9'" in str(e.value)
+
+
+def test_a_held_block_vllm_hands_out_again_is_caught_when_it_is_handed_out(model):
+    """Freed behind the adapter's back, then allocated by vLLM to a growing list: caught on
+    the hook of that allocation, with no full scan in reach and before the worker writes it."""
+    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+    from vtoken.vllm_adapter.worker import VTokenWorker
+
+    S, N = 8, 96
+    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, max_model_len=512,
+                       check_full_every=1 << 20)
+    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=0.5,
+                     seed=0)
+    d = AdapterDriver(ad, w)
+    for i in range(3):
+        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 63, size=40).tolist(), max_tokens=200)
+    for _ in range(200):
+        if any(ad.held.get(r) for r in ad.req_to_blocks if r not in ad.busy):
+            break
+        d.step()
+    r = next(r for r in ad.req_to_blocks if ad.held.get(r) and r not in ad.busy)
+    blk = next(iter(ad.held[r].values()))
+    ad.pool.free_blocks([blk])
+    for _ in range(100):
+        try:
+            d.step()
+        except AdapterAssumptionError as e:
+            # the incremental check saw it enter a list; the full scan it triggers names the verdict
+            assert e.check == "ownership" and f"block {blk.block_id}" in str(e), e
+            assert "entered request" in str(e.__context__), "the incremental check caught it as it was handed out"
+            return
+    raise AssertionError("never caught")

@@ -69,8 +69,9 @@ have ``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the tok
 destinations and fills (whose hash is dropped at launch: their bytes change) never enter
 a request's list again, so vLLM never hashes them.
 Owns: the vLLM scheduler instance it drives (through ``hooks``), the token table the
-worker writes, every applied destination (``held``), the rooms it builds (``reserve``,
-``book``, ``mirror``, ``fence``, ``hashes``, ``check``); vLLM owns the request lists.
+worker writes, every applied destination and fill (``held``, indexed by block in
+``held_owner``), the rooms it builds (``reserve``, ``book``, ``mirror``, ``fence``,
+``hashes``, ``check``); vLLM owns the request lists.
 May call: vLLM's scheduler and ``BlockPool`` (``_free_cow_retained_blocks``, the free
 count), ``vtoken.planner`` (through ``plans``), ``vtoken.table``, its rooms; never spec/,
 invariants/, fuzz/ or reports/ (the toolkit attaches ``plan_hook``).
