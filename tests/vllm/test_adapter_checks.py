@@ -13,18 +13,21 @@ from vtoken.invariants.relocation_hash import RelocationChecker
 pytestmark = pytest.mark.vllm
 
 
-def _run(model, full_every, paranoid, ratio=0.0):
+def _run(model, full_every=64, paranoid=False, ratio=0.0, headroom=4, reclaim=True, requests=3, vocab=500,
+         max_tokens=60):
+    """``requests`` decoding (40-token prompts) after 3 steps. ``headroom``: on top of the planner
+    defaults (None: the shipped defaults, in place, no headroom)."""
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     S, N = 8, 96
-    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False,
-                       planner_config=default_adapter_planner_config(headroom=4), max_model_len=512,
-                       check_full_every=full_every, paranoid_checks=paranoid)
+    cfg = None if headroom is None else default_adapter_planner_config(headroom=headroom)
+    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, planner_config=cfg,
+                       max_model_len=512, check_full_every=full_every, paranoid_checks=paranoid, reclaim=reclaim)
     w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=ratio, seed=0)
     d = AdapterDriver(ad, w)
-    for i in range(3):
-        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 500, size=40).tolist(), max_tokens=60)
+    for i in range(requests):
+        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, vocab, size=40).tolist(), max_tokens=max_tokens)
     for _ in range(3):
         d.step()
     return ad, d
@@ -114,24 +117,8 @@ def test_incremental_mode_scans_less_than_the_pool(model):
 # ``check_full_every`` hooks by the full scan otherwise.
 
 
-def _defaults_run(model, ratio, full_every=64, reclaim=True, requests=3, S=8, N=96):
-    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter
-    from vtoken.vllm_adapter.worker import VTokenWorker
-
-    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, max_model_len=512,
-                       check_full_every=full_every, reclaim=reclaim)
-    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=ratio,
-                     seed=0)
-    d = AdapterDriver(ad, w)
-    for i in range(requests):
-        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 500, size=40).tolist(), max_tokens=60)
-    for _ in range(3):
-        d.step()
-    return ad, d
-
-
 def test_an_all_dead_tail_is_released_once_the_tail_moves(model):
-    ad, d = _defaults_run(model, 0.0, reclaim=False, requests=1)
+    ad, d = _run(model, headroom=None, reclaim=False, requests=1)
     t, r, S = ad.table, "q0", ad.S
     while t.length(r) % S:  # until the tail block is full: the next token opens a new block
         d.step()
@@ -149,8 +136,10 @@ def test_an_all_dead_tail_is_released_once_the_tail_moves(model):
     ad.check_all()
 
 
-def _holding(model, full_every):
-    ad, d = _defaults_run(model, 0.5, full_every=full_every)
+def _holding(model, full_every, **kw):
+    """A run at the shipped defaults with 50% eviction, stepped until a request not in a plan
+    holds blocks: (adapter, driver, that request)."""
+    ad, d = _run(model, full_every, ratio=0.5, headroom=None, **kw)
     for _ in range(200):
         if any(ad.held.get(r) for r in ad.req_to_blocks if r not in ad.busy):
             break
@@ -196,23 +185,9 @@ def test_a_block_entering_a_list_while_the_adapter_holds_it_is_caught_on_that_ho
 def test_a_held_block_vllm_hands_out_again_is_caught_when_it_is_handed_out(model):
     """Freed behind the adapter's back, then allocated by vLLM to a growing list: caught on
     the hook of that allocation, with no full scan in reach and before the worker writes it."""
-    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter
     from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
-    from vtoken.vllm_adapter.worker import VTokenWorker
 
-    S, N = 8, 96
-    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, max_model_len=512,
-                       check_full_every=1 << 20)
-    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=0.5,
-                     seed=0)
-    d = AdapterDriver(ad, w)
-    for i in range(3):
-        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 63, size=40).tolist(), max_tokens=200)
-    for _ in range(200):
-        if any(ad.held.get(r) for r in ad.req_to_blocks if r not in ad.busy):
-            break
-        d.step()
-    r = next(r for r in ad.req_to_blocks if ad.held.get(r) and r not in ad.busy)
+    ad, d, r = _holding(model, 1 << 20, vocab=63, max_tokens=200)
     blk = next(iter(ad.held[r].values()))
     ad.pool.free_blocks([blk])
     for _ in range(100):

@@ -62,7 +62,7 @@ def test_a_batch_naming_a_held_destination_twice_changes_nothing(model):
 
     ad = _adapter(model)
     held = ad.pool.get_new_blocks(1)[0]
-    ad.hold("q0", [held])
+    ad.held.add("q0", [held])
     before = _state(ad, "q0")
     with pytest.raises(AdapterAssumptionError) as e:
         ad.detach_all("q0", [held, held])
@@ -77,7 +77,7 @@ def test_a_mixed_batch_substitutes_listed_blocks_and_drops_held_ones(model):
     lst = ad.req_to_blocks["q0"]
     a, b = lst[0], lst[2]
     held = ad.pool.get_new_blocks(1)[0]  # stands for a destination the request was handed
-    ad.hold("q0", [held])
+    ad.held.add("q0", [held])
     got = ad.detach_all("q0", [b, held, a])
     assert got == [2, -1, 0]
     assert lst[0] is ad.pool.null_block and lst[2] is ad.pool.null_block and len(lst) == len(ad.mirror["q0"])
@@ -93,11 +93,11 @@ def test_holding_a_block_twice_is_refused_and_changes_nothing(model):
 
     ad = _adapter(model)
     held = ad.pool.get_new_blocks(2)
-    ad.hold("q0", held[:1])
+    ad.held.add("q0", held[:1])
     before = _state(ad, "q0")
     for again in ([held[0]], [held[1], held[1]], [held[1], held[0]]):
         with pytest.raises(AdapterAssumptionError) as e:
-            ad.hold("q0", again)
+            ad.held.add("q0", again)
         assert e.value.check == "ownership" and "held twice" in str(e.value)
         assert _state(ad, "q0") == before
     ad.detach_all("q0", held[:1])

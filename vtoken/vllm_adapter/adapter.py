@@ -10,12 +10,12 @@ The rooms of the adapter
 ------------------------
 - ``hooks``: the scheduler subclass and its three hooks (before/after ``schedule()``, after
   ``update_from_output()``, before ``_free_request_blocks()``), which call the methods here;
-- this module: the orchestration (what each hook does, in which order), the applied
-  destinations each request holds (``held``), the release of all-dead blocks, and the
-  request lifecycle (preemption, finish, close);
+- this module: the orchestration (what each hook does, in which order), the release of
+  all-dead blocks, and the request lifecycle (preemption, finish, close);
 - ``plans``: the plans from proposal to report through ``vtoken.planner`` (``should_reclaim``,
   ``reclaim_bound``, ``propose``: the planner every path runs; the worker applies with
   ``apply_completed``), the plans in flight;
+- ``held``: the blocks a request keeps outside its list (landed fills and destinations);
 - ``headroom``: the reserved destination blocks, their yield to growth, admission
   back-pressure;
 - ``mirror``: each request's positional block list as the outputs sent it, and null
@@ -69,9 +69,9 @@ have ``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the tok
 destinations and fills (whose hash is dropped at launch: their bytes change) never enter
 a request's list again, so vLLM never hashes them.
 Owns: the vLLM scheduler instance it drives (through ``hooks``), the token table the
-worker writes, every applied destination and fill (``held``, indexed by block in
-``held_owner``), the rooms it builds (``reserve``, ``book``, ``mirror``, ``fence``,
-``hashes``, ``check``); vLLM owns the request lists.
+worker writes, the rooms it builds (``held``: every applied destination and fill;
+``reserve``, ``book``, ``mirror``, ``fence``, ``hashes``, ``check``); vLLM owns the request
+lists.
 May call: vLLM's scheduler and ``BlockPool`` (``_free_cow_retained_blocks``, the free
 count), ``vtoken.planner`` (through ``plans``), ``vtoken.table``, its rooms; never spec/,
 invariants/, fuzz/ or reports/ (the toolkit attaches ``plan_hook``).
@@ -90,6 +90,7 @@ from .driver import AdapterDriver
 from .fence import FenceLedger
 from .harness import VllmHarness
 from .headroom import Headroom
+from .held import HeldBlocks
 from .hooks import scheduler_class
 from .messages import AdapterPlan, StepMeta
 from .mirror import BlockMirror
@@ -196,10 +197,7 @@ class VTokenAdapter:
                           shared_blocks_moved=0, backpressure_steps=0, held_back_max=0, headroom_idle_returns=0,
                           orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
                           unfaithful_hashes_evicted=0, source_hashes_dropped=0)
-        # req -> {block id: KVCacheBlock}: its applied destinations and fills (one adapter
-        # reference each), in the order they were taken
-        self.held: dict[str, dict] = {}
-        self.held_owner: dict[int, str] = {}  # block id -> the request holding it (``held`` inverted)
+        self.held = HeldBlocks()  # req -> {block id: block}: applied destinations and fills
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
         self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
         # the rooms
@@ -331,24 +329,11 @@ class VTokenAdapter:
         return None
 
     def unaccounted(self, r: str, block_ids, also=frozenset()) -> list[int]:
-        """Of ``block_ids`` (in order), those the adapter does not hold for ``r``: not in its
+        """Of ``block_ids``, those the adapter does not hold for ``r`` (sorted): not in its
         list (the mirror), not a held destination, not in ``also``: :meth:`accounted` for many
-        blocks. O(len(block_ids))."""
-        listed, held = self.mirror.pos.get(r, _NO_BLOCKS), self.held.get(r, _NO_BLOCKS)
-        return [b for b in block_ids if b not in listed and b not in held and b not in also]
-
-    def hold(self, r: str, blocks) -> None:
-        """``r`` keeps ``blocks`` (a landed plan's fills and used destinations) through the
-        adapter's reference on each: they are in no list, so only ``held`` frees them (at
-        ``r``'s free, with its fence). A block held twice is an ownership error (one adapter
-        reference each), refused before anything is added."""
-        h = self.held.setdefault(r, {})
-        ids = [b.block_id for b in blocks]
-        twice = [b for b in ids if b in h]
-        if twice or len(set(ids)) != len(ids):
-            raise AdapterAssumptionError("ownership", f"request {r!r}: blocks {twice or ids} would be held twice")
-        h.update(zip(ids, blocks))
-        self.held_owner.update(dict.fromkeys(ids, r))
+        blocks, as set differences in C. O(len(block_ids))."""
+        return sorted(set(block_ids).difference(self.mirror.pos.get(r, _NO_BLOCKS), self.held.get(r, _NO_BLOCKS),
+                                                also))
 
     def detach(self, r: str, blk) -> int:
         """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
@@ -372,10 +357,7 @@ class VTokenAdapter:
         listed = [blk for blk in blks if blk.block_id in pos]
         at = dict(zip((blk.block_id for blk in listed), self.mirror.detach_many(r, listed))) if listed else {}
         if len(listed) < len(blks):  # the rest are held destinations
-            held = self.held[r]
-            for b in set(ids).difference(at):
-                del held[b]
-                del self.held_owner[b]
+            self.held.take(r, set(ids).difference(at))
         return [at.get(b, -1) for b in ids]
 
     def free_blocks(self, blocks: list, fence: int) -> None:
@@ -386,7 +368,6 @@ class VTokenAdapter:
 
     def _on_list_start(self, r: str, seq: int) -> None:
         """A request's block list (re)started (new or resumed): a new incarnation."""
-        self.held.setdefault(r, {})
         self.gone_fence.pop(r, None)
         self.hashes.restart(r)
 
@@ -494,9 +475,7 @@ class VTokenAdapter:
         self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r), upto=1 << 30)
         self.hashes.forget(r)
         fence = sched.sched_step_seq if not sched._request_blocks_can_be_freed(request) else 0
-        dests = list(self.held.pop(r, _NO_BLOCKS).values())
-        for b in dests:
-            del self.held_owner[b.block_id]
+        dests = self.held.drop_request(r)
         self.tail_wait.pop(r, None)
         self.check.touch([r])
         if dests:

@@ -40,7 +40,6 @@ from .assumptions import AdapterAssumptionError
 
 _HEADROOM = ("headroom",)
 _NONE: frozenset = frozenset()
-_NO_IDS: dict = {}
 _DESTINATIONS = ("held", "dest", "fill")
 
 
@@ -150,10 +149,10 @@ class RuntimeChecks:
 
         ad.reserve.take_fresh()
         self.new_entries = []  # every list is scanned below
-        owner = {b: r for r, h in ad.held.items() for b in h}
-        if owner != ad.held_owner:
+        stale = ad.held.index_errors()
+        if stale:
             raise AdapterAssumptionError("ownership", f"{where}: the held-block index disagrees with the held blocks: "
-                                                      f"{sorted(set(owner.items()) ^ set(ad.held_owner.items()))[:8]}")
+                                                      f"{stale[:8]}")
         self._check_headroom(where, list_holder, ad.headroom)
         self._check_refs(where, ad.headroom, list(ad.held.items()), lambda bid: holders.get(bid, 0))
         self._check_sources_detached(where, thorough=True)
@@ -176,9 +175,7 @@ class RuntimeChecks:
         for r in (m.ids if requests is None else requests):
             if r not in m or r not in t or m.incarnation.get(r, 0) > processed:
                 continue
-            # ad.unaccounted as set differences in C (the dicts' keys: listed ids, held ids)
-            extra = set(t.block_array(r).tolist()).difference(m.pos.get(r, _NO_IDS), ad.held.get(r, _NO_IDS),
-                                                              pend.get(r, _NONE), inflight.get(r, _NONE))
+            extra = ad.unaccounted(r, t.block_array(r).tolist(), also=pend.get(r, _NONE) | inflight.get(r, _NONE))
             if extra:
                 raise AdapterAssumptionError(
                     "table_in_step", f"request {r!r}: the token table references blocks {sorted(extra)} that the "
@@ -197,8 +194,8 @@ class RuntimeChecks:
         return Counter(b.block_id for _, blocks in deferred for b in blocks if not b.is_null)
 
     def _roles(self, headroom, held) -> dict[int, tuple]:
-        """Each block the adapter holds -> its role (see :func:`_describe`), for an error's
-        message only."""
+        """Each block of ``headroom``, of ``held``'s ``(request, {id: block})`` pairs and of
+        the plans in flight -> its role (see :func:`_describe`)."""
         kind: dict[int, tuple] = {b.block_id: _HEADROOM for b in headroom}
         for r, h in held:
             kind.update(dict.fromkeys(h, ("held", r)))  # h: {block id: block}
@@ -216,16 +213,14 @@ class RuntimeChecks:
         if not entries:
             return
         ad = self.ad
-        owner = ad.held_owner
-        flying = {b.block_id: (role, p) for p in ad.plans.values()
-                  for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)) for b in blocks}
-        heads = {b.block_id for b in ad.headroom}
+        kind = self._roles(ad.headroom, ())  # headroom and plans in flight; held blocks by their index
         for r, bid in entries:
-            if bid in heads:
+            holder = ad.held.owner(bid)
+            k = kind.get(bid) or (("held", holder) if holder is not None else None)
+            if k is _HEADROOM:
                 raise AdapterAssumptionError(
                     "reservation", f"{where}: headroom block {bid} is in request {r!r}'s block list "
                     f"(ref_cnt {ad.pool.blocks[bid].ref_cnt}): vLLM handed it out while the adapter holds it")
-            k = flying.get(bid) or (("held", owner[bid]) if bid in owner else None)
             if k is not None:
                 raise AdapterAssumptionError(
                     "fence" if k[0] == "source" else "ownership",

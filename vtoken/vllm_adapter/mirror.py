@@ -52,9 +52,7 @@ class BlockMirror:
         c = sched_out.scheduled_cached_reqs
         resumed = c.resumed_req_ids
         # a decode step grows few lists: only requests with new blocks (or resumed) are visited
-        changed = [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if (nb and nb[0]) or r in resumed] \
-            if resumed else [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if nb and nb[0]]
-        for r, nb in changed:
+        for r, nb in [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if (nb and nb[0]) or r in resumed]:
             ids = list(nb[0]) if nb else []
             if r in resumed:
                 self.start(r, ids, seq_next)
@@ -154,18 +152,13 @@ class BlockMirror:
                     f"found {got}")
         sub = self.subst.setdefault(r, {})
         ex = self.expect[r]
-        where = self.where
         for i, blk in sorted(zip(idx, blks), key=itemgetter(0), reverse=True):  # last index first (any order is right)
             b = blk.block_id
             del pos[b]
             lst[i] = self.null
             ex[i] = self.null
             sub[i] = b
-            holders = where.get(b)  # _drop_holder, inlined (a plan detaches tens of blocks)
-            if holders is not None:
-                holders.discard(r)
-                if not holders:
-                    del where[b]
+            self._drop_holder(b, r)
         self.changed.add(r)
         return idx
 

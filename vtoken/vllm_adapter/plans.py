@@ -164,7 +164,7 @@ class PlanBook:
                 stats["applied"] += 1
                 stats["moves"] += int(res.moved)
                 if alive:  # fills stay the request's: held, like destinations (never hashed again)
-                    ad.hold(plan.req_id, plan.fills + used)
+                    ad.held.add(plan.req_id, plan.fills + used)
                 else:
                     ad.free_blocks(plan.fills + used, max(plan.seq, gone_fence))
                 self.free_sources(plan, copy_done=res.copy_done)
@@ -175,7 +175,7 @@ class PlanBook:
                 ad.reserve.put(plan.dests)
                 ad.fence.drop(plan)
                 if alive and res.table_kept:  # still read by the request
-                    ad.hold(plan.req_id, plan.sources + plan.fills)
+                    ad.held.add(plan.req_id, plan.sources + plan.fills)
                 else:
                     ad.free_blocks(plan.sources + plan.fills, max(plan.seq, gone_fence))
 
