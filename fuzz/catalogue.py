@@ -10,7 +10,8 @@ Nothing in ``vtoken/`` names a fault.
 Detectors: ``table`` (the table conformance machine), ``planner`` (the planner machine),
 ``placement`` (the bounded Z3 proof of the placement rule), ``decode`` (a decode with
 hash-and-compare and output comparison against naive-evict), ``adapter`` (the adapter
-conformance machine over the real vLLM scheduler), ``gpu`` (CUDA ordering, only where a
+conformance machine over the real vLLM scheduler), ``prefix`` (the audit's prefix-equality
+run: later requests repeating earlier sequences, caching on against off), ``gpu`` (CUDA ordering, only where a
 GPU is present).
 
 Owns: nothing (data: the faults).
@@ -192,6 +193,11 @@ CATALOGUE: list[Fault] = [
               "            if False:\n"),
            _p(AD, "VTokenAdapter._on_request_free", "        self.mirror.forget(r)\n",
               "        if request.is_finished():\n            self.mirror.forget(r)\n"))),
+    Fault("adapter_keeps_unfaithful_hash", "7 prefix-cache poisoning (a block computed after an eviction)",
+          "the hashes of blocks a request computed after its first eviction are kept: a later request repeating "
+          "its sequence hits K/V that a fresh prefill would not write", "prefix",
+          (_p(PH, "PrefixHashRules.evict_unfaithful", "        if not self.enabled or f is None or not lst:\n",
+              "        if True:\n"),)),
     Fault("adapter_release_unfenced", "8 released block freed before its fence (async step offsets)",
           "blocks whose tokens all died are freed with the previous step's fence", "adapter",
           (_p(AD, "VTokenAdapter._release_empty", "self.scheduler._free_cow_retained_blocks([blk], meta.seq)",

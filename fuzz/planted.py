@@ -173,6 +173,17 @@ def _detect_decode(seed: int, budget_s: float, engine: str | None) -> dict:
     return {"detected": bool(detail), "seconds": time.perf_counter() - t0, "steps": 0, "error": detail or "not detected"}
 
 
+def _detect_prefix(seed: int, budget_s: float) -> dict:
+    """The audit's prefix-equality run (``reports.vllm_runs.prefix_equality``) with this seed:
+    later requests repeat earlier sequences, with prefix caching on and off."""
+    from vtoken.reports.vllm_runs import prefix_equality
+
+    t0 = time.perf_counter()
+    res = prefix_equality(quick=True, seed=seed)
+    return {"detected": not res["passed"], "seconds": time.perf_counter() - t0, "steps": 0,
+            "error": res["detail"][:240] if not res["passed"] else "not detected"}
+
+
 def run_one(name: str, seeds: list[int], budget_s: float = DEFAULT_BUDGET_S) -> dict:
     """Run fault ``name``'s detector once per seed (call in a process that imports the
     fault's shadow tree: the runner makes one)."""
@@ -185,6 +196,8 @@ def run_one(name: str, seeds: list[int], budget_s: float = DEFAULT_BUDGET_S) -> 
             r = _detect_placement(s, budget_s)
         elif fault.detector == "decode":
             r = _detect_decode(s, budget_s, fault.engine)
+        elif fault.detector == "prefix":
+            r = _detect_prefix(s, budget_s)
         else:
             raise ValueError(f"detector {fault.detector} does not run here")
         runs.append({"seed": s, **r})

@@ -282,6 +282,15 @@ def check_sharing(ctx) -> CheckResult:
     return CheckResult("vllm-prefix-sharing", res["passed"], res["detail"], metrics=res, figures=res.pop("figures", []))
 
 
+def check_prefix_equality(ctx) -> CheckResult:
+    if vllm_version() is None:
+        return CheckResult("vllm-prefix-equality", None, _no_vllm("the prefix-caching equality run was not done"))
+    from vtoken.reports.vllm_runs import prefix_equality
+
+    res = prefix_equality(quick=ctx["quick"], seed=ctx["seed"])
+    return CheckResult("vllm-prefix-equality", res["passed"], res["detail"], metrics=res)
+
+
 OWN_TESTS_MODULE = "vtoken.reports.vllm_own_tests"
 
 
@@ -426,10 +435,11 @@ def check_adapter_bench(ctx) -> CheckResult:
 
 
 CHECKS = [check_vllm, check_invariants, check_fuzz, check_mutants, check_vllm_decode, check_sharing,
-          check_vllm_own_tests, check_waste, check_table_bench, check_adapter_bench]
+          check_prefix_equality, check_vllm_own_tests, check_waste, check_table_bench, check_adapter_bench]
 # the name each check reports under (audit.json), for --only and the reproduce commands
 CHECK_NAMES = {check_vllm: "vllm-contracts", check_invariants: "invariants-suite", check_fuzz: "fuzz-campaign",
                check_mutants: "checker-mutants", check_vllm_decode: "vllm-decode", check_sharing: "vllm-prefix-sharing",
+               check_prefix_equality: "vllm-prefix-equality",
                check_vllm_own_tests: "vllm-own-tests", check_waste: "waste-and-retained",
                check_table_bench: "table-step-cost", check_adapter_bench: "adapter-step-cost"}
 

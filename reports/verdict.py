@@ -84,6 +84,8 @@ CHECK_IMPACT = {
                    "check: users get different or corrupt outputs",
     "vllm-prefix-sharing": "with shared prefixes the adapter moved a shared block, failed a hash check or saved "
                            "nothing",
+    "vllm-prefix-equality": "with prefix caching, outputs differ from Naive-Evict for requests computed alike, or a "
+                            "prefix hit served K/V a fresh prefill does not write (prefix-cache poisoning)",
     "vllm-own-tests": "vLLM's own tests of the scheduler and block pool fail, or behave differently with vtoken "
                       "plugged in",
     "waste-and-retained": "the simulation shows no reclamation benefit",

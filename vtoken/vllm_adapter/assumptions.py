@@ -28,8 +28,8 @@ ASSUMPTIONS: dict[str, str] = {
     "plan_contract": "every plan satisfies the planner contract (vtoken.spec.planner) and is optimal",
     "hash_and_compare": "every relocation preserves the ordered live token ids and their K/V "
                         "bytes (hash-and-compare)",
-    "outputs_equal": "reclamation does not change the output (same eviction decisions, "
-                     "token for token)",
+    "outputs_equal": "reclamation does not change the output of a request computed alike (same "
+                     "eviction decisions, same prefix-cache hits and preemptions), token for token",
     "vllm_version": "the installed vLLM is the version the adapter was audited on (its contracts "
                     "and vLLM's own tests hold there; another version is audited first with "
                     "`vtoken audit --vllm VERSION`)",
