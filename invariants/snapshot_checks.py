@@ -20,6 +20,15 @@ blocks its moves write that are not fills). A *hole* of a fill is a slot of it h
 live token of ``R`` in ``pre``. Every rule about out-of-place plans (``F`` empty) is as it
 was before fills existed.
 
+What can be derived is derived, not read from a field: sharedness from every request's
+``blocks``; the *tail* (the block still written) from the tokens: token ``n - 1`` never
+moves (its block is never a source), so its block is where position ``n - 1`` was written
+and where position ``n`` will be unless ``n`` is a multiple of ``S`` (``blocks`` is a set, not
+the positional list, so a next block not yet written is not in the snapshot). The tail
+rules use that block and ``tail_block`` when recorded; a ``tail_block`` that is not that
+block is itself a violation. Events are ordered by their index in ``schedule`` (times are
+non-decreasing; equal times are in list order).
+
 - **I1** token conservation (rule names in brackets)
 
   - [move_token] every move's token is a token of ``R``, live before the plan, at the
@@ -41,22 +50,29 @@ was before fills existed.
     other requests' live slots outside shared blocks are pairwise distinct (no move lands
     on an occupied slot, no two moves share a destination; so a move into a fill lands on
     a hole);
-  - [post_unique] after the plan no two live tokens of ``R`` share a slot;
+  - [post_unique] after the plan no two live tokens share a slot: ``R``'s, and every other
+    request's in ``post`` outside blocks shared (in ``pre``, or listed by two requests of
+    ``post`` when not a block of the plan: a prefix hit while the copy flew);
   - [null] no live token and no destination in the null block 0 (``validate`` refuses
     both; kept as a second line);
   - [dangling] after the plan no live token of ``R`` sits in a source block or in a block
     the schedule frees, unless an ``alloc`` of that block to ``R`` follows its last free.
 
 - **I3** pre-attention visibility. The copy completes at an unknown ``c`` after its launch;
-  a ``fence`` of the plan at time ``w`` (the first after the launch) means every event
-  with ``t > w`` happens after ``c``. Without a launch nothing is known. So an event that
-  touches the plan's blocks is a violation [early] when there is no fence or its ``t <=
-  w``: a read of a slot in ``D`` or of a hole of a fill (the copy writes there; reads of a
-  fill's live slots are fine); a free of a source or a fill; an alloc of a source or a
+  every launch issues it again, so ``c`` follows the *last* launch; a ``fence`` of the
+  plan (the first after the last launch) means every later event (in list order) happens
+  after ``c``. Without a launch nothing is known. So an event that touches the plan's
+  blocks is a violation [early] unless it comes after that fence (an event before a
+  second launch -- a free, a reuse, a write of a source -- is one): a read of a slot in
+  ``D`` or of a hole of a fill (the copy writes there; reads of a fill's live slots are
+  fine); a free of a source or a fill; an alloc of a source or a
   fill (to anyone) or of a block in ``D`` to another request; a write into a source block,
   onto a destination slot or onto a hole of a fill. [stale_read] A read of ``R``'s live
   token before the plan's ``apply`` uses its pre slot; after it, a moved token not in
-  ``E`` is read at its destination.
+  ``E`` is read at its destination, and a token in ``E`` is not read at all (dead since
+  apply: its old slot is in a freed source). [dead_read] No read of a token of ``R`` dead
+  before the plan (dead tokens stay dead: whatever its slot holds, e.g. a fill's hole
+  after the copy, is not it).
 
 - **I4** layout-aware planning
 
@@ -80,7 +96,13 @@ was before fills existed.
     moves not in ``E`` write;
   - [free_before_apply] no source or fill is freed before the plan's ``apply``;
   - [fill_kept] after the plan (``post`` not null) every fill is still one of ``R``'s
-    blocks.
+    blocks;
+  - [tail_block] a recorded ``tail_block`` is the derived tail (null when ``n`` is 0);
+  - [one_plan] at most one plan per request in flight: no in-flight plan copies blocks
+    of ``R`` (its sources or fills among ``R``'s ``pre`` blocks; an orphaned plan of an
+    earlier request of the same name holds none), nor two of another request of ``pre``;
+  - [headroom] the headroom holds free blocks only: none of the plan's sources or fills,
+    no block of a request of ``pre``, no block of an in-flight plan.
 
 Owns: nothing (pure functions).
 May call: vtoken.snapshot (validate), collections; never z3.
@@ -142,7 +164,13 @@ class _View:
         self.pre_slot = [b * S + o for b, o, _l in r["tokens"]]
         self.pre_live = [bool(l) for _b, _o, l in r["tokens"]]
         self.pre_blocks = set(r["blocks"])
-        self.tail = r.get("tail_block")
+        # The tail (the block of the last position, still written) is derived from the tokens:
+        # token n-1 never moves (its block is never a source), so its block is where position
+        # n - 1 was written and, unless n is a multiple of S, where position n will be.
+        # ``tail_block`` is a writer's record of it, checked against the derivation.
+        self.tail_field = r.get("tail_block")
+        self.tail_derived = r["tokens"][self.n - 1][0] if self.n else None
+        self.tails = {b for b in (self.tail_field, self.tail_derived) if b is not None}
         self.pre_live_slots = {s for s, l in zip(self.pre_slot, self.pre_live) if l}
         self.post = snap.get("post") is not None
         self.post_slot, self.post_live = [], []
@@ -166,6 +194,10 @@ class _View:
             for t, (b, off, live) in enumerate(o["tokens"]):
                 if live and b not in self.shared:
                     self.others.append((rid, t, b * S + off))
+        self.post_others = []  # (request, token, slot) live after the plan in other requests, outside shared blocks
+        if self.post:
+            self._post_others(snap, plan)
+        self.pre_by_name = {str(rid): o for rid, o in reqs.items()}
         self.headroom = set(snap["headroom"])
         self.in_flight = list(snap["in_flight"])
         self.schedule = list(snap["schedule"])
@@ -175,13 +207,17 @@ class _View:
         self.moved = {}  # token -> index of its first move
         for k, mv in enumerate(self.moves):
             self.moved.setdefault(mv[0], k)
-        # the plan's own events: first launch, first apply, first fence after the launch
+        # the plan's own events: its last launch (every launch issues the copy again: what
+        # a later launch reads must still be there), its first apply, the first fence after
+        # the last launch. Events are ordered by their index (equal times in list order).
         self.launch = self.apply = self.fence = None
+        self.launches = 0
         for i, ev in enumerate(self.schedule):
             if ev.get("plan") != self.pid:
                 continue
-            if ev["kind"] == "launch" and self.launch is None:
+            if ev["kind"] == "launch":
                 self.launch = i
+                self.launches += 1
             elif ev["kind"] == "apply" and self.apply is None:
                 self.apply = i
         if self.launch is not None:
@@ -189,6 +225,23 @@ class _View:
                 if i > self.launch and ev.get("plan") == self.pid and ev["kind"] == "fence":
                     self.fence = i
                     break
+
+    def _post_others(self, snap: dict, plan: dict) -> None:
+        """Other requests' live tokens after the plan, outside blocks shared in ``pre`` or
+        listed by two requests of ``post`` (a prefix hit while the copy flew); a block of
+        the plan is never shared that way (it is the request's alone)."""
+        S, post_reqs = self.S, snap["post"]["requests"]
+        count = Counter()
+        for o in post_reqs.values():
+            count.update(set(o["blocks"]))
+        ours = set(plan["sources"]) | set(plan["dests"]) | self.fill_set | {mv[3] for mv in plan["moves"]}
+        shared = self.shared | ({b for b, c in count.items() if c > 1} - ours)
+        for rid, o in post_reqs.items():
+            if rid == self.req:
+                continue
+            for t, (b, off, live) in enumerate(o["tokens"]):
+                if live and b not in shared:
+                    self.post_others.append((rid, t, b * S + off))
 
 
 # ---------------------------------------------------------------------------------- I1
@@ -288,11 +341,17 @@ def _i2(d: _View) -> list[Violation]:
     if not d.post:
         return out
     live = [(t, s) for t, (s, l) in enumerate(zip(d.post_slot, d.post_live)) if l]
-    hit = _first_collision([s for _t, s in live])
+    # every request's post counts: another request's live token on a slot of R's is an alias
+    lab = ([f"live token {t} of request {d.req!r}" for t, _s in live]
+           + [f"live token {t} of request {rid!r}" for rid, t, _s in d.post_others])
+    vals = [s for _t, s in live] + [s for _rid, _t, s in d.post_others]
+    hit = _first_collision(vals)
     if hit:
-        (ta, sa), (tb, _sb) = live[hit[0]], live[hit[1]]
-        v("post_unique", f"after the plan, live tokens {ta} and {tb} of request {d.req!r} share slot {_loc(S, sa)}",
-          slot=[sa // S, sa % S])
+        a, b = hit
+        sa = vals[a]
+        why = (f"live tokens {live[a][0]} and {live[b][0]} of request {d.req!r}" if b < len(live)
+               else f"{lab[a]} and {lab[b]}")
+        v("post_unique", f"after the plan, {why} share slot {_loc(S, sa)}", slot=[sa // S, sa % S])
     if any(s < S for _t, s in live):
         v("null", "after the plan, a live token is in the null block 0")
     # blocks the request must not hold a live token in after the plan
@@ -340,10 +399,13 @@ def _i3(d: _View) -> list[Violation]:
             hit = [(ev["token"], s)] if (s // S in src or s in dst_slots or hole(s)) else []
         else:
             continue
-        if not hit or (w is not None and ev["t"] > w):
+        if not hit or (d.fence is not None and i > d.fence):  # after the fence: list order breaks time ties
             continue
+        lt = sched[d.launch]["t"] if d.launch is not None else None
         when = (f"at t={ev['t']} (schedule[{i}]) " +
                 ("with no launch of the plan" if d.launch is None else
+                 f"before the copy is launched{' again' if d.launches > 1 else ''} at t={lt} "
+                 f"(schedule[{d.launch}])" if i < d.launch else
                  "before any fence of the plan" if w is None else f"not after the fence at t={w}"))
         if kind == "read":
             what = "destination slot(s)" if any(s // S in dst for _t, s in hit) else "fill hole slot(s)"
@@ -365,7 +427,17 @@ def _i3(d: _View) -> list[Violation]:
             continue
         after = d.apply is not None and i > d.apply
         for t, s in zip(ev["tokens"], ev["slots"]):
-            if not 0 <= t < d.n or not d.pre_live[t]:
+            if not 0 <= t < d.n:
+                continue  # grown while the copy flew: not in pre
+            if not d.pre_live[t]:  # dead before the plan, so dead ever since: whatever its slot holds now
+                out.append(Violation("I3", f"dead token read: the read at t={ev['t']} (schedule[{i}]) uses "
+                                           f"{_loc(S, s)} for token {t}, dead before the plan", {"event": i, "token": t},
+                                     "dead_read"))
+                continue
+            if after and t in d.evicted:  # its move dropped at apply: dead, its old slot in a freed source
+                out.append(Violation("I3", f"stale slot mapping: the read at t={ev['t']} (schedule[{i}], after apply) "
+                                           f"uses {_loc(S, s)} for token {t}, evicted while the copy flew (dead since "
+                                           f"apply: no slot holds it)", {"event": i, "token": t}, "stale_read"))
                 continue
             k = d.moved.get(t)
             exp = d.moves[k][3] * S + d.moves[k][4] if (after and k is not None and t not in d.evicted) \
@@ -408,7 +480,7 @@ def _i4(d: _View) -> list[Violation]:
             v("blocks", f"source block {b} is not one of request {d.req!r}'s blocks (inconsistent snapshot)", x=b)
         if b in d.shared:
             v("blocks", f"plan {d.pid} moves shared-prefix block {b} (a source)", x=b)
-        if d.tail is not None and b == d.tail:
+        if b in d.tails:
             v("blocks", f"plan {d.pid} moves the tail block {b} (still being written)", x=b)
         if b in d.dst_all:
             v("blocks", f"block {b} is both a source and a destination of plan {d.pid}", x=b)
@@ -417,7 +489,7 @@ def _i4(d: _View) -> list[Violation]:
     for b in sorted(d.dst_all):
         if b in d.shared:
             v("blocks", f"plan {d.pid} writes into shared-prefix block {b} (a destination)", x=b)
-        if d.tail is not None and b == d.tail:
+        if b in d.tails:
             v("blocks", f"plan {d.pid} writes into the tail block {b}", x=b)
         if b in d.pre_blocks:
             v("blocks", f"destination block {b} already belongs to request {d.req!r} (not a fresh block)", x=b)
@@ -430,7 +502,7 @@ def _i4(d: _View) -> list[Violation]:
             v("blocks", f"fill block {b} is not a block of request {d.req!r}", x=b)
         if b in d.shared:
             v("blocks", f"plan {d.pid} fills shared-prefix block {b}", x=b)
-        if d.tail is not None and b == d.tail:
+        if b in d.tails:
             v("blocks", f"plan {d.pid} fills the tail block {b} (still being written)", x=b)
         if b in dests:
             v("blocks", f"block {b} is both a fill and a destination of plan {d.pid}", x=b)
@@ -478,7 +550,59 @@ def _i4(d: _View) -> list[Violation]:
     if d.post:
         for b in sorted(fills - d.post_blocks):
             v("fill_kept", f"fill block {b} is no longer a block of request {d.req!r} after the plan", x=b)
+    _i4_derived(d, v)
     return out
+
+
+def _i4_derived(d: _View, v) -> None:
+    """The I4 rules on facts derived from the snapshot rather than read from one field:
+    [tail_block], [one_plan], [headroom] (see the module docstring)."""
+    if d.tail_field is not None and d.tail_field != d.tail_derived:
+        last = ("the request is empty" if d.tail_derived is None
+                else f"token {d.n - 1}, the last position, is in block {d.tail_derived}")
+        v("tail_block", f"tail_block {d.tail_field} of request {d.req!r} is not its tail ({last})", x=d.tail_field)
+    for k, p, x in _second_plans(d):
+        v("one_plan", f"in-flight plan {p['id']} copies blocks of request {x!r} while "
+                      f"{f'plan {d.pid}' if x == str(d.req) else 'another in-flight plan'} of the same request is in "
+                      f"flight (at most one plan per request)", in_flight=p["id"], entry=k)
+    held = _held(d)
+    for b in sorted(d.headroom & held.keys()):
+        v("headroom", f"headroom block {b} is {held[b]}: the headroom holds free blocks only", x=b)
+
+
+def _second_plans(d: _View) -> list:
+    """``(index, entry, request)`` of each in-flight plan that is a second plan of a request in
+    flight: the request's own (current) plan, since it copies blocks the request holds in
+    ``pre`` (an orphan of an earlier incarnation of the same name holds none of them), after
+    the snapshot's plan (for ``R``) or an earlier such entry."""
+    count = Counter({str(d.req): 1})
+    out = []
+    for k, p in enumerate(d.in_flight):
+        x = str(p["request"])
+        o = d.pre_by_name.get(x)
+        if o is None or not (set(p["sources"]) | set(p.get("fills", []))) & set(o["blocks"]):
+            continue
+        count[x] += 1
+        if count[x] > 1:
+            out.append((k, p, x))
+    return out
+
+
+def _held(d: _View) -> dict:
+    """block -> what holds it: the plan's sources and fills, every request's blocks in
+    ``pre``, every in-flight plan's blocks (none of them may be in the headroom)."""
+    held = {}
+    for b in d.sources:
+        held.setdefault(b, f"a source of plan {d.pid}")
+    for b in d.fills:
+        held.setdefault(b, f"a fill of plan {d.pid}")
+    for rid, o in d.pre_by_name.items():
+        for b in o["blocks"]:
+            held.setdefault(b, f"a block of request {rid!r}")
+    for p in d.in_flight:
+        for b in p["sources"] + p["dests"] + p.get("fills", []):
+            held.setdefault(b, f"a block of in-flight plan {p['id']}")
+    return held
 
 
 _CHECKERS = {"I1": _i1, "I2": _i2, "I3": _i3, "I4": _i4}

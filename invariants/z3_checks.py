@@ -22,18 +22,21 @@ destinations are ``plan.dests`` and the blocks the moves write that are not fill
   (``plan.digests``) agree across the copy.
 - **I2** unique mapping: the live slots of ``R`` before the plan, the moves' destination
   slots and the live slots of other requests (outside shared blocks) are pairwise
-  distinct (so a move into a fill lands on a hole); after the plan no two live tokens of
-  ``R`` share a slot and none sits in a
-  source block or a block the schedule frees (unless re-allocated to ``R`` after); no
-  destination and no live token in the null block (a second line behind ``validate``).
+  distinct (so a move into a fill lands on a hole); after the plan no two live tokens
+  share a slot (``R``'s and every other request's in ``post``, outside shared blocks), none
+  of ``R``'s sits in a source block or a block the schedule frees (unless re-allocated to
+  ``R`` after); no destination and no live token in the null block (a second line behind
+  ``validate``).
 - **I3** pre-attention visibility, with the copy's completion time ``c`` symbolic
-  (``c > t_launch``; a ``fence`` of this plan at ``w`` makes every later event happen at
-  ``max(t, c)``): no read of a fresh destination block's slot or of a fill's hole, no
+  (``c > t_launch`` of the *last* launch: every launch issues the copy again; a ``fence``
+  of this plan after it makes every later event, in list order, happen at ``max(t, c)``):
+  no read of a fresh destination block's slot or of a fill's hole, no
   ``free`` of a source or fill block, no ``write`` into a source block, onto a destination
   slot or onto a fill's hole, no ``alloc`` of a source or fill block (or of a fresh
   destination block to another request) can happen before ``c``. Read
   consistency (concrete): a read of ``R``'s token before the plan's ``apply`` uses its pre
-  slot, after it the moved token's destination (no stale slot mapping).
+  slot, after it the moved token's destination (no stale slot mapping), a token evicted in
+  flight is not read after apply, and a token dead before the plan is never read.
 - **I4** layout-aware planning: moves come from a consistent snapshot (token live, at the
   move's source, source block among the plan's sources, destination among its dests or
   fills); sources and destinations avoid shared blocks (``shared_blocks`` and every block
@@ -44,7 +47,11 @@ destinations are ``plan.dests`` and the blocks the moves write that are not fill
   and no in-flight plan carries the plan's id (nor two the same id); the block count
   strictly decreases (sources against fresh destinations); each destination slot is used
   once; every live token in a source block is moved; ``dests_used`` matches the applied
-  moves outside fills; no source or fill is freed before ``apply``.
+  moves outside fills; no source or fill is freed before ``apply``. Derived, not trusted:
+  the tail is the block of token ``n - 1`` (a recorded ``tail_block`` that differs is a
+  violation); at most one plan per request in flight (an in-flight plan copying blocks the
+  request holds); the headroom holds no block of the plan, of a request or of an in-flight
+  plan.
 
 Encoding and why it scales (4096 moves: ~0.3 s of CPU, measured):
 
@@ -119,7 +126,11 @@ class _Snap:
         self.pre_slot = self.pre[:, 0] * S + self.pre[:, 1]
         self.pre_blocks = list(pre["blocks"])
         self.pre_live_slots = set(self.pre_slot[np.asarray(self.pre_live, dtype=bool)].tolist()) if self.n else set()
-        self.tail = pre.get("tail_block")
+        # the tail: derived from the tokens (token n-1 never moves: its block is where the last
+        # position was written), the recorded tail_block checked against it
+        self.tail_field = pre.get("tail_block")
+        self.tail_derived = int(self.pre[self.n - 1, 0]) if self.n else None
+        self.tails = {b for b in (self.tail_field, self.tail_derived) if b is not None}
         self.post = None
         self.post_blocks: list = []
         self.post_live, self.post_slot = [], np.zeros(0, dtype=np.int64)
@@ -146,6 +157,10 @@ class _Snap:
             for t, (b, o, live) in enumerate(r["tokens"]):
                 if live and b not in shared:
                     self.others.append((rid, t, b * S + o))
+        self.pre_by_name = {str(rid): r for rid, r in snap["pre"]["requests"].items()}
+        self.post_others = []  # (request, token, slot): other requests' live tokens after the plan
+        if snap.get("post") is not None:
+            self._post_others(snap, shared)
         self.headroom = list(snap["headroom"])
         self.in_flight = list(snap["in_flight"])
         self.schedule = list(snap["schedule"])
@@ -159,6 +174,23 @@ class _Snap:
         for t in snap["evicted_in_flight"]:
             self.recorded_evicted[t] = True
         self.evicted = list(self.recorded_evicted) if evictions_in_flight else [False] * self.n
+
+    def _post_others(self, snap: dict, shared: set) -> None:
+        """Every request's post counts: other requests' live tokens after the plan, outside
+        blocks shared in ``pre`` or listed by two requests of ``post`` (never a plan block)."""
+        S, plan = self.S, snap["plan"]
+        listed: dict = {}
+        for r in snap["post"]["requests"].values():
+            for b in set(r["blocks"]):
+                listed[b] = listed.get(b, 0) + 1
+        ours = set(plan["sources"]) | set(plan["dests"]) | set(plan.get("fills", [])) | {mv[3] for mv in plan["moves"]}
+        gone = shared | {b for b, c in listed.items() if c > 1 and b not in ours}
+        for rid, r in snap["post"]["requests"].items():
+            if rid == self.req:
+                continue
+            for t, (b, o, live) in enumerate(r["tokens"]):
+                if live and b not in gone:
+                    self.post_others.append((rid, t, b * S + o))
 
 
 def _int_array(rows, where: str, width: int) -> np.ndarray:
@@ -452,9 +484,9 @@ def _check_i2(d: _Snap, ask: _Ask) -> list[Violation]:
                + [("other", rid, t) for rid, t, _s in d.others])
     groups = {"next": nxt_vals}
     post_ids = np.flatnonzero(d.post_live) if d.post is not None else np.zeros(0, dtype=np.int64)
-    if d.post is not None:
-        groups["post"] = d.post_slot[post_ids].tolist()
-        post_lab = [("post", int(t)) for t in post_ids]
+    if d.post is not None:  # every request's post: another request's live token on R's slot is an alias
+        groups["post"] = d.post_slot[post_ids].tolist() + [slot for _r, _t, slot in d.post_others]
+        post_lab = [("post", int(t)) for t in post_ids] + [("other", rid, t) for rid, t, _s in d.post_others]
     res = ask.distinct(groups)
 
     def say(lab):
@@ -482,8 +514,9 @@ def _check_i2(d: _Snap, ask: _Ask) -> list[Violation]:
         slot = groups["post"][a]
         model.update(slot=_pair(S, slot))
         la, lb = post_lab[a], post_lab[b]
-        out.append(Violation("I2", f"after the plan, live tokens {la[1]} and {lb[1]} of request {d.req!r} share slot "
-                                   f"{_loc(S, slot)}", model, "post_unique"))
+        both = (f"live tokens {la[1]} and {lb[1]} of request {d.req!r}" if la[0] == lb[0] == "post"
+                else f"{say(la) if la[0] == 'other' else f'live token {la[1]} of request {d.req!r}'} and {say(lb)}")
+        out.append(Violation("I2", f"after the plan, {both} share slot {_loc(S, slot)}", model, "post_unique"))
     # The null block, a second line (validate already refuses a live token or a destination
     # there): one indexed question "some slot below S", linear in the values, not S markers.
     for vals, labs, where in ((nxt_vals, nxt_lab, ""),
@@ -519,15 +552,18 @@ def _check_i2(d: _Snap, ask: _Ask) -> list[Violation]:
 
 # ---------------------------------------------------------------------------------- I3
 def _plan_events(d: _Snap):
+    """(last launch, first fence after it, first apply) as schedule indices (None: absent).
+    Every launch issues the copy again, so the last one is the copy whose completion the
+    plan's blocks wait for; list order breaks time ties."""
     launch = fence = apply = None
     for i, ev in enumerate(d.schedule):
         if ev.get("plan") != d.pid or ev["kind"] not in ("launch", "apply"):
             continue
-        if ev["kind"] == "launch" and launch is None:
+        if ev["kind"] == "launch":
             launch = i
         elif ev["kind"] == "apply" and apply is None:
             apply = i
-    if launch is not None:  # a fence counts only once the copy was launched
+    if launch is not None:  # a fence counts only once the (last) copy was launched
         for i, ev in enumerate(d.schedule):
             if i > launch and ev.get("plan") == d.pid and ev["kind"] == "fence":
                 fence = i
@@ -571,7 +607,7 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
     dis = []
     for k, (i, _kind, _hit) in enumerate(cands):
         t = sched[i]["t"]
-        eff = f"(ite (> c@ {t}) c@ {t})" if w is not None and t > w else f"{t}"
+        eff = f"(ite (> c@ {t}) c@ {t})" if fence is not None and i > fence else f"{t}"  # list order breaks ties
         dis.append(f"(and (= IDX {k}) (< {eff} c@))")
     prelude = f"(declare-const c@ Int)(assert (> c@ {t_launch}))"
     for k, model in ask.index("e", dis, prelude=prelude, extra=("c@",)):
@@ -581,10 +617,10 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
         if launch is None:
             when = f"at t={ev['t']} (schedule[{i}]), and plan {d.pid} has no launch event: the copy has not even started"
         elif i < launch:
-            when = f"at t={ev['t']} (schedule[{i}]), before the copy was even launched (t={t_launch})"
+            when = f"at t={ev['t']} (schedule[{i}]), before the copy was (last) launched (t={t_launch}, schedule[{launch}])"
         else:
             when = (f"at t={ev['t']} (schedule[{i}]) while the copy can still be running (it may complete at "
-                    f"c={model['c']}; launched t={t_launch}, " + ("no fence before)" if w is None or ev["t"] <= w else "fenced)"))
+                    f"c={model['c']}; launched t={t_launch}, " + ("no fence before)" if w is None or i <= fence else "fenced)"))
         if kind == "read":
             desc = ", ".join(f"token {t} at {_loc(S, s)}" for t, s in hit[:4])
             what = "destination slot(s)" if any(s // S in dst for _t, s in hit) else "fill hole slot(s)"
@@ -611,21 +647,73 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
             continue
         after = apply is not None and i > apply
         for t, s in zip(ev["tokens"], ev["slots"]):
-            if not 0 <= t < n or not pl[t]:
-                continue
-            exp = dest_of[t] if (after and t in dest_of and not d.evicted[t]) else ps[t]
+            if not 0 <= t < n:
+                continue  # grown while the copy flew
+            # a token dead before the plan is dead ever since; one evicted in flight is dead
+            # from apply on (its move dropped, its old slot in a freed source): no slot holds it
+            exp = (-1 if not pl[t] or (after and t in dest_of and d.evicted[t]) else
+                   dest_of[t] if (after and t in dest_of) else ps[t])
             dis.append(f"(and (= IDX {len(items)}) (not (= {s} {exp})))")
             items.append((i, t, s, exp))
     for k, model in ask.index("r", dis):
         i, t, s, exp = items[k]
-        model.update(event=i, t=sched[i]["t"], token=t, slot=_pair(S, s), expected=_pair(S, exp))
+        model.update(event=i, t=sched[i]["t"], token=t, slot=_pair(S, s), expected=_pair(S, exp) if exp >= 0 else None)
         phase = "after" if apply is not None and i > apply else "before"
-        out.append(Violation("I3", f"stale slot mapping: the read at t={sched[i]['t']} (schedule[{i}], {phase} apply) uses "
-                                   f"{_loc(S, s)} for token {t}, expected {_loc(S, exp)}", model, "stale_read"))
+        if not pl[t]:
+            out.append(Violation("I3", f"dead token read: the read at t={sched[i]['t']} (schedule[{i}]) uses "
+                                       f"{_loc(S, s)} for token {t}, dead before the plan", model, "dead_read"))
+        elif exp < 0:
+            out.append(Violation("I3", f"stale slot mapping: the read at t={sched[i]['t']} (schedule[{i}], after apply) "
+                                       f"uses {_loc(S, s)} for token {t}, evicted while the copy flew (dead since "
+                                       f"apply: no slot holds it)", model, "stale_read"))
+        else:
+            out.append(Violation("I3", f"stale slot mapping: the read at t={sched[i]['t']} (schedule[{i}], {phase} apply) "
+                                       f"uses {_loc(S, s)} for token {t}, expected {_loc(S, exp)}", model, "stale_read"))
     return out
 
 
 # ---------------------------------------------------------------------------------- I4
+def _derived_cands(d: _Snap) -> list:
+    """Candidates ``(message, fact, model, rule)`` of the rules on derived facts: the recorded
+    tail_block against the tail of the tokens [tail_block]; an in-flight plan that is a second
+    current plan of a request [one_plan] (current: it copies blocks the request holds in
+    ``pre``; an orphan of an earlier incarnation of the name holds none); a block held by the
+    plan, a request or an in-flight plan listed in the headroom [headroom]."""
+    cands = []
+    if d.tail_field is not None:
+        last = ("the request is empty" if d.tail_derived is None
+                else f"token {d.n - 1}, the last position, is in block {d.tail_derived}")
+        cands.append((f"tail_block {d.tail_field} of request {d.req!r} is not its tail ({last})",
+                      d.tail_field != d.tail_derived, dict(x=d.tail_field), "tail_block"))
+    current = {str(d.req): 1}
+    for k, p in enumerate(d.in_flight):
+        x = str(p["request"])
+        r = d.pre_by_name.get(x)
+        if r is None or not (set(p["sources"]) | set(p.get("fills", []))) & set(r["blocks"]):
+            continue
+        current[x] = current.get(x, 0) + 1
+        cands.append((f"in-flight plan {p['id']} copies blocks of request {x!r} while "
+                      f"{f'plan {d.pid}' if x == str(d.req) else 'another in-flight plan'} of the same request is in "
+                      f"flight (at most one plan per request)", current[x] > 1, dict(in_flight=p["id"], entry=k),
+                      "one_plan"))
+    holder: dict = {}
+    for b in d.sources:
+        holder.setdefault(b, f"a source of plan {d.pid}")
+    for b in d.fills:
+        holder.setdefault(b, f"a fill of plan {d.pid}")
+    for rid, r in d.pre_by_name.items():
+        for b in r["blocks"]:
+            holder.setdefault(b, f"a block of request {rid!r}")
+    for p in d.in_flight:
+        for b in p["sources"] + p["dests"] + p.get("fills", []):
+            holder.setdefault(b, f"a block of in-flight plan {p['id']}")
+    for b in sorted(set(d.headroom)):
+        if b in holder:
+            cands.append((f"headroom block {b} is {holder[b]}: the headroom holds free blocks only", True, dict(x=b),
+                          "headroom"))
+    return cands
+
+
 def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     out = []
     S, n, m = d.S, d.n, d.moves
@@ -687,9 +775,8 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
          f"source block {{b}} is not one of request {d.req!r}'s blocks {d.pre_blocks} (inconsistent snapshot)")
     each(src, lambda b: b in shared, f"plan {d.pid} moves shared-prefix block {{b}} (a source)")
     each(dst_all, lambda b: b in shared, f"plan {d.pid} writes into shared-prefix block {{b}} (a destination)")
-    if d.tail is not None:
-        each(src, lambda b: b == d.tail, f"plan {d.pid} moves the tail block {{b}} (still being written)")
-        each(dst_all, lambda b: b == d.tail, f"plan {d.pid} writes into the tail block {{b}}")
+    each(src, lambda b: b in d.tails, f"plan {d.pid} moves the tail block {{b}} (still being written)")
+    each(dst_all, lambda b: b in d.tails, f"plan {d.pid} writes into the tail block {{b}}")
     each(src, lambda b: b in dset, f"block {{b}} is both a source and a destination of plan {d.pid}")
     each(src, lambda b: b in fills, f"block {{b}} is both a source and a fill of plan {d.pid}")
     each(dst_all, lambda b: b in pre_blocks,
@@ -700,8 +787,7 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     # a fill: R's own private block, not the tail, not a destination; still R's after the plan
     each(fills, lambda b: b not in pre_blocks, f"fill block {{b}} is not a block of request {d.req!r}")
     each(fills, lambda b: b in shared, f"plan {d.pid} fills shared-prefix block {{b}}")
-    if d.tail is not None:
-        each(fills, lambda b: b == d.tail, f"plan {d.pid} fills the tail block {{b}} (still being written)")
+    each(fills, lambda b: b in d.tails, f"plan {d.pid} fills the tail block {{b}} (still being written)")
     each(fills, lambda b: b in dsts, f"block {{b}} is both a fill and a destination of plan {d.pid}")
     if d.post is not None:
         post_blocks = set(d.post_blocks)
@@ -719,6 +805,7 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         cands.append((f"two in-flight plans carry id {p['id']}", p["id"] in seen_ids, dict(in_flight=p["id"]),
                       "duplicate_id"))
         seen_ids[p["id"]] = True
+    cands += _derived_cands(d)
     dis = [f"(and (= IDX {k}) {_b(fact)})" for k, (_msg, fact, _m, _r) in enumerate(cands)]
     for k, model in ask.index("x", dis, cap=4 * MAX_PER_QUESTION):
         msg, _fact, extra, rule = cands[k]
