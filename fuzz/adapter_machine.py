@@ -382,7 +382,7 @@ class AdapterMachine(RuleBasedStateMachine):
         ad = self.vt.ad
         lowest = {}
         for p in ad.plans.values():
-            idx = [i for i in p.source_index.values() if 0 <= i < len(self.prompts.get(p.req_id, ())) // self.S]
+            idx = [i for i in p.list_index.values() if 0 <= i < len(self.prompts.get(p.req_id, ())) // self.S]
             if p.req_id in self.prompts and not p.orphaned and idx:
                 lowest[p.req_id] = min(idx + [lowest.get(p.req_id, 1 << 30)])
         return lowest
@@ -409,7 +409,7 @@ class AdapterMachine(RuleBasedStateMachine):
         pp = self.prompts[parent]
         k = data.draw(st.integers(lowest[parent] + 1 if lowest else 1, len(pp) // self.S), label="shared blocks")
         for p in self.vt.ad.plans.values():
-            if p.req_id == parent and not p.orphaned and any(0 <= i < k for i in p.source_index.values()):
+            if p.req_id == parent and not p.orphaned and any(0 <= i < k for i in p.list_index.values()):
                 hard("prefix hit on an in-flight source")
         tail = data.draw(st.lists(st.integers(1, self.rng_tokens - 1), min_size=1, max_size=6), label="suffix")
         self._add(pp[: k * self.S] + tail, max_tokens)

@@ -29,10 +29,24 @@ hook and reads stale KV):
   slot buffer itself, and the output comparison do. Runs on the CPU (the graph path's
   eager fallback) and on CUDA.
 
+Adapter-side engines (``ADAPTER_ENGINES``; the adapter machine draws them, the vLLM tests
+build the worker with them through ``VTokenWorker(copy_engine_factory=...)``):
+
+- ``copy_fails``: every k-th copy fails part-way (the shipped engine's own failure mode): not
+  a fault but an environment; the adapter's aborted path (sources and fills back to the
+  request, table kept; destinations back to the headroom) must keep every check green;
+- ``corrupt_in_flight``: at the poll that completes a copy, a byte of a fill's live token or
+  of a moved entry flips: the worker's hash-and-compare must raise;
+- ``steal_fill``: at that poll a fill becomes another request's alone in the token table:
+  the worker must refuse it and the adapter raise ``shared_never_moved``.
+
 Owns: what their parent engines own, plus the handles reported done before their copy ran
-(``ReleaseBeforeEventEngine``) and the rows written (``AppendOnlySlotBufferEngine``).
+(``ReleaseBeforeEventEngine``) and the rows written (``AppendOnlySlotBufferEngine``); the
+adapter-side ones the plans of copies not yet done and a record of what they did (``tampered``,
+``failed_plans``); the table they are handed stays the worker's.
 May call: vtoken.copy_engine, vtoken.decode, torch, numpy.
-Costs: the parent engine's cost; the faults add O(moves) or O(rows) at most.
+Costs: the parent engine's cost; the faults add O(moves) or O(rows), the adapter-side ones
+O(request length) per completed copy, at most.
 """
 
 from __future__ import annotations
@@ -169,3 +183,131 @@ class AppendOnlySlotBufferEngine(DecodeEngine):
 DECODE_ENGINES = {
     "graph_slot_buffer_append_only": AppendOnlySlotBufferEngine,
 }
+
+
+# ---------------------------------------------------------------------------------- adapter-side engines
+class _PlanTracking(KVCopyEngine):
+    """Remembers each handle's plan until its copy is over, and calls :meth:`_at_done` at the
+    ``poll`` that finds the copy complete, before ``done`` goes back to the caller (the
+    relocation checker that wraps the engine, then the worker, see it after this). A
+    ``wait`` (a host sync at idle) finishes the copy untouched."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._plans: dict = {}  # handle id -> the plan (worker's _WPlan: id, req_id, sources, dests, moves, fills)
+        self.tampered: list = []  # (plan id, what was done): every tampering, in order
+
+    def launch(self, plan):
+        h = super().launch(plan)
+        self._plans[h.id] = plan
+        return h
+
+    def poll(self, handle):
+        pending = handle.status == "pending"
+        status = super().poll(handle)
+        if status != "pending":
+            plan = self._plans.pop(handle.id, None)
+            if pending and status == "done" and plan is not None:
+                self._at_done(plan)
+        return status
+
+    def wait(self, handle):
+        self._plans.pop(handle.id, None)
+        return super().wait(handle)
+
+    def _at_done(self, plan) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class FailingCopyEngine(KVCopyEngine):
+    """Every ``fail_every``-th launched copy fails part-way (the shipped engine's own failure:
+    the first half of its moves lands, it reports ``failed``): an environment the adapter
+    must survive. The worker aborts such a plan with the table kept; the adapter gives the
+    sources and fills back to the request and the destinations back to the headroom."""
+
+    def __init__(self, *a, fail_every: int = 3, **kw):
+        super().__init__(*a, **kw)
+        if int(fail_every) < 1:
+            raise ValueError(f"fail_every={fail_every!r}: must be >= 1")
+        self.fail_every = int(fail_every)
+        self._launches = 0
+        self.failed_plans: list = []  # plan ids whose copy was made to fail
+
+    def launch(self, plan):
+        self._launches += 1
+        if self._launches % self.fail_every == 0:
+            self.fail_next_copy = True
+            self.failed_plans.append(getattr(plan, "id", -1))
+        return super().launch(plan)
+
+
+class InFlightCorruptionEngine(_PlanTracking):
+    """A fault: at the poll that completes a copy, one byte of the plan's request's K/V flips
+    (last layer, K), alternately a live token in one of the plan's fills (a slot the copy
+    must not touch) and a moved entry at its destination (what the copy wrote). Either way
+    the relocation checker the worker wraps its engine with must raise: the flipped token
+    is live and read after the plan applies. ``table``: the worker's token table (where
+    the request's live tokens are)."""
+
+    def __init__(self, *a, table, **kw):
+        super().__init__(*a, **kw)
+        self.table = table
+
+    def _at_done(self, plan) -> None:
+        t, S = self.table, self.S
+        r = plan.req_id
+        targets = []
+        if r in t and plan.fills:
+            ids, slots = t.live_slots(r)
+            in_fill = np.isin(slots // S, np.asarray(plan.fills, dtype=np.int64))
+            if in_fill.any():
+                targets.append(("live token of a fill", int(slots[np.argmax(in_fill)])))
+        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
+        if len(m):
+            mid = m[len(m) // 2]
+            targets.append(("moved entry at its destination", int(mid[3] * S + mid[4])))
+        if not targets:
+            return
+        what, slot = targets[len(self.tampered) % len(targets)]
+        self.kv.flat[self.kv.num_layers - 1, 0, slot].view(torch.uint8).view(-1)[:1] ^= 0xFF
+        self.tampered.append((plan.id, f"{what} (slot {slot})"))
+
+
+class StealFillEngine(_PlanTracking):
+    """A fault: at the poll that completes a copy, the plan's first fill becomes another
+    request's in the token table (the request's live tokens there die, the request lets go
+    of the block, an intruder request writes a token into it): a block held by another
+    request alone, so its reference count is 1. Applying the plan must refuse the fill
+    (``shared_fill``) and the adapter must raise ``shared_never_moved``, never take the
+    quiet "aborted, table kept" path. ``table``: the worker's token table."""
+
+    INTRUDER = "intruder (StealFillEngine)"
+
+    def __init__(self, *a, table, **kw):
+        super().__init__(*a, **kw)
+        self.table = table
+
+    def _at_done(self, plan) -> None:
+        t, S = self.table, self.S
+        r = plan.req_id
+        if r not in t or not plan.fills or self.INTRUDER in t:
+            return
+        f = int(plan.fills[0])
+        if not t.references(r, f) or t.block_refs(f) != 1:
+            return
+        ids, slots = t.live_slots(r)
+        mine = ids[slots // S == f]
+        if len(mine):
+            t.evict_tokens(r, mine)
+        t.release_empty_blocks(r, [f])
+        t.sync_new_tokens(self.INTRUDER, [f], 0)
+        t.sync_new_tokens(self.INTRUDER, [f], 1)
+        self.tampered.append((plan.id, f"fill {f} taken by {self.INTRUDER!r}"))
+
+
+ADAPTER_ENGINES = {
+    "copy_fails": FailingCopyEngine,
+    "corrupt_in_flight": InFlightCorruptionEngine,
+    "steal_fill": StealFillEngine,
+}
+__all__ += ["ADAPTER_ENGINES", "FailingCopyEngine", "InFlightCorruptionEngine", "StealFillEngine"]

@@ -123,7 +123,7 @@ def test_relocation_null_substitutes_sources_and_keeps_length(model):
                 continue
             req = ad.requests[r]
             assert len(lst) == math.ceil(req.num_computed_tokens / S) == len(ad.mirror[r])
-            for b, i in p.source_index.items():
+            for b, i in p.list_index.items():
                 if i >= 0:
                     assert lst[i] is ad.pool.null_block, f"{r}[{i}] is block {lst[i].block_id}, not null"
                     checked += 1

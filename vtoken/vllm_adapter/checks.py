@@ -277,15 +277,21 @@ class RuntimeChecks:
                     f"({blk.block_hash!r}) although it holds relocated tokens of mixed positions")
 
     def _check_sources_detached(self, where: str, thorough: bool) -> None:
-        """No source or fill of a plan in flight is in its request's list (at its old index, or with
-        ``thorough`` anywhere in the list)."""
+        """No source or fill of a plan in flight is in its request's list (at the index it was
+        taken from, ``AdapterPlan.list_index``, or with ``thorough`` anywhere in the list). A
+        source or fill with no recorded index is itself a violation: the incremental check
+        could never compare it with vLLM's list."""
         ad = self.ad
         for p in ad.plans.values():
             if p.orphaned:
                 continue
             own = ad.req_to_blocks.get(p.req_id, [])
             for b in p.sources + p.fills:
-                i = p.source_index.get(b.block_id, -1)
+                i = p.list_index.get(b.block_id)
+                if i is None:
+                    raise AdapterAssumptionError(
+                        "null_substitution", f"{where}: block {b.block_id} of plan {p.id} (request {p.req_id!r}) has "
+                        f"no recorded list index: where it was taken from is unknown")
                 there = any(x is b for x in own) if thorough else (0 <= i < len(own) and own[i] is b)
                 if there or ad.mirror.index(p.req_id, b.block_id) is not None:
                     raise AdapterAssumptionError(

@@ -33,7 +33,7 @@ class AdapterPlan:
     dests: list  # KVCacheBlock (from the headroom)
     moves: np.ndarray  # (k, 5): token, src_block, src_offset, dst_block, dst_offset
     fills: list = field(default_factory=list)  # KVCacheBlock: the request's blocks whose holes take tokens
-    source_index: dict = field(default_factory=dict)  # source block id -> positional index (or -1: a held dest)
+    list_index: dict = field(default_factory=dict)  # source or fill block id -> its index in the request's list (-1: held)
     snapshot: Optional[dict] = None  # the plan snapshot (planner_config.record_snapshots)
     orphaned: bool = False  # the request was freed while the plan flew
     clock: Optional[Callable[[], int]] = None  # the adapter's logical clock (snapshot events)

@@ -115,7 +115,7 @@ class PlanBook:
                 [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids,
                   "fills": q.fill_ids} for q in self.plans.values()])
         ad.hashes.drop_sources(sources + fills)
-        plan.source_index = dict(zip(p.sources, ad.detach_all(r, sources + fills)))
+        plan.list_index = dict(zip(p.sources + p.fills, ad.detach_all(r, sources + fills)))
         ad.fence.open(plan)
         ad.check.touch([r])
         self.plans[plan.id] = plan
@@ -147,7 +147,7 @@ class PlanBook:
             if res.shared_sources:
                 stats["shared_blocks_moved"] += len(res.shared_sources)
                 raise AdapterAssumptionError(
-                    "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources "
+                    "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources or fills "
                     f"{res.shared_sources} are referenced by another request at copy time")
             ad.check.touch([plan.req_id])
             ad.look_again(plan.req_id)  # it may release again now that no plan flies

@@ -351,8 +351,10 @@ class VTokenWorker:
             if e.code not in ("shared_source", "shared_fill"):
                 raise
             # the adapter's launch rule makes this impossible (sources lose their hash, so no
-            # prefix hit lands on them): report it, the adapter raises shared_never_moved
-            shared = [b for b in wp.sources + wp.fills if t.block_refs(b) != 1]
+            # prefix hit lands on them): report it, the adapter raises shared_never_moved. A
+            # block counts as shared when anyone but r references it (held by another request
+            # alone, refs are 1 too): the rule of apply_completed and of _launch
+            shared = [b for b in wp.sources + wp.fills if t.block_refs(b) != 1 or not t.references(r, b)]
             rep.plans[pid] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
                                         reason=str(e))
             self.stats["aborted"] += 1
