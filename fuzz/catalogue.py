@@ -81,6 +81,11 @@ CATALOGUE: list[Fault] = [
               "        if t + 1 < r.n and r.live[t + 1]:\n            t += 1\n        if not 0 <= t < r.n:\n"),)),
     Fault("release_nonempty", "9 phantom slot after compaction", "a block with live tokens is released", "table",
           (_p(T, "TokenTable.release_empty_blocks", "if self.n_b[b] != 0:", "if False:"),)),
+    Fault("segment_growth_drops_queued", "6 stale lookup cache after a segment grows",
+          "a request outgrowing its device segment is copied to the new one before its queued updates are written "
+          "(they land in the released segment)", "table",
+          (_p(T, "TokenTable._grow", "            pool.flush()\n            pool.slot[base:base + r.n]",
+              "            pool.slot[base:base + r.n]"),)),
     # ---------------------------------------------------------------- the planner
     Fault("headroom_leak", "3 accounting drift (reservations)", "reserved headroom blocks stay allocatable", "planner",
           (_p(A, "BlockAllocator.reserve", "        for b in out:\n            self.state[b] = RESERVED",
@@ -143,10 +148,30 @@ CATALOGUE: list[Fault] = [
     Fault("cuda_release_before_event", "8/I3 copy reported done before it landed",
           "poll reports done without the event (CPU: before the lagged copy ran)", "decode",
           engine="cuda_release_before_event"),
+    Fault("copy_write_bystander", "I1/I2 a write onto a bystander's live token (stale index buffer)",
+          "each copy also scatters one moved entry through an earlier copy's destination index, onto another "
+          "request's live token far from the plan's own blocks", "decode", engine="copy_write_bystander"),
     Fault("cuda_wait_dropped", "I3 no wait before attention", "wait_before_attention does nothing", "gpu",
           engine="cuda_wait_dropped", cuda_only=True),
     Fault("cuda_event_wrong_stream", "I3 event on the wrong stream", "the completion event is recorded on the compute stream",
           "gpu", engine="cuda_event_wrong_stream", cuda_only=True),
+    # ---------------------------------------------------------------- the decode engine's copy lifecycle
+    Fault("decode_run_no_drain", "4 leak: copies in flight at the end of a batch",
+          "run returns without draining the manager: a plan still copying when the last request finishes is "
+          "never polled again, its deferred sources and fills never freed (and the headroom stays reserved)",
+          "decode", (_p(E, "DecodeEngine.drain", "            self.manager.drain()\n", "            pass\n"),)),
+    Fault("decode_release_busy_all_dead", "8 source released while its copy reads it",
+          "a source whose every live token was evicted while its copy flies is released at once like any "
+          "all-dead block (the plan still names it)", "decode",
+          (_p(E, "DecodeEngine._release_empty", " and not (mgr is not None and mgr.is_busy(b))", ""),)),
+    Fault("apply_keeps_dead_source", "4 leak: a source that died in flight is never freed",
+          "apply frees only the sources its surviving moves emptied: one whose every token was evicted while "
+          "the copy flew is released by the table but stays allocated", "decode",
+          (_p(P, "ReclamationManager.apply",
+              '        self.alloc.free(plan.sources)\n        self.record(plan, "free", blocks=list(plan.sources))\n',
+              "        kept = sorted({int(b) for b in res.moves[:, 1]}) if len(res.moves) else []\n"
+              "        self.alloc.free(kept)\n"
+              '        self.record(plan, "free", blocks=kept)\n'),)),
     # ---------------------------------------------------------------- the graph path (CUDA graphs)
     Fault("graph_replay_on_capture_stream", "10 a replay that skips a host-side hook (the event wait before replay)",
           "the decode graph is replayed on its capture stream, which never waited on pending copies nor on the "
@@ -202,6 +227,33 @@ CATALOGUE: list[Fault] = [
           "blocks whose tokens all died are freed with the previous step's fence", "adapter",
           (_p(AD, "VTokenAdapter._release_empty", "self.scheduler._free_cow_retained_blocks([blk], meta.seq)",
               "self.scheduler._free_cow_retained_blocks([blk], meta.seq - 2)"),)),
+    Fault("adapter_fill_index_dropped", "positional block list broken (a check blind to fills)",
+          "a plan records the list indices of its sources only, so the incremental check never compares a fill "
+          "with vLLM's list", "adapter",
+          (_p(PL, "PlanBook.launch", "dict(zip(p.sources + p.fills, ", "dict(zip(p.sources, "),)),
+    Fault("worker_shared_fill_by_refs", "7 a shared block moved (named by its count only)",
+          "after apply refuses a fill, the worker names shared blocks by reference count alone: a fill held by "
+          "another request alone takes the quiet 'aborted, table kept' path", "adapter",
+          (_p(W, "VTokenWorker._poll_one", "if t.block_refs(b) != 1 or not t.references(r, b)]",
+              "if t.block_refs(b) != 1]"),)),
+    Fault("adapter_used_dests_to_headroom", "3 reservation leak (out of place)",
+          "an applied out-of-place plan gives its written destinations back to the headroom (the unwritten ones "
+          "are lost)", "adapter",
+          (_p(PL, "PlanBook.absorb", "ad.reserve.put(unused)", "ad.reserve.put(used)"),)),
+    Fault("worker_resumed_applies_old_plan", "8 a plan applied to another incarnation (copy across preempt and resume)",
+          "a plan whose copy outlived its request's preemption is applied once the request resumed (the "
+          "incarnation check dropped)", "adapter",
+          (_p(W, "VTokenWorker._poll_one", "if w is None or w.gen != gen or r not in t:",
+              "if w is None or r not in t:"),)),
+    Fault("worker_failed_copy_frees_table", "8 blocks freed while still read (a failed copy)",
+          "a failed copy is reported without the table kept: the adapter frees the sources and fills the "
+          "request still reads", "adapter",
+          (_p(W, "VTokenWorker._poll_one", 'table_kept=True, reason="copy failed")',
+              'table_kept=False, reason="copy failed")'),)),
+    Fault("worker_copies_unchecked", "I1 corruption in flight unnoticed (hash-and-compare not wired)",
+          "the worker builds the relocation checker but never wraps its copy engine with it: a fill or moved "
+          "entry corrupted while the copy flies goes unnoticed", "adapter",
+          (_p(W, "VTokenWorker.__init__", "            engine = self.checker.wrap(self.copy_engine)\n", ""),)),
 ]
 
 BY_NAME = {f.name: f for f in CATALOGUE}

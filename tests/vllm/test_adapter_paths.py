@@ -105,3 +105,185 @@ def test_a_fill_taken_by_another_request_in_flight_is_refused_loudly(model, asyn
             d.step()
             assert not eng.tampered, f"{eng.tampered}: the worker's refusal of a stolen fill was not raised"
     assert len(eng.tampered) == 1 and ad.stats["shared_blocks_moved"] >= 1
+
+
+# ---------------------------------------------------------------------------- out of place: the reserved path
+class _Watch:
+    """Spies on the plan book: each proposal's destinations against the headroom it was
+    planned from, and each report's blocks against where they must go."""
+
+    def __init__(self, ad):
+        self.ad, self.launched, self.reported = ad, [], []
+        self.aborted_kept = 0
+        launch, absorb = ad.book.launch, ad.book.absorb
+
+        def on_launch(meta, r, p, tail, head):
+            assert p.dests == list(head[:len(p.dests)]), (p.dests, head)  # the headroom's front
+            launch(meta, r, p, tail, head)
+            self.launched.append(meta.plans[-1])
+
+        def on_absorb(reported):
+            plans = {pid: ad.plans[pid] for pid in reported if pid in ad.plans}
+            absorb(reported)
+            for pid, res in reported.items():
+                self.check_report(plans[pid], res)
+
+        ad.book.launch, ad.book.absorb = on_launch, on_absorb
+
+    def check_report(self, plan, res):
+        ad = self.ad
+        self.reported.append((plan, res))
+        alive = not plan.orphaned and plan.req_id in ad.mirror
+        held, room = set(ad.held.get(plan.req_id, ())), set(ad.reserve.ids())
+        if res.status == "applied":
+            used = set(res.used_dests)
+            for b in plan.dests:
+                where = held if b.block_id in used else room
+                assert alive is False and b.block_id in used or b.block_id in where, \
+                    (plan.id, b.block_id, b.block_id in used, sorted(held), sorted(room))
+            if alive:
+                assert {b.block_id for b in plan.fills} <= held
+        else:
+            assert {b.block_id for b in plan.dests} <= room, (plan.id, plan.dest_ids, sorted(room))
+            if alive and res.table_kept:
+                self.aborted_kept += 1
+                assert {b.block_id for b in plan.sources + plan.fills} <= held, (plan.id, sorted(held))
+
+
+def _check_reservation(ad, H):
+    lists = {b.block_id for lst in ad.req_to_blocks.values() for b in lst if not b.is_null}
+    assert len(ad.headroom) <= H
+    for b in ad.headroom:
+        assert b.ref_cnt == 1 and b.block_hash is None and b.block_id not in lists, b
+    for p in ad.plans.values():
+        for b in p.dests:
+            assert b.ref_cnt == 1 and b.block_hash is None and b.block_id not in lists, (p.id, b)
+
+
+@pytest.mark.parametrize("async_,lag", [(False, 0), (True, 0), (True, 3)])
+def test_out_of_place_plans_take_their_destinations_from_the_headroom(model, async_, lag):
+    """``PlannerConfig(in_place=False, headroom=H)``: the adapter reserves H blocks (ref_cnt
+    1, hashless, in no list), each plan takes the front of it as destinations, no fills;
+    written destinations go to the request, unwritten ones back to the headroom; sources are
+    freed at their fence; every block comes back; outputs equal Naive-Evict's."""
+    S, N, H = 8, 64, 4
+    runs = {}
+    for reclaim in (True, False):
+        ad, w, d = make(model, S=S, N=N, H=H, in_place=False, async_=async_, lag=lag, reclaim=reclaim)
+        watch = _Watch(ad) if reclaim else None
+        for i in range(3):
+            ad.add_request(f"q{i}", prompt(i, 40 + 5 * i), max_tokens=30)
+        reserved = 0
+        while ad.has_work():
+            d.step()
+            if reclaim:
+                _check_reservation(ad, H)
+                reserved = max(reserved, len(ad.headroom))
+        d.drain()
+        ad.close()
+        runs[reclaim] = outputs(ad)
+        if reclaim:
+            assert reserved == H and watch.launched and all(not p.fills and p.dests for p in watch.launched)
+            assert ad.stats["applied"] > 0 and ad.stats["dests_used"] > 0 and ad.stats["fills"] == 0
+            assert w.hash_failures == 0 and w.hash_checks >= 2 * ad.stats["applied"]
+    assert runs[True] == runs[False]
+
+
+# ---------------------------------------------------------------------------- a copy pending across preempt and resume
+def _step(ad, d):
+    """One driver step; returns the step's scheduler output."""
+    so = ad.schedule()
+    d.in_flight.append(so)
+    if len(d.in_flight) >= d.depth or not ad.has_work():
+        d._finish_one()
+    return so
+
+
+@pytest.mark.parametrize("lag,async_,in_place", [(6, False, True), (7, False, True), (8, False, True),
+                                                 (9, False, True), (10, False, True), (8, True, True),
+                                                 (8, False, False)])
+def test_a_copy_pending_across_preemption_and_resume(model, lag, async_, in_place):
+    """Copies 6-10 steps late: the request of a plan in flight is preempted (someone else
+    holds every free block, so the last running request loses its list) and resumes (a new
+    block list, its table recomputed) before the copy completes. The old plan must be
+    dropped when it reports (its blocks back to the pool at their fence, its destinations
+    to the headroom), never applied to the new incarnation's table; every block comes back."""
+    ad, w, d = make(model, S=4, N=40, H=0 if in_place else 2, in_place=in_place, ratio=0.5, batched=64, lag=lag,
+                    async_=async_)
+    watch = _Watch(ad)
+    for i in range(3):
+        ad.add_request(f"q{i}", prompt(i, 16 + 3 * i), max_tokens=60)
+    sched = ad.scheduler
+
+    def last_running_plan():
+        last = sched.running[-1].request_id if sched.running else None
+        return next((p for p in ad.plans.values() if p.req_id == last and not p.orphaned), None)
+
+    steps_until(d, lambda: last_running_plan() is not None)
+    plan = last_running_plan()
+    grabbed = []
+    for _ in range(12):  # the whole free pool taken before every step, until the request is preempted
+        grabbed += ad.pool.get_new_blocks(ad.pool.get_num_free_blocks())
+        if plan.req_id in (_step(ad, d).preempted_req_ids or ()):
+            break
+    assert plan.orphaned and plan.id in ad.plans, "not preempted while its copy flew: not the case under test"
+    ad.pool.free_blocks(grabbed)
+    for _ in range(12):
+        if plan.req_id in _step(ad, d).scheduled_cached_reqs.resumed_req_ids:
+            break
+    assert sched.requests[plan.req_id].num_computed_tokens > 0 and plan.id in ad.plans, \
+        "the copy completed before the request resumed: not the case under test"
+    d.drain()
+    ad.close()
+    res = next(res for p, res in watch.reported if p.id == plan.id)
+    assert res.status == "aborted" and not res.table_kept, res
+    assert ad.stats["applied"] > 0 and w.hash_failures == 0
+
+
+# ---------------------------------------------------------------------------- failed copies
+@pytest.mark.parametrize("in_place,async_", [(True, False), (True, True), (False, True)])
+def test_failed_copies_abort_with_the_table_kept(model, in_place, async_):
+    """Every second copy fails part-way: the worker aborts the plan with the table kept, the
+    adapter gives its sources and fills back to the request (held: its table still reads
+    them) and its destinations back to the headroom; the read path still gives the launch
+    hash; every block comes back; outputs equal Naive-Evict's."""
+    from vtoken.fuzz.faulty_engines import FailingCopyEngine
+
+    runs = {}
+    for reclaim in (True, False):
+        ad, w, d = make(model, S=4, N=64, H=0 if in_place else 4, in_place=in_place, async_=async_, lag=1,
+                        reclaim=reclaim, engine=FailingCopyEngine, fail_every=2)
+        watch = _Watch(ad) if reclaim else None
+        for i in range(3):
+            ad.add_request(f"q{i}", prompt(i, 24 + 4 * i), max_tokens=40)
+        d.drain()
+        ad.close()
+        runs[reclaim] = outputs(ad)
+        if reclaim:
+            assert w.copy_engine.failed_plans and watch.aborted_kept > 0, (w.copy_engine.failed_plans, ad.stats)
+            assert ad.stats["aborted"] >= watch.aborted_kept and ad.stats["applied"] > 0
+            assert w.hash_failures == 0 and w.hash_checks > 0
+    assert runs[True] == runs[False]
+
+
+# ---------------------------------------------------------------------------- a copy corrupted in flight
+@pytest.mark.parametrize("in_place,lag", [(True, 0), (True, 3), (False, 2)])
+def test_a_copy_corrupted_in_flight_fails_hash_and_compare(model, in_place, lag):
+    """At the poll that completes a copy a byte flips: a live token of a fill (in place) or a
+    moved entry at its destination (out of place). The worker's hash-and-compare raises in
+    that very step, naming the plan."""
+    from vtoken.errors import RelocationCheckError
+    from vtoken.fuzz.faulty_engines import InFlightCorruptionEngine
+
+    ad, w, d = make(model, S=4, N=64, H=0 if in_place else 4, in_place=in_place, lag=lag,
+                    engine=InFlightCorruptionEngine, table=True)
+    for i in range(3):
+        ad.add_request(f"q{i}", prompt(i, 24 + 4 * i), max_tokens=40)
+    eng = w.copy_engine
+    with pytest.raises(RelocationCheckError) as e:
+        for _ in range(400):
+            d.step()
+            assert not eng.tampered, f"{eng.tampered}: a corruption in flight went unnoticed"
+    (pid, what), = eng.tampered
+    assert f"plan {pid}" in str(e.value)
+    assert what.startswith("live token of a fill" if in_place else "moved entry"), what

@@ -148,7 +148,8 @@ class PlanBook:
                 stats["shared_blocks_moved"] += len(res.shared_sources)
                 raise AdapterAssumptionError(
                     "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources or fills "
-                    f"{res.shared_sources} are referenced by another request at copy time")
+                    f"{res.shared_sources} are not the request's alone at copy time (referenced by another request, "
+                    f"or no longer by it)")
             ad.check.touch([plan.req_id])
             ad.look_again(plan.req_id)  # it may release again now that no plan flies
             alive = not plan.orphaned and plan.req_id in ad.mirror
