@@ -39,8 +39,14 @@ What it does (``run``):
    *rejects* a mutant when it reports a violation of the operator's target invariant.
    The two must also agree: the same set of violated invariants on every snapshot.
 
+4. **Cover**: each Violation names its rule (:data:`RULES`, the rule names of
+   ``snapshot_checks``' docstring); the run tabulates, for each rule of I1-I4, the operators
+   whose mutants every checker flagged through it (``rule_coverage``). A rule no operator
+   reaches is ``rules_unexercised`` unless :data:`UNREACHABLE` names it with the reason.
+
 The goal: every mutant rejected by every checker, every valid snapshot accepted, no
-disagreement, at least 50 mutants per operator (the default run makes 60).
+disagreement, at least 50 mutants per operator (the default run makes 60), every rule
+exercised by some operator.
 
 Owns: nothing beyond one run's collected snapshots and mutants, dropped when it returns.
 May call: invariants (snapshot_checks, z3_checks, relocation_hash), the system's public drivers
@@ -69,6 +75,12 @@ from .relocation_hash import RelocationChecker
 ALL_PATHS = ("planner", "engine", "adapter")
 CHECKERS: dict[str, Callable] = {"python": snapshot_checks.check_snapshot, "z3": z3_checks.check_snapshot}
 INVARIANTS = ("I1", "I2", "I3", "I4")
+RULES = snapshot_checks.RULES  # the rule names of I1-I4 (snapshot_checks' docstring)
+# Rules no operator can reach, with the reason (the coverage table names them as such).
+UNREACHABLE = {
+    "I2.null": "validate refuses a live token, a move's destination and a plan block in the null block 0 before "
+               "any rule runs, so no well-formed mutant carries one (the rule is the checkers' second line)",
+}
 
 
 class PathUnavailable(RuntimeError):
@@ -414,7 +426,30 @@ def op_move_tail_block(s, rng) -> bool:
     if not opts:
         return False
     _kind, b = rng.choice(opts)
-    _pre(s)["tail_block"] = b
+    if rng.random() < 0.5 and _last_position_in(s, b, rng):  # the tail itself (derived from the tokens)
+        return True
+    _pre(s)["tail_block"] = b  # the record says so
+    return True
+
+
+def _last_position_in(s, b: int, rng) -> bool:
+    """Make block ``b`` the request's tail as the checkers derive it: a new last position,
+    a dead token at a slot of ``b`` without a live token; ``tail_block`` then records it (or
+    is null). False (nothing changed) where ``post`` has grown past ``pre`` or ``b`` is full."""
+    pre, post, S = _pre(s), _post(s), s["block_size"]
+    if post is not None and post["length"] != pre["length"]:
+        return False
+    live = {(tok[0], tok[1]) for tok in pre["tokens"] if tok[2]}
+    if post is not None:
+        live |= {(tok[0], tok[1]) for tok in post["tokens"] if tok[2]}
+    free = [o for o in range(S) if (b, o) not in live]
+    if not free:
+        return False
+    tok = [b, rng.choice(free), False]
+    for r in (pre, post) if post is not None else (pre,):
+        r["tokens"].append(list(tok))
+        r["length"] += 1
+    pre["tail_block"] = b if rng.random() < 0.5 else None
     return True
 
 
@@ -646,7 +681,10 @@ def op_fill_tail(s, rng) -> bool:
     fills = _fills(s)
     if not fills:
         return False
-    _pre(s)["tail_block"] = rng.choice(fills)
+    b = rng.choice(fills)
+    if rng.random() < 0.5 and _last_position_in(s, b, rng):  # the tail itself (derived from the tokens)
+        return True
+    _pre(s)["tail_block"] = b  # the record says so
     return True
 
 
@@ -750,6 +788,292 @@ def op_free_fill_before_copy(s, rng) -> bool:
     return True
 
 
+
+# ------------------------------------------------- what the checkers derive, and every event counting
+def _tail(s):
+    """The request's tail as the checkers derive it: the block of its last position."""
+    pre = _pre(s)
+    return pre["tokens"][pre["length"] - 1][0] if pre["length"] else None
+
+
+def _plan_event(s, kind: str):
+    """Index of the plan's first ``kind`` event (None: absent)."""
+    pid = s["plan"]["id"]
+    return next((i for i, ev in enumerate(s["schedule"]) if ev["kind"] == kind and ev.get("plan") == pid), None)
+
+
+def _append(s, events: list[dict], same_time: bool) -> None:
+    """Append ``events`` at the end of the schedule: at the last event's time (list order
+    orders them) or one tick apart."""
+    t = s["schedule"][-1]["t"] if s["schedule"] else 0
+    s["schedule"] += [dict(ev, t=t if same_time else t + 1 + k) for k, ev in enumerate(events)]
+
+
+def op_tail_unrecorded(s, rng) -> bool:
+    """The plan fills its tail (derived: the block of the last position), a move landing on
+    the slot the next token will be written to when it is a hole, while ``tail_block`` is
+    null or names a block of no request; or only a wrong ``tail_block``."""
+    pre, plan, S = _pre(s), s["plan"], s["block_size"]
+    tail = _tail(s)
+    if tail is None:
+        return False
+    how = rng.choice(("null", "bogus", "record_only"))
+    pre["tail_block"] = None if how == "null" else _fresh(s, 1)[0]
+    if how == "record_only":
+        return True
+    plan["fills"] = _fills(s) + [tail]
+    nxt = tail * S + pre["length"] % S
+    live = {tok[0] * S + tok[1] for tok in pre["tokens"] if tok[2]}
+    if pre["length"] % S and nxt not in live and plan["moves"]:
+        k = rng.randrange(len(plan["moves"]))
+        plan["moves"][k][3:] = [tail, pre["length"] % S]
+        _follow(s, k)
+        _dests_used_now(s)
+    return True
+
+
+def op_relaunch_after_reuse(s, rng) -> bool:
+    """The plan's copy is launched again after a source or fill was freed, handed to another
+    request and rewritten (or only rewritten): the second copy reads or writes reused memory."""
+    plan, S = s["plan"], s["block_size"]
+    blocks = plan["sources"] + _fills(s)
+    if not blocks or _plan_event(s, "launch") is None:
+        return False
+    b = rng.choice(blocks)
+    other = _other_request(s)
+    live = {tok[0] * S + tok[1] for tok in _pre(s)["tokens"] if tok[2]}
+    # a write the copy conflicts with: anywhere in a source, on a hole of a fill
+    slots = [b * S + o for o in range(S) if b in plan["sources"] or b * S + o not in live]
+    w = {"kind": "write", "request": other, "token": 0, "slot": rng.choice(slots or [b * S])}
+    reuse = [{"kind": "free", "blocks": [b]}, {"kind": "alloc", "request": other, "blocks": [b]}, w] \
+        if rng.random() < 0.7 or not slots else [w]
+    _append(s, reuse + [{"kind": "launch", "plan": plan["id"]}], same_time=rng.random() < 0.5)
+    return True
+
+
+def op_alias_other_post(s, rng) -> bool:
+    """After the plan another request holds a live token on a slot a move filled (a fill's
+    hole or a destination slot): an alias only visible in the other request's ``post``."""
+    post = _post(s)
+    if post is None:
+        return False
+    ev = set(s["evicted_in_flight"])
+    landed = [mv for mv in s["plan"]["moves"] if mv[0] not in ev and post["tokens"][mv[0]] == [mv[3], mv[4], True]]
+    if not landed:
+        return False
+    mv = rng.choice(landed)
+    x = _other_request(s)
+    toks = [[mv[3], mv[4], True]]
+    blocks = [mv[3]]
+    if rng.random() < 0.5:  # it also holds a block of its own
+        own = _fresh(s, 1)[0]
+        toks.insert(0, [own, 0, True])
+        blocks.append(own)
+    s["post"]["requests"][x] = {"length": len(toks), "blocks": sorted(blocks), "tail_block": None, "tokens": toks}
+    return True
+
+
+def op_read_evicted_after_apply(s, rng) -> bool:
+    """After apply, attention reads a token evicted while the copy flew (its move dropped,
+    dead since apply) at its old slot, in a freed source, or at its dropped destination."""
+    post = _post(s)
+    if post is None or _plan_event(s, "apply") is None:
+        return False
+    pre, moves = _pre(s), s["plan"]["moves"]
+    ev = list(s["evicted_in_flight"])
+    if not ev:  # record one first (a valid intermediate: dead in place, its move dropped)
+        live = _live_moves(s)
+        if not live:
+            return False
+        t = moves[rng.choice(live)][0]
+        s["evicted_in_flight"] = [t]
+        post["tokens"][t] = [pre["tokens"][t][0], pre["tokens"][t][1], False]
+        _dests_used_now(s)
+        for e in s["schedule"]:  # the reads after apply no longer see it (a valid base)
+            if e["kind"] == "read" and t in e["tokens"]:
+                k = e["tokens"].index(t)
+                del e["tokens"][k], e["slots"][k]
+        ev = [t]
+    t = rng.choice(ev)
+    S = s["block_size"]
+    mv = next(m for m in moves if m[0] == t)
+    slot = mv[1] * S + mv[2] if rng.random() < 0.7 else mv[3] * S + mv[4]
+    _append(s, [{"kind": "read", "request": s["plan"]["request"], "tokens": [t], "slots": [slot]}],
+            same_time=rng.random() < 0.5)
+    return True
+
+
+def op_read_dead_token(s, rng) -> bool:
+    """Attention reads a token of the request that was dead before the plan -- at a fill's
+    hole where one is, else where it last was -- after the fence or at the end."""
+    pre, S, plan = _pre(s), s["block_size"], s["plan"]
+    fills = set(_fills(s))
+    dead = [t for t, tok in enumerate(pre["tokens"]) if not tok[2]]
+    if not dead:
+        return False
+    in_fill = [t for t in dead if pre["tokens"][t][0] in fills]
+    t = rng.choice(in_fill or dead)
+    b, o = pre["tokens"][t][:2]
+    ev = {"kind": "read", "request": plan["request"], "tokens": [t], "slots": [b * S + o]}
+    f = next((i for i, e in enumerate(s["schedule"]) if e["kind"] == "fence" and e.get("plan") == plan["id"]), None)
+    if f is not None and rng.random() < 0.5:  # right after the fence, at its own time
+        s["schedule"].insert(f + 1, dict(ev, t=s["schedule"][f]["t"]))
+    else:
+        _append(s, [ev], same_time=rng.random() < 0.5)
+    return True
+
+
+def op_second_plan_same_request(s, rng) -> bool:
+    """Another plan of the same request is in flight: an in-flight entry of the request
+    whose sources (or fills) are blocks the request holds."""
+    plan, pre = s["plan"], _pre(s)
+    ours = set(plan["sources"]) | set(plan["dests"]) | set(_fills(s)) | {mv[3] for mv in plan["moves"]}
+    held = [b for b in pre["blocks"] if b not in ours] or list(pre["blocks"])
+    if not held:
+        return False
+    pid = max({p["id"] for p in s["in_flight"]} | {plan["id"]}) + 1
+    role = rng.choice(("sources", "fills"))
+    entry = {"id": pid, "request": plan["request"], "sources": [], "dests": [_fresh(s, 1)[0]], "fills": []}
+    entry[role] = [rng.choice(held)]
+    s["in_flight"] = s["in_flight"] + [entry]
+    return True
+
+
+def op_plan_block_in_headroom(s, rng) -> bool:
+    """The headroom lists a block in use: a source or fill of the plan, another block of the
+    request, or a block of an in-flight plan."""
+    plan = s["plan"]
+    opts = plan["sources"] + _fills(s) + _pre(s)["blocks"]
+    for p in s["in_flight"]:
+        opts += p["sources"] + p["dests"] + p.get("fills", [])
+    opts = sorted(set(opts) - set(s["headroom"]))
+    if not opts:
+        return False
+    s["headroom"] = s["headroom"] + [rng.choice(opts)]
+    return True
+
+
+
+# ------------------------------------------------- one operator per rule the others reach only as a side effect
+def op_overwrite_live_slot(s, rng) -> bool:
+    """A new token (of another request, or the request's own next one) is written onto a
+    slot holding a live token of the request: an unmoved token's slot, or after apply a
+    moved token's destination."""
+    pre, post, plan, S = _pre(s), _post(s), s["plan"], s["block_size"]
+    moved = {mv[0]: mv for mv in plan["moves"]}
+    released = set()
+    for ev in s["schedule"]:
+        if ev["kind"] == "free" or (ev["kind"] == "alloc" and str(ev["request"]) != str(plan["request"])):
+            released |= set(ev["blocks"])
+    opts = [tok[0] * S + tok[1] for t, tok in enumerate(pre["tokens"]) if tok[2] and t not in moved
+            and (post is None or post["tokens"][t] == tok)]
+    if post is not None and _plan_event(s, "apply") is not None:
+        ev = set(s["evicted_in_flight"])
+        opts += [mv[3] * S + mv[4] for t, mv in moved.items() if t not in ev and post["tokens"][t] == [mv[3], mv[4], True]]
+    opts = [x for x in opts if x // S not in released]
+    if not opts:
+        return False
+    own = rng.random() < 0.5
+    w = {"kind": "write", "request": plan["request"] if own else _other_request(s),
+         "token": (post or pre)["length"] if own else 0, "slot": rng.choice(opts)}
+    _append(s, [w], same_time=rng.random() < 0.5)
+    return True
+
+
+def op_list_block_twice(s, rng) -> bool:
+    """``plan.sources``, ``plan.dests`` or ``plan.fills`` names one block twice."""
+    plan = s["plan"]
+    roles = [r for r in ("sources", "dests", "fills") if plan.get(r)]
+    if not roles:
+        return False
+    role = rng.choice(roles)
+    lst = plan[role]
+    lst.insert(rng.randrange(len(lst) + 1), rng.choice(lst))
+    return True
+
+
+def op_source_not_emptied(s, rng) -> bool:
+    """A live token in a source block is not moved: its move dropped (the token stays where
+    it was, live, after the plan)."""
+    plan, post = s["plan"], _post(s)
+    live = _live_moves(s)
+    if not live:
+        return False
+    k = rng.choice(live)
+    t, sb, so = plan["moves"][k][:3]
+    del plan["moves"][k]
+    dg = plan.get("digests")
+    if dg is not None:
+        del dg["pre"][k], dg["post"][k]
+    if post is not None:
+        post["tokens"][t] = [sb, so, True]
+        _ensure_block(post, sb)
+    _dests_used_now(s)
+    return True
+
+
+def op_wrong_dests_used(s, rng) -> bool:
+    """``dests_used`` (written at apply) is not the fresh blocks the applied moves landed in:
+    one missing, or a fill or a block no move wrote listed."""
+    used = s.get("dests_used")
+    if used is None:
+        return False
+    if used and rng.random() < 0.5:
+        s["dests_used"] = [b for b in used if b != rng.choice(used)]
+    else:
+        extra = sorted(set(_fills(s)) - set(used)) + _fresh(s, 1)
+        s["dests_used"] = sorted(used + [rng.choice(extra)])
+    return True
+
+
+def op_fill_dropped_after(s, rng) -> bool:
+    """After the plan a fill is no longer the request's block: its tokens all dead (those
+    moved in recorded as evicted in flight, the others dead in place) and the block gone
+    from the request's list."""
+    post, plan = _post(s), s["plan"]
+    fills = _fills(s)
+    if post is None or not fills:
+        return False
+    f = rng.choice(fills)
+    into = {mv[0]: mv for mv in plan["moves"] if mv[3] == f}
+    ev = set(s["evicted_in_flight"])
+    pre = _pre(s)
+    for t, tok in enumerate(post["tokens"]):
+        if tok[0] == f and tok[2]:
+            if t in into:  # moved in: evicted while the copy flew, dead at its pre slot
+                ev.add(t)
+                post["tokens"][t] = [pre["tokens"][t][0], pre["tokens"][t][1], False]
+            else:
+                tok[2] = False
+    s["evicted_in_flight"] = sorted(ev)
+    post["blocks"] = [b for b in post["blocks"] if b != f]
+    _dests_used_now(s)
+    return True
+
+
+def op_move_unmoved_token(s, rng) -> bool:
+    """A token the plan does not move changes after it: it moves to another free slot of the
+    request, or a dead one becomes live where it was."""
+    pre, post, S = _pre(s), _post(s), s["block_size"]
+    if post is None:
+        return False
+    moved = {mv[0] for mv in s["plan"]["moves"]}
+    taken = {(tok[0], tok[1]) for tok in post["tokens"] if tok[2]}
+    stay = [t for t, tok in enumerate(pre["tokens"]) if tok[2] and t not in moved and post["tokens"][t] == tok]
+    free = [(b, o) for b in post["blocks"] for o in range(S) if (b, o) not in taken]
+    born = [t for t, tok in enumerate(pre["tokens"]) if not tok[2] and t not in moved and not post["tokens"][t][2]
+            and tuple(post["tokens"][t][:2]) not in taken and post["tokens"][t][0] in post["blocks"]]
+    opts = (["stray"] if stay and free else []) + (["born"] if born else [])
+    if not opts:
+        return False
+    if rng.choice(opts) == "stray":
+        b, o = rng.choice(free)
+        post["tokens"][rng.choice(stay)] = [b, o, True]
+    else:
+        post["tokens"][rng.choice(born)][2] = True
+    return True
+
+
 @dataclass(frozen=True)
 class Operator:
     name: str
@@ -788,6 +1112,27 @@ OPERATORS: tuple[Operator, ...] = (
              "read a fill's hole before the copy completes"),
     Operator("free_fill_before_copy", "I3", op_free_fill_before_copy,
              "free or hand off a fill before its copy completes"),
+    # what the checkers derive (the tail, a request's plans, the headroom), every launch and
+    # every request's post counting, reads of dead tokens
+    Operator("tail_unrecorded", "I4", op_tail_unrecorded,
+             "fill the derived tail while tail_block is null or wrong"),
+    Operator("relaunch_after_reuse", "I3", op_relaunch_after_reuse,
+             "launch the copy again after a source or fill was reused"),
+    Operator("alias_other_post", "I2", op_alias_other_post,
+             "another request's live token on a moved token's slot after the plan"),
+    Operator("read_evicted_after_apply", "I3", op_read_evicted_after_apply,
+             "read a token evicted in flight after apply"),
+    Operator("read_dead_token", "I3", op_read_dead_token, "read a token dead before the plan"),
+    Operator("second_plan_same_request", "I4", op_second_plan_same_request,
+             "a second plan of the same request in flight"),
+    Operator("plan_block_in_headroom", "I4", op_plan_block_in_headroom, "list a block in use in the headroom"),
+    Operator("overwrite_live_slot", "I2", op_overwrite_live_slot, "write a new token onto a live token's slot"),
+    # the rules the operators above reach only as a side effect, each planted on its own
+    Operator("list_block_twice", "I4", op_list_block_twice, "name a block twice in sources, dests or fills"),
+    Operator("source_not_emptied", "I4", op_source_not_emptied, "leave a live token in a source unmoved"),
+    Operator("wrong_dests_used", "I4", op_wrong_dests_used, "dests_used not the blocks the moves landed in"),
+    Operator("fill_dropped_after", "I4", op_fill_dropped_after, "a fill no longer the request's after the plan"),
+    Operator("move_unmoved_token", "I1", op_move_unmoved_token, "an unmoved token moves or comes alive"),
 )
 
 
@@ -833,7 +1178,8 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
     """Collect, mutate, check (see the module docstring). Returns the figures as a dict:
     ``operators``, ``mutants``, ``rejected`` (by every checker), ``valid``,
     ``valid_accepted`` (by every checker), ``malformed``, ``disagreements``, ``by_operator``,
-    ``by_path``, ``by_checker``, ``passed`` and the failures found (``failures``, a few)."""
+    ``by_path``, ``by_checker``, the rule-coverage table (:func:`rule_coverage`), ``passed``
+    and the failures found (``failures``, a few)."""
     t0 = time.perf_counter()
     say = progress or (lambda _m: None)
     sizes = dict(planner=dict(runs=2, steps=10), engine=dict(runs=2, new_tokens=28)) if quick else {}
@@ -864,6 +1210,7 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
         valid_accepted += ok_all
         by_path[p]["accepted"] = by_path[p].get("accepted", 0) + ok_all
     by_op: dict = {}
+    cover: dict = {c: {} for c in CHECKERS}  # checker -> "I1.arrival" -> operators whose mutants it flagged so
     total = rejected_all = malformed = disagreements = 0
     for op, path, mut, err in make_mutants(valid, per_operator, seed):
         row = by_op.setdefault(op.name, dict(what=op.what, invariant=op.invariant, generated=0, malformed=0,
@@ -889,6 +1236,9 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
             elif len(failures) < 20:
                 failures.append(dict(kind="mutant_accepted", operator=op.name, path=path, checker=c,
                                      flagged=sorted(sets[c]), plan=mut["plan"]["id"]))
+        for c in CHECKERS:
+            for inv, rule in rules[c]:
+                cover[c].setdefault(f"{inv}.{rule}", set()).add(op.name)
         if all(op.invariant in sets[c] for c in CHECKERS):
             rejected_all += 1
         # agreement: the same violated invariants; every rule Z3 names is one Python names
@@ -910,9 +1260,26 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
         checkers={"python": "vtoken.invariants.snapshot_checks (I1-I4)", "z3": "vtoken.invariants.z3_checks (I1-I4)"},
         seed=seed, paths=list(paths), wall_s=round(time.perf_counter() - t0, 2), failures=failures,
     )
+    res.update(rule_coverage(cover))
     res["passed"] = bool(total and rejected_all == total - malformed and malformed == 0 and not disagreements
-                         and valid and valid_accepted == len(valid) and not short)
+                         and valid and valid_accepted == len(valid) and not short
+                         and not res["rules_unexercised"] and not res["rules_unknown"])
     return res
+
+
+def rule_coverage(cover: dict) -> dict:
+    """The operator-coverage table from a run's ``cover`` (checker -> rule -> operators).
+
+    ``rule_coverage``: every rule of :data:`RULES` (``"I1.arrival"``, ...) -> the operators
+    whose mutants *every* checker flagged through that rule, sorted; ``rule_coverage_by_checker``
+    the same per checker; ``rules_unexercised``: the rules no operator reached, apart from
+    ``rules_unreachable`` (:data:`UNREACHABLE`, with the reason)."""
+    names = [f"{inv}.{rule}" for inv in INVARIANTS for rule in RULES[inv]]
+    by_c = {c: {r: sorted(cover[c].get(r, ())) for r in names} for c in cover}
+    both = {r: sorted(set.intersection(*(set(by_c[c][r]) for c in by_c))) for r in names}
+    unknown = sorted({r for c in cover for r in cover[c]} - set(names))  # a rule the docstring does not name
+    return dict(rule_coverage=both, rule_coverage_by_checker=by_c, rules_unreachable=dict(UNREACHABLE),
+                rules_unexercised=[r for r in names if not both[r] and r not in UNREACHABLE], rules_unknown=unknown)
 
 
 def format_table(res: dict) -> str:
@@ -929,6 +1296,16 @@ def format_table(res: dict) -> str:
                  f"disagreements {res['disagreements']}")
     per_path = ", ".join(f"{p}: {v['valid']}" for p, v in res["by_path"].items())
     lines.append(f"valid snapshots {res['valid']} ({per_path}), accepted by every checker {res['valid_accepted']}")
+    if "rule_coverage" in res:
+        lines += ["", f"{'rule':22} {'ops':>3}  operators whose mutants every checker rejects through the rule",
+                  "-" * len(head)]
+        for rule, ops in res["rule_coverage"].items():
+            shown = ", ".join(ops) if ops else ("unreachable: " + res["rules_unreachable"][rule]
+                                                if rule in res["rules_unreachable"] else "NOT EXERCISED")
+            lines.append(f"{rule:22} {len(ops):3d}  {shown}")
+        lines.append(f"rules exercised {sum(1 for o in res['rule_coverage'].values() if o)}/{len(res['rule_coverage'])}"
+                     f", unreachable {len(res['rules_unreachable'])}, not exercised {len(res['rules_unexercised'])}"
+                     f"{' ' + ','.join(res['rules_unexercised']) if res['rules_unexercised'] else ''}")
     return "\n".join(lines)
 
 
@@ -936,7 +1313,8 @@ def main(argv=None) -> int:
     """``vtoken check-mutants [--json] [--per-operator N] [--seed S] [--paths a,b] [--quick]``.
 
     Exit 0: every mutant rejected by every checker, every valid snapshot accepted, no
-    disagreement, every operator at its count; 1: otherwise; 2: a path could not give
+    disagreement, every operator at its count, every rule exercised (or named unreachable);
+    1: otherwise; 2: a path could not give
     snapshots (named in the error; nothing is skipped silently). With ``--json`` the last
     stdout line is one JSON object (see :func:`run`)."""
     from vtoken.cli.args import comma_choices, nonneg_int, positive_int

@@ -56,7 +56,11 @@ non-decreasing; equal times are in list order).
   - [null] no live token and no destination in the null block 0 (``validate`` refuses
     both; kept as a second line);
   - [dangling] after the plan no live token of ``R`` sits in a source block or in a block
-    the schedule frees, unless an ``alloc`` of that block to ``R`` follows its last free.
+    the schedule frees, unless an ``alloc`` of that block to ``R`` follows its last free;
+  - [overwrite] no ``write`` (of any request) lands on a slot holding a live token of ``R``:
+    before the plan's ``apply`` a live pre slot, after it a moved token's destination (not
+    in ``E``) or an unmoved live token's slot; unless the block was freed, or handed to
+    another request, earlier in the schedule.
 
 - **I3** pre-attention visibility. The copy completes at an unknown ``c`` after its launch;
   every launch issues it again, so ``c`` follows the *last* launch; a ``fence`` of the
@@ -117,7 +121,15 @@ from dataclasses import dataclass, field
 from vtoken.snapshot import validate
 
 ALL_CHECKS = ("I1", "I2", "I3", "I4")
-__all__ = ["ALL_CHECKS", "Violation", "check_snapshot", "derived_shared"]
+# The rule names of the module docstring, per invariant: every Violation's ``rule`` is one.
+RULES = {
+    "I1": ("move_token", "moved_twice", "arrival", "evicted", "unmoved", "digest"),
+    "I2": ("pre_unique", "post_unique", "null", "dangling", "overwrite"),
+    "I3": ("early", "stale_read", "dead_read"),
+    "I4": ("consistent", "emptied", "blocks", "duplicate_id", "duplicate_block", "dst_once", "decrease", "dests_used",
+           "free_before_apply", "fill_kept", "tail_block", "one_plan", "headroom"),
+}
+__all__ = ["ALL_CHECKS", "RULES", "Violation", "check_snapshot", "derived_shared"]
 
 
 @dataclass
@@ -373,6 +385,35 @@ def _i2(d: _View) -> list[Violation]:
     return out
 
 
+def _overwrites(d: _View) -> list[Violation]:
+    """[overwrite]: no write lands on a slot holding a live token of ``R`` -- before the
+    plan's apply its pre slots, after it the moved tokens' destinations (not ``E``) and the
+    unmoved tokens' slots -- unless the block was freed or handed to another request
+    earlier in the schedule. Checked whether or not the plan was applied."""
+    S = d.S
+    before = {d.pre_slot[t]: t for t in range(d.n) if d.pre_live[t]}
+    after = {}
+    for s, t in before.items():
+        k = d.moved.get(t)
+        if k is None:
+            after[s] = t
+        elif t not in d.evicted:
+            after[d.moves[k][3] * S + d.moves[k][4]] = t
+    released, out = set(), []
+    for i, ev in enumerate(d.schedule):
+        kind = ev["kind"]
+        if kind == "free" or (kind == "alloc" and str(ev["request"]) != str(d.req)):
+            released.update(ev["blocks"])
+        elif kind == "write":
+            s = ev["slot"]
+            held = after if d.apply is not None and i > d.apply else before
+            if s in held and s // S not in released:
+                out.append(Violation("I2", f"new token {ev['token']} of request {ev['request']!r} written at t={ev['t']} "
+                                           f"(schedule[{i}]) onto {_loc(S, s)}, where live token {held[s]} of request "
+                                           f"{d.req!r} is", {"event": i, "token": held[s]}, "overwrite"))
+    return out
+
+
 # ---------------------------------------------------------------------------------- I3
 def _i3(d: _View) -> list[Violation]:
     out, S, sched = [], d.S, d.schedule
@@ -605,7 +646,7 @@ def _held(d: _View) -> dict:
     return held
 
 
-_CHECKERS = {"I1": _i1, "I2": _i2, "I3": _i3, "I4": _i4}
+_CHECKERS = {"I1": _i1, "I2": lambda d: _i2(d) + _overwrites(d), "I3": _i3, "I4": _i4}
 
 
 def check_snapshot(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True) -> list[Violation]:

@@ -550,6 +550,43 @@ def _check_i2(d: _Snap, ask: _Ask) -> list[Violation]:
     return out
 
 
+def _check_overwrite(d: _Snap, ask: _Ask) -> list[Violation]:
+    """No write on a slot holding a live token of R (before apply its pre slots; after it the
+    moved tokens' destinations, not evicted in flight, and the unmoved ones' slots) unless the
+    block was freed or handed to another request earlier: one indexed question over the
+    writes, each with its concrete fact."""
+    S = d.S
+    if not any(ev["kind"] == "write" for ev in d.schedule):
+        return []
+    _launch, _fence, apply = _plan_events(d)
+    live_pre = {s_: t for t, (s_, live) in enumerate(zip(d.pre_slot.tolist(), d.pre_live)) if live}
+    dest_of = {}
+    for t, ds in zip(d.moves[:, 0].tolist(), d.dst_slot.tolist()):
+        dest_of.setdefault(t, ds)
+    live_post = {}
+    for s_, t in live_pre.items():
+        if t not in dest_of:
+            live_post[s_] = t
+        elif not d.evicted[t]:
+            live_post[dest_of[t]] = t
+    facts, freed = [], set()
+    for i, ev in enumerate(d.schedule):
+        if ev["kind"] == "free" or (ev["kind"] == "alloc" and str(ev["request"]) != str(d.req)):
+            freed |= set(ev["blocks"])
+        elif ev["kind"] == "write":
+            held = live_post if apply is not None and i > apply else live_pre
+            facts.append((i, ev, held.get(ev["slot"]) if ev["slot"] // S not in freed else None))
+    dis = [f"(and (= IDX {k}) {_b(t is not None)})" for k, (_i, _ev, t) in enumerate(facts)]
+    out = []
+    for k, model in ask.index("w", dis):
+        i, ev, t = facts[k]
+        model.update(event=i, token=t)
+        out.append(Violation("I2", f"new token {ev['token']} of request {ev['request']!r} written at t={ev['t']} "
+                                   f"(schedule[{i}]) onto {_loc(S, ev['slot'])}, where live token {t} of request "
+                                   f"{d.req!r} is", model, "overwrite"))
+    return out
+
+
 # ---------------------------------------------------------------------------------- I3
 def _plan_events(d: _Snap):
     """(last launch, first fence after it, first apply) as schedule indices (None: absent).
@@ -860,7 +897,8 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
 
 
 # ---------------------------------------------------------------------------------- API
-_CHECKERS = {"I1": _check_i1, "I2": _check_i2, "I3": _check_i3, "I4": _check_i4}
+_CHECKERS = {"I1": _check_i1, "I2": lambda d, ask: _check_i2(d, ask) + _check_overwrite(d, ask), "I3": _check_i3,
+             "I4": _check_i4}
 
 
 def check_snapshot(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True) -> list[Violation]:

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from vtoken.errors import SnapshotError
 from vtoken.invariants import mutants, snapshot_checks, z3_checks
 from vtoken.invariants.z3_checks import synthetic_snapshot
 from vtoken.snapshot import validate
@@ -28,7 +29,7 @@ def sample():
 def test_sample_every_mutant_rejected_every_valid_snapshot_accepted(sample):
     r = sample
     assert r["failures"] == [], r["failures"][:5]
-    assert r["operators"] == len(mutants.OPERATORS) >= 24
+    assert r["operators"] == len(mutants.OPERATORS) >= 30
     assert r["valid"] > 0 and r["valid_accepted"] == r["valid"]
     assert r["mutants"] == PER_OP * r["operators"] and r["rejected"] == r["mutants"]
     assert r["malformed"] == 0 and r["disagreements"] == 0 and r["operators_short"] == []
@@ -50,6 +51,10 @@ def test_the_issue_operators_are_all_there():
     # in-place plans (plan.fills): each way a fill can be wrong
     assert names >= {"fill_occupied_slot", "fill_shared", "fill_tail", "fill_is_source", "fill_in_flight",
                      "fill_not_owned", "move_to_unlisted_block", "read_fill_hole_before_copy", "free_fill_before_copy"}
+    # what the checkers derive or count: the tail, every launch, every request's post, reads of
+    # dead tokens, one plan per request, the headroom; and a write onto a live slot
+    assert names >= {"tail_unrecorded", "relaunch_after_reuse", "alias_other_post", "read_evicted_after_apply",
+                     "read_dead_token", "second_plan_same_request", "plan_block_in_headroom", "overwrite_live_slot"}
     assert {op.invariant for op in mutants.OPERATORS} == {"I1", "I2", "I3", "I4"}
 
 
@@ -83,7 +88,7 @@ def test_each_operator_plants_a_well_formed_violation_in_a_synthetic_snapshot():
     for op in mutants.OPERATORS:
         applied = set()
         for name, base in bases.items():
-            for i in range(6):
+            for i in range(4):
                 mut = copy.deepcopy(base)
                 if not op.fn(mut, random.Random(f"{op.name}/{name}/{i}")):
                     continue
@@ -100,14 +105,56 @@ def test_each_operator_plants_a_well_formed_violation_in_a_synthetic_snapshot():
             assert "in_place" in applied, op.name
 
 
+def test_every_rule_is_exercised_by_an_operator(sample):
+    """The operator-coverage table: each rule of I1-I4 (the rule names of snapshot_checks'
+    docstring) has an operator whose mutants both checkers reject through it, except the rules
+    named unreachable, each with its reason."""
+    r = sample
+    names = [f"{inv}.{rule}" for inv in mutants.INVARIANTS for rule in snapshot_checks.RULES[inv]]
+    assert list(r["rule_coverage"]) == names
+    assert r["rules_unexercised"] == [] and r["rules_unknown"] == []
+    assert set(r["rules_unreachable"]) == {"I2.null"} and all(len(why) > 40 for why in r["rules_unreachable"].values())
+    for rule, ops in r["rule_coverage"].items():
+        assert bool(ops) == (rule not in r["rules_unreachable"]), rule
+        for c in mutants.CHECKERS:
+            assert set(ops) <= set(r["rule_coverage_by_checker"][c][rule]), (rule, c)
+    # the new rules each have their own operator
+    cov = r["rule_coverage"]
+    for rule, op in (("I4.tail_block", "tail_unrecorded"), ("I3.early", "relaunch_after_reuse"),
+                     ("I2.post_unique", "alias_other_post"), ("I3.stale_read", "read_evicted_after_apply"),
+                     ("I3.dead_read", "read_dead_token"), ("I4.one_plan", "second_plan_same_request"),
+                     ("I4.headroom", "plan_block_in_headroom"), ("I2.overwrite", "overwrite_live_slot"),
+                     ("I4.duplicate_block", "list_block_twice"), ("I4.emptied", "source_not_emptied"),
+                     ("I4.dests_used", "wrong_dests_used"), ("I4.fill_kept", "fill_dropped_after"),
+                     ("I1.unmoved", "move_unmoved_token")):
+        assert op in cov[rule], (rule, cov[rule])
+
+
+def test_rule_names_are_the_docstrings_and_the_unreachable_rule_is_unreachable():
+    import re
+
+    doc = snapshot_checks.__doc__
+    named = set(re.findall(r"\[([a-z_]{2,})\]", doc))  # the bracketed rule names (not ``pre[t]``)
+    assert named == {rule for rules in snapshot_checks.RULES.values() for rule in rules}
+    # I2.null: validate refuses a live token in block 0 before any rule runs
+    snap = synthetic_snapshot(8, S=4)
+    snap["pre"]["requests"]["r0"]["tokens"][0][0] = 0
+    with pytest.raises(SnapshotError, match="null block"):
+        snapshot_checks.check_snapshot(snap)
+
+
 def test_cli_json_last_line(capsys):
     rc = mutants.main(["--json", "--paths", "planner,engine", "--per-operator", "2", "--quick"])
     out = capsys.readouterr().out.strip().splitlines()
     d = json.loads(out[-1])
-    for key in ("operators", "mutants", "rejected", "valid", "valid_accepted", "by_operator"):
+    for key in ("operators", "mutants", "rejected", "valid", "valid_accepted", "by_operator", "rule_coverage",
+                "rules_unexercised", "rules_unreachable"):
         assert key in d
     assert rc == 0 and d["passed"] and d["mutants"] == 2 * d["operators"] == d["rejected"]
     assert "operator" in out[0]  # the table is printed before the JSON line
+    text = "\n".join(out[:-1])
+    assert "I3.dead_read" in text and "read_dead_token" in text and "unreachable: validate refuses" in text
+    assert f"rules exercised {len(d['rule_coverage']) - 1}/{len(d['rule_coverage'])}" in text
 
 
 def test_an_unavailable_path_fails_loudly(monkeypatch, capsys):

@@ -45,6 +45,11 @@ class RelocationCheckError(VTokenError):
     """Hash-and-compare found a relocation that changed a token's id or K/V bytes."""
 
 
+class ConfigError(VTokenError, ValueError):
+    """A configuration object was built with a bad field (``code`` in ``CONFIG_CODES``); the
+    message names the field and the value. Raised at construction, before anything uses it."""
+
+
 # The codes a token table raises. Kept here as the single list both sides document.
 TABLE_CODES = (
     "unknown_request",     # req_id not registered
@@ -98,4 +103,10 @@ SNAPSHOT_CODES = (
     "bad_encoding",   # bytes that are not UTF-8
     "too_deep",       # nesting deeper than the parser's limit
     "unreadable",     # a path that cannot be read as a file (a directory, missing, no permission)
+)
+
+# The codes a configuration object raises (ConfigError) at construction; the message names the field.
+CONFIG_CODES = (
+    "bad_type",      # a field of the wrong type (a bool where a number belongs included, a float where an int does)
+    "out_of_range",  # a number outside the field's stated range (NaN and infinities included)
 )

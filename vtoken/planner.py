@@ -48,7 +48,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .allocator import BlockAllocator
-from .errors import PlanError
+from .errors import ConfigError, PlanError
 from .placement import holes, place
 from .snapshot import SCHEMA, request_state
 from .table import OWN_TAIL, TokenTable
@@ -345,6 +345,44 @@ class PlannerConfig:
     max_plans_per_round: int = 1 << 30
     record_snapshots: bool = False
     in_place: bool = True  # fill the request's own holes (no headroom needed); False: the paper's out-of-place
+
+    def __post_init__(self) -> None:
+        """Check every field at construction (``dataclasses.replace`` runs this too) and turn
+        numpy scalars into Python ones; a bad field raises :class:`~vtoken.errors.ConfigError`
+        (``bad_type`` / ``out_of_range``) naming the field and the value, and nothing is built.
+
+        Ranges: ``theta_f`` a finite number <= 1 (F is in [0, 1]; a negative one triggers at
+        every check, even at F = 0); ``check_every``, ``max_sources``, ``max_plans_per_round``
+        integers >= 1; ``headroom``, ``copy_steps`` integers >= 0; ``low_watermark`` None or
+        an integer (< 0: no pressure branch); ``record_snapshots``, ``in_place`` bools. A bool
+        is not a number here, nor a float an integer. O(1).
+        """
+        def bad(code: str, name: str, want: str):
+            raise ConfigError(code, f"PlannerConfig.{name} must be {want}, got {getattr(self, name)!r}")
+
+        def is_bool(v) -> bool:
+            return isinstance(v, (bool, np.bool_))
+
+        x = self.theta_f
+        if is_bool(x) or not isinstance(x, (int, float, np.integer, np.floating)):
+            bad("bad_type", "theta_f", "a number")
+        if not (np.isfinite(float(x)) and x <= 1):
+            bad("out_of_range", "theta_f", "a finite number <= 1")
+        self.theta_f = float(x)
+        for name, lo in (("check_every", 1), ("max_sources", 1), ("headroom", 0), ("low_watermark", None),
+                         ("copy_steps", 0), ("max_plans_per_round", 1)):
+            v = getattr(self, name)
+            if v is None and name == "low_watermark":
+                continue
+            if is_bool(v) or not isinstance(v, (int, np.integer)):
+                bad("bad_type", name, "an integer or None" if lo is None else f"an integer >= {lo}")
+            if lo is not None and v < lo:
+                bad("out_of_range", name, f"an integer >= {lo}")
+            setattr(self, name, int(v))
+        for name in ("record_snapshots", "in_place"):
+            if not is_bool(getattr(self, name)):
+                bad("bad_type", name, "True or False")
+            setattr(self, name, bool(getattr(self, name)))
 
 
 def trigger_inputs(table: TokenTable, free_blocks: int) -> dict:
