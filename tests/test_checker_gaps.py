@@ -207,3 +207,21 @@ def test_events_after_the_fence_carrying_its_clock_value_are_after_it():
     dst_read = dict(sched[-1], t=w, request="x")
     sched.insert(fence, dst_read)
     rejected_by(snap, "I3", "early", "attention reads destination slot(s)")
+
+
+# ------------------------------------------------------------------ a write onto a live token's slot
+def test_a_write_onto_a_live_slot_of_the_request_rejected():
+    """Found while adding the operators: another request's new token written after the fence
+    onto a fill's live slot (not a hole, so no race with the copy) overwrote a live token of
+    the request unseen; so did the request's own next token written onto a moved token."""
+    snap = base(in_place=True)
+    assert R(snap)["tokens"][16] == [5, 0, True]
+    _after_the_plan(snap, {"kind": "write", "request": "x", "token": 0, "slot": 5 * S})
+    rejected_by(snap, "I2", "overwrite", "where live token 16 of request 'r0' is")
+    moved = base(in_place=True)  # after apply, token 0 lives at (5, 2), a hole before the plan
+    _after_the_plan(moved, {"kind": "write", "request": "r0", "token": 34, "slot": 5 * S + 2})
+    rejected_by(moved, "I2", "overwrite", "where live token 0 of request 'r0' is")
+    # a block freed and handed to another request first is that request's to write
+    ok = _after_the_plan(base(), {"kind": "alloc", "request": "x", "blocks": [1]},
+                         {"kind": "write", "request": "x", "token": 0, "slot": 4})
+    assert verdict(ok) == set()
