@@ -4,7 +4,9 @@ Workers (processes on one machine) run the machines in rotation, in batches, aga
 Hypothesis example database shared by all of them and kept between nights: a directory
 (``--db DIR``) or a Redis server (``--db redis://host:port``) so campaigns on several
 machines share what they find. Hypothesis replays the database's saved failures before it
-generates anything new, so a failure found once is retried first.
+generates anything new, so a failure found once is retried first. A Redis server that does
+not answer is refused before anything runs or is written (:func:`check_db`); one lost
+mid-campaign stops the worker and is reported as ``db_error``, never as a machine's failure.
 
 Nothing found is lost to a kill: a failure is written to ``--out`` (the minimised example,
 its plan snapshot when the machine made one, and a pytest file that replays it) the moment
@@ -84,6 +86,42 @@ def make_db(spec):
     return DirectoryBasedExampleDatabase(spec)
 
 
+class DatabaseError(RuntimeError):
+    """The example database cannot be reached or used: an error of the campaign's input,
+    never a failure of a machine."""
+
+
+def check_db(spec) -> None:
+    """Reach the example database before any work: a ``redis://`` server must answer PING
+    (5 s to connect and to answer). :class:`DatabaseError` in one line otherwise; a directory
+    or None is not touched (the command checked the folder). Costs one round trip."""
+    if spec is None or not str(spec).startswith("redis://"):
+        return
+    import redis
+
+    try:
+        client = redis.Redis.from_url(str(spec), socket_connect_timeout=5, socket_timeout=5)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError) as e:
+        msg = (str(e).strip().splitlines() or [""])[0]
+        raise DatabaseError(f"cannot reach the example database {spec}: {type(e).__name__}: {msg}"[:400]) from None
+
+
+def _db_error(e: BaseException) -> str | None:
+    """The database's error behind a run's exception (a Redis connection lost mid-campaign),
+    or None: such a run is no finding of the machine."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0] == "redis":
+            return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _replay_file(machine: str, db: str | None, text: str) -> str:
     steps = "\n".join("#   " + line for line in text.strip().splitlines()[-60:])
     db_line = repr(db) if db else "None"
@@ -161,6 +199,10 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=
                                                            phases=PHASES))
             failure = None
         except Exception as e:  # a failing example: everything Hypothesis reported
+            lost = _db_error(e)
+            if lost is not None:  # the database went away: say so and stop, record no failure
+                q.put(("db_error", k, name, lost))
+                break
             failure = "".join(traceback.format_exception(e))
         hard = Counter(hard_states.COUNTS)
         hard.subtract(hard0)
@@ -189,13 +231,15 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     (what an audit wants). Machines that cannot run here are listed in
     ``machines_unavailable`` with the reason.
     """
+    check_db(db)  # DatabaseError before anything is written or run
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     avail, missing = available_machines()
     impls = [m for m in machines or () if m.startswith("impl:")]
-    if impls:  # a user's implementation: it must load (a clear error now, not in a worker)
+    if impls:  # a user's implementation: it must load and build (a clear error now, not in a worker)
+        from .protocol import check_impl
+
         for m in impls:
-            load_machine(m)
+            check_impl(m[len("impl:"):])
         machines = [m for m in machines if m not in impls]
         avail = avail + impls
     if machines or impls:
@@ -207,6 +251,7 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
         missing = {m: missing[m] for m in machines if m in missing}
     else:
         names = avail
+    out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + minutes * 60
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
     q = ctx.Queue()
@@ -217,7 +262,8 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
         p.start()
     summary = {"machines": names, "workers": workers, "seed": seed, "db": db, "ops": 0, "seconds": 0.0,
                "failures": 0, "failure_reports": [], "hard_states": {}, "interrupted": False,
-               "ops_by_machine": {}, "machines_unavailable": missing, "examples_per_machine": examples}
+               "ops_by_machine": {}, "machines_unavailable": missing, "examples_per_machine": examples,
+               "db_error": None}
     hard = Counter()
     done = 0
     last_print = 0.0
@@ -244,6 +290,11 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
                                                "error": last, "found_after_s": time.time() - t_start})
             if progress:
                 print(f"\nFAILURE in {name} (worker {k}): {last}\n  -> {stem}.txt", flush=True)
+        elif msg[0] == "db_error":
+            _, k, name, why = msg
+            summary["db_error"] = f"{why} (worker {k}, machine {name})"
+            if progress:
+                print(f"\nDATABASE LOST (worker {k}, machine {name}): {why}", flush=True)
         elif msg[0] == "done":
             done += 1
 
@@ -314,20 +365,25 @@ def main_fuzz(argv) -> int:
     ap.add_argument("--budget", type=positive_float, default=None, help="--planted: seconds per detection run (default 60)")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
     a = ap.parse_args(argv)
-    if a.planted and (a.machines is not None or a.impl):
-        ap.error("argument --planted: runs the planted faults; it does not take --machines or --impl")
+    if a.planted and (a.machines is not None or a.impl or a.db is not None):
+        ap.error("argument --planted: runs the planted faults; it does not take --machines, --impl or --db")
     if not a.planted and (a.runs is not None or a.budget is not None):
         ap.error(f"argument {'--runs' if a.runs is not None else '--budget'}: only with --planted")
     machines = list(a.machines or [])
     if a.impl:
-        from .protocol import ProtocolError, kind_of, load_impl
+        from .protocol import ProtocolError, check_impl
 
         for spec in a.impl:
             try:
-                kind_of(load_impl(spec))
+                check_impl(spec)
             except ProtocolError as e:
                 ap.error(f"argument --impl: {str(e).removeprefix('--impl ')}")
         machines += [f"impl:{spec}" for spec in a.impl]
+    if a.db is not None:
+        try:
+            check_db(a.db)
+        except DatabaseError as e:
+            ap.error(f"argument --db: {e}")
     os.environ["VTOKEN_DEVICE"] = a.device
     if a.planted:
         from .planted import main_planted
@@ -358,8 +414,12 @@ def main_fuzz(argv) -> int:
               flush=True)
     if a.json:
         print(json.dumps({k: s[k] for k in ("ops", "seconds", "ops_per_s_per_worker", "failures", "hard_states",
-                                            "interrupted", "ops_by_machine", "machines_unavailable")}))
+                                            "interrupted", "ops_by_machine", "machines_unavailable", "db_error")}))
     if s["interrupted"]:
         return 130
+    if s["db_error"]:
+        print(f"vtoken fuzz: the example database {a.db} failed mid-campaign: {s['db_error']}; the campaign "
+              f"stopped (not a failure of a machine)", file=sys.stderr, flush=True)
+        return 2
     asked_missing = a.machines and s["machines_unavailable"]
     return 1 if s["failures"] or asked_missing else 0

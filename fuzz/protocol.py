@@ -51,7 +51,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from vtoken.errors import TABLE_CODES, TableError
 
-__all__ = ["TokenTableProtocol", "PlannerProtocol", "Conforming", "ProtocolError", "load_impl", "kind_of",
+__all__ = ["TokenTableProtocol", "PlannerProtocol", "Conforming", "ProtocolError", "load_impl", "kind_of", "check_impl",
            "table_machine_for", "planner_machine_for"]
 
 
@@ -86,13 +86,35 @@ _TABLE_OPS = ("sync_new_tokens", "evict_tokens", "apply_moves", "release_empty_b
               "export_state", "slot_mapping", "location", "length", "blocks_of", "waste_ratio")
 
 
+def _one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters): an error of the input, said once."""
+    msg = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {msg}"[:300] if msg else type(e).__name__
+
+
+def _import(spec: str, mod: str):
+    """The module; ModuleNotFoundError passes (the caller may retry from the working directory),
+    any other error of the import is a ProtocolError naming the module and the exception."""
+    try:
+        return importlib.import_module(mod)
+    except ModuleNotFoundError:
+        raise
+    except ImportError as e:
+        raise ProtocolError(f"--impl {spec!r}: cannot import {mod!r} ({e})") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the module's own code raised: the input's error
+        raise ProtocolError(f"--impl {spec!r}: importing {mod!r} raised {_one_line(e)}") from None
+
+
 def load_impl(spec: str):
-    """``"package.module:Class"`` -> the class (a clear error for anything else)."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
+    """``"package.module:Class"`` -> the class; a :class:`ProtocolError` in one line for
+    anything else: not ``module:Class``, a module that cannot be imported or raises while it
+    is imported (the exception named, no traceback), no such attribute, or an attribute that
+    is not a class (an instance: the machines build a fresh one per example)."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or "" in spec.split(":"):
         raise ProtocolError(f"--impl {spec!r}: expected module:Class")
     mod, name = spec.split(":")
     try:
-        module = importlib.import_module(mod)
+        module = _import(spec, mod)
     except ModuleNotFoundError as e:
         # a module of the project being checked: importable from the directory the command
         # runs in (what `python -m` gives), even when started through a console script
@@ -101,19 +123,48 @@ def load_impl(spec: str):
             raise ProtocolError(f"--impl {spec!r}: cannot import {mod!r} ({e})") from None
         sys.path.insert(0, cwd)
         try:
-            module = importlib.import_module(mod)
-        except ImportError as e2:
+            module = _import(spec, mod)
+        except ModuleNotFoundError as e2:
             raise ProtocolError(f"--impl {spec!r}: cannot import {mod!r} ({e2})") from None
-    except ImportError as e:
-        raise ProtocolError(f"--impl {spec!r}: cannot import {mod!r} ({e})") from None
     cls = getattr(module, name, None)
     if cls is None:
         raise ProtocolError(f"--impl {spec!r}: {mod!r} has no attribute {name!r}")
+    if not isinstance(cls, type):
+        raise ProtocolError(f"--impl {spec!r}: {name!r} is an object of type {type(cls).__qualname__}, not a class "
+                            f"(the machines build a fresh one per example: Class(block_size, num_blocks) for a "
+                            f"token table, Class() for a planner)")
     return cls
 
 
+# The table the up-front check builds: a configuration the table machine draws (S, num_blocks).
+CHECK_TABLE_ARGS = (2, 8)
+
+
+def check_impl(spec: str):
+    """``(cls, kind)`` for ``module:Class``, checked before any machine runs: it loads
+    (:func:`load_impl`), offers a protocol (:func:`kind_of`), and builds once as the machines
+    build it (``Class(*CHECK_TABLE_ARGS)`` wrapped in :class:`Conforming` for a table,
+    ``Class()`` for a planner). A failure is a :class:`ProtocolError` in one line naming the
+    class and the exception: an error of the input, never a conformance failure. O(one build)."""
+    cls = load_impl(spec)
+    kind = kind_of(cls)
+    args = CHECK_TABLE_ARGS if kind == "table" else ()
+    try:
+        obj = cls(*args)
+        if kind == "table":
+            Conforming(obj)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - reported as the input's error
+        raise ProtocolError(f"--impl {spec!r}: {cls.__qualname__}{args!r} raised {_one_line(e)} "
+                            f"(the {kind} machine builds one per example)") from None
+    return cls, kind
+
+
 def kind_of(cls) -> str:
-    """``"table"`` or ``"planner"``: which protocol the class offers (ProtocolError if neither)."""
+    """``"table"`` or ``"planner"``: which protocol the class offers (ProtocolError if neither,
+    or if ``cls`` is not a class)."""
+    if not isinstance(cls, type):
+        raise ProtocolError(f"{cls!r:.80} is an object of type {type(cls).__qualname__}, not a class (the machines "
+                            f"build a fresh one per example)")
     if all(callable(getattr(cls, op, None)) for op in _TABLE_OPS):
         return "table"
     if callable(getattr(cls, "propose", None)):

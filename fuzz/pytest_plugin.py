@@ -16,8 +16,13 @@ that imports your class is written to ``.vtoken/replays/`` (run it with pytest t
 shrunk example again). ``--vtoken-examples N`` sets the examples per machine (default: the
 profile's).
 
+A ``--vtoken-impl`` that cannot be checked (a module that does not import or raises while it
+is imported, a name that is not a class, a class that cannot be built as the machine builds
+it) is a usage error in one line before any test runs (``vtoken.fuzz.protocol.check_impl``),
+never a conformance failure.
+
 Owns: one test item per ``--vtoken-impl``; its example database and replay files under ``.vtoken/``.
-May call: fuzz.protocol, fuzz.profiles, pytest, hypothesis.
+May call: fuzz.protocol, fuzz.profiles, vtoken.cli.args (the option's check), pytest, hypothesis.
 Costs: nothing without the option; with it, one machine run per implementation (the profile's
 examples).
 """
@@ -34,7 +39,9 @@ def pytest_addoption(parser):
     g = parser.getgroup("vtoken", "check a token table or planner against vtoken's reference model")
     g.addoption("--vtoken-impl", action="append", default=[], metavar="module:Class",
                 help="a token table or planner class to check (repeatable)")
-    g.addoption("--vtoken-examples", type=int, default=None, metavar="N",
+    from vtoken.cli.args import positive_int  # argparse's one-line refusal of 0, -1, x
+
+    g.addoption("--vtoken-examples", type=positive_int, default=None, metavar="N",
                 help="examples per machine for --vtoken-impl (default: the ci profile's)")
 
 
@@ -143,11 +150,11 @@ def pytest_collection_modifyitems(session, config, items):
     impls = config.getoption("vtoken_impl")
     if not impls:
         return
-    from vtoken.fuzz.protocol import ProtocolError, kind_of, load_impl
+    from vtoken.fuzz.protocol import ProtocolError, check_impl
 
     for spec in impls:
         try:
-            kind = kind_of(load_impl(spec))
+            _, kind = check_impl(spec)
         except ProtocolError as e:
-            raise pytest.UsageError(f"--vtoken-impl: {e}") from None
+            raise pytest.UsageError(f"--vtoken-impl {str(e).removeprefix('--impl ')}") from None
         items.append(ImplCheck.from_parent(session, name=f"vtoken-impl[{spec}]::{kind}-machine", impl=spec, kind=kind))

@@ -644,15 +644,41 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
 
 
 def _audit_json_kind(obj) -> str | None:
-    """What ``--compare`` needs of a previous report (see :func:`compare`), or None."""
+    """What is wrong with ``obj`` as the previous report of ``--compare``, or None: every
+    value :func:`compare` reads must have the type it reads it as. A JSON object; ``safe``
+    absent, a bool or null; ``checks`` a list of objects, each with a string ``name``,
+    ``passed`` true, false or null, and ``metrics`` absent, null or an object; in the
+    ``vllm-contracts`` check, ``metrics.contracts`` absent, null or a list of objects with a
+    string ``name``; in the ``vllm-own-tests`` check, ``metrics.divergences`` absent, null or
+    a list of objects whose ``test`` and ``kind`` are not lists or objects. O(size)."""
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
+    if obj.get("safe") is not None and not isinstance(obj["safe"], bool):
+        return f"'safe' is {obj['safe']!r:.60}, not true, false or null"
     checks = obj.get("checks")
     if not isinstance(checks, list):
         return "no 'checks' list"
-    for c in checks:
+    for i, c in enumerate(checks):
         if not isinstance(c, dict) or not isinstance(c.get("name"), str) or "passed" not in c:
-            return "a check without 'name' and 'passed'"
+            return f"checks[{i}] is not an object with a string 'name' and 'passed'"
+        where = f"checks[{i}] ({c['name']!r:.60})"
+        if c["passed"] is not None and not isinstance(c["passed"], bool):
+            return f"{where}: 'passed' is {c['passed']!r:.60}, not true, false or null"
+        m = c.get("metrics")
+        if m is not None and not isinstance(m, dict):
+            return f"{where}: 'metrics' is not an object"
+        m = m or {}
+        if c["name"] == "vllm-contracts":
+            con = m.get("contracts")
+            if con is not None and not (isinstance(con, list) and all(
+                    isinstance(r, dict) and isinstance(r.get("name"), str) for r in con)):
+                return f"{where}: 'metrics.contracts' is not a list of objects with a string 'name'"
+        if c["name"] == "vllm-own-tests":
+            div = m.get("divergences")
+            if div is not None and not (isinstance(div, list) and all(
+                    isinstance(d, dict) and not isinstance(d.get("test"), (list, dict))
+                    and not isinstance(d.get("kind"), (list, dict)) for d in div)):
+                return f"{where}: 'metrics.divergences' is not a list of objects with scalar 'test' and 'kind'"
     return None
 
 

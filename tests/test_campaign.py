@@ -116,3 +116,55 @@ def test_redis_example_database(tmp_path):
     finally:
         srv.terminate()
         srv.wait(timeout=10)
+
+
+def _start_redis(tmp_path):
+    import redis
+
+    port = _free_port()
+    srv = subprocess.Popen([_redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                            "--appendonly", "no", "--dir", str(tmp_path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host="127.0.0.1", port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    return srv, f"redis://127.0.0.1:{port}"
+
+
+def test_unreachable_redis_is_an_error_before_the_campaign_never_a_machine_failure(tmp_path):
+    from vtoken.fuzz.campaign import DatabaseError, check_db
+
+    srv, url = _start_redis(tmp_path)
+    try:
+        check_db(url)  # a server that answers: fine
+    finally:
+        srv.terminate()
+        srv.wait(timeout=10)
+    out = tmp_path / "out"
+    closed = f"redis://127.0.0.1:{_free_port()}"
+    with pytest.raises(DatabaseError, match=r"cannot reach the example database redis://127\.0\.0\.1:\d+: ConnectionError"):
+        run_campaign(minutes=0.1, workers=1, out=out, db=closed, machines=["table"], progress=False)
+    assert not out.exists()
+
+
+def test_database_lost_mid_campaign_is_no_failure_of_a_machine(tmp_path):
+    """A worker whose database stops answering says so and stops: no failure file, no replay test."""
+    import queue
+
+    import vtoken.fuzz.campaign as campaign
+
+    q, out = queue.Queue(), tmp_path / "out"
+    old = signal.getsignal(signal.SIGINT)
+    try:  # in process: the worker, as a campaign starts it, on a server gone since the check
+        campaign._worker(0, ["table"], time.time() + 30, 0, f"redis://127.0.0.1:{_free_port()}", str(out), q, 5, "ci")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    msgs = [q.get_nowait() for _ in range(q.qsize())]
+    kinds = [m[0] for m in msgs]
+    assert "db_error" in kinds and "failure" not in kinds, msgs
+    assert "ConnectionError" in next(m for m in msgs if m[0] == "db_error")[3]
+    assert not (out / "failures").exists()

@@ -76,6 +76,14 @@ ROWS = [
     (["fuzz", "--machines", "nope"], "--machines"),
     (["fuzz", "--profile", "nope"], "--profile"),
     (["fuzz", "--impl", "no_colon"], "--impl"),
+    (["fuzz", "--impl", ":X"], "--impl"),
+    (["fuzz", "--impl", "vtoken_cli_args_raises:T", "--out", "{out}"], "--impl"),  # the module raises at import
+    (["fuzz", "--impl", "vtoken_cli_args_impls:INSTANCE", "--out", "{out}"], "--impl"),  # an object, not a class
+    (["fuzz", "--impl", "vtoken_cli_args_impls:RaisesInInit", "--out", "{out}"], "--impl"),
+    (["fuzz", "--impl", "vtoken_cli_args_impls:NoSize", "--out", "{out}"], "--impl"),  # builds, but has no S
+    (["fuzz", "--impl", "vtoken_cli_args_impls:PlannerRaisesInInit", "--out", "{out}"], "--impl"),
+    (["fuzz", "--db", "redis://127.0.0.1:{closed_port}", "--machines", "table", "--out", "{out}"], "--db"),
+    (["fuzz", "--planted", "waste_drift", "--db", "{out}"], "--planted"),
     (["fuzz", "--planted", "nope"], "--planted"),
     (["fuzz", "--planted", "all", "--runs", "0"], "--runs"),
     (["fuzz", "--planted", "all", "--budget", "0"], "--budget"),
@@ -86,6 +94,18 @@ ROWS = [
     (["audit", "--compare", "{notjson}"], "--compare"),
     (["audit", "--compare", "{list_json}"], "--compare"),
     (["audit", "--compare", "{out}"], "--compare"),
+    # a well-formed path to a file that is not an audit in what the comparison reads
+    (["audit", "--compare", "{audit:checks_not_list}"], "--compare"),
+    (["audit", "--compare", "{audit:passed_not_bool}"], "--compare"),
+    (["audit", "--compare", "{audit:metrics_list}"], "--compare"),
+    (["audit", "--compare", "{audit:contracts_of_ints}"], "--compare"),
+    (["audit", "--compare", "{audit:contracts_dict}"], "--compare"),
+    (["audit", "--compare", "{audit:contract_no_name}"], "--compare"),
+    (["audit", "--compare", "{audit:divergence_list_test}"], "--compare"),
+    (["audit", "--compare", "{audit:divergences_of_ints}"], "--compare"),
+    (["audit", "--compare", "{audit:safe_list}"], "--compare"),
+    (["audit", "--compare", "{deep_json}"], "--compare"),
+    (["audit", "--compare", "{bigint_json}"], "--compare"),
     (["audit", "--only", "tabel"], "--only"),
     (["audit", "--fuzz-examples", "0"], "--fuzz-examples"),
     (["audit", "--seed", "-1"], "--seed"),
@@ -133,6 +153,58 @@ def no_work(monkeypatch):
     monkeypatch.setattr(mutants, "run", _started)
 
 
+def _audit(checks, **top):
+    return {"passed": True, "vllm_version": "0.33.0", "checks": checks, **top}
+
+
+# {audit:NAME}: JSON that parses but is not an audit where compare() reads it
+BAD_AUDITS = {
+    "checks_not_list": _audit({"name": "x", "passed": True}),
+    "passed_not_bool": _audit([{"name": "x", "passed": [1]}]),
+    "metrics_list": _audit([{"name": "vllm-own-tests", "passed": True, "metrics": [1, 2]}]),
+    "contracts_of_ints": _audit([{"name": "vllm-contracts", "passed": True, "metrics": {"contracts": [1]}}]),
+    "contracts_dict": _audit([{"name": "vllm-contracts", "passed": True, "metrics": {"contracts": {"a": 1}}}]),
+    "contract_no_name": _audit([{"name": "vllm-contracts", "passed": True, "metrics": {"contracts": [{"passed": 1}]}}]),
+    "divergence_list_test": _audit([{"name": "vllm-own-tests", "passed": True,
+                                     "metrics": {"divergences": [{"test": ["t"], "kind": "k"}]}}]),
+    "divergences_of_ints": _audit([{"name": "vllm-own-tests", "passed": True, "metrics": {"divergences": [3]}}]),
+    "safe_list": _audit([], safe=[True]),
+}
+
+# --impl modules: one that raises while it is imported, and objects that are not a usable class
+_RAISES = 'raise RuntimeError("boom at import")\n'
+_IMPLS = """from tests.alt_table import AltTable
+
+INSTANCE = AltTable(2, 8)
+
+
+class RaisesInInit(AltTable):
+    def __init__(self, block_size, num_blocks):
+        raise RuntimeError("boom in __init__")
+
+
+class NoSize(AltTable):
+    def __init__(self, block_size, num_blocks):
+        pass
+
+
+class PlannerRaisesInInit:
+    def __init__(self):
+        raise ValueError("no planner today")
+
+    def propose(self, view, max_dests):
+        return None
+"""
+
+
+def _closed_port() -> str:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on (bound, then closed)
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 @pytest.mark.parametrize("argv,arg", ROWS, ids=[" ".join(r[0]) for r in ROWS])
 def test_bad_argument_refused_at_parse_time(argv, arg, tmp_path, monkeypatch, capsys, no_work):
     inputs, cwd, out = tmp_path / "inputs", tmp_path / "cwd", tmp_path / "outs" / "new"
@@ -141,8 +213,17 @@ def test_bad_argument_refused_at_parse_time(argv, arg, tmp_path, monkeypatch, ca
     (inputs / "file").write_text("x")
     (inputs / "notjson.json").write_text("{not json")
     (inputs / "list.json").write_text("[1, 2]")
+    (inputs / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (inputs / "bigint.json").write_text('{"checks": [], "n": ' + "9" * 5000 + "}")
+    (inputs / "vtoken_cli_args_raises.py").write_text(_RAISES)
+    (inputs / "vtoken_cli_args_impls.py").write_text(_IMPLS)
+    monkeypatch.syspath_prepend(str(inputs))
     subs = {"{file}": str(inputs / "file"), "{notjson}": str(inputs / "notjson.json"),
-            "{list_json}": str(inputs / "list.json"), "{out}": str(out)}
+            "{list_json}": str(inputs / "list.json"), "{out}": str(out), "{deep_json}": str(inputs / "deep.json"),
+            "{bigint_json}": str(inputs / "bigint.json"), "{closed_port}": _closed_port()}
+    for name, obj in BAD_AUDITS.items():
+        (inputs / f"{name}.json").write_text(json.dumps(obj))
+        subs[f"{{audit:{name}}}"] = str(inputs / f"{name}.json")
     argv = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in argv]
     monkeypatch.chdir(cwd)  # default output folders (reports/, out/) are relative to it
     monkeypatch.setenv("VTOKEN_DEVICE", "cpu")
@@ -252,3 +333,58 @@ def test_audit_ctrl_c_reports_partial_results_and_exits_130(how, tmp_path, monke
     assert "INTERRUPTED" in (folder / "audit.md").read_text()
     last = std.out.strip().splitlines()[-1]
     assert "INTERRUPTED in second" in last and "first PASS" in last and f"{folder}/audit.md" in last
+
+
+# ---------------------------------------------------------------------------- what --compare accepts, compare() reads
+def _compare_inputs():
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=3)
+    junk = st.recursive(scalars, lambda ch: st.lists(ch, max_size=3) | st.dictionaries(st.text(max_size=3), ch,
+                                                                                        max_size=3), max_leaves=6)
+
+    def field(good):  # mostly the right shape, one time in eight any JSON value
+        return st.integers(0, 7).flatmap(lambda i: junk if i == 0 else good)
+
+    contract = st.fixed_dictionaries({}, optional={"name": field(st.sampled_from(["a", "b"])),
+                                                   "passed": field(st.booleans()), "detail": junk})
+    div = st.fixed_dictionaries({}, optional={"test": field(st.sampled_from(["t1", "t2"])), "kind": field(st.just("k"))})
+    metrics = st.fixed_dictionaries({}, optional={
+        "contracts": field(st.lists(field(contract), max_size=3)), "divergences": field(st.lists(field(div), max_size=3)),
+        "shipped": junk, "with_vtoken": junk})
+    check = st.fixed_dictionaries({
+        "name": field(st.sampled_from(["vllm-contracts", "vllm-own-tests", "fuzz-campaign"])),
+        "passed": field(st.sampled_from([True, False, None]))}, optional={"metrics": field(metrics), "detail": junk})
+    report = st.fixed_dictionaries({"checks": field(st.lists(field(check), max_size=4))}, optional={
+        "safe": field(st.booleans()), "passed": junk, "vllm_version": junk})
+    return field(report)
+
+
+def _new_reports():
+    def one(passed, contracts, divergences):
+        return {"vllm_version": "0.33.0", "safe": passed, "passed": passed, "checks": [
+            {"name": "vllm-contracts", "passed": passed, "detail": "d", "metrics": {"contracts": contracts}},
+            {"name": "vllm-own-tests", "passed": passed, "detail": "d",
+             "metrics": {"shipped": {"passed": 1}, "with_vtoken": {"passed": 1}, "divergences": divergences}},
+            {"name": "fuzz-campaign", "passed": None, "detail": "d", "metrics": {}}]}
+
+    return [one(True, [{"name": "a", "passed": True}], []),
+            one(False, [{"name": "b", "passed": False, "detail": "x"}], [{"test": "t1", "kind": "k"}])]
+
+
+def test_every_audit_json_the_compare_argument_accepts_compares():
+    """The --compare check reads what compare() reads: whatever it accepts, compare() runs on
+    (against new reports that take every branch), so a malformed old audit.json is refused
+    at parse time instead of crashing after every check has run."""
+    from hypothesis import given, settings
+
+    new = _new_reports()
+
+    @settings(max_examples=400, deadline=None)
+    @given(_compare_inputs())
+    def run(old):
+        if audit._audit_json_kind(old) is None:
+            for n in new:
+                assert isinstance(audit.compare(old, n), list)
+
+    run()

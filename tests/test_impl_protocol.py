@@ -115,3 +115,106 @@ def test_fuzz_impl_cli_json(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "vtoken", "fuzz", "--impl", "tests.alt_table:Nope", "--minutes", "0.1"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no attribute 'Nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ---------------------------------------------------------------------------- inputs that are not a usable class
+_BAD_MODULES = {
+    "vt_raises_at_import": 'raise RuntimeError("boom at import")\n',
+    "vt_bad_impls": """from tests.alt_table import AltTable
+
+INSTANCE = AltTable(2, 8)
+
+
+class RaisesInInit(AltTable):
+    def __init__(self, block_size, num_blocks):
+        raise RuntimeError("boom in __init__")
+""",
+}
+
+
+@pytest.fixture
+def bad_modules(tmp_path, monkeypatch):
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    for name, text in _BAD_MODULES.items():
+        (mods / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(mods))
+    return mods
+
+
+@pytest.mark.parametrize("spec,line", [
+    ("vt_raises_at_import:T", "--impl 'vt_raises_at_import:T': importing 'vt_raises_at_import' raised RuntimeError: "
+                              "boom at import"),
+    ("vt_bad_impls:INSTANCE", "--impl 'vt_bad_impls:INSTANCE': 'INSTANCE' is an object of type AltTable, not a class"),
+    ("vt_bad_impls:RaisesInInit", "--impl 'vt_bad_impls:RaisesInInit': RaisesInInit(2, 8) raised RuntimeError: "
+                                  "boom in __init__ (the table machine builds one per example)"),
+])
+def test_check_impl_refuses_in_one_line(spec, line, bad_modules):
+    from vtoken.fuzz.protocol import check_impl
+
+    with pytest.raises(ProtocolError) as e:
+        check_impl(spec)
+    assert str(e.value).startswith(line) and "\n" not in str(e.value), str(e.value)
+    assert e.value.__cause__ is None and (e.value.__context__ is None or e.value.__suppress_context__)  # nothing chained
+
+
+def test_machines_refuse_an_instance():
+    from tests.alt_table import AltTable
+
+    with pytest.raises(ProtocolError, match="not a class"):
+        table_machine_for(AltTable(2, 8))
+    assert check_impl_kind("tests.alt_table:AltTable") == "table"
+
+
+def check_impl_kind(spec):
+    from vtoken.fuzz.protocol import check_impl
+
+    return check_impl(spec)[1]
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("vt_raises_at_import:T", "importing 'vt_raises_at_import' raised RuntimeError: boom at import"),
+    ("vt_bad_impls:INSTANCE", "'INSTANCE' is an object of type AltTable, not a class"),
+    ("vt_bad_impls:RaisesInInit", "RaisesInInit(2, 8) raised RuntimeError: boom in __init__"),
+])
+def test_plugin_refuses_a_bad_impl_as_a_usage_error(spec, words, bad_modules, tmp_path):
+    """A module raising at import, an instance, a class raising in __init__: one usage line
+    (exit 4), no INTERNALERROR, no traceback, no test run, no replay written."""
+    root = tmp_path / "root"
+    root.mkdir()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "invariants",
+                        "--vtoken-impl", spec, "-k", "vtoken-impl", f"--rootdir={root}", "-c", os.devnull, str(root)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=os.pathsep.join([str(bad_modules), str(REPO)])))
+    out = r.stdout + r.stderr
+    assert r.returncode == 4, f"exit {r.returncode}:\n{out[-3000:]}"
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out[-3000:]
+    errors = [l for l in out.splitlines() if l.startswith("ERROR: ")]
+    assert errors == [f"ERROR: --vtoken-impl {spec!r}: " + errors[0].split(f"{spec!r}: ", 1)[-1]], out[-2000:]
+    assert words in errors[0], errors
+    assert not (root / ".vtoken").exists(), sorted(map(str, root.rglob("*")))
+
+
+@pytest.mark.parametrize("n", ["0", "-1", "x"])
+def test_plugin_refuses_a_bad_example_count(n, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "invariants",
+                        "--vtoken-impl", "tests.alt_table:AltTable", f"--vtoken-examples={n}", "-k", "vtoken-impl",
+                        f"--rootdir={tmp_path}", "-c", os.devnull, str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONHASHSEED="0"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 4, f"exit {r.returncode}:\n{out[-3000:]}"
+    assert "error: argument --vtoken-examples: " in out and "Traceback" not in out, out[-2000:]
+    assert not (tmp_path / ".vtoken").exists()
+
+
+def test_fuzz_cli_refuses_a_class_raising_in_init_before_the_campaign(bad_modules, tmp_path):
+    """Not a conformance failure with a replay test: an error of the input, nothing written."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "vtoken", "fuzz", "--impl", "vt_bad_impls:RaisesInInit", "--minutes",
+                        "0.1", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(bad_modules), str(REPO)])))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        "vtoken fuzz: error: argument --impl: 'vt_bad_impls:RaisesInInit': RaisesInInit(2, 8) raised RuntimeError: "
+        "boom in __init__ (the table machine builds one per example)")
+    assert not out.exists()

@@ -134,6 +134,8 @@ def existing_json_file(kind: str, check: Optional[Callable[[Any], Optional[str]]
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise Bad(f"{value!r} is not JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # an integer of more digits than Python parses; nesting too deep
+            raise Bad(f"{value!r} is not JSON vtoken reads ({type(e).__name__}: {str(e)[:200]})") from None
         why = check(obj) if check is not None else None
         if why:
             raise Bad(f"{value!r} is not {kind}: {why}")
