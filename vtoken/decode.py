@@ -19,7 +19,9 @@ decode step for every active request at a time (Algorithm 1 of the paper):
 5. (``vtoken``) after the forward pass: ``manager.step()`` finishes copies (applying them:
    table updated, sources freed, ``on_applied`` puts the null block where a source was in
    the positional list and records the destinations as held) and plans/launches new ones;
-6. finished requests give their blocks back.
+6. finished requests give their blocks back (blocks an in-flight copy still uses are
+   freed when the copy ends); after the last step ``run`` ends every copy still in flight
+   (:meth:`DecodeEngine.drain`), so a finished batch holds no block.
 
 ``native`` keeps every token and computes slots straight from the positional block list
 (no token table): the unmodified paged baseline. ``naive-evict`` and ``vtoken`` make the
@@ -147,7 +149,8 @@ class DecodeResult:
     step_cpu_ms_median: float = 0.0  # process CPU time per step (less sensitive to other load)
     relocations: int = 0  # applied plans
     plans_launched: int = 0
-    plans_aborted: int = 0
+    plans_aborted: int = 0  # copy failed (or a source became shared): nothing applied
+    plans_orphaned: int = 0  # its request finished while the copy flew: nothing applied, blocks freed after
     moves: int = 0
     blocks_freed_by_compaction: int = 0
     hash_checks: int = 0  # comparisons passed
@@ -736,11 +739,31 @@ class DecodeEngine:
         return sum(-(-self.table.num_live(rid) // self.S) for rid in self.active)
 
     # ------------------------------------------------------------------ a whole batch
+    def drain(self) -> None:
+        """End the batch's copy lifecycle (``run`` calls it once every request finished).
+
+        ``manager.drain()`` host-waits every plan still in flight (a copy launched in the
+        last steps, whose request finished meanwhile, is polled by nobody else) and ends
+        it: applied, aborted or, for a finished request, its deferred sources and fills
+        freed; the headroom goes back to the pool. Then the copy engine is synchronized and
+        the checker's pending comparisons are settled (a host wait: teardown, never a
+        step). Afterwards, with every request finished, every block but the null block is
+        free. Cost: one host wait per plan in flight.
+        """
+        if self.manager is not None:
+            self.manager.drain()
+        if self.copy_engine is not None:
+            self.copy_engine.synchronize()
+        if self.checker is not None:
+            self.checker.settle(block=True)  # comparisons still waiting for device digests
+
     def run(self, prompts: Sequence[Sequence[int]], new_tokens: int | Sequence[int]) -> DecodeResult:
         """Decode every prompt greedily to ``new_tokens`` generated tokens; see :class:`DecodeResult`.
 
         Request ids are the prompts' indices. ``new_tokens`` counts generated tokens
-        (the first comes from the prefill), per request or for all.
+        (the first comes from the prefill), per request or for all. Returns once every
+        request finished and :meth:`drain` ended every plan: then every block but the null
+        block is free and ``plans_launched == relocations + plans_aborted + plans_orphaned``.
         """
         news = [int(new_tokens)] * len(prompts) if isinstance(new_tokens, int) else [int(x) for x in new_tokens]
         if not self._ready:
@@ -752,10 +775,7 @@ class DecodeEngine:
         t_pre = time.perf_counter()
         while self.active:
             self.step()
-        if self.copy_engine is not None:
-            self.copy_engine.synchronize()
-        if self.checker is not None:
-            self.checker.settle(block=True)  # comparisons still waiting for device digests
+        self.drain()
         wall = time.perf_counter() - t0
         dec = time.perf_counter() - t_pre
         outs = [self._reqs[i].out for i in range(len(prompts))]
@@ -785,6 +805,7 @@ class DecodeEngine:
         if self.manager is not None:
             st = self.manager.stats
             res.relocations, res.plans_launched, res.plans_aborted = st["applied"], st["plans"], st["aborted"]
+            res.plans_orphaned = st["orphaned"]
             res.moves, res.blocks_freed_by_compaction = st["moves"], st["blocks_freed"]
             res.planner = {k: v for k, v in asdict(self.cfg).items()}
             res.copy_stats = dict(self.copy_engine.stats)

@@ -489,6 +489,14 @@ class ReclamationManager:
     request's (``on_applied`` tells the scheduler, which then holds them). A request that
     finishes or is preempted while its copy flies hands the manager its references on the
     plan's sources (``finish_request``); they are freed when the copy completes.
+
+    Lifecycle accounting (``stats``): every launched plan ends exactly once, as ``applied``,
+    ``aborted`` (its copy failed, or a source became shared meanwhile: the table is
+    unchanged) or ``orphaned`` (its request finished or was preempted while the copy flew:
+    nothing applied, its blocks freed when the copy ended), so once nothing is in flight
+    ``plans == applied + aborted + orphaned``. A plan ends only when :meth:`poll` (or
+    :meth:`drain`) observes its copy's end: the caller must keep polling, or drain at the
+    end of a batch.
     """
 
     def __init__(self, table: TokenTable, allocator: BlockAllocator, engine=None,
@@ -509,7 +517,7 @@ class ReclamationManager:
         # may finish, resume and finish again while one copy flies: the lists accumulate)
         self._deferred: dict[int, list] = {}
         self.steps = 0
-        self.stats = dict(plans=0, applied=0, aborted=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
+        self.stats = dict(plans=0, applied=0, aborted=0, orphaned=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
         self.history: list[Plan] = []  # applied/aborted plans with snapshots (when recorded)
         self._clock = clock or itertools.count().__next__
         self.refill_headroom()
@@ -616,6 +624,7 @@ class ReclamationManager:
             self.alloc.unreserve(plan.dests)
             self.alloc.free(self._deferred.pop(plan.id))
             plan.state = ABORTED
+            self.stats["orphaned"] += 1
             return
         t = self.table
         shared = [b for b in plan.sources if t.block_refs(b) > 1]
@@ -651,12 +660,32 @@ class ReclamationManager:
         """The copy failed part-way: nothing changes but the plan's end; destinations go back to the headroom."""
         self._release(plan)
         plan.state = ABORTED
-        self.stats["aborted"] += 1
+        # its request gone, the plan ends as an orphan whatever the copy did
+        self.stats["orphaned" if plan.id in self._deferred else "aborted"] += 1
         if plan.id in self._deferred:
             self.alloc.unreserve(plan.dests)
             self.alloc.free(self._deferred.pop(plan.id))
             return
         self.headroom += plan.dests
+
+    def drain(self) -> list[Plan]:
+        """End of a batch: end every plan still in flight and give the headroom back.
+
+        Each in-flight copy is host-waited (``engine.wait``) and then applied, aborted or
+        ended as an orphan exactly as :meth:`poll` would, so a finished request's deferred
+        sources and fills are freed and an applied plan's ``on_applied`` runs. Then the
+        headroom reservation goes back to the free queue. Afterwards nothing is in flight,
+        nothing deferred and nothing reserved by the manager; it stays usable (the next
+        :meth:`step` refills the headroom). Every path that ends a batch calls this (the
+        decode engine's ``run``, the simulator's ``Replay.run``): a plan launched in the
+        batch's last steps would otherwise never be polled, and its blocks never freed.
+        Returns the plans ended. Cost: one host wait per plan in flight.
+        """
+        done = self.poll(force_sync=True)
+        if self.headroom:
+            self.alloc.unreserve(self.headroom)
+            self.headroom = []
+        return done
 
     def _release(self, plan: Plan) -> None:
         assert self.in_flight.get(plan.id) is plan, f"plan {plan.id} released but not in flight"

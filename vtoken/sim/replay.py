@@ -9,7 +9,9 @@ One scheduler step, for every running request in admission order:
 2. eviction: the schedule's victims for the step, through ``evict_tokens``; a block left
    with no live token is released at once (``release_empty_blocks`` + ``free``) in every
    system -- Naive-Evict only lacks *compaction* of partially live blocks;
-3. a finished request frees everything it holds;
+3. a finished request frees everything it holds (blocks an in-flight copy still uses are
+   freed when that copy ends; once every request finished ``run`` drains the manager, so
+   a completed run holds no block);
 
 then, for vToken, ``ReclamationManager.step()`` (poll copies -> apply -> free sources,
 refill the headroom, plan when eligible). The copy engine is ``NullCopyEngine(latency)``:
@@ -289,7 +291,7 @@ class Replay:
             for p in self.mgr.in_flight.values():
                 fl_src += len(p.sources)
                 fl_dst += len(p.dests)
-                if p.id not in self.plan_req:
+                if p.id not in self.plan_req and not p.orphaned:  # an orphan was let go by _finish
                     self.plan_req[p.id] = p.req_id
                     for b in p.sources + p.fills:  # the copy reads the sources and writes the fills' holes
                         self.busy[b] = p.id
@@ -376,6 +378,8 @@ class Replay:
                 self.step()
                 if max_steps is not None and self.step_no >= max_steps:
                     break
+            if self.mgr is not None and not self.queue and not self.active:
+                self.mgr.drain()  # copies of the last steps: their requests finished, nobody polls them again
         except Preempted as e:
             feasible = False
             self.preempted_at = dict(step=self.step_no, request=int(e.args[0]))
