@@ -15,7 +15,12 @@ these in place. ``ENGINES`` maps the catalogue's names to the classes.
 - ``cuda_event_wrong_stream``: the completion event is recorded on the compute stream, so
   it completes without the copy -- I3 (CUDA only);
 - ``cuda_release_before_event``: ``poll`` reports done without asking the device (on the
-  CPU with ``lag``: before the deferred copy ran; it still runs when its lag expires) -- I3.
+  CPU with ``lag``: before the deferred copy ran; it still runs when its lag expires) -- I3;
+- ``copy_write_bystander``: a stale index buffer: each copy also scatters one moved entry
+  through the destination index of an earlier, finished copy of ANOTHER request, onto a
+  slot that copy filled -- usually a live token of that bystander, far from this plan's
+  own blocks (never within one slot of them) -- I1/I2 of the bystander; the moved tokens
+  themselves land correctly.
 
 Faulty decode engines (``DECODE_ENGINES``): :class:`vtoken.decode.DecodeEngine` with one
 host-side hook of its graph path overridden (bug class 10, a replay that skips a host-side
@@ -58,7 +63,7 @@ from vtoken.copy_engine import KVCopyEngine
 from vtoken.decode import DecodeEngine
 
 __all__ = ["ENGINES", "FlipByteEngine", "SkipMoveEngine", "WritePastDestinationEngine", "DroppedWaitEngine",
-           "WrongStreamEventEngine", "ReleaseBeforeEventEngine", "factory", "DECODE_ENGINES",
+           "WrongStreamEventEngine", "ReleaseBeforeEventEngine", "BystanderWriteEngine", "factory", "DECODE_ENGINES",
            "AppendOnlySlotBufferEngine"]
 
 
@@ -134,6 +139,49 @@ class ReleaseBeforeEventEngine(KVCopyEngine):
         self._orphans.clear()
 
 
+class BystanderWriteEngine(KVCopyEngine):
+    """A stale index buffer (see the module docstring): one extra (source, target) pair per
+    copy, the target the last destination slot of the latest earlier copy of another
+    request that is done, skipped when it lies in or next to one of this plan's blocks."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._done_dsts: list = []  # (request, destination slots) of earlier copies, oldest first
+        self._launched: list = []  # (request, destination slots, handle) not yet seen done
+        self.targets: list = []  # (plan id, bystander request, slot) of every extra write issued
+
+    def _target(self, plan, src, dst):
+        S = self.S
+        m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
+        near = set((np.concatenate([m[:, 1], m[:, 3]]) if len(m) else np.empty(0, dtype=np.int64)).tolist())
+        near |= {int(b) for b in list(plan.sources) + list(plan.fills) + list(plan.dests)}
+        for rid, slots in reversed(self._done_dsts):
+            if rid == plan.req_id or not len(slots):
+                continue
+            t = int(slots[-1])
+            if all(abs(t // S - b) > 1 for b in near):  # not in, nor next to, a block this copy uses
+                self.targets.append((getattr(plan, "id", -1), rid, t))
+                return t
+        return None
+
+    def _slots(self, plan):
+        src, dst = super()._slots(plan)
+        for entry in list(self._launched):
+            if entry[2].status != "pending":
+                self._launched.remove(entry)
+                self._done_dsts.append(entry[:2])
+        t = self._target(plan, src, dst) if len(src) else None
+        self._pending_dst = dst.copy()
+        if t is None:
+            return src, dst
+        return np.append(src, src[0]), np.append(dst, t)
+
+    def launch(self, plan):
+        h = super().launch(plan)
+        self._launched.append((plan.req_id, self._pending_dst, h))
+        return h
+
+
 ENGINES = {
     "copy_flip_byte": FlipByteEngine,
     "copy_skip_move": SkipMoveEngine,
@@ -141,6 +189,7 @@ ENGINES = {
     "cuda_wait_dropped": DroppedWaitEngine,
     "cuda_event_wrong_stream": WrongStreamEventEngine,
     "cuda_release_before_event": ReleaseBeforeEventEngine,
+    "copy_write_bystander": BystanderWriteEngine,
 }
 CUDA_ONLY = ("cuda_wait_dropped", "cuda_event_wrong_stream")
 

@@ -23,15 +23,18 @@ uses). Then:
 Hash scope (what else the copy must not touch): at launch the checker also records the
 *guard* of the plan, read through the table's public API (``requests()``, ``slots()``,
 ``live_mask()``): every slot of the plan's destination blocks that no move writes (free or
-not: nobody else may write a reserved destination block), every live slot of EVERY request
-inside the destination blocks, every live slot of every request right next to a move's
-destination (one slot before or after it: where an off-by-one in the scatter lands), and
-the moves' source slots. When the copy reports done, each guarded slot must hold the same
-bytes -- a live slot only while the same token of the same request still holds it (a slot
-that changed hands meanwhile was written legitimately), and never a slot another plan's
-copy writes. A difference raises ``guard_overwritten`` naming the slot and its owner. When
-the plan is applied, no request other than the plan's may hold a live token in a
-destination block (``foreign_token``).
+not: nobody else may write a reserved destination block) and every live slot of EVERY
+request that no move writes -- the plan's own request, its fills and sources, and every
+bystander, however far from the destinations (a scatter through a wrong or stale index
+lands anywhere). ``guard="local"`` narrows it to the destination blocks, the live slots
+right next to a destination (where an off-by-one lands) and the sources: cheaper, and
+blind to a write onto another request's token further away. When the copy reports done,
+each guarded slot must hold the same bytes -- a live slot only while the same token of the
+same incarnation of the same request still holds it (a slot that changed hands meanwhile
+was written legitimately), and never a slot another plan's copy writes. A difference
+raises ``guard_overwritten`` naming the slot and its owner. When the plan is applied, no
+request other than the plan's may hold a live token in a destination block
+(``foreign_token``).
 
 Digests in the snapshot: for a plan carrying a snapshot, the checker fills
 ``plan.digests`` (``vtoken.snapshot``): per move, the xxh3-64 of the moved token's
@@ -81,8 +84,9 @@ Owns: per plan in flight its pre-copy digests and guard; the pending host fetche
 events); failure snapshots it writes to ``out_dir``.
 May call: vtoken.snapshot, vtoken.errors, the table's and KV cache's public API, torch, numpy,
 xxhash.
-Costs: per plan O(request length x layers) digests plus one scan of every request's slots (the
-guard): a check mode, not the serving path.
+Costs: per plan O(live tokens of every request x layers) digests, twice (launch and copy
+done: the guard), plus O(total length) vectorized scans of every request's slots; with
+``guard="local"`` O(request length x layers). A check mode, not the serving path.
 """
 
 from __future__ import annotations
@@ -301,7 +305,7 @@ class _Pre:
     copy_checked: bool = False
     dst_blocks: tuple = ()  # the plan's destination blocks
     guard_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    guard_owner: list = field(default_factory=list)  # per guarded slot: (request, token) live there, or None
+    guard_owner: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # per guarded slot: owner key, -1 free
     guard_dig: Optional[np.ndarray] = None  # [len(guard_slots), L]
 
 
@@ -317,13 +321,18 @@ class RelocationChecker:
         sample: tokens spot-checked with xxh3 per comparison under ``fingerprint`` (their
             K/V bytes cross to the host; 0: only fingerprints and slots do).
         raise_on_failure: raise :class:`RelocationCheckError` (default) or only count.
+        guard: the hash scope (module docstring): ``"live"`` (default) every live slot of
+            every request that no move writes, plus the destination blocks; ``"local"`` only
+            the destination blocks, the destinations' live neighbours and the sources (cheaper,
+            blind to a write that lands on another request's token further away).
 
     Comparisons under ``fingerprint`` on CUDA complete asynchronously (module docstring):
     ``passed`` / ``failed`` are final after :meth:`settle` with ``block=True``.
     """
 
     def __init__(self, kv, table, out_dir=None, full_bytes: bool = False,
-                 method: Optional[str] = None, sample: int = 8, raise_on_failure: bool = True):
+                 method: Optional[str] = None, sample: int = 8, raise_on_failure: bool = True,
+                 guard: str = "live"):
         self.kv, self.table = kv, table
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.full_bytes = full_bytes
@@ -332,6 +341,9 @@ class RelocationChecker:
         if method not in ("xxh3", "fingerprint"):
             raise ValueError(f"method {method!r}")
         self.method = method
+        if guard not in ("live", "local"):
+            raise ValueError(f"guard {guard!r}: 'live' (every live slot of every request) or 'local'")
+        self.guard = guard
         self.sample = int(sample)
         self.raise_on_failure = raise_on_failure
         self.S = table.S
@@ -342,7 +354,9 @@ class RelocationChecker:
         self.failures: list[dict] = []
         self.events = 0  # relocation events seen (plans launched)
         self.guarded = 0  # slots guarded (hashed before and compared after a copy), in all
-        self._dst_slots: dict[int, set] = {}  # plan id -> destination slots its copy writes (in flight)
+        self._dst_slots: dict[int, np.ndarray] = {}  # plan id -> destination slots its copy writes (in flight)
+        self._codes: dict = {}  # request id -> owner code of its current incarnation (guard keys)
+        self._names: list = []  # owner code -> request id
         self._queue: list = []  # (fetch, callback): comparisons waiting for their device digests
         self.host_bytes: dict[str, int] = {}  # kind -> bytes copied device -> host (CUDA)
 
@@ -409,6 +423,7 @@ class RelocationChecker:
         for pid in [pid for pid, p in self._pre.items() if p.req_id == req_id]:
             del self._pre[pid]
             # its copy may still write its destinations: they stay excluded from other guards
+        self._codes.pop(req_id, None)  # a later request with this id is another owner
 
     def before_copy(self, plan) -> None:
         """At launch, before the copy is issued: hash through the pre-move slots."""
@@ -498,74 +513,99 @@ class RelocationChecker:
         self._check_read_path(plan, p, expect_dests=True)
 
     # ------------------------------------------------------------------ hash scope
-    def _live_owners(self) -> dict:
-        """slot -> (request, token) for every live token of every request (public API only)."""
-        owners = {}
+    def _code(self, rid) -> int:
+        """A small integer naming this incarnation of request ``rid`` (a new one after
+        :meth:`forget_request`: a request id that finishes and comes back is another request)."""
+        c = self._codes.get(rid)
+        if c is None:
+            c = self._codes[rid] = len(self._names)
+            self._names.append(rid)
+        return c
+
+    def _owner(self, key: int):
+        """(request, token) of an owner key (``code << 32 | token``); None for -1."""
+        return None if key < 0 else (self._names[key >> 32], key & _M32)
+
+    def _live_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, keys)`` of every live token of every request, requests in the table's
+        order, tokens in logical order; ``key = code << 32 | token`` names the owner
+        (:meth:`_code`). Public table API only; O(total length), no per-token Python."""
+        sl, ky = [], []
         for rid in self.table.requests():
-            sl, lv = self.table.slots(rid), self.table.live_mask(rid)
+            s, lv = self.table.slots(rid), self.table.live_mask(rid)
             ids = np.flatnonzero(lv)
-            for t, s in zip(ids.tolist(), sl[ids].tolist()):
-                owners[int(s)] = (rid, int(t))
-        return owners
+            sl.append(s[ids].astype(np.int64, copy=False))
+            ky.append(ids.astype(np.int64) | (self._code(rid) << 32))
+        if not sl:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate(sl), np.concatenate(ky)
+
+    @staticmethod
+    def _keys_at(index: tuple, slots: np.ndarray) -> np.ndarray:
+        """The owner key of each of ``slots`` in a live index (-1: no live token there)."""
+        ls, lk = index
+        out = np.full(len(slots), -1, dtype=np.int64)
+        if not len(ls) or not len(slots):
+            return out
+        order = np.argsort(ls, kind="stable")
+        ss = ls[order]
+        pos = np.minimum(np.searchsorted(ss, slots), len(ss) - 1)
+        hit = ss[pos] == slots
+        out[hit] = lk[order[pos[hit]]]
+        return out
 
     def _guard_before(self, plan, p: _Pre) -> None:
         """Record the slots the copy must not write (see the module docstring); their bytes are
         hashed with the launch digests. Fail when a live token of any request already sits in
-        a destination block."""
+        a destination block (a fill's live tokens excepted, unless a move writes them)."""
         S = self.S
         m = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)
         dst = m[:, 3] * S + m[:, 4]
-        dst_blocks = sorted({int(b) for b in plan.dests} | set(m[:, 3].tolist()))
-        p.dst_blocks = tuple(dst_blocks)
-        writes = set(dst.tolist())
-        self._dst_slots[plan.id] = writes
+        dst_blocks = np.asarray(sorted({int(b) for b in plan.dests} | set(m[:, 3].tolist())), dtype=np.int64)
+        p.dst_blocks = tuple(dst_blocks.tolist())
+        self._dst_slots[plan.id] = dst.copy()
         nslots = int(self.kv.num_slots)
-        owners = self._live_owners()
-        blocks = set(dst_blocks)
-        fills = {int(b) for b in getattr(plan, "fills", ())}
-        for s, (rid, t) in owners.items():  # fresh destinations are nobody's yet; a fill's holes are nobody's
-            if s // S in blocks and (s // S not in fills or s in writes):
-                self._fail(plan, "foreign_token",
-                           f"at launch, request {rid!r} token {t} is live at slot {s} in destination block {s // S} "
-                           f"of plan {plan.id}: the copy would overwrite or alias it", token=t, layer=None)
-                break
-        guard = {}  # slot -> owner (None: must not change whatever holds it)
-        for b in dst_blocks:  # reserved for this plan: nobody else writes them
-            for s in range(b * S, min((b + 1) * S, nslots)):
-                if s not in writes:
-                    guard[s] = owners.get(s)
-        for s in writes:  # live neighbours of every destination (off-by-one writes land there)
-            for x in (s - 1, s + 1):
-                if 0 <= x < nslots and x not in writes and x in owners:
-                    guard.setdefault(x, owners[x])
-        for s in (m[:, 1] * S + m[:, 2]).tolist():  # the sources: read, never written
-            if s not in writes and s in owners:
-                guard.setdefault(int(s), owners[s])
-        p.guard_slots = np.fromiter(sorted(guard), dtype=np.int64, count=len(guard))
-        p.guard_owner = [guard[int(s)] for s in p.guard_slots]
-        self.guarded += len(guard)
+        live = self._live_index()
+        ls, lk = live
+        fills = np.asarray(sorted({int(b) for b in getattr(plan, "fills", ())}), dtype=np.int64)
+        written = np.isin(ls, dst)
+        bad = np.isin(ls // S, dst_blocks) & (~np.isin(ls // S, fills) | written)
+        if bad.any():  # fresh destinations are nobody's yet; a fill's holes are nobody's
+            i = int(np.argmax(bad))
+            rid, t = self._owner(int(lk[i]))
+            s = int(ls[i])
+            self._fail(plan, "foreign_token",
+                       f"at launch, request {rid!r} token {t} is live at slot {s} in destination block {s // S} "
+                       f"of plan {plan.id}: the copy would overwrite or alias it", token=t, layer=None)
+        # every slot of the destination blocks (reserved for this plan: nobody else writes them)
+        cand = [(dst_blocks[:, None] * S + np.arange(S, dtype=np.int64)[None, :]).reshape(-1)]
+        if self.guard == "live":  # every live token of every request
+            cand.append(ls)
+        else:  # "local": live neighbours of each destination (off-by-one writes) and the sources
+            near = np.concatenate([dst - 1, dst + 1, m[:, 1] * S + m[:, 2]])
+            cand.append(ls[np.isin(ls, near)])
+        g = np.unique(np.concatenate(cand))
+        g = g[(g >= 0) & (g < nslots) & ~np.isin(g, dst)]
+        p.guard_slots = g
+        p.guard_owner = self._keys_at(live, g)
+        self.guarded += len(g)
 
     def _guard_item(self, plan, p: _Pre) -> tuple:
         """When the copy reports done: which guarded slots still must hold their launch bytes
         (decided now, on the host), and the fetch item of their digests."""
-        if not len(p.guard_slots):
+        g = p.guard_slots
+        if not len(g):
             return np.empty(0, dtype=np.int64), ("digests", None)
-        owners = self._live_owners()
-        others = set().union(*[w for pid, w in self._dst_slots.items() if pid != plan.id]) if self._dst_slots else set()
-        blocks = set(p.dst_blocks)
-        keep = []
-        for k, (s, own) in enumerate(zip(p.guard_slots.tolist(), p.guard_owner)):
-            if s in others:
-                continue  # another plan's copy writes it
-            if own is None:  # a free slot of a reserved destination block: nothing may write it
-                if s // self.S in blocks and s not in owners:
-                    keep.append(k)
-            elif owners.get(s) == own:  # the same token still holds it
-                keep.append(k)
-        keep = np.asarray(keep, dtype=np.int64)
+        cur = self._keys_at(self._live_index(), g)
+        others = [w for pid, w in self._dst_slots.items() if pid != plan.id]
+        free = p.guard_owner < 0  # a free slot of a reserved destination block: nothing may write it
+        ok = np.where(free, cur < 0, cur == p.guard_owner)  # a live slot: while the same token holds it
+        if others:
+            ok &= ~np.isin(g, np.concatenate(others))  # another plan's copy writes it
+        keep = np.flatnonzero(ok).astype(np.int64)
         if not len(keep):
             return keep, ("digests", None)
-        return keep, self._dig_item(p.guard_slots[keep])
+        return keep, self._dig_item(g[keep])
 
     def _compare_guard(self, plan, p: _Pre, keep: np.ndarray, got) -> bool:
         if p.guard_dig is None or not len(keep) or got is None:
@@ -576,14 +616,15 @@ class RelocationChecker:
             return True
         i = int(keep[int(np.argmax(bad))])
         s = int(p.guard_slots[i])
-        own = p.guard_owner[i]
+        own = self._owner(int(p.guard_owner[i]))
         layer = int(np.argmax(got[int(np.argmax(bad))] != p.guard_dig[i]))
         whose = (f"live token {own[1]} of request {own[0]!r}" if own is not None
                  else f"a free slot of destination block {s // self.S}")
         self._fail(plan, "guard_overwritten",
                    f"slot {s} (block {s // self.S} offset {s % self.S}), which no move of the plan writes, changed "
                    f"while its copy was in flight: {whose} (layer {layer}); a write past a destination, or into "
-                   f"a block the copy uses", token=own[1] if own else None, layer=layer)
+                   f"a block the copy uses or another request's live token", token=own[1] if own else None,
+                   layer=layer)
         return False
 
     def _no_foreign_tokens(self, plan, p: _Pre) -> bool:

@@ -263,6 +263,7 @@ def test_copy_engine_rejects_a_block_size_other_than_the_caches():
 # ---------------------------------------------------------------------------- planted faults
 @pytest.mark.parametrize("fault,code", [("copy_flip_byte", "relocation_mismatch"),
                                         ("copy_skip_move", "relocation_mismatch"),
+                                        ("copy_write_bystander", "guard_overwritten"),
                                         ("stale_slot_after_move", "stale_slot")])
 def test_planted_fault_caught_by_hash_and_compare(model, prompts, fault, code, tmp_path):
     if fault.startswith("copy_"):

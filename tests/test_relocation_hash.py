@@ -749,3 +749,69 @@ def test_in_place_move_onto_a_live_slot_of_the_fill_is_caught_at_launch():
     with pytest.raises(RelocationCheckError) as ei:
         mgr.launch(plan)
     assert ei.value.code == "foreign_token" and "token 10" in str(ei.value)
+
+
+# ---------------------------------------------------------------- bystanders: every live slot is guarded
+def bystander_layout(guard="live", raise_on_failure=True):
+    """Requests 'a' on blocks 1..5 and 'b' on blocks 9..13 (blocks 6..8 a spacer), both with
+    the in-place pattern of :func:`inplace_layout`; b's plan (source 9, fills 10 and 11) is
+    applied first, so b's token 3 is live at slot 45 (block 11 offset 1), far from every block
+    of a's plan (source 1, fills 2 and 3). The copy engine is the toolkit's stale-index fault."""
+    from vtoken.fuzz.faulty_engines import BystanderWriteEngine
+
+    kv = cache(5)
+    t, a = TokenTable(S, NB), BlockAllocator(NB)
+    blocks_a, spacer, blocks_b = a.allocate(5), a.allocate(3), a.allocate(5)
+    assert blocks_a == [1, 2, 3, 4, 5] and blocks_b == [9, 10, 11, 12, 13], (blocks_a, spacer, blocks_b)
+    for r, bl in (("a", blocks_a), ("b", blocks_b)):
+        t.sync_new_tokens(r, bl, 5 * S)
+        t.evict_tokens(r, [0, 1, 5, 9, 13])
+    chk = RelocationChecker(kv, t, raise_on_failure=raise_on_failure, guard=guard)
+    cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=0, record_snapshots=True)
+    eng = BystanderWriteEngine(kv, S)
+    mgr = ReclamationManager(t, a, chk.wrap(eng), cfg, on_applied=chk.after_apply)
+    pb = mgr.plan_request("b")
+    mgr.launch(pb)
+    mgr.poll(force_sync=True)
+    assert pb.state == "applied" and t.location("b", 3) == (11, 1) and eng.targets == []
+    return kv, t, chk, mgr, eng
+
+
+@pytest.mark.parametrize("method", ["xxh3", "fingerprint"])
+def test_copy_onto_a_far_bystanders_live_token_is_caught(method):
+    """A copy that also writes one moved entry onto another request's live token, far from
+    the plan's destinations: the guard covers every live slot of every request."""
+    kv, t, chk, mgr, eng = bystander_layout()
+    chk.method = method
+    pa = mgr.plan_request("a")
+    with pytest.raises(RelocationCheckError) as ei:
+        mgr.launch(pa)
+        mgr.poll(force_sync=True)
+    assert eng.targets == [(pa.id, "b", 45)]
+    assert ei.value.code == "guard_overwritten"
+    msg = str(ei.value)
+    assert "slot 45 (block 11 offset 1)" in msg and "live token 3 of request 'b'" in msg
+
+
+def test_far_bystander_write_passes_the_local_guard():
+    """The control: the neighbour-only scope (``guard="local"``, the scope before every live
+    slot was guarded) passes the same corrupting copy, and nothing else flags it."""
+    kv, t, chk, mgr, eng = bystander_layout(guard="local", raise_on_failure=False)
+    before = token_layer_digests(kv, torch.tensor([45]))
+    pa = mgr.plan_request("a")
+    mgr.launch(pa)
+    mgr.poll(force_sync=True)
+    assert eng.targets == [(pa.id, "b", 45)]
+    assert (token_layer_digests(kv, torch.tensor([45])) != before).any(), "the fault did not corrupt b's token"
+    assert pa.state == "applied" and chk.failed == 0 and chk.passed == 4, chk.failures
+
+
+def test_guard_owner_is_one_incarnation_of_a_request():
+    """A request id that finishes and comes back is another owner: its slots are not
+    compared with what the earlier incarnation held (no false alarm), the new one is guarded."""
+    kv, t, chk, mgr, eng = bystander_layout()
+    first = chk._code("b")
+    chk.forget_request("b")
+    assert chk._code("b") != first and chk._owner(chk._code("b") << 32 | 7) == ("b", 7)
+    with pytest.raises(ValueError):
+        RelocationChecker(kv, t, guard="near")
