@@ -210,7 +210,7 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
 
 def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAULT_BOUND["max_blocks"],
                     max_requests: int = DEFAULT_BOUND["max_requests"], time_budget_s: float = 60.0,
-                    churn: bool = True, modes=(True, False)) -> dict:
+                    churn: bool = True, modes=(True, False), workers: int = 1) -> dict:
     """Check every state within the bound (or as many as ``time_budget_s`` allows).
 
     Every state is run once per compaction mode in ``modes`` (``in_place`` True: the
@@ -218,15 +218,43 @@ def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAU
     ``churn`` every run that makes a plan is repeated with evictions and growth while its
     copies are in flight (``plans`` counts the snapshots of all runs).
 
+    ``workers`` > 1 splits the states over that many processes (state ``i`` to process
+    ``i % workers``; each keeps the budget); the result is the same as with one, but for
+    ``seconds`` (the wall clock of the whole run).
+
     Returns ``states`` (states built), ``plans`` (snapshots checked), ``violations`` (count),
-    ``examples`` (the first few, as text), ``seconds`` and ``bound_reached`` (True when every
-    state within the bound was checked).
+    ``examples`` (the first few in enumeration order, as text), ``seconds`` and
+    ``bound_reached`` (True when every state within the bound was checked).
     """
+    if int(workers) < 1:
+        raise ValueError(f"workers={workers!r}: must be >= 1")
+    args = (max_S, max_blocks, max_requests, time_budget_s, churn, tuple(modes))
+    t0 = time.perf_counter()
+    if workers == 1:
+        parts = [_run_part(*args, 0, 1)]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: a fork of a process that has run torch's thread pool can hang
+        with ProcessPoolExecutor(int(workers), mp_context=multiprocessing.get_context("spawn")) as ex:
+            parts = list(ex.map(_run_part, *zip(*[args + (k, int(workers)) for k in range(int(workers))])))
+    found = sorted((i, f) for part in parts for i, f in part["found"])
+    return {"states": sum(p["states"] for p in parts), "plans": sum(p["plans"] for p in parts),
+            "violations": len(found), "examples": [f for _i, f in found[:10]],
+            "seconds": time.perf_counter() - t0, "bound_reached": all(p["reached"] for p in parts),
+            "bound": {"max_S": max_S, "max_blocks": max_blocks, "max_requests": max_requests}}
+
+
+def _run_part(max_S, max_blocks, max_requests, time_budget_s, churn, modes, part: int, parts: int) -> dict:
+    """The states ``i`` with ``i % parts == part`` (see :func:`run_small_scope`)."""
     t0 = time.perf_counter()
     states = plans = 0
-    violations: list[str] = []
+    violations: list[tuple[int, str]] = []
     reached = True
-    for S, specs in enumerate_states(max_S, max_blocks, max_requests):
+    for i, (S, specs) in enumerate(enumerate_states(max_S, max_blocks, max_requests)):
+        if i % parts != part:
+            continue
         if time.perf_counter() - t0 > time_budget_s:
             reached = False
             break
@@ -241,10 +269,9 @@ def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAU
                 n, found = n + n2, found + [f"({tag}, churn) {f}" for f in found2]
         plans += n
         for f in found:
-            violations.append(f"S={S} specs={[(L, ''.join('1' if b else '0' for b in bits), sh) for L, bits, sh in specs]}: {f}")
-    return {"states": states, "plans": plans, "violations": len(violations), "examples": violations[:10],
-            "seconds": time.perf_counter() - t0, "bound_reached": reached,
-            "bound": {"max_S": max_S, "max_blocks": max_blocks, "max_requests": max_requests}}
+            where = [(L, ''.join('1' if b else '0' for b in bits), sh) for L, bits, sh in specs]
+            violations.append((i, f"S={S} specs={where}: {f}"))
+    return {"states": states, "plans": plans, "found": violations, "reached": reached}
 
 
 def count_states(max_S: int, max_blocks: int, max_requests: int) -> int:

@@ -16,12 +16,22 @@ pytestmark = pytest.mark.invariants
 
 
 def test_default_bound_is_exhaustive_and_clean():
-    # ~7 s of CPU; the wall-clock budget is generous because the machine may be shared
-    r = run_small_scope(**DEFAULT_BOUND, time_budget_s=300)
+    # ~7 s of CPU per process; the wall-clock budget is generous because the machine may be shared
+    r = run_small_scope(**DEFAULT_BOUND, time_budget_s=300, workers=2)
     assert r["bound_reached"], r
     assert r["states"] == count_states(**DEFAULT_BOUND)
     assert r["violations"] == 0, r["examples"]
     assert r["plans"] > 3000  # the bound is big enough to make (and check) many plans
+
+
+def test_workers_split_the_states_and_give_the_same_result():
+    one = run_small_scope(2, 2, 2, time_budget_s=300)
+    two = run_small_scope(2, 2, 2, time_budget_s=300, workers=2)
+    assert one["bound_reached"] and two["bound_reached"]
+    assert (two["states"], two["plans"], two["violations"]) == (one["states"], one["plans"], one["violations"])
+    assert one["states"] == count_states(2, 2, 2)
+    with pytest.raises(ValueError, match="workers"):
+        run_small_scope(2, 2, 2, workers=0)
 
 
 def test_enumeration_covers_lengths_patterns_and_sharing():
@@ -69,5 +79,5 @@ def test_planted_planner_faults_are_found(fault, bound, words):
 @pytest.mark.slow
 @pytest.mark.parametrize("bound", [(2, 4, 2), (3, 3, 2)])
 def test_larger_bounds(bound):
-    r = run_small_scope(*bound, time_budget_s=900)
+    r = run_small_scope(*bound, time_budget_s=900, workers=2)
     assert r["bound_reached"] and r["violations"] == 0, r
