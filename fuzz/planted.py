@@ -16,8 +16,9 @@ and its policy with it. Campaigns randomize; this measures.
 
 Detectors: ``table`` / ``planner`` / ``adapter`` (the conformance machines), ``placement``
 (the bounded Z3 proof of the placement rule: deterministic, so its rate is 0 or 1),
-``decode`` (a decode with hash-and-compare, outputs against naive-evict, a copy lag so a
-copy can be in flight), ``gpu`` (CUDA only; listed as not run elsewhere).
+``decode`` (decodes with hash-and-compare, outputs against naive-evict and the blocks and
+plans a finished batch left, with copy lags so copies are in flight: see
+:func:`_detect_decode`), ``gpu`` (CUDA only; listed as not run elsewhere).
 
 :func:`planted` is the in-process form for unit tests: the fault's patches swapped into the
 live modules for a ``with`` block.
@@ -142,35 +143,83 @@ def _detect_placement(seed: int, budget_s: float) -> dict:
             "error": str(res.counterexample)[:240]}
 
 
-def _detect_decode(seed: int, budget_s: float, engine: str | None) -> dict:
-    """A small decode (vtoken, copy lag 2, hash-and-compare) against naive-evict's outputs."""
-    import numpy as np
+def _leftovers(eng) -> str:
+    """What a finished vtoken decode still holds ('' when its copy lifecycle ended cleanly):
+    every block but the null block free, every launched plan ended once, nothing in flight."""
+    a, mgr = eng.alloc, eng.manager
+    st = mgr.stats
+    bad = []
+    if a.num_free != a.num_blocks - 1:
+        bad.append(f"{a.num_free} of {a.num_blocks - 1} blocks free after the run ({a.num_used} used, "
+                   f"{a.num_reserved} reserved)")
+    if st["plans"] != st["applied"] + st["aborted"] + st.get("orphaned", 0) or mgr.in_flight:
+        bad.append(f"plans: {st['plans']} launched, {st['applied']} applied, {st['aborted']} aborted, "
+                   f"{st.get('orphaned', 0)} orphaned, {len(mgr.in_flight)} in flight")
+    return "; ".join(bad)
 
-    from vtoken.decode import DecodeEngine, default_planner_config
-    from vtoken.errors import RelocationCheckError
-    from vtoken.model import PagedDecoder
+
+def _decode_leg(model, seed: int, engine: str | None, prompts, news, lag: int, cfg, compare: bool = True) -> str:
+    """One vtoken decode (hash-and-compare; with ``compare``, against naive-evict's outputs):
+    what it found ('' nothing). A named vtoken error or a failed internal assertion of the
+    run is a finding too, and so is what the finished batch left (:func:`_leftovers`)."""
+    from vtoken.decode import DecodeEngine
+    from vtoken.errors import RelocationCheckError, VTokenError
 
     from .faulty_engines import factory
 
+    kw = dict(policy="random", evict_ratio=0.5, block_size=4, seed=seed)
+    eng = DecodeEngine(model, mode="vtoken", check_relocations=RelocationChecker, planner_config=cfg,
+                       copy_kwargs={"lag": lag}, copy_engine_factory=factory(engine), **kw)
+    try:  # vtoken first: hash-and-compare stops at the first bad relocation
+        res = eng.run(prompts, news)
+    except RelocationCheckError as e:
+        return f"hash-and-compare: {e}"
+    except (VTokenError, AssertionError) as e:
+        return f"the decode raised {type(e).__name__}: {e}"
+    found = [f"{res.hash_failures} hash check(s) failed"] if res.hash_failures else []
+    left = _leftovers(eng)
+    if left:
+        found.append(left)
+    if compare and res.outputs != DecodeEngine(model, mode="naive-evict", **kw).run(prompts, news).outputs:
+        found.append("outputs differ from naive-evict")
+    return "; ".join(found)
+
+
+def _detect_decode(seed: int, budget_s: float, engine: str | None) -> dict:
+    """Up to three small decodes (vtoken, hash-and-compare; :func:`_decode_leg`: outputs
+    against naive-evict, named errors, what the finished batch left behind):
+
+    1. copy lag 2, the shipped planner defaults, 4 requests of 40 tokens;
+    2. the lifecycle legs, with staggered request lengths, in place (even seeds) or out of
+       place with a headroom of 8 (odd seeds): copy lag 12, so copies fly for a quarter of
+       the decode -- every live token of some source dies while its copy flies (every seed),
+       requests finish with copies in flight -- then a copy lag past the batch's end, so
+       every copy is still in flight when the last request finishes (only the end of the
+       batch ends them; outputs not compared: nothing is applied before).
+
+    Each leg runs only when the ones before found nothing."""
+    import numpy as np
+
+    from vtoken.decode import default_planner_config
+    from vtoken.model import PagedDecoder
+    from vtoken.planner import PlannerConfig
+
     t0 = time.perf_counter()
     model = PagedDecoder()
-    prompts = np.random.default_rng([seed, 1]).integers(0, model.config.vocab_size, size=(4, 32)).tolist()
-    outs, detail = {}, ""
-    for mode in ("vtoken", "naive-evict"):  # vtoken first: hash-and-compare stops at the first bad relocation
-        eng = DecodeEngine(model, mode=mode, policy="random", evict_ratio=0.5, block_size=4,
-                           check_relocations=RelocationChecker if mode == "vtoken" else None, planner_config=default_planner_config(), seed=seed,
-                           copy_kwargs={"lag": 2} if mode == "vtoken" else None,
-                           copy_engine_factory=factory(engine) if mode == "vtoken" else None)
-        try:
-            res = eng.run(prompts, 40)
-        except RelocationCheckError as e:
-            return {"detected": True, "seconds": time.perf_counter() - t0, "steps": 0, "error": f"hash-and-compare: {e}"[:240]}
-        outs[mode] = res.outputs
-        if res.hash_failures:
-            detail = f"{res.hash_failures} hash check(s) failed"
-    if outs["vtoken"] != outs["naive-evict"]:
-        detail = (detail + "; " if detail else "") + "outputs differ from naive-evict"
-    return {"detected": bool(detail), "seconds": time.perf_counter() - t0, "steps": 0, "error": detail or "not detected"}
+    vocab = model.config.vocab_size
+    prompts = np.random.default_rng([seed, 1]).integers(0, vocab, size=(4, 32)).tolist()
+    detail = _decode_leg(model, seed, engine, prompts, 40, 2, default_planner_config())
+    if not detail:
+        cfg = PlannerConfig() if seed % 2 == 0 else PlannerConfig(in_place=False, headroom=8)
+        prompts = np.random.default_rng([seed, 2]).integers(0, vocab, size=(4, 32)).tolist()
+        news = [40, 33, 40, 27]
+        detail = _decode_leg(model, seed, engine, prompts, news, 12, cfg)
+        detail = f"lifecycle leg (lag 12): {detail}" if detail else ""
+        if not detail:
+            detail = _decode_leg(model, seed, engine, prompts, news, 1000, cfg, compare=False)
+            detail = f"lifecycle leg (copies past the end): {detail}" if detail else ""
+    return {"detected": bool(detail), "seconds": time.perf_counter() - t0, "steps": 0,
+            "error": detail[:240] or "not detected"}
 
 
 def _detect_prefix(seed: int, budget_s: float) -> dict:
