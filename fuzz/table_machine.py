@@ -10,11 +10,18 @@ The machine also plays the scheduler's part of the ownership contract: blocks it
 for a request are freed when the table says the request no longer references them
 (moves' emptied sources, released empty blocks, finished requests).
 
+A scheduler step does several updates before anything reads the table (``step_then_grow``:
+an eviction, growth or moves, then a growth that often takes the request one token past a
+power of two from 64 on, where vtoken's per-request arrays and device segment double; S = 16
+with 6 more blocks in one example of five, so a request passes 64 tokens). For vtoken's own
+table the device lookup cache (``read_view``: live bits, live tokens' slots) is compared
+with the host's after every step too.
+
 Owns: per example its TokenTable, SpecTokenTable, BlockAllocator and the blocks it holds per
 request.
 May call: vtoken.table, .allocator, .errors, vtoken.spec, invariants.table_checks, fuzz.hard_states,
 hypothesis.
-Costs: per rule the state comparison and checks, O(all tokens + pool).
+Costs: per rule the state comparison and checks (the device view included), O(all tokens + pool).
 """
 
 from __future__ import annotations
@@ -91,8 +98,12 @@ class TableMachine(RuleBasedStateMachine):
         another implementation here)."""
         return TokenTable(block_size, num_blocks, device=os.environ.get("VTOKEN_DEVICE", "cpu"))
 
-    @initialize(S=st.sampled_from([1, 2, 3, 4]), nb=st.integers(4, 14))
+    # S = 16 in one example of five, with 6 more blocks (5 hold 65 tokens): a request can outgrow
+    # the 64 entries its arrays and device segment start with (step_then_grow); no smaller S gets
+    # there in so few blocks.
+    @initialize(S=st.sampled_from([1, 2, 3, 4, 16]), nb=st.integers(4, 14))
     def setup(self, S, nb):
+        nb += 6 if S == 16 else 0
         self.S = S
         self.impl = self.make_impl(S, nb)
         self.spec = SpecTokenTable(S, nb)
@@ -161,20 +172,52 @@ class TableMachine(RuleBasedStateMachine):
         elif k:
             event("shared prefix")
 
-    @precondition(lambda self: self.pos)
-    @rule(data=st.data())
-    def grow(self, data):
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+    def _grow_by(self, rid, k) -> bool:
+        """Grow ``rid`` by ``k`` tokens, allocating the blocks they need; False when the pool
+        is exhausted or both tables refused the growth."""
         n = self.impl.length(rid)
-        k = data.draw(st.integers(1, 3 * self.S), label="new_tokens")
         need = -(-(n + k) // self.S) - len(self.pos[rid])
         if need > 0:
             blocks = self._alloc(need)
             if blocks is None:
-                return
+                return False
             self.pos[rid] += blocks
             self.held[rid] += blocks
-        self._sync(rid, n + k)  # may fail (slot_conflict after moves into the tail): both must agree
+        return self._sync(rid, n + k) is None  # may fail (slot_conflict after moves into the tail): both must agree
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def grow(self, data):
+        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        self._grow_by(rid, data.draw(st.integers(1, 3 * self.S), label="new_tokens"))
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data(), first=st.sampled_from(["evict", "grow", "moves"]))
+    def step_then_grow(self, data, first):
+        """One scheduler step with no read in between: an update of the request (an eviction,
+        a growth or moves; the table may only queue it for the device), then a growth, often
+        just across a power of two from 64 on, where a table's per-request arrays and device
+        segment double: the queued update must reach what the request grew into."""
+        rids = self.rids()
+        if data.draw(st.booleans(), label="longest"):  # half the time the longest: the likeliest to pass 64
+            rid = max(rids, key=self.impl.length)
+        else:
+            rid = data.draw(st.sampled_from(rids), label="rid")
+        if first == "evict":
+            live = self.spec.live_tokens(rid)
+            if live:
+                ids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=3), label="victims")
+                TableMachine.ops += 1
+                assert both(lambda: self.impl.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))[2] is None
+        elif first == "grow":
+            self._grow_by(rid, data.draw(st.integers(1, self.S), label="new_tokens"))
+        else:
+            self._apply_moves_drawn(rid, data)
+        n = self.impl.length(rid)
+        cap = max(64, 1 << max(n - 1, 0).bit_length())  # the next doubling at or above n
+        k = data.draw(st.sampled_from([cap + 1 - n] * 3 + [self.S]), label="new_tokens")
+        if self._grow_by(rid, k) and n <= cap < n + k:
+            event("grown across a power of two >= 64 with updates queued")
 
     @precondition(lambda self: self.pos)
     @rule(data=st.data(), kind=st.sampled_from(["shrink", "short", "null", "range", "repeat"]))
@@ -256,7 +299,10 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def apply_valid_moves(self, data):
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        self._apply_moves_drawn(data.draw(st.sampled_from(self.rids()), label="rid"), data)
+
+    def _apply_moves_drawn(self, rid, data):
+        """Valid moves of ``rid`` (``_valid_moves``) on both tables; the same result, tokens conserved."""
         moves, fresh = self._valid_moves(rid, data)
         if moves is None:
             return
@@ -451,8 +497,26 @@ class TableMachine(RuleBasedStateMachine):
             for t in si["requests"][rid]["live"][:3]:
                 assert self.impl.location(rid, t) == self.spec.location(rid, t)
         assert abs(self.impl.waste_ratio() - self.spec.waste_ratio()) < 1e-9
+        if callable(getattr(self.impl, "read_view", None)):  # vtoken's table: its device lookup cache too
+            for rid in self.rids():
+                self._check_read_view(rid, si["requests"][rid])
         check_unique_mapping(si)
         check_block_accounting(si, self.alloc.export_state())
+
+    def _check_read_view(self, rid, r):
+        """The device view (``read_view``) says what the host table says: a live bit per token,
+        and each live token's slot."""
+        slots, live = self.impl.read_view(rid)
+        want = [False] * r["length"]
+        for t in r["live"]:
+            want[t] = True
+        got = live.tolist()
+        assert got == want, (f"device live bits of {rid} differ at tokens "
+                             f"{[t for t in range(max(len(got), len(want))) if got[t:t + 1] != want[t:t + 1]]}")
+        got = slots.tolist()
+        S = self.S
+        bad = {t: (got[t], b * S + o) for t, (b, o) in r["loc"].items() if got[t] != b * S + o}
+        assert not bad, f"device slots of {rid} differ (token: device, host): {bad}"
 
 
 TestTableMachine = TableMachine.TestCase
