@@ -367,6 +367,8 @@ def main_fuzz(argv) -> int:
     a = ap.parse_args(argv)
     if a.planted and (a.machines is not None or a.impl or a.db is not None):
         ap.error("argument --planted: runs the planted faults; it does not take --machines, --impl or --db")
+    if a.machines == []:  # `--machines` and no name: not "every machine" by accident
+        ap.error(f"argument --machines: expected one or more of {', '.join(sorted(MACHINES))}")
     if not a.planted and (a.runs is not None or a.budget is not None):
         ap.error(f"argument {'--runs' if a.runs is not None else '--budget'}: only with --planted")
     machines = list(a.machines or [])

@@ -74,6 +74,7 @@ ROWS = [
     (["fuzz", "--db", "{file}"], "--db"),
     (["fuzz", "--out", "{file}/fuzz"], "--out"),
     (["fuzz", "--machines", "nope"], "--machines"),
+    (["fuzz", "--machines", "--out", "{out}"], "--machines"),  # no name: not every machine by accident
     (["fuzz", "--profile", "nope"], "--profile"),
     (["fuzz", "--impl", "no_colon"], "--impl"),
     (["fuzz", "--impl", ":X"], "--impl"),
