@@ -5,8 +5,15 @@ The machine plays the engine core and the API server around the REAL ``Scheduler
 that prefix-cache hits land near blocks a copy is moving), steps run (``AdapterDriver``:
 two outputs in flight with async scheduling), a policy evicts tokens (the worker's random
 policy, plus random ids the machine picks), requests are aborted, blocks are grabbed from
-the pool to force preemption and resume, copies run 0-4 steps late. Nothing of vLLM is
-mocked.
+the pool to force preemption and resume (also of the request whose copy flies, so that
+the copy outlives both), copies run 0-10 steps late. Nothing of vLLM is mocked.
+
+The worker's copy engine is drawn per example (``fuzz.faulty_engines.ADAPTER_ENGINES``): the
+shipped one; one failing every k-th copy part-way (the aborted path: every check below must
+stay green); or one planting a fault at the poll that completes a copy, a byte flipped in a
+fill's live token or a moved entry (the worker's hash-and-compare must raise in that call)
+or a fill made another request's (the adapter must raise ``shared_never_moved``). A planted
+fault caught ends the example; one not caught in its call fails it.
 
 A second adapter runs in lockstep with reclamation off (Naive-Evict: the same requests at
 the same steps, the same evictions at the same request lengths) as the output oracle.
@@ -21,6 +28,9 @@ Checked after every step, against the pool itself (not the adapter's bookkeeping
   only after the step carrying the plan was processed AND the worker reported the copy
   done (the machine watches every free of the pool); no headroom block, destination or
   in-flight source carries a prefix-cache hash;
+- every plan's recorded list indices (``AdapterPlan.list_index``) against where the machine
+  last saw its sources and fills; a probe puts a fill of a plan in flight back in its list
+  and the adapter's incremental check alone must see it;
 - every proposal against ``spec.planner`` (rules and optimality, through the adapter's
   ``plan_hook``), every applied plan's snapshot through I1-I4 in plain Python and in Z3,
   hash-and-compare of every relocation (the worker's ``RelocationChecker``), and the
@@ -36,7 +46,8 @@ an in-flight copy is moving out of, preemption with a plan in flight, finish mid
 resume with a replaced block list, a plan and growth in one step.
 
 Owns: two adapters with their workers and vLLM schedulers (one machine instance each
-example), the machine's grabbed blocks, its record of plans, reports and fence breaches.
+example), the machine's grabbed blocks, its record of plans (where their blocks were taken
+from), reports and fence breaches.
 May call: the system (``vtoken.vllm_adapter``, ``vtoken.table``), the checkers
 (``invariants``: ownership, relocation hash, plan contract, snapshots, Z3) and vLLM.
 Costs: per step the full ownership ledger, O(pool) plus Z3 on each applied plan's
@@ -79,10 +90,12 @@ class _Run:
     """One adapter + worker + driver, and what the machine observes of it."""
 
     def __init__(self, *, reclaim: bool, S, N, H, B, async_, caching, lag, ratio, budget, checks: bool,
-                 in_place: bool = True):
+                 in_place: bool = True, engine: str | None = None, fail_every: int = 3):
         from vtoken.invariants.plan_contract import check_proposal
         from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
         from vtoken.vllm_adapter.worker import VTokenWorker
+
+        from .faulty_engines import ADAPTER_ENGINES
 
         self.ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
                                 reclaim=reclaim, max_model_len=512, max_num_batched_tokens=budget, max_num_seqs=8,
@@ -93,8 +106,18 @@ class _Run:
                                 # pools of 16-48 blocks: the shipped cap (1/16) would leave no
                                 # headroom at all; 1/4 keeps reclamation under test on them
                                 headroom_pool_fraction=4)
+        factory = None
+        self.engine = engine  # an adapter-side engine of fuzz.faulty_engines, or None (the shipped one)
+        if engine is not None:
+            cls = ADAPTER_ENGINES[engine]
+            kw = {"fail_every": fail_every} if engine == "copy_fails" else {"table": self.ad.table}
+
+            def factory(kv, block_size, **lag_kw):
+                return cls(kv, block_size, **lag_kw, **kw)
+
         self.w = VTokenWorker(_model(), self.ad.table, N, S, policy="random", evict_ratio=ratio, seed=0,
-                              check_relocations=RelocationChecker if reclaim else None, copy_lag=lag)
+                              check_relocations=RelocationChecker if reclaim else None, copy_lag=lag,
+                              copy_engine_factory=factory)
         self.d = AdapterDriver(self.ad, self.w)
         if reclaim:
             self.ad.plan_hook = check_proposal
@@ -103,9 +126,14 @@ class _Run:
         self.preempted: set = set()
         self.grabbed: list = []  # blocks the machine holds (pool pressure)
         self.reports: dict[int, bool] = {}  # plan id -> copy reported done by the worker
+        self.status: dict[int, str] = {}  # plan id -> the worker's verdict (applied / aborted)
+        self.halted: str | None = None  # the fault the engine plants was caught (what, and the error)
+        self.tampered_seen = 0  # the engine's tamperings already accounted for
         self.plans: dict[int, tuple] = {}  # plan id -> (seq, source ids), every plan ever launched
         self.source_of: dict[int, int] = {}  # block -> plan id, while the block is a pending source
         self.holder_of: dict[int, str] = {}  # block -> the request holding it now (list or destination)
+        self.list_pos: dict[tuple, int] = {}  # (request, block) -> its index in the request's list, as last seen
+        self.taken_at: dict[int, dict] = {}  # plan id -> {source or fill: the list index it was taken from, or -1}
         self.leaving: dict[int, tuple] = {}  # block -> (request, fence): left a request, not yet back in the pool
         self.last_sched: dict[str, int] = {}  # request -> the last step that scheduled it
         self.fence_errors: list = []
@@ -125,6 +153,9 @@ class _Run:
         def note_report(rep):
             for pid, res in rep.plans.items():
                 self.reports[pid] = bool(res.copy_done)
+                self.status[pid] = res.status
+                if res.status == "aborted" and res.table_kept and not res.shared_sources:
+                    event("copy failed (aborted, table kept)")
             return rep
 
         def execute_spy(so):
@@ -193,10 +224,12 @@ class _Run:
         while it held the block is processed (vLLM's own rule for a request's blocks)."""
         ad = self.ad
         now: dict[int, str] = {}
+        pos = self.list_pos = {}
         for r, lst in ad.req_to_blocks.items():
-            for b in lst:
+            for i, b in enumerate(lst):
                 if not b.is_null:
                     now[b.block_id] = r
+                    pos[(r, b.block_id)] = i
         for r, v in ad.held.items():
             for b in v:  # v: {block id: block}
                 now[b] = r
@@ -218,10 +251,19 @@ class _Run:
         c = so.scheduled_cached_reqs
         if c.resumed_req_ids:
             hard("resume with a replaced block list")
+            if any(p.req_id in c.resumed_req_ids and p.orphaned for p in ad.plans.values()):
+                event("copy pending across preempt and resume")
         meta = getattr(so, "vtoken", None)
         if meta is not None:
             grown = {r for r, nb in zip(c.req_ids, c.new_block_ids) if nb and nb[0]}
             for p in meta.plans:
+                # where each source and fill was (the lists as last observed: a plan takes
+                # no block that entered a list in this step): its index, or -1 (held)
+                taken = {b: self.list_pos.get((p.req_id, b), -1) for b in p.source_ids + p.fill_ids}
+                assert dict(p.list_index) == taken, (
+                    f"plan {p.id} of {p.req_id!r} records its blocks at list indices {dict(p.list_index)}; they "
+                    f"were at {taken} (-1: held)")
+                self.taken_at[p.id] = taken
                 self.plans[p.id] = (p.seq, p.source_ids)
                 for b in p.source_ids:
                     self.source_of[b] = p.id
@@ -233,7 +275,37 @@ class _Run:
         self.ad.add_request(rid, prompt, max_tokens=max_tokens)
 
     def step(self):
-        self.d.step()
+        self._guarded(self.d.step)
+
+    def _guarded(self, fn):
+        """Run ``fn`` (driver steps). With a tampering engine (``corrupt_in_flight``,
+        ``steal_fill``) every tampering must be caught in the call it happens in: by the
+        worker's hash-and-compare (``RelocationCheckError``) or as the adapter's
+        ``shared_never_moved``; then the run halts (its state is the fault's). An error with
+        no tampering in the call, or a tampered plan reported without the error, fails."""
+        from vtoken.errors import RelocationCheckError
+        from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+        tampering = self.engine in ("corrupt_in_flight", "steal_fill")
+        eng = self.w.copy_engine
+        n0 = len(eng.tampered) if tampering else 0
+        try:
+            fn()
+        except (RelocationCheckError, AdapterAssumptionError) as e:
+            if not tampering or len(eng.tampered) == n0:
+                raise
+            if self.engine == "corrupt_in_flight" and not isinstance(e, RelocationCheckError) or \
+                    self.engine == "steal_fill" and getattr(e, "check", None) != "shared_never_moved":
+                raise
+            self.halted = f"{eng.tampered[-1]}: caught: {str(e)[:160]}"
+            return
+        if tampering:
+            for pid, what in eng.tampered[self.tampered_seen:]:
+                st = self.status.get(pid)
+                assert st != "applied" if self.engine == "corrupt_in_flight" else st is None, (
+                    f"plan {pid}: {what} while its copy flew, and the worker reported it {st!r} without "
+                    f"{'hash-and-compare failing' if self.engine == 'corrupt_in_flight' else 'shared_never_moved'}")
+            self.tampered_seen = len(eng.tampered)
 
     def evict(self, rid, ids, at_len):
         """Evict ``ids`` of ``rid`` if its table is at ``at_len`` (the same point in both runs)."""
@@ -271,7 +343,7 @@ class _Run:
 
     def drain(self, max_steps=4000):
         self.release()
-        self.d.drain(max_steps=max_steps)
+        self._guarded(lambda: self.d.drain(max_steps=max_steps))
 
     # ---------------------------------------------------------------- checks
     def _check_prompt_release(self, so):
@@ -338,24 +410,38 @@ class _Run:
         return len(hist)
 
 
+# the copy engine of the run with reclamation (``fuzz.faulty_engines.ADAPTER_ENGINES``), by
+# weight: the shipped one; copies failing now and then; a planted fault (each ends its example
+# at the first completed copy, so those examples are short and cost few operations)
+ENGINE_DRAWS = (None, None, None, "copy_fails", "copy_fails", "corrupt_in_flight", "steal_fill", "corrupt_in_flight",
+                "steal_fill")
+
+
 class AdapterMachine(RuleBasedStateMachine):
     """Stateful conformance test of the vLLM adapter (see the module docstring)."""
 
     ops = 0  # operations checked, summed over all runs in this process (campaign counter)
 
     @initialize(S=st.sampled_from([4, 4, 8]), N=st.integers(16, 48), H=st.integers(1, 4), B=st.integers(1, 8),
-                async_=st.booleans(), caching=st.sampled_from([True, True, False]), lag=st.integers(0, 4),
+                async_=st.booleans(), caching=st.sampled_from([True, True, False]),
+                lag=st.sampled_from([0, 1, 2, 3, 4, 0, 1, 2, 6, 7, 8, 9, 10]),
                 ratio=st.sampled_from([0.3, 0.5, 0.6]), budget=st.sampled_from([2048, 2048, 64]),
-                in_place=st.booleans())
-    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget, in_place):
+                in_place=st.booleans(), engine=st.sampled_from(ENGINE_DRAWS), fail_every=st.integers(2, 4))
+    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget, in_place, engine, fail_every):
         # both compactions: in place (the default: fills, no destination) and out of place
-        # (the paper's: fresh headroom destinations), so faults of either path are reachable
+        # (the paper's: fresh headroom destinations), so faults of either path are reachable;
+        # copies up to 10 steps late (in pools of 16-48 blocks, so a copy outlives its
+        # request's preemption and resume); and the copy engine the worker gets: the shipped
+        # one, one whose copies fail now and then (the aborted path), or one planting a
+        # fault every check must catch (a byte flipped in flight, a fill stolen)
+        in_place = in_place or engine == "steal_fill"  # a fill to steal
         kw = dict(S=S, N=N, H=H, B=B, async_=async_, caching=caching, lag=lag, ratio=ratio, budget=budget,
                   in_place=in_place)
-        note(f"adapter machine: {kw}")
+        note(f"adapter machine: {kw}, engine {engine}" + (f" (every {fail_every})" if engine == "copy_fails" else ""))
         self.S, self.N, self.H = S, N, H
-        self.vt = _Run(reclaim=True, checks=True, **kw)
+        self.vt = _Run(reclaim=True, checks=True, engine=engine, fail_every=fail_every, **kw)
         self.ref = _Run(reclaim=False, checks=True, **kw)
+        self.halted = None
         self.prompts: dict[str, list] = {}
         self.next_id = 0
         self.snapshots_done = 0
@@ -363,8 +449,18 @@ class AdapterMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- helpers
     def _both(self, fn):
+        """``fn`` on the run with reclamation, then on the reference; nothing once the run
+        halted (the fault its engine planted was caught: the example is over)."""
+        if self.halted:
+            return None, None
         AdapterMachine.ops += 1
-        return fn(self.vt), fn(self.ref)
+        a = fn(self.vt)
+        if self.vt.halted:
+            self.halted = self.vt.halted
+            note(f"halted: {self.halted}")
+            event(f"engine fault caught ({self.vt.engine})")
+            return a, None
+        return a, fn(self.ref)
 
     def _live_requests(self):
         return sorted(r for r in self.prompts if r in self.vt.ad.scheduler.requests)
@@ -523,6 +619,34 @@ class AdapterMachine(RuleBasedStateMachine):
         for _ in range(m):
             self.step(1)
 
+    def _last_running_flying(self):
+        """The last running request (the one vLLM preempts first) when a plan of it flies."""
+        ad = self.vt.ad
+        run = ad.scheduler.running
+        r = run[-1].request_id if run else None
+        return r if r is not None and any(p.req_id == r and not p.orphaned for p in ad.plans.values()) else None
+
+    @precondition(lambda self: not self.halted and self._last_running_flying() is not None)
+    @rule(m=st.integers(0, 2))
+    def preempt_and_resume_mid_copy(self, m):
+        """A copy outliving its request's preemption AND resume (common with copies 6-10
+        steps late): the whole pool taken before every step until the last running request,
+        whose plan flies, is preempted; relief; steps until it resumes, then ``m`` more."""
+        ad = self.vt.ad
+        r = self._last_running_flying()
+        for _ in range(self.S + 1):
+            if self.halted or all(q.request_id != r for q in ad.scheduler.running):
+                break
+            self._both(lambda run: run.grab(self.N))
+            self.step(1)
+        self._both(lambda run: run.release())
+        for _ in range(4):
+            self.step(1)
+            if self.halted or any(q.request_id == r for q in ad.scheduler.running):
+                break
+        for _ in range(m):
+            self.step(1)
+
     @precondition(lambda self: any(self.vt.ad.held.get(r) for r in self._live_requests()))
     @rule(data=st.data())
     def abort_mid_pipeline(self, data):
@@ -532,8 +656,53 @@ class AdapterMachine(RuleBasedStateMachine):
         self.step(1)
         self._both(lambda run: run.abort(rid))
 
+    def _fill_out_of_its_list(self):
+        """(plan, fill, index): a fill of a plan in flight that was at ``index`` of its
+        request's list when the plan took it (as the machine saw the list), or None."""
+        ad = self.vt.ad
+        for p in ad.plans.values():
+            lst = ad.req_to_blocks.get(p.req_id)
+            if p.orphaned or not p.fills or lst is None:
+                continue
+            at = self.vt.taken_at.get(p.id, {})
+            for b in p.fills:
+                i = at.get(b.block_id, -1)
+                if 0 <= i < len(lst) and lst[i].is_null:
+                    return p, b, i
+        return None
+
+    @precondition(lambda self: not self.halted and self._fill_out_of_its_list() is not None)
+    @rule()
+    def probe_a_fill_put_back(self):
+        """The checks checked: a fill of a plan in flight put back at its index in vLLM's list
+        (behind the adapter's back) must be seen by the incremental check alone (nothing else
+        touched, so no list is scanned); then the entry is restored and what the probe
+        consumed given back."""
+        from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+        ad = self.vt.ad
+        p, fill, i = self._fill_out_of_its_list()
+        chk, lst = ad.check, ad.req_to_blocks[p.req_id]
+        saved = chk.touched_requests, chk.touched_lists, chk.new_entries, ad.reserve.fresh
+        chk.touched_requests, chk.touched_lists, chk.new_entries, ad.reserve.fresh = set(), set(), [], {}
+        lst[i] = fill
+        err = None
+        try:
+            chk.check_touched("machine probe")
+        except AdapterAssumptionError as e:
+            err = e
+        finally:
+            lst[i] = ad.pool.null_block
+            chk.touched_requests, chk.touched_lists, chk.new_entries, ad.reserve.fresh = saved
+        assert err is not None and err.check == "null_substitution" and \
+            f"block {fill.block_id} (a source or fill) of plan {p.id} is still in" in err.detail, \
+            f"fill {fill.block_id} of plan {p.id} put back at index {i} of {p.req_id!r}'s list: {err or 'not caught'}"
+        event("probe: a fill put back in its list caught")
+
     # ---------------------------------------------------------------- checks
     def _check(self):
+        if self.halted:
+            return
         for run in (self.vt, self.ref):
             run.check_ledger()
             # the runtime checks' incremental view (a cache of the full scan) must never
@@ -547,10 +716,12 @@ class AdapterMachine(RuleBasedStateMachine):
             self._check()
 
     def teardown(self):
-        if not hasattr(self, "vt"):
+        if not hasattr(self, "vt") or self.halted:
             return
         for run in (self.vt, self.ref):
             run.drain()
+            if run.halted:  # the engine's fault, caught while draining
+                return
             run.check_ledger()
             run.ad.close()  # all_returned: every block back in the pool
         self.vt.check_snapshots(self.snapshots_done)
