@@ -84,7 +84,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
-from .assumptions import ASSUMPTIONS, AdapterAssumptionError, check_supported_kv_config, check_supported_vllm
+from .assumptions import (ASSUMPTIONS, AdapterAssumptionError, check_device, check_field, check_supported_kv_config,
+                          check_supported_vllm)
 from .checks import RuntimeChecks
 from .driver import AdapterDriver
 from .fence import FenceLedger
@@ -97,7 +98,7 @@ from .mirror import BlockMirror
 from .plans import PlanBook
 from .prefix_hash import PrefixHashRules
 from ..planner import PlannerConfig
-from ..table import TokenTable
+from ..table import MAX_BLOCK_SIZE, MAX_BLOCKS, TokenTable
 
 _RUNNING = None  # vllm.v1.request.RequestStatus.RUNNING, bound at first use (vLLM loads lazily)
 _NO_BLOCKS: dict = {}  # read-only stand-in for a request with no entry
@@ -112,6 +113,38 @@ __all__ = [
     "default_adapter_planner_config",
     "scheduler_class",
 ]
+
+
+def check_adapter_config(*, block_size, num_blocks, prefix_caching, async_scheduling, max_num_seqs,
+                         max_num_batched_tokens, max_model_len, reclaim, planner_config, max_plans_per_step, checks,
+                         table_device, evict_unfaithful_hashes, check_full_every, paranoid_checks, scheduler,
+                         headroom_pool_fraction) -> dict:
+    """Every field of ``VTokenAdapter``'s configuration, checked before anything is built
+    (``assumptions.check_field``: :class:`~vtoken.errors.ConfigError` naming the field and
+    the value). Integers: ``block_size`` in [1, the table's limit], ``num_blocks`` in [2, the
+    table's limit], ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
+    ``max_plans_per_step``, ``check_full_every``, ``headroom_pool_fraction`` >= 1; the
+    switches bools; ``planner_config`` a ``PlannerConfig`` or None (its own fields are checked
+    when it is made); ``table_device`` a device torch knows (CUDA only where there is one);
+    ``scheduler`` None or a vLLM ``Scheduler``. Returns the values as plain Python ones."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    own = "VTokenAdapter"
+    out = dict(block_size=check_field(own, "block_size", block_size, "int", 1, MAX_BLOCK_SIZE),
+               num_blocks=check_field(own, "num_blocks", num_blocks, "int", 2, MAX_BLOCKS))
+    for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                    ("max_model_len", max_model_len), ("max_plans_per_step", max_plans_per_step),
+                    ("check_full_every", check_full_every), ("headroom_pool_fraction", headroom_pool_fraction)):
+        out[name] = check_field(own, name, v, "int", 1)
+    for name, v in (("prefix_caching", prefix_caching), ("async_scheduling", async_scheduling), ("reclaim", reclaim),
+                    ("checks", checks), ("evict_unfaithful_hashes", evict_unfaithful_hashes),
+                    ("paranoid_checks", paranoid_checks)):
+        out[name] = check_field(own, name, v, "bool")
+    out["planner_config"] = check_field(own, "planner_config", planner_config, "instance", types=PlannerConfig,
+                                        optional=True)
+    out["scheduler"] = check_field(own, "scheduler", scheduler, "instance", types=Scheduler, optional=True)
+    out["table_device"] = check_device(own, "table_device", table_device)
+    return out
 
 
 def default_adapter_planner_config(**kw) -> PlannerConfig:
@@ -137,6 +170,9 @@ class VTokenAdapter:
         headroom_pool_fraction: the headroom is at most 1/this of the live pool (default 16:
             no headroom below 17 blocks, where vLLM's own schedule needs every block).
 
+    Every argument is checked before anything is built (:func:`check_adapter_config`): a bad
+    one raises :class:`~vtoken.errors.ConfigError` naming the field and the value.
+
     Ownership: the adapter holds one reference on every headroom block (``reserve``), every
     applied destination (``held``), and every block of a plan in flight (``book.plans``);
     vLLM holds the request lists. The worker is attached with ``attach_worker`` (the driver
@@ -153,8 +189,14 @@ class VTokenAdapter:
         from vllm.v1.request import RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
 
-        if int(headroom_pool_fraction) < 1:  # refused before anything is built
-            raise ValueError(f"headroom_pool_fraction={headroom_pool_fraction!r}: must be >= 1")
+        c = check_adapter_config(  # every field refused before anything is built
+            block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
+            async_scheduling=async_scheduling, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, reclaim=reclaim, planner_config=planner_config,
+            max_plans_per_step=max_plans_per_step, checks=checks, table_device=table_device,
+            evict_unfaithful_hashes=evict_unfaithful_hashes, check_full_every=check_full_every,
+            paranoid_checks=paranoid_checks, scheduler=scheduler, headroom_pool_fraction=headroom_pool_fraction)
+        block_size, num_blocks, max_plans_per_step = c["block_size"], c["num_blocks"], c["max_plans_per_step"]
         import vllm
 
         from . import VLLM_VERSION

@@ -63,7 +63,7 @@ def _describe(kind: tuple) -> str:
 class RuntimeChecks:
     def __init__(self, adapter, full_every: int = 64, paranoid: bool = False):
         self.ad = adapter
-        self.full_every = max(1, int(full_every))
+        self.full_every = int(full_every)  # >= 1: the adapter refuses less at construction
         self.paranoid = bool(paranoid)
         self.hooks = 0
         self.full_scans = 0

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from ..copy_engine import KVCopyEngine, checker_factory
+from .assumptions import check_device, check_field
 from .messages import PlanResult, WorkerReport
 from ..errors import PlanError
 from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
@@ -62,7 +63,45 @@ from ..planner import apply_completed, snapshot_applied
 from ..policies import make_policy
 from ..table import TokenTable
 
-__all__ = ["PlanResult", "VTokenWorker", "WorkerReport"]
+__all__ = ["PlanResult", "VTokenWorker", "WorkerReport", "check_worker_config"]
+
+
+def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_kwargs, evict_ratio, seed,
+                        check_relocations, snapshot_dir, copy_lag, device, copy_engine_factory) -> dict:
+    """Every field of ``VTokenWorker``'s configuration, checked before anything is built
+    (``assumptions.check_field``: :class:`~vtoken.errors.ConfigError` naming the field and the
+    value): ``model`` a ``PagedDecoder``, ``table`` a ``TokenTable`` whose block size and
+    block count are ``block_size`` and ``num_blocks``; ``policy`` a registered policy name,
+    ``policy_kwargs`` a dict or None; ``evict_ratio`` in [0, 1); ``seed`` and ``copy_lag``
+    integers >= 0; ``device`` a device torch knows; ``snapshot_dir`` a path or None;
+    ``copy_engine_factory`` a callable or None; ``check_relocations`` None / False or the
+    checker's factory (``copy_engine.checker_factory``: ``ValueError`` otherwise). Returns
+    the numbers as plain Python ones."""
+    import os
+
+    from ..errors import ConfigError
+    from ..policies import POLICIES
+
+    own = "VTokenWorker"
+    check_field(own, "model", model, "instance", types=PagedDecoder)
+    check_field(own, "table", table, "instance", types=TokenTable)
+    out = dict(num_blocks=check_field(own, "num_blocks", num_blocks, "int", 2),
+               block_size=check_field(own, "block_size", block_size, "int", 1))
+    for name, want in (("num_blocks", table.num_blocks), ("block_size", table.S)):
+        if out[name] != want:
+            raise ConfigError("out_of_range", f"{own}.{name} must be the table's ({want}), got {out[name]!r}")
+    check_field(own, "policy", policy, "choice", choices=tuple(POLICIES))
+    check_field(own, "policy_kwargs", policy_kwargs, "instance", types=dict, optional=True)
+    out["evict_ratio"] = check_field(own, "evict_ratio", evict_ratio, "number", 0, 1)
+    out["seed"] = check_field(own, "seed", seed, "int", 0)
+    out["copy_lag"] = check_field(own, "copy_lag", copy_lag, "int", 0)
+    check_device(own, "device", device)
+    check_field(own, "snapshot_dir", snapshot_dir, "instance", types=(str, os.PathLike), optional=True)
+    if copy_engine_factory is not None and not callable(copy_engine_factory):
+        raise ConfigError("bad_type", f"{own}.copy_engine_factory must be a callable or None, got "
+                                      f"{copy_engine_factory!r}")
+    checker_factory(check_relocations, own)
+    return out
 
 
 @dataclass
@@ -107,12 +146,21 @@ class VTokenWorker:
             a copy completes on its ``copy_lag``-th poll, i.e. steps later.
         copy_engine_factory: builds the copy engine, ``(kv, block_size, lag=...) -> engine``
             (default :class:`KVCopyEngine`); the checks pass faulty engines here.
+
+    Every argument is checked before anything is built (:func:`check_worker_config`): a bad
+    one raises :class:`~vtoken.errors.ConfigError` naming the field and the value.
     """
 
     def __init__(self, model: PagedDecoder, table: TokenTable, num_blocks: int, block_size: int, *,
                  policy: str = "h2o", policy_kwargs: dict | None = None, evict_ratio: float = 0.5,
                  seed: int = 0, check_relocations=None, snapshot_dir=None, copy_lag: int = 0,
                  device: str = "cpu", copy_engine_factory=None):
+        c = check_worker_config(model=model, table=table, num_blocks=num_blocks, block_size=block_size, policy=policy,
+                                policy_kwargs=policy_kwargs, evict_ratio=evict_ratio, seed=seed,
+                                check_relocations=check_relocations, snapshot_dir=snapshot_dir, copy_lag=copy_lag,
+                                device=device, copy_engine_factory=copy_engine_factory)
+        num_blocks, block_size, evict_ratio, seed, copy_lag = (c[k] for k in ("num_blocks", "block_size", "evict_ratio",
+                                                                              "seed", "copy_lag"))
         self.model = model
         self.table = table
         self.S = int(block_size)
@@ -121,7 +169,7 @@ class VTokenWorker:
         self.checker = None
         engine = self.copy_engine
         if check_relocations:  # the toolkit's checker, handed in (the system never imports it)
-            self.checker = checker_factory(check_relocations, "VTokenWorker")(self.kv, table, out_dir=snapshot_dir)
+            self.checker = check_relocations(self.kv, table, out_dir=snapshot_dir)
             engine = self.checker.wrap(self.copy_engine)
         self.engine = engine
         kw = dict(policy_kwargs or {})
