@@ -93,7 +93,9 @@ class PlanBook:
         over from the request (null-substituted in its list, or out of its held
         destinations), drop their prefix-cache hashes (no hit may land on a block in flight,
         and a fill's bytes change), open the sources' fence entries, and ride on step
-        ``meta.seq``."""
+        ``meta.seq``. ``plan.list_index`` records where each source and fill was taken from
+        (its list index, -1 for a held block): the incremental check compares them all with
+        vLLM's list while the plan flies."""
         ad = self.ad
         pool_blocks = ad.pool.blocks
         sources = [pool_blocks[b] for b in p.sources]
