@@ -342,22 +342,23 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
 
 
 def main_fuzz(argv) -> int:
-    from vtoken.cli.args import comma_choices, device, example_db, nonneg_int, positive_float, positive_int, writable_dir
+    from vtoken.cli.args import comma_choices, device, example_db, nonneg_int, positive_float, positive_int, repeated
+    from vtoken.cli.args import writable_dir
 
     from .catalogue import BY_NAME
 
     ap = argparse.ArgumentParser(prog="vtoken fuzz", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=positive_float, default=1.0)
+    ap.add_argument("--minutes", type=positive_float, default=None, help="campaign length (default 1)")
     ap.add_argument("--workers", type=positive_int, default=1)
     ap.add_argument("--device", type=device, choices=["cpu", "cuda"], default="cpu",
                     help="device of the tables' lookup cache (cuda needs a GPU)")
-    ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--seed", type=nonneg_int, default=None, help="campaign seed (default 0)")
     ap.add_argument("--db", type=example_db, default=None, help="example database: a directory or redis://host:port")
     ap.add_argument("--out", type=writable_dir, default="reports/fuzz")
     ap.add_argument("--machines", nargs="*", choices=sorted(MACHINES))
     ap.add_argument("--impl", action="append", default=[], metavar="module:Class",
                     help="check your own token table or planner class (vtoken.fuzz.protocol); repeatable")
-    ap.add_argument("--profile", default="dev", choices=["ci", "dev", "nightly"])
+    ap.add_argument("--profile", default=None, choices=["ci", "dev", "nightly"], help="Hypothesis profile (default dev)")
     ap.add_argument("--planted", metavar="NAME|all", type=comma_choices(BY_NAME, special=("all",)),
                     help="run the checks against planted faults instead (comma-separated names, or all)")
     ap.add_argument("--runs", type=positive_int, default=None,
@@ -367,8 +368,15 @@ def main_fuzz(argv) -> int:
     a = ap.parse_args(argv)
     if a.planted and (a.machines is not None or a.impl or a.db is not None):
         ap.error("argument --planted: runs the planted faults; it does not take --machines, --impl or --db")
+    for flag, v in (("--minutes", a.minutes), ("--seed", a.seed), ("--profile", a.profile)):
+        if a.planted and v is not None:  # the planted runs have their own budget and seeds
+            ap.error(f"argument {flag}: not with --planted (it runs --runs seeds of --budget seconds per fault)")
     if a.machines == []:  # `--machines` and no name: not "every machine" by accident
         ap.error(f"argument --machines: expected one or more of {', '.join(sorted(MACHINES))}")
+    for flag, names in (("--machines", a.machines or []), ("--impl", a.impl)):
+        if repeated(names):
+            ap.error(f"argument {flag}: {', '.join(map(repr, repeated(names)))} given twice")
+    a.minutes, a.seed, a.profile = a.minutes or 1.0, a.seed or 0, a.profile or "dev"
     if not a.planted and (a.runs is not None or a.budget is not None):
         ap.error(f"argument {'--runs' if a.runs is not None else '--budget'}: only with --planted")
     machines = list(a.machines or [])

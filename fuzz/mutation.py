@@ -549,16 +549,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_only(ap: argparse.ArgumentParser, keys: list, repo: Path, files: list) -> None:
+    """``--only``: every key names a mutant of ``--files`` as they are now (the mutants are
+    generated from the repository's files, as the snapshot will hold them; O(files' size));
+    ``ap.error`` otherwise, before the snapshot is taken."""
+    from vtoken.cli.args import repeated
+
+    if repeated(keys):
+        ap.error(f"argument --only: {', '.join(map(repr, repeated(keys)))} given twice")
+    known = {m.key for f in files for m in generate((repo / f).read_text(), f)}
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        ap.error(f"argument --only: no mutant {', '.join(map(repr, unknown))} in {', '.join(files)} "
+                 f"(vtoken mutate --list names them)")
+
+
 def main(argv=None) -> int:
+    from vtoken.cli.args import repeated
+
     ap = build_parser()
     args = ap.parse_args(argv)
     repo = _repo_root(args.repo)
     for f in args.files:  # paths in the repository: checked before the snapshot is taken
         if not (repo / f).is_file() or not f.endswith(".py"):
             ap.error(f"argument --files: {f!r} is not a Python file of {repo}")
+        parts = Path(f).parts
+        if Path(f).is_absolute() or ".." in parts or parts[0] != "vtoken":
+            # the snapshot holds vtoken/ as it is installed; a mutant is written at that path
+            ap.error(f"argument --files: {f!r} is not a module under vtoken/ (a path relative to {repo})")
+    if repeated(args.files):
+        ap.error(f"argument --files: {', '.join(map(repr, repeated(args.files)))} given twice")
     for t in args.tests or ():
         if not (repo / t.split("::")[0]).exists():
             ap.error(f"argument --tests: {t.split('::')[0]!r} does not exist in {repo}")
+    if args.only:
+        _check_only(ap, args.only, repo, args.files)
     try:
         summary = run_campaign(args)
     except SystemExit as e:

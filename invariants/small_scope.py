@@ -28,7 +28,8 @@ Symmetry reductions (each obviously sound):
 Nothing else is reduced: every liveness pattern of every token is enumerated.
 
 Owns: nothing beyond each enumerated state's table, allocator and manager.
-May call: vtoken.table, .allocator, .planner, invariants.z3_checks, invariants.table_checks.
+May call: vtoken.table, .allocator, .planner, invariants.z3_checks, invariants.table_checks; vtoken.cli.args
+(the command line's argument checks).
 Costs: every state up to the bound (exponential in it: all liveness patterns), a Z3 check per
 snapshot.
 """
@@ -278,12 +279,27 @@ def count_states(max_S: int, max_blocks: int, max_requests: int) -> int:
     return sum(1 for _ in enumerate_states(max_S, max_blocks, max_requests))
 
 
-if __name__ == "__main__":  # python -m vtoken.invariants.small_scope [max_S max_blocks max_requests budget]
+def main(argv=None) -> int:
+    """``python -m vtoken.invariants.small_scope [max_S [max_blocks [max_requests [budget_s]]]]``:
+    prints :func:`run_small_scope`'s result as JSON. A bound that is not an integer >= 1, or a
+    budget that is not a number > 0, is refused in argparse's one line (exit 2) before any
+    state is built."""
+    import argparse
     import json
+
+    from vtoken.cli.args import positive_float, positive_int
+
+    ap = argparse.ArgumentParser(prog="python -m vtoken.invariants.small_scope", description=__doc__.split("\n")[0])
+    for name in ("max_S", "max_blocks", "max_requests"):
+        ap.add_argument(name, nargs="?", type=positive_int, default=DEFAULT_BOUND[name],
+                        help=f"default {DEFAULT_BOUND[name]}")
+    ap.add_argument("budget_s", nargs="?", type=positive_float, default=60.0, help="seconds (default 60)")
+    a = ap.parse_args(argv)
+    print(json.dumps(run_small_scope(a.max_S, a.max_blocks, a.max_requests, a.budget_s), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
     import sys
 
-    a = [float(x) for x in sys.argv[1:]]
-    kw = dict(zip(("max_S", "max_blocks", "max_requests"), (int(x) for x in a[:3])))
-    if len(a) > 3:
-        kw["time_budget_s"] = a[3]
-    print(json.dumps(run_small_scope(**kw), indent=1))
+    sys.exit(main())

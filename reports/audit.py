@@ -684,6 +684,10 @@ def _audit_json_kind(obj) -> str | None:
 
 def _check_name(value: str) -> str:
     names = [c.__name__.removeprefix("check_") for c in CHECKS]
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"expected a check name, got {value!r} (checks: {', '.join(names)})")
+    if len(CHECKS) > 1 and all(_selected(c, [value]) for c in CHECKS):  # "check", "_": the whole audit by accident
+        raise argparse.ArgumentTypeError(f"{value!r} matches every check (leave --only out to run them all)")
     if not any(_selected(c, [value]) for c in CHECKS):
         raise argparse.ArgumentTypeError(f"{value!r} matches no check (checks: {', '.join(names)}; or a report "
                                          f"name: {', '.join(CHECK_NAMES.get(c, '?') for c in CHECKS)})")
@@ -710,7 +714,7 @@ def _vllm_versions_arg(value: str) -> list[str]:
 
 
 def main_audit(argv) -> int:
-    from vtoken.cli.args import existing_json_file, nonneg_int, positive_int, writable_dir
+    from vtoken.cli.args import existing_json_file, nonneg_int, positive_int, repeated, writable_dir
 
     ap = argparse.ArgumentParser(prog="vtoken audit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=writable_dir, default="reports",
@@ -721,7 +725,7 @@ def main_audit(argv) -> int:
     ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--fuzz-examples", type=positive_int, default=100,
                     help="seeded examples per fuzz machine (a fixed amount of work: one verdict per commit)")
-    ap.add_argument("--only", nargs="*", type=_check_name,
+    ap.add_argument("--only", nargs="+", type=_check_name,
                     help="run only these checks (a report name such as vllm-decode, or a part of a check's name)")
     ap.add_argument("--vllm", metavar="VERSION", type=_vllm_version_arg,
                     help="audit this vLLM version: build (or reuse) its side environment under "
@@ -732,11 +736,13 @@ def main_audit(argv) -> int:
     ap.add_argument("--rebuild-env", action="store_true", help="with --vllm / --matrix: rebuild the environments")
     a = ap.parse_args(argv)
     if a.vllm and a.matrix:
-        ap.error("--vllm and --matrix: give one (--matrix takes every version)")
+        ap.error("argument --matrix: not with --vllm (give one: --matrix takes every version)")
     if a.compare and a.matrix:
-        ap.error("--compare compares one audit with another: use it with --vllm, not --matrix")
+        ap.error("argument --compare: compares one audit with another: use it with --vllm, not --matrix")
     if a.rebuild_env and not (a.vllm or a.matrix):
-        ap.error("--rebuild-env goes with --vllm or --matrix")
+        ap.error("argument --rebuild-env: only with --vllm or --matrix")
+    if a.only and repeated(a.only):
+        ap.error(f"argument --only: {', '.join(map(repr, repeated(a.only)))} given twice")
     if a.matrix:
         return _main_matrix(a)
     if a.vllm:

@@ -622,6 +622,36 @@ def _git_commit() -> str:
         return "unknown"
 
 
+class PreflightError(RuntimeError):
+    """``python`` cannot run the tests of ``version``; ``arg`` names the command-line argument
+    at fault (``--python`` or ``--version``)."""
+
+    def __init__(self, arg: str, message: str):
+        super().__init__(message)
+        self.arg = arg
+
+
+def preflight(python: str, version: Optional[str] = None, with_vtoken: bool = True) -> tuple[dict, str]:
+    """What ``python`` has (``_probe``: one subprocess importing vLLM; nothing written) and the
+    version to test (``version`` or the one it has). Raises :class:`PreflightError` when it
+    has no vLLM, another version, no pytest, or (``with_vtoken``) no vtoken."""
+    try:
+        probe = _probe(python)
+    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
+        raise PreflightError("--python", f"{python} cannot be run: {str(e)[-300:]}") from None
+    if not probe.get("vllm"):
+        raise PreflightError("--python", f"{python} has no importable vLLM: {probe.get('vllm_error')}")
+    have = probe["vllm"].split("+")[0]
+    version = version or have
+    if version != have:
+        raise PreflightError("--version", f"{python} has vLLM {probe['vllm']}, not {version}")
+    if not probe.get("pytest"):
+        raise PreflightError("--python", f"{python} has no pytest")
+    if with_vtoken and not probe.get("vtoken"):
+        raise PreflightError("--python", f"{python} cannot import vtoken (install this checkout there)")
+    return probe, version
+
+
 def run(version: str = None, python: str = sys.executable, out_dir: Path = None, with_vtoken: bool = True,
         jobs: int = 1, *, targets: Optional[Iterable[str]] = None, timeout: Optional[int] = 300,
         stand_ins: bool = True, adapter_settings: Optional[dict] = None, shipped: bool = True,
@@ -644,17 +674,7 @@ def run(version: str = None, python: str = sys.executable, out_dir: Path = None,
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     t0 = time.monotonic()
-    probe = _probe(python)
-    if not probe.get("vllm"):
-        raise RuntimeError(f"{python} has no importable vLLM: {probe.get('vllm_error')}")
-    have = probe["vllm"].split("+")[0]
-    version = version or have
-    if version != have:
-        raise RuntimeError(f"{python} has vLLM {probe['vllm']}, not {version}")
-    if not probe.get("pytest"):
-        raise RuntimeError(f"{python} has no pytest")
-    if with_vtoken and not probe.get("vtoken"):
-        raise RuntimeError(f"{python} cannot import vtoken (install this checkout there)")
+    probe, version = preflight(python, version, with_vtoken)
     tree = ensure_tests(version, log)
     # absolute: pytest runs with the extracted tree as its working directory, so a relative
     # --junitxml would land there (the audit passes reports/<ts>/vllm-own-tests: "no junit results")
@@ -718,24 +738,59 @@ def format_text(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _version_arg(value: str) -> str:
+    from .vllm_envs import valid_version
+
+    if not valid_version(value):
+        raise argparse.ArgumentTypeError(f"expected a vLLM version such as 0.33.0, got {value!r}")
+    return value
+
+
+def _python_arg(value: str) -> str:
+    exe = shutil.which(value) if os.sep not in value else (value if os.access(value, os.X_OK) else None)
+    if not exe or not Path(exe).is_file():
+        raise argparse.ArgumentTypeError(f"{value!r} is not an executable interpreter")
+    return value
+
+
+def _target_arg(value: str) -> str:
+    p = Path(value.split("::")[0])
+    if not value or p.is_absolute() or ".." in p.parts:
+        raise argparse.ArgumentTypeError(f"{value!r}: a test file or node id relative to the test tree "
+                                         f"(e.g. {TESTS_ROOT}/test_scheduler.py)")
+    return value
+
+
 def main(argv=None) -> int:
+    """The command line; a bad argument, or an interpreter that cannot run the tests
+    (:func:`preflight`), is refused in argparse's one line (exit 2) before anything is
+    fetched or written."""
+    from vtoken.cli.args import json_object, nonneg_int, positive_int, writable_dir
+
     ap = argparse.ArgumentParser(prog="python -m vtoken.reports.vllm_own_tests", description=__doc__.split("\n")[0])
-    ap.add_argument("--version", default=None, help="vLLM version (default: the one --python imports)")
-    ap.add_argument("--python", default=sys.executable, help="interpreter with vLLM (and vtoken) installed")
-    ap.add_argument("--out", type=Path, default=None, help="output folder (junit files, logs, the JSON)")
+    ap.add_argument("--version", type=_version_arg, default=None, help="vLLM version (default: the one --python imports)")
+    ap.add_argument("--python", type=_python_arg, default=sys.executable,
+                    help="interpreter with vLLM (and vtoken) installed")
+    ap.add_argument("--out", type=writable_dir, default=None, help="output folder (junit files, logs, the JSON)")
     ap.add_argument("--no-vtoken", action="store_true", help="only the shipped run")
-    ap.add_argument("--jobs", type=int, default=1, help="parallel pytest processes per run")
-    ap.add_argument("--timeout", type=int, default=300, help="per-test timeout in seconds (0: none)")
+    ap.add_argument("--jobs", type=positive_int, default=1, help="parallel pytest processes per run")
+    ap.add_argument("--timeout", type=nonneg_int, default=300, help="per-test timeout in seconds (0: none)")
     ap.add_argument("--no-stand-ins", action="store_true", help="no stand-in model configs")
-    ap.add_argument("--adapter-settings", default=None, help="JSON keyword arguments for VTokenAdapter.attach")
+    ap.add_argument("--adapter-settings", type=json_object, default=None,
+                    help="JSON keyword arguments for VTokenAdapter.attach")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    ap.add_argument("targets", nargs="*", help=f"test files / node ids under the tree (default {TESTS_ROOT})")
+    ap.add_argument("targets", nargs="*", type=_target_arg,
+                    help=f"test files / node ids under the tree (default {TESTS_ROOT})")
     a = ap.parse_args(argv)
-    if a.jobs < 1:
-        ap.error("--jobs must be >= 1")
-    settings = json.loads(a.adapter_settings) if a.adapter_settings else None
-    r = run(a.version, a.python, a.out, not a.no_vtoken, a.jobs, targets=a.targets or None,
-            timeout=a.timeout or None, stand_ins=not a.no_stand_ins, adapter_settings=settings)
+    if a.no_vtoken and a.adapter_settings is not None:
+        ap.error("argument --adapter-settings: not with --no-vtoken (no adapter is attached)")
+    try:
+        preflight(a.python, a.version, not a.no_vtoken)
+    except PreflightError as e:
+        ap.error(f"argument {e.arg}: {e}")
+    r = run(a.version, a.python, None if a.out is None else Path(a.out), not a.no_vtoken, a.jobs,
+            targets=a.targets or None, timeout=a.timeout or None, stand_ins=not a.no_stand_ins,
+            adapter_settings=a.adapter_settings or None)
     print(json.dumps(r, indent=1) if a.json else format_text(r))
     return 0
 

@@ -40,7 +40,8 @@ tell a test that never built a scheduler (vtoken not in play) from one that did.
 
 Owns: the wrapped scheduler ``__init__``s (for the whole session: nothing unwraps them) and weak
 references to the adapters attached in the current test.
-May call: vllm (scheduler classes), vtoken.vllm_adapter (adapter, hooks, harness), pytest.
+May call: vllm (scheduler classes), vtoken.vllm_adapter (adapter, hooks, harness), vtoken.cli.args (the option's
+check), pytest.
 Costs: one ``attach`` per scheduler a test builds, then the adapter's per-step cost.
 """
 
@@ -61,7 +62,10 @@ _STATS = ("headroom_yielded", "backpressure_steps", "preemptions")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--vtoken-adapter-settings", default="{}",
+    from vtoken.cli.args import json_object
+
+    # a JSON object, checked as the command line is parsed (pytest's usage error, before any test)
+    parser.addoption("--vtoken-adapter-settings", type=json_object, default={},
                      help="JSON keyword arguments for VTokenAdapter.attach (default: the adapter's defaults)")
 
 
@@ -140,7 +144,7 @@ def install(settings: dict | None = None) -> None:
 
 
 def pytest_configure(config):
-    install(json.loads(config.getoption("--vtoken-adapter-settings") or "{}"))
+    install(config.getoption("--vtoken-adapter-settings") or {})
     config.addinivalue_line("markers", "vtoken_in_place: vLLM's schedulers run with the vtoken adapter attached")
 
 

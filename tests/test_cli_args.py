@@ -18,12 +18,21 @@ import vtoken.fuzz.campaign as campaign
 import vtoken.fuzz.mutation as mutation
 import vtoken.fuzz.planted as planted
 import vtoken.invariants.mutants as mutants
+import vtoken.invariants.small_scope as small_scope
 import vtoken.reports.audit as audit
+import vtoken.reports.vllm_own_tests as own_tests
 from vtoken.cli.main import main
 
 # Placeholders, filled per test: {file} a regular file, {notjson} a file that is not JSON,
-# {list_json} JSON of the wrong kind, {out} an output folder that must not get created.
+# {list_json} JSON of the wrong kind, {out} an output folder that must not get created,
+# {fake_py} / {fake_py_novllm} an executable that answers the own-tests probe as a Python with
+# vLLM 0.33.0 / without vLLM. Pseudo-commands: "vtoken" the dispatcher itself, "bench-adapter",
+# "own-tests" (python -m vtoken.reports.vllm_own_tests), "small-scope" (python -m
+# vtoken.invariants.small_scope).
 ROWS = [
+    # the dispatcher
+    (["vtoken", "nope"], "command"),
+    (["vtoken"], "command"),
     # decode: the rows of the issue, then every numeric argument at its boundary
     (["decode", "--requests", "-3", "--json"], "--requests"),
     (["decode", "--block-size", "0"], "--block-size"),
@@ -50,6 +59,18 @@ ROWS = [
     (["decode", "--device", "cuda:99"], "--device"),  # no such device, with or without a GPU
     (["decode", "--compare", "nope"], "--compare"),
     (["decode", "--snapshot-dir", "{file}/snaps"], "--snapshot-dir"),
+    (["decode", "--budget", "1"], "--budget"),  # the allocator needs the null block and one more
+    (["decode", "--block-size", "5000"], "--block-size"),  # over the token table's 4096
+    (["decode", "--budget", "300000", "--block-size", "4096"], "--budget"),  # over the table's 2^30 slots
+    (["decode", "--threads", "100000"], "--threads"),  # torch crashed (SIGSEGV)
+    # flags that would be silently ignored
+    (["decode", "--mode", "native", "--compare", "native"], "--compare"),
+    (["decode", "--mode", "native", "--check-relocations"], "--check-relocations"),
+    (["decode", "--mode", "naive-evict", "--theta-f", "0.5"], "--theta-f"),
+    (["decode", "--mode", "naive-evict", "--force-sync"], "--force-sync"),
+    (["decode", "--snapshot-dir", "{out}"], "--snapshot-dir"),  # without --check-relocations
+    (["decode", "--mode", "native", "--policy", "random"], "--policy"),
+    (["decode", "--mode", "native", "--evict-ratio", "0.3"], "--evict-ratio"),
     # bench (and its adapter front end)
     (["bench", "nope"], "what"),
     (["bench", "table", "--seed", "-1"], "--seed"),
@@ -90,6 +111,12 @@ ROWS = [
     (["fuzz", "--planted", "all", "--budget", "0"], "--budget"),
     (["fuzz", "--runs", "2"], "--runs"),
     (["fuzz", "--planted", "all", "--machines", "table"], "--planted"),
+    (["fuzz", "--planted", "all", "--minutes", "5"], "--minutes"),  # the planted runs ignored these
+    (["fuzz", "--planted", "all", "--profile", "ci"], "--profile"),
+    (["fuzz", "--planted", "all", "--seed", "3"], "--seed"),
+    (["fuzz", "--planted", "waste_drift,waste_drift"], "--planted"),
+    (["fuzz", "--machines", "table", "table"], "--machines"),
+    (["fuzz", "--impl", "tests.alt_table:AltTable", "--impl", "tests.alt_table:AltTable"], "--impl"),
     # audit
     (["audit", "--compare", "/nonexistent.json", "--only", "table", "--out", "{out}"], "--compare"),
     (["audit", "--compare", "{notjson}"], "--compare"),
@@ -108,6 +135,13 @@ ROWS = [
     (["audit", "--compare", "{deep_json}"], "--compare"),
     (["audit", "--compare", "{bigint_json}"], "--compare"),
     (["audit", "--only", "tabel"], "--only"),
+    (["audit", "--only", "--out", "{out}"], "--only"),  # no name: not the whole audit by accident
+    (["audit", "--only", ""], "--only"),
+    (["audit", "--only", "check"], "--only"),  # a part of every check's name
+    (["audit", "--only", "waste", "waste"], "--only"),
+    (["audit", "--vllm", "0.33.0", "--matrix", "0.33.0"], "--matrix"),
+    (["audit", "--matrix", "0.33.0", "--compare", "{audit_ok}"], "--compare"),
+    (["audit", "--rebuild-env"], "--rebuild-env"),
     (["audit", "--fuzz-examples", "0"], "--fuzz-examples"),
     (["audit", "--seed", "-1"], "--seed"),
     (["audit", "--out", "{file}"], "--out"),
@@ -126,12 +160,41 @@ ROWS = [
     (["mutate", "--rerun", "{notjson}"], "--rerun"),
     (["mutate", "--repo", "{out}"], "--repo"),
     (["mutate", "--out", "{file}"], "--out"),
+    (["mutate", "--only", "nope", "--out", "{out}"], "--only"),  # no such mutant key
+    (["mutate", "--only", "nope", "nope"], "--only"),
+    (["mutate", "--files", "vtoken/table.py", "vtoken/table.py"], "--files"),
+    (["mutate", "--files", "fuzz/campaign.py"], "--files"),  # not under vtoken/: not in the snapshot there
+    (["mutate", "--files", "vtoken/../vtoken/table.py"], "--files"),
     # check-mutants
     (["check-mutants", "--per-operator", "0"], "--per-operator"),
     (["check-mutants", "--seed", "-1"], "--seed"),
     (["check-mutants", "--paths", "nope"], "--paths"),
     (["check-mutants", "--paths", ","], "--paths"),
+    (["check-mutants", "--paths", "planner,planner"], "--paths"),
+    # python -m vtoken.reports.vllm_own_tests
+    (["own-tests", "--jobs", "0"], "--jobs"),
+    (["own-tests", "--timeout", "-1"], "--timeout"),
+    (["own-tests", "--adapter-settings", "{bad"], "--adapter-settings"),
+    (["own-tests", "--adapter-settings", "[1]"], "--adapter-settings"),
+    (["own-tests", "--no-vtoken", "--adapter-settings", "{}"], "--adapter-settings"),
+    (["own-tests", "--python", "/nonexistent/python"], "--python"),
+    (["own-tests", "--python", "{file}"], "--python"),  # not executable
+    (["own-tests", "--python", "{fake_py_novllm}"], "--python"),
+    (["own-tests", "--python", "{fake_py}", "--version", "0.32.0"], "--version"),
+    (["own-tests", "--version", "0.33"], "--version"),
+    (["own-tests", "--out", "{file}"], "--out"),
+    (["own-tests", "/abs/test_x.py"], "targets"),
+    # python -m vtoken.invariants.small_scope [max_S [max_blocks [max_requests [budget_s]]]]
+    (["small-scope", "x"], "max_S"),
+    (["small-scope", "-1"], "max_S"),
+    (["small-scope", "2", "0"], "max_blocks"),
+    (["small-scope", "2", "3", "1", "nan"], "budget_s"),
 ]
+
+# pseudo-command -> (prog, entry point)
+ENTRY = {"vtoken": ("vtoken", main), "bench-adapter": ("vtoken bench adapter", lambda a: bench_adapter.main(a)),
+         "own-tests": ("python -m vtoken.reports.vllm_own_tests", lambda a: own_tests.main(a)),
+         "small-scope": ("python -m vtoken.invariants.small_scope", lambda a: small_scope.main(a))}
 
 
 def _started(*a, **k):
@@ -152,6 +215,8 @@ def no_work(monkeypatch):
     monkeypatch.setattr(audit, "run_audit", _started)
     monkeypatch.setattr(mutation, "run_campaign", _started)
     monkeypatch.setattr(mutants, "run", _started)
+    monkeypatch.setattr(own_tests, "run", _started)
+    monkeypatch.setattr(small_scope, "run_small_scope", _started)
 
 
 def _audit(checks, **top):
@@ -218,10 +283,16 @@ def test_bad_argument_refused_at_parse_time(argv, arg, tmp_path, monkeypatch, ca
     (inputs / "bigint.json").write_text('{"checks": [], "n": ' + "9" * 5000 + "}")
     (inputs / "vtoken_cli_args_raises.py").write_text(_RAISES)
     (inputs / "vtoken_cli_args_impls.py").write_text(_IMPLS)
+    (inputs / "audit_ok.json").write_text(json.dumps(_audit([])))
+    for name, vllm in (("fake_py", '"0.33.0"'), ("fake_py_novllm", "null")):
+        (inputs / name).write_text("#!/bin/sh\necho '{\"vllm\": %s, \"pytest\": true, \"vtoken\": true}'\n" % vllm)
+        (inputs / name).chmod(0o755)
     monkeypatch.syspath_prepend(str(inputs))
     subs = {"{file}": str(inputs / "file"), "{notjson}": str(inputs / "notjson.json"),
             "{list_json}": str(inputs / "list.json"), "{out}": str(out), "{deep_json}": str(inputs / "deep.json"),
-            "{bigint_json}": str(inputs / "bigint.json"), "{closed_port}": _closed_port()}
+            "{bigint_json}": str(inputs / "bigint.json"), "{closed_port}": _closed_port(),
+            "{audit_ok}": str(inputs / "audit_ok.json"), "{fake_py}": str(inputs / "fake_py"),
+            "{fake_py_novllm}": str(inputs / "fake_py_novllm")}
     for name, obj in BAD_AUDITS.items():
         (inputs / f"{name}.json").write_text(json.dumps(obj))
         subs[f"{{audit:{name}}}"] = str(inputs / f"{name}.json")
@@ -229,15 +300,15 @@ def test_bad_argument_refused_at_parse_time(argv, arg, tmp_path, monkeypatch, ca
     monkeypatch.chdir(cwd)  # default output folders (reports/, out/) are relative to it
     monkeypatch.setenv("VTOKEN_DEVICE", "cpu")
     cmd = argv[0]
+    prog, entry = ENTRY.get(cmd, (f"vtoken {cmd}", None))
     with pytest.raises(SystemExit) as e:
-        if cmd == "bench-adapter":
-            bench_adapter.main(argv[1:])
+        if entry is not None:
+            entry(argv[1:])
         else:
             main(argv)
     assert e.value.code == 2
     std = capsys.readouterr()
     assert "Traceback" not in std.err + std.out
-    prog = "vtoken bench adapter" if cmd == "bench-adapter" else f"vtoken {cmd}"
     lines = std.err.strip().splitlines()
     errors = [l for l in lines if l.startswith(f"{prog}: error: ")]
     assert len(errors) == 1 and lines[-1] == errors[0], std.err  # one error line, after argparse's usage
@@ -389,3 +460,45 @@ def test_every_audit_json_the_compare_argument_accepts_compares():
                 assert isinstance(audit.compare(old, n), list)
 
     run()
+
+
+# ---------------------------------------------------------------------------- the refusals' other sides
+def test_vllm_tests_plugin_refuses_bad_adapter_settings_as_a_usage_error(tmp_path):
+    """``--vtoken-adapter-settings`` that is not a JSON object: pytest's usage error (exit 4, one
+    error line naming the option), not an INTERNALERROR traceback from pytest_configure."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    for bad in ("{bad", "[1]"):
+        p = subprocess.run([sys.executable, "-m", "pytest", "-p", "vtoken.reports.vllm_tests_plugin", "-p",
+                            "no:cacheprovider", "--vtoken-adapter-settings", bad, "test_x.py"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        out = p.stdout + p.stderr
+        assert p.returncode == 4, out
+        assert "INTERNALERROR" not in out and "Traceback" not in out
+        assert "error: argument --vtoken-adapter-settings: " in out, out
+
+
+def test_mutate_only_takes_the_keys_of_the_mutants_of_files():
+    """The --only check refuses what no mutant has and accepts what --list names (the keys of
+    the repository's --files, as the snapshot will hold them)."""
+    import argparse
+    from pathlib import Path
+
+    repo = Path(mutation.__file__).resolve().parents[1]
+    keys = [m.key for m in mutation.generate((repo / "vtoken/table.py").read_text(), "vtoken/table.py")]
+    mutation._check_only(argparse.ArgumentParser(), keys[:3], repo, ["vtoken/table.py"])
+    with pytest.raises(SystemExit):
+        mutation._check_only(argparse.ArgumentParser(), keys[:1], repo, ["vtoken/planner.py"])
+
+
+def test_own_tests_preflight_accepts_a_python_that_has_the_version(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho '{\"vllm\": \"0.33.0\", \"pytest\": true, \"vtoken\": false}'\n")
+    fake.chmod(0o755)
+    probe, version = own_tests.preflight(str(fake), None, with_vtoken=False)
+    assert version == "0.33.0" and probe["pytest"] is True
+    with pytest.raises(own_tests.PreflightError) as e:
+        own_tests.preflight(str(fake), "0.33.0", with_vtoken=True)
+    assert e.value.arg == "--python" and "cannot import vtoken" in str(e.value)

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
-__all__ = ["positive_int", "nonneg_int", "positive_float", "fraction_in", "percent", "writable_dir",
-           "existing_dir", "existing_json_file", "redis_url", "example_db", "comma_choices", "device"]
+__all__ = ["positive_int", "nonneg_int", "int_in", "positive_float", "fraction_in", "percent", "writable_dir",
+           "existing_dir", "existing_json_file", "json_object", "redis_url", "example_db", "comma_choices",
+           "repeated", "device"]
 
 Bad = argparse.ArgumentTypeError
 
@@ -63,6 +64,18 @@ def nonneg_int(value: str) -> int:
     if n < 0:
         raise Bad(f"must be an integer >= 0, got {value!r}")
     return n
+
+
+def int_in(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
+    """An integer in ``[lo, hi]``; ``why`` says where the upper limit comes from."""
+    def check(value: str) -> int:
+        n = _int(value)
+        if not lo <= n <= hi:
+            raise Bad(f"must be an integer in [{lo}, {hi}]{' (' + why + ')' if why else ''}, got {value!r}")
+        return n
+
+    check.__name__ = f"integer in [{lo}, {hi}]"
+    return check
 
 
 def positive_float(value: str) -> float:
@@ -145,6 +158,23 @@ def existing_json_file(kind: str, check: Optional[Callable[[Any], Optional[str]]
     return load
 
 
+def json_object(value: str) -> dict:
+    """An inline JSON object with string keys (keyword arguments, e.g. ``'{"reclaim": false}'``);
+    returns the dict. ``''`` is ``{}``."""
+    if not value.strip():
+        return {}
+    try:
+        obj = json.loads(value)
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
+        raise Bad(f"{value[:80]!r} is not JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(obj, dict):
+        raise Bad(f"expected a JSON object of keyword arguments, got {type(obj).__name__} {value[:80]!r}")
+    bad = [k for k in obj if not k.isidentifier()]
+    if bad:
+        raise Bad(f"{bad[0]!r} is not a keyword argument name")
+    return obj
+
+
 def redis_url(value: str) -> str:
     """``redis://host[:port][/db]``, and the ``redis`` package installed (nothing connects)."""
     try:
@@ -175,8 +205,8 @@ def example_db(value: str) -> str:
 
 
 def comma_choices(choices: Iterable[str], *, special: Iterable[str] = ()) -> Callable[[str], str]:
-    """A comma-separated, non-empty subset of ``choices`` (or one of ``special`` alone, e.g.
-    ``all``). The string is returned unchanged."""
+    """A comma-separated, non-empty subset of ``choices``, each name once (or one of
+    ``special`` alone, e.g. ``all``). The string is returned unchanged."""
     choices, special = sorted(choices), tuple(special)
 
     def check(value: str) -> str:
@@ -190,10 +220,24 @@ def comma_choices(choices: Iterable[str], *, special: Iterable[str] = ()) -> Cal
             alts = list(special) + choices
             more = f", ... ({len(alts)} in all)" if len(alts) > 12 else ""
             raise Bad(f"unknown {', '.join(map(repr, bad))} (choose from {', '.join(alts[:12])}{more})")
+        twice = repeated(names)
+        if twice:
+            raise Bad(f"{', '.join(map(repr, twice))} given twice in {value!r}")
         return value
 
     check.__name__ = "comma-separated list"
     return check
+
+
+def repeated(names: Iterable) -> list:
+    """The names given more than once, in first-seen order (for ``nargs`` lists, checked
+    after ``parse_args``: ``ap.error(f"argument --x: {n!r} given twice")``)."""
+    seen, twice = set(), []
+    for n in names:
+        if n in seen and n not in twice:
+            twice.append(n)
+        seen.add(n)
+    return twice
 
 
 def device(value: str) -> str:

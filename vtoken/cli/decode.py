@@ -12,7 +12,7 @@ Exit status: 0 ok; 1 a hash-and-compare failure or an output mismatch; 2 a bad a
 not hold the batch (out of blocks).
 
 Owns: nothing beyond one ``DecodeEngine`` per mode run, dropped when it returns.
-May call: vtoken.decode, .model, .policies, .errors, vtoken.invariants.relocation_hash, .args,
+May call: vtoken.decode, .model, .policies, .errors, .table (its limits), vtoken.invariants.relocation_hash, .args,
 torch, numpy.
 Costs: one decode per mode (two with ``--compare``): the engine's per-step cost times the steps.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,7 +36,8 @@ from ..errors import AllocatorError, RelocationCheckError, VTokenError
 from ..model import DecoderConfig, PagedDecoder
 from ..policies import POLICIES
 from ..invariants.relocation_hash import RelocationChecker
-from .args import device, fraction_in, nonneg_int, positive_int, writable_dir
+from ..table import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_SLOTS
+from .args import device, fraction_in, int_in, nonneg_int, positive_int, writable_dir
 
 __all__ = ["main_decode", "bench_decode", "make_prompts"]
 
@@ -90,18 +92,45 @@ def _print_summary(d: dict, stream=sys.stdout) -> None:
           f"waste ratio end {d['waste_ratio_end']:.3f}, mean {d['waste_ratio_mean']:.3f}", file=stream)
 
 
+# flags that only act in a vtoken run (the planner, its copies and their checks)
+_VTOKEN_ONLY = ("check_relocations", "snapshot_dir", "force_sync", "theta_f", "check_every", "headroom", "max_sources")
+
+
+def _refuse_conflicts(ap: argparse.ArgumentParser, a) -> None:
+    """Flags that would be silently ignored, or a budget the token table cannot hold:
+    ``ap.error`` (one line, exit 2) before anything is built."""
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    if a.compare is not None and a.compare == a.mode:
+        ap.error(f"argument --compare: {a.compare} is --mode already (nothing to compare)")
+    if a.mode != "vtoken":  # --compare is never vtoken: no run plans
+        for name in _VTOKEN_ONLY:
+            if getattr(a, name) not in (None, False):
+                ap.error(f"argument {flag(name)}: acts in a vtoken run only (--mode is {a.mode})")
+    if a.snapshot_dir is not None and not a.check_relocations:
+        ap.error("argument --snapshot-dir: only with --check-relocations (it holds the snapshots of failing "
+                 "relocations)")
+    if a.mode == "native" and a.compare != "naive-evict":  # native evicts nothing
+        for name in ("policy", "evict_ratio"):
+            if getattr(a, name) is not None:
+                ap.error(f"argument {flag(name)}: native mode evicts nothing (use --compare naive-evict or "
+                         f"another --mode)")
+    if a.budget is not None and a.budget * a.block_size > MAX_SLOTS:
+        ap.error(f"argument --budget: {a.budget} blocks of {a.block_size} slots is more than the token "
+                 f"table's {MAX_SLOTS} slots")
+
+
 def main_decode(argv) -> int:
     ap = argparse.ArgumentParser(prog="vtoken decode", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policy", choices=sorted(POLICIES), default="h2o")
+    ap.add_argument("--policy", choices=sorted(POLICIES), default=None, help="eviction policy (default h2o)")
     ap.add_argument("--mode", choices=MODES, default="vtoken")
     ap.add_argument("--requests", type=positive_int, default=4)
     ap.add_argument("--prompt-tokens", type=positive_int, default=64)
     ap.add_argument("--new-tokens", type=positive_int, default=64, help="generated tokens per request")
-    ap.add_argument("--evict-ratio", type=fraction_in(0, 1), default=0.5, help="in [0, 1)")
+    ap.add_argument("--evict-ratio", type=fraction_in(0, 1), default=None, help="in [0, 1) (default 0.5)")
     ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
-    ap.add_argument("--budget", type=positive_int, default=None,
-                    help="KV block budget (default: full retention + headroom)")
-    ap.add_argument("--block-size", type=positive_int, default=16)
+    ap.add_argument("--budget", type=int_in(2, MAX_BLOCKS, "the null block and one more, at most"), default=None,
+                    help="KV block budget, the null block included (default: full retention + headroom)")
+    ap.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE, "the token table's limit"), default=16)
     ap.add_argument("--check-relocations", action="store_true", help="hash-and-compare every relocation")
     ap.add_argument("--compare", choices=["naive-evict", "native"], default=None,
                     help="also run this mode on the same prompts and compare every output token")
@@ -110,12 +139,16 @@ def main_decode(argv) -> int:
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     ap.add_argument("--snapshot-dir", type=writable_dir, default=None, help="where failing plans' snapshots are written")
     ap.add_argument("--force-sync", action="store_true", help="host-wait every relocation copy (ablation)")
-    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    ap.add_argument("--threads", type=int_in(1, os.cpu_count() or 1, "the CPUs here"), default=None,
+                    help="torch CPU threads")
     ap.add_argument("--theta-f", type=fraction_in(0, 1, hi_open=False), default=None, help="in [0, 1]")
     ap.add_argument("--check-every", type=positive_int, default=None)
     ap.add_argument("--headroom", type=nonneg_int, default=None)
     ap.add_argument("--max-sources", type=positive_int, default=None)
     a = ap.parse_args(argv)
+    _refuse_conflicts(ap, a)
+    a.policy = a.policy or "h2o"
+    a.evict_ratio = 0.5 if a.evict_ratio is None else a.evict_ratio
     if a.threads:
         torch.set_num_threads(a.threads)
     base = default_planner_config()  # the shipped defaults; the flags override single fields

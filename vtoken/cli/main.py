@@ -24,9 +24,17 @@ def main(argv=None) -> int:
         "mutate": "vtoken.fuzz.mutation:main",
         "check-mutants": "vtoken.invariants.mutants:main",
     }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: vtoken {" + ",".join(commands) + "} ...")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    usage = "vtoken {" + ",".join(commands) + "} ..."
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: " + usage)
+        return 0
+    if not argv or argv[0] not in commands:
+        import argparse
+
+        # argparse's own refusal: usage, then one error line, exit 2
+        what = f"invalid choice: {argv[0]!r}" if argv else "a command is required"
+        argparse.ArgumentParser(prog="vtoken", usage=usage).error(
+            f"argument command: {what} (choose from {', '.join(commands)})")
     mod, fn = commands[argv[0]].split(":")
     import importlib
 
