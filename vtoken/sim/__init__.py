@@ -19,6 +19,7 @@ fuzz/ or reports/.
 Costs: the experiments' sum: seconds with ``quick=True``, hours for the full ``run_all``.
 """
 
+from .config import need_run_args
 from .frontier import run_frontier
 from .robustness import run_robustness
 from .scaling import run_scaling
@@ -44,6 +45,7 @@ def run_all(quick: bool = False, seeds: int | None = None, out=None, jobs: int |
     """Every experiment of :data:`EXPERIMENTS` into one folder, plus ``README.md`` /
     ``all.json`` with the timings. Retained runs first: its Naive-Evict runs are the waste
     figure's too (the same traces and decisions), so waste does not replay them."""
+    need_run_args("run_all", quick, seeds, jobs)
     import json
     import time
 

@@ -26,7 +26,7 @@ drawn from a ``numpy.random.Generator`` the caller seeds, so a run is a pure fun
 its seed.
 
 Owns: nothing (a frozen model; the caller's generator holds the randomness).
-May call: numpy, dataclasses; never spec/, invariants/, fuzz/ or reports/.
+May call: numpy, dataclasses, vtoken.sim.config; never spec/, invariants/, fuzz/ or reports/.
 Costs: ``importance`` O(tokens); ``window`` O(live tokens) per observation window.
 """
 
@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from .config import need_int, need_number
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,19 @@ class AttentionModel:
     tau: float = 32.0
     alpha: float = 1.0
     noise: float = 0.5
+
+    def __post_init__(self) -> None:
+        """Every field checked (:class:`~vtoken.errors.ConfigError` naming
+        ``AttentionModel.<field>`` and the value): ``sigma``, ``alpha``, ``noise`` finite
+        numbers >= 0; ``rho`` in [0, 1) (the kernel ``rho ** k`` must decay); ``sink_boost``,
+        ``tau`` finite numbers > 0; ``n_sink`` an integer >= 0. O(1)."""
+        o = "AttentionModel"
+        for name in ("sigma", "alpha", "noise"):
+            need_number(o, name, getattr(self, name), 0)
+        need_number(o, "rho", self.rho, 0, 1, hi_open=True)
+        for name in ("sink_boost", "tau"):
+            need_number(o, name, getattr(self, name), 0, lo_open=True)
+        need_int(o, "n_sink", self.n_sink, 0)
 
     def describe(self) -> dict:
         return asdict(self)

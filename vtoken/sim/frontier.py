@@ -29,7 +29,7 @@ emptiest sources (freeing k blocks moves at least k blocks' live tokens).
 Normalised demand = peak (used + reserved) blocks / usable blocks.
 
 Owns: nothing (each run's Replay lives in its task; writes only the result files).
-May call: vtoken.sim (replay, schedule, parallel, stats, traces, workloads, report), vtoken.planner,
+May call: vtoken.sim (replay, schedule, parallel, stats, traces, workloads, report, config), vtoken.planner,
 numpy; never spec/, invariants/, fuzz/ or reports/.
 Costs: one Replay of 16K steps per (C, budget, seed) point, bisection for vToken: minutes to hours;
 quick seconds.
@@ -44,6 +44,7 @@ import numpy as np
 from vtoken.planner import PlannerConfig
 
 from . import report as rep
+from .config import need_run_args
 from .replay import Replay
 from .parallel import default_jobs, run_tasks
 from .schedule import cached_schedule, fixed_budget
@@ -263,6 +264,7 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
                  ablations: bool = True, progress=None) -> dict:
     """Find the highest feasible concurrency per system and budget; returns the result dict
     (``frontier[budget] = {native, naive-evict, vtoken, vtoken_default}``, medians over seeds)."""
+    need_run_args("run_frontier", quick, seeds, jobs)
     st = setting(quick)
     n_seeds = seeds or st["seeds"]
     jobs = jobs or default_jobs(quick)

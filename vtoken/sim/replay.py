@@ -31,8 +31,8 @@ Demand is ``used + reserved`` blocks (headroom is carved out of the same budget)
 
 Owns: a run's TokenTable, BlockAllocator, ReclamationManager and per-request held blocks and
 timelines.
-May call: vtoken.table, .allocator, .planner, vtoken.sim.schedule, numpy; never spec/, invariants/,
-fuzz/ or reports/.
+May call: vtoken.table, .allocator, .planner, .errors, vtoken.sim.schedule, .config, numpy; never spec/,
+invariants/, fuzz/ or reports/.
 Costs: per step O(running requests + victims + new blocks) plus ``manager.step``; samples
 O(requests).
 """
@@ -46,9 +46,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vtoken.allocator import BlockAllocator
+from vtoken.errors import ConfigError
 from vtoken.planner import MODES, NullCopyEngine, PlannerConfig, ReclamationManager
-from vtoken.table import TokenTable
+from vtoken.table import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_SLOTS, TokenTable
 
+from .config import need_bool, need_choice, need_int
 from .schedule import Schedule
 
 
@@ -81,25 +83,38 @@ def _chunks(P: int):
 
 
 class Replay:
+    """One replay of ``schedules`` (each a :class:`Schedule`, in admission order) in ``mode``
+    (``native`` | ``naive-evict`` | ``vtoken``) over a pool of ``num_blocks`` blocks of
+    ``block_size`` slots (the null block included).
+
+    ``planner``: the vToken planner's settings (default ``PlannerConfig()``); ``latency``: copy
+    polls before a plan completes (``NullCopyEngine``); ``max_batch``: running requests at most
+    (default all); ``sample_every`` / ``flush_every``: steps between block samples / table
+    flushes (0: never; a flush also runs every step with ``slot_mapping``); ``timeline_every``:
+    steps between timeline points (>= 1); the rest are switches. Every argument is checked
+    before anything is built (:class:`~vtoken.errors.ConfigError` naming ``Replay.<field>``
+    and the value): the owner builds the run's table, allocator and manager only then.
+    """
+
     def __init__(self, schedules: list[Schedule], mode: str, block_size: int, num_blocks: int,
                  planner: PlannerConfig | None = None, latency: int = 1, max_batch: int | None = None,
                  sample_every: int = 16, flush_every: int = 64, stop_on_preempt: bool = True,
                  timeline: bool = False, phase_timing: bool = False, slot_mapping: bool = False,
                  force_sync: bool = False, req_timeline: bool = False, timeline_every: int = 1,
                  defer_inflight_victims: bool = True):
-        if mode not in MODES:
-            raise ValueError(mode)
+        self._check_args(locals())
         self.mode, self.S, self.num_blocks = mode, int(block_size), int(num_blocks)
         self.table = TokenTable(self.S, self.num_blocks)
         self.alloc = BlockAllocator(self.num_blocks)
         self.queue = list(enumerate(schedules))
         self.max_batch = max_batch or len(schedules)
-        self.sample_every, self.flush_every = sample_every, flush_every
-        self.stop_on_preempt = stop_on_preempt
-        self.timeline = timeline
-        self.timeline_every = max(1, int(timeline_every))
+        self.sample_every, self.flush_every = int(sample_every), int(flush_every)
+        self.stop_on_preempt = bool(stop_on_preempt)
+        self.timeline = bool(timeline)
+        self.timeline_every = int(timeline_every)
         self.req_tl: list | None = [] if req_timeline else None
-        self.phase_timing, self.want_slot_mapping, self.force_sync = phase_timing, slot_mapping, force_sync
+        self.phase_timing, self.want_slot_mapping = bool(phase_timing), bool(slot_mapping)
+        self.force_sync = bool(force_sync)
         self.active: list[_R] = []
         self.busy: dict[int, int] = {}  # source or fill block -> plan id (in-flight plans)
         self.busy_mask = np.zeros(self.num_blocks, dtype=bool)  # the same, as a mask (vector lookups)
@@ -125,6 +140,32 @@ class Replay:
         self.phase_steps = 0
         self.traffic = dict(plans=0, moved=0, freed=0, bound=0, source_live=0, sources=0, dests=0,
                             peak_inflight_blocks=0, peak_inflight_dests=0)
+
+    @staticmethod
+    def _check_args(a: dict) -> None:
+        """The constructor's arguments (``locals()``), each against its range; O(schedules)."""
+        o = "Replay"
+        sch = a["schedules"]
+        if not isinstance(sch, (list, tuple)) or not all(isinstance(x, Schedule) for x in sch):
+            raise ConfigError("bad_type", f"{o}.schedules must be a list of Schedule, got {type(sch).__name__}")
+        if not sch:
+            raise ConfigError("out_of_range", f"{o}.schedules must be a non-empty list of Schedule, got []")
+        need_choice(o, "mode", a["mode"], MODES)
+        S = need_int(o, "block_size", a["block_size"], 1, MAX_BLOCK_SIZE)
+        nb = need_int(o, "num_blocks", a["num_blocks"], 2, MAX_BLOCKS)
+        if S * nb > MAX_SLOTS:
+            raise ConfigError("out_of_range", f"{o}.num_blocks must be at most {MAX_SLOTS // S} (the token table's "
+                                              f"{MAX_SLOTS} slots over block_size {S}), got {nb!r}")
+        if a["planner"] is not None and not isinstance(a["planner"], PlannerConfig):
+            raise ConfigError("bad_type", f"{o}.planner must be a PlannerConfig or None, got {a['planner']!r}")
+        need_int(o, "latency", a["latency"], 0)
+        need_int(o, "max_batch", a["max_batch"], 1, none_ok=True)
+        need_int(o, "sample_every", a["sample_every"], 0)
+        need_int(o, "flush_every", a["flush_every"], 0)
+        need_int(o, "timeline_every", a["timeline_every"], 1)
+        for name in ("stop_on_preempt", "timeline", "phase_timing", "slot_mapping", "force_sync", "req_timeline",
+                     "defer_inflight_victims"):
+            need_bool(o, name, a[name])
 
     # -------------------------------------------------------------- planner hooks
     def _count_plan(self, p) -> None:

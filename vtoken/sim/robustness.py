@@ -16,7 +16,7 @@ what was in flight (bytes held by copies: sources still held, destinations reser
 ``min_over_ideal`` = the smallest frontier over every cell and seed divided by the ideal.
 
 Owns: nothing (each cell's Replay lives in its task; writes only the result files).
-May call: vtoken.sim (frontier, parallel, stats, report), vtoken.planner, numpy; never spec/,
+May call: vtoken.sim (frontier, parallel, stats, report, config), vtoken.planner, numpy; never spec/,
 invariants/, fuzz/ or reports/.
 Costs: one frontier run per (budget, latency, interval, seed) cell, a search where it fails: hours;
 quick minutes.
@@ -31,6 +31,7 @@ import numpy as np
 from vtoken.planner import PlannerConfig
 
 from . import report as rep
+from .config import need_run_args
 from .frontier import GEOMETRIES, _run, _search, _task_schedules, geometry_budgets, setting
 from .parallel import default_jobs, run_tasks
 from .stats import fmt, int_summary, summary
@@ -59,6 +60,7 @@ def run_robustness(quick: bool = False, seeds: int | None = None, out=None, jobs
                    latencies=None, intervals=None, progress=None) -> dict:
     """The grid (copy latencies 0-4 x check intervals 1-4; quick: 0, 4 x 1, 4); returns
     ``grid[budget]["K=k,latency=l"] = frontier summary`` and ``min_over_ideal``."""
+    need_run_args("run_robustness", quick, seeds, jobs)
     st = setting(quick)
     latencies = tuple(latencies or st["robust_grid"][0])
     intervals = tuple(intervals or st["robust_grid"][1])

@@ -17,7 +17,7 @@ The policy's own scoring is not included (it is the policy's cost, not the subst
 Times are wall-clock on a shared machine: medians over seeds.
 
 Owns: nothing (each measurement's Replay lives in its task).
-May call: vtoken.sim (replay, schedule, parallel, stats, report), vtoken.planner, numpy; never
+May call: vtoken.sim (replay, schedule, parallel, stats, report, config), vtoken.planner, numpy; never
 spec/, invariants/, fuzz/ or reports/.
 Costs: per R a timed Replay: O(R) work per step by design (what it measures); minutes at R = 1,024.
 """
@@ -31,6 +31,7 @@ import numpy as np
 from vtoken.planner import PlannerConfig
 
 from . import report as rep
+from .config import need_run_args
 from .replay import Replay
 from .schedule import Schedule
 from .stats import fmt, summary
@@ -89,6 +90,7 @@ def measure(R, st, seed) -> dict:
 def run_scaling(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
                 sizes=SIZES, progress=None) -> dict:
     """Per-step scheduler-side cost by phase at 16-1,024 requests; always sequential (timing)."""
+    need_run_args("run_scaling", quick, seeds, jobs)
     st = _setting(quick)
     n_seeds = seeds or st["seeds"]
     t0 = time.perf_counter()

@@ -18,8 +18,8 @@ requires -- so the live count never exceeds the budget, and the policy's scores 
 most ``window`` steps stale. The victim order within a window is logical order.
 
 Owns: the on-disk schedule cache (``cache_dir()``; keyed by the arguments and the code's hash).
-May call: vtoken.policies, vtoken.sim.attention, numpy, hashlib; never spec/, invariants/, fuzz/ or
-reports/.
+May call: vtoken.policies, .errors, vtoken.sim.attention, .config, numpy, hashlib; never spec/, invariants/,
+fuzz/ or reports/.
 Costs: a schedule O(steps / window x policy cost): seconds for 12K steps; a cache hit O(file).
 """
 
@@ -34,18 +34,61 @@ from typing import Callable
 
 import numpy as np
 
-from vtoken.policies import make_policy
+from vtoken.errors import ConfigError
+from vtoken.policies import POLICIES, make_policy
 
 from .attention import AttentionModel
+from .config import need_choice, need_int, need_number
 
 
 @dataclass
 class Schedule:
+    """One request's evictions: ``victims[offsets[s]:offsets[s + 1]]`` at step ``s``.
+
+    Checked at construction (:class:`~vtoken.errors.ConfigError` naming ``Schedule.<field>``
+    and the value): ``prompt`` an integer >= 1, ``output`` >= 0; ``victims`` and ``offsets``
+    1-D integer arrays (kept as int64), ``offsets`` of ``output + 2`` entries rising from 0
+    to ``len(victims)``; every victim a token that exists at its step (``< prompt + s``),
+    none twice. O(victims log victims).
+    """
+
     prompt: int
     output: int
     victims: np.ndarray  # int64, concatenated per step
     offsets: np.ndarray  # int64, len output + 2
     policy: str = ""
+
+    def __post_init__(self) -> None:
+        o = "Schedule"
+        self.prompt = need_int(o, "prompt", self.prompt, 1)
+        self.output = need_int(o, "output", self.output, 0)
+        for name in ("victims", "offsets"):
+            v = getattr(self, name)
+            if not isinstance(v, np.ndarray) or v.ndim != 1 or not np.issubdtype(v.dtype, np.integer):
+                what = f"{v.ndim}-D {v.dtype} array" if isinstance(v, np.ndarray) else type(v).__name__
+                raise ConfigError("bad_type", f"{o}.{name} must be a 1-D integer numpy array, got a {what}")
+            setattr(self, name, v.astype(np.int64, copy=False))
+        off, vic = self.offsets, self.victims
+        if len(off) != self.output + 2:
+            raise ConfigError("out_of_range", f"{o}.offsets must be output + 2 = {self.output + 2} entries long, "
+                                              f"got {len(off)}")
+        falling = bool(np.any(np.diff(off) < 0))
+        if off[0] != 0 or off[-1] != len(vic) or falling:
+            raise ConfigError("out_of_range", f"{o}.offsets must be rising from 0 to len(victims) = {len(vic)}, got "
+                                              f"{off[0]} .. {off[-1]}" + (" (falling)" if falling else ""))
+        if len(vic):
+            step = np.repeat(np.arange(self.output + 1), np.diff(off))
+            bad = (vic < 0) | (vic >= self.prompt + step)  # step 0 holds the prompt, step s one more token each
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ConfigError("out_of_range", f"{o}.victims[{i}] must be a token of length {self.prompt + step[i]} "
+                                                  f"at step {step[i]}, got {int(vic[i])}")
+            u, n = np.unique(vic, return_counts=True)
+            if len(u) != len(vic):
+                raise ConfigError("out_of_range", f"{o}.victims must be distinct tokens, got token "
+                                                  f"{int(u[np.argmax(n > 1)])} twice")
+        if not isinstance(self.policy, str):
+            raise ConfigError("bad_type", f"{o}.policy must be a str, got {self.policy!r}")
 
     @property
     def steps(self) -> int:
@@ -70,11 +113,16 @@ class _Budget:
 
 
 def ratio_budget(keep: float, min_keep: int = 64) -> Callable[[int], int]:
-    """Keep ``ceil(keep * length)`` tokens (at least ``min_keep``)."""
+    """Keep ``ceil(keep * length)`` tokens (at least ``min_keep``); ``keep`` in [0, 1],
+    ``min_keep`` an integer >= 0 (ConfigError otherwise)."""
+    need_number("ratio_budget", "keep", keep, 0, 1)
+    need_int("ratio_budget", "min_keep", min_keep, 0)
     return _Budget(lambda n: max(min_keep, int(math.ceil(keep * n))), f"ratio({keep!r},{min_keep!r})")
 
 
 def fixed_budget(b: int) -> Callable[[int], int]:
+    """Keep ``b`` tokens (an integer >= 0; ConfigError otherwise)."""
+    need_int("fixed_budget", "b", b, 0)
     return _Budget(lambda n: b, f"fixed({b!r})")
 
 
@@ -117,6 +165,7 @@ def cached_schedule(prompt: int, output: int, policy: str, budget, seed: int, re
                     model: AttentionModel | None = None, window: int = 16, recent: int | None = None) -> Schedule:
     """:func:`make_schedule`, read from the cache when it was made before with the same
     arguments and code (``budget`` must come from :func:`fixed_budget` / :func:`ratio_budget`)."""
+    check_schedule_args("cached_schedule", prompt, output, policy, budget, seed, req_key, model, window, recent)
     d = cache_dir()
     key_budget = getattr(budget, "key", None)
     if d is None or key_budget is None:
@@ -141,6 +190,24 @@ def cached_schedule(prompt: int, output: int, policy: str, budget, seed: int, re
     return sch
 
 
+def check_schedule_args(owner: str, prompt, output, policy, budget, seed, req_key, model, window, recent) -> None:
+    """The arguments of :func:`make_schedule` / :func:`cached_schedule`: ``prompt`` >= 1,
+    ``output`` >= 0, ``policy`` a ``vtoken.policies`` name, ``budget`` callable, ``seed`` and
+    ``req_key`` >= 0 (they seed numpy), ``model`` None or an ``AttentionModel``, ``window`` >= 1,
+    ``recent`` None or >= 0; ConfigError naming ``owner.<argument>`` otherwise. O(1)."""
+    need_int(owner, "prompt", prompt, 1)
+    need_int(owner, "output", output, 0)
+    need_choice(owner, "policy", policy, sorted(POLICIES))
+    if not callable(budget):
+        raise ConfigError("bad_type", f"{owner}.budget must be callable (length -> tokens kept), got {budget!r}")
+    need_int(owner, "seed", seed, 0)
+    need_int(owner, "req_key", req_key, 0)
+    if model is not None and not isinstance(model, AttentionModel):
+        raise ConfigError("bad_type", f"{owner}.model must be an AttentionModel or None, got {model!r}")
+    need_int(owner, "window", window, 1)
+    need_int(owner, "recent", recent, 0, none_ok=True)
+
+
 def policy_kwargs(name: str, seed: int, req_key: int, recent: int | None = None) -> dict:
     if name == "random":
         return {"seed": int(zlib.crc32(f"{seed}/{req_key}".encode()))}
@@ -152,7 +219,9 @@ def policy_kwargs(name: str, seed: int, req_key: int, recent: int | None = None)
 def make_schedule(prompt: int, output: int, policy: str, budget: Callable[[int], int], seed: int,
                   req_key: int, model: AttentionModel | None = None, window: int = 16,
                   recent: int | None = None) -> Schedule:
-    """Run one request's policy against the synthetic attention and record its victims."""
+    """Run one request's policy against the synthetic attention and record its victims.
+    The arguments are checked first (:func:`check_schedule_args`)."""
+    check_schedule_args("make_schedule", prompt, output, policy, budget, seed, req_key, model, window, recent)
     model = model or AttentionModel()
     rng = np.random.default_rng([seed, req_key, 0xA77])
     total = prompt + output

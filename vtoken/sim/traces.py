@@ -15,7 +15,7 @@ prompt that makes a fully retained request exactly 1,020 blocks of 16 with a 12K
 (12,288-token) output, i.e. ``1020 * 16 - 12288 = 4,032`` prompt tokens.
 
 Owns: nothing (pure functions of a seed).
-May call: numpy, dataclasses; never spec/, invariants/, fuzz/ or reports/.
+May call: numpy, dataclasses, vtoken.sim.config; never spec/, invariants/, fuzz/ or reports/.
 Costs: O(requests).
 """
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .config import need_choice, need_int, need_number
 
 WORKLOADS = {
     # name: (input median, input sigma, input clip, output median, output sigma, output clip)
@@ -40,6 +42,11 @@ class Request:
     prompt: int
     output: int
 
+    def __post_init__(self) -> None:
+        """``id`` an integer >= 0, ``prompt`` >= 1, ``output`` >= 0 (ConfigError naming the field)."""
+        for name, lo in (("id", 0), ("prompt", 1), ("output", 0)):
+            need_int("Request", name, getattr(self, name), lo)
+
     @property
     def total(self) -> int:
         return self.prompt + self.output
@@ -52,7 +59,13 @@ def _draw(rng, median, sigma, clip, n, scale=1.0):
 
 
 def make_trace(workload: str, n: int, seed: int, scale: float = 1.0) -> list[Request]:
-    """``n`` requests of a workload; ``scale`` shrinks every length (quick mode)."""
+    """``n`` requests of a workload; ``scale`` shrinks every length (quick mode). ``workload`` a
+    name of ``WORKLOADS``, ``n`` an integer >= 1, ``seed`` >= 0, ``scale`` a finite number > 0
+    (ConfigError naming the argument otherwise)."""
+    need_choice("make_trace", "workload", workload, WORKLOADS)
+    need_int("make_trace", "n", n, 1)
+    need_int("make_trace", "seed", seed, 0)
+    need_number("make_trace", "scale", scale, 0, lo_open=True)
     p = WORKLOADS[workload]
     rng = np.random.default_rng([seed, 7, sum(map(ord, workload))])
     ins = _draw(rng, p["in_median"], p["in_sigma"], p["in_clip"], n, scale)

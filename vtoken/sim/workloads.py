@@ -8,7 +8,7 @@ ratio budget ``ceil(keep * length)`` (default keep 0.5, i.e. eviction ratio 0.5)
 prefill on. Block statistics are sampled every ``sample_every`` steps and time-averaged.
 
 Owns: nothing (each run's Replay lives in its task; writes only the result files).
-May call: vtoken.sim (replay, schedule, attention, traces, parallel, stats, report), vtoken.planner,
+May call: vtoken.sim (replay, schedule, attention, traces, parallel, stats, report, config), vtoken.planner,
 numpy; never spec/, invariants/, fuzz/ or reports/.
 Costs: one Replay per (workload, policy, seed, variant): minutes; quick seconds.
 """
@@ -22,6 +22,7 @@ import numpy as np
 from vtoken.planner import PlannerConfig
 
 from . import report as rep
+from .config import need_run_args
 from .attention import AttentionModel
 from .replay import Replay
 from .parallel import default_jobs, run_tasks
@@ -106,6 +107,7 @@ def _collect(results, keyfn):
 def run_waste(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
               _results=None, progress=None) -> dict:
     """Fig. 1: blocks at <= 50% utilisation and F under Naive-Evict, per policy and workload."""
+    need_run_args("run_waste", quick, seeds, jobs)
     st = _setting(quick)
     n_seeds = seeds or st["seeds"]
     jobs = jobs or default_jobs(quick)
@@ -161,6 +163,7 @@ def _plot_waste(table):
 def run_retained(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
                  progress=None) -> dict:
     """Fig. 7b: retained blocks per request, Naive-Evict vs vToken, against the ideal packing."""
+    need_run_args("run_retained", quick, seeds, jobs)
     st = _setting(quick)
     n_seeds = seeds or st["seeds"]
     jobs = jobs or default_jobs(quick)
@@ -252,6 +255,7 @@ def _task_sweep(seed, ratio, st, thetas, block_sizes):
 def run_sweeps(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
                progress=None) -> dict:
     """theta_F 0.05-0.9, block size 16/32/48, eviction ratio 0.3-0.7 (H2O, LongBench-like)."""
+    need_run_args("run_sweeps", quick, seeds, jobs)
     st = _setting(quick)
     n_seeds = seeds or st["seeds"]
     jobs = jobs or default_jobs(quick)
