@@ -128,7 +128,8 @@ def main_decode(argv) -> int:
     ap.add_argument("--new-tokens", type=positive_int, default=64, help="generated tokens per request")
     ap.add_argument("--evict-ratio", type=fraction_in(0, 1), default=None, help="in [0, 1) (default 0.5)")
     ap.add_argument("--device", type=device, default="cpu", help="cpu | cuda | cuda:N")
-    ap.add_argument("--budget", type=int_in(2, MAX_BLOCKS, "the null block and one more, at most"), default=None,
+    ap.add_argument("--budget", type=int_in(2, MAX_BLOCKS, "the null block and at least one more; the table's limit"),
+                    default=None,
                     help="KV block budget, the null block included (default: full retention + headroom)")
     ap.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE, "the token table's limit"), default=16)
     ap.add_argument("--check-relocations", action="store_true", help="hash-and-compare every relocation")
