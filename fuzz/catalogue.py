@@ -136,6 +136,14 @@ CATALOGUE: list[Fault] = [
                          "res = apply_completed(t, plan.req_id, plan.sources, plan.moves, fills=plan.fills)",
                          "mv = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)\n"
                          "        res = Applied(mv, [], sorted({int(b) for b in mv[:, 3]} - set(plan.fills)), list(plan.sources))"),)),
+    Fault("drain_drops_orphans", "4 leak: deferred frees dropped at the end of a batch",
+          "drain ends a plan whose request is gone without waiting for its copy: counted orphaned, out of flight, "
+          "but its deferred sources and fills are never freed and its destinations stay reserved", "planner",
+          (_p(P, "ReclamationManager.drain", "        done = self.poll(force_sync=True)\n",
+              "        for p in [p for p in self.in_flight.values() if p.orphaned]:\n"
+              "            self._release(p)\n            self._deferred.pop(p.id, None)\n"
+              "            p.state = ABORTED\n            self.stats['orphaned'] += 1\n"
+              "        done = self.poll(force_sync=True)\n"),)),
     # ---------------------------------------------------------------- placement
     Fault("placement_off_by_one", "5 wrong-slot placement", "the k-th moved token goes to slot k+1", "placement",
           (_p(L, "place", "return before // S, before % S", "return (before + one) // S, (before + one) % S"),)),

@@ -29,7 +29,13 @@ Checks:
   sources and fills still allocated and in-flight destinations still reserved (nothing freed or
   reused under a copy); allocator references equal exactly what the scheduler holds plus
   what finished requests' in-flight copies still read (nothing leaked); the tail never
-  moved.
+  moved;
+- ``drain`` (the end of a batch, with requests still running or, at the end of every
+  example, after every request finished): nothing in flight or deferred, the headroom
+  given back, nothing reserved; at the end of the example also every block but the null
+  block free and every launched plan ended once (the manager's ``stats`` against the
+  machine's own count). A plan nobody polls again, a deferred free that never happens or
+  a reservation kept past the batch is seen here.
 
 The scheduler obligation the machine keeps (the manager's documented contract): a plan is
 launched right after it is made, or dropped (headroom blocks are taken at launch, so two
@@ -47,13 +53,14 @@ plan.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import hypothesis.strategies as st
 from hypothesis import event, note
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from vtoken.allocator import RESERVED, USED, BlockAllocator
+from vtoken.allocator import NULL_BLOCK, RESERVED, USED, BlockAllocator
 from vtoken.fuzz.table_machine import alloc_or_none, both, sync_both
 from vtoken.invariants.ownership import check_ownership
 from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
@@ -133,6 +140,10 @@ class PlannerMachine(RuleBasedStateMachine):
         # they are allocated afresh
         self.rewritten: set = set()
         self.next_id = 0
+        # the machine's own count of every launched plan and of how each ended (checked
+        # against the manager's stats at the end of the example)
+        self.launched = 0
+        self.ended: Counter = Counter()
         note(f"S={S} num_blocks={nb} headroom={headroom} B={max_sources} latency={latency} K={check_every} "
              f"in_place={in_place}")
         # a few requests to start from, so most runs reach fragmentation and planning
@@ -225,6 +236,7 @@ class PlannerMachine(RuleBasedStateMachine):
 
     def _recorded_launch(self, plan):
         self.flying[plan.id] = _Flight(plan)
+        self.launched += 1
         self.rewritten.update(plan.fills)
         self._launch(plan)
 
@@ -248,21 +260,26 @@ class PlannerMachine(RuleBasedStateMachine):
         self.pos[rid] = [0 if b in src else b for b in self.pos[rid]]
         self.held[rid] = [b for b in self.held[rid] if b not in src] + used
 
-    def _reconcile(self):
-        """Forget plans that finished (applied or aborted), whoever polled them."""
+    def _reconcile(self, drained: bool = False):
+        """Forget plans that finished (applied or aborted), whoever polled them, counting
+        how each ended. ``drained``: the manager just drained, so an aborted plan's
+        destinations went back to the headroom and from there to the free queue."""
         for pid, f in list(self.flying.items()):
             if f.plan.state in (APPLIED, ABORTED):
                 del self.flying[pid]
                 self.deferred.pop(pid, None)
+                self.ended["applied" if f.plan.state == APPLIED else "orphaned" if f.plan.orphaned else "aborted"] += 1
                 # an orphaned plan's request finished or was preempted while it flew: its
                 # destinations go back to the pool (unreserved), not to the headroom
                 if f.plan.state == ABORTED and f.rid in self.pos and not f.plan.orphaned:
                     # back in the headroom, unless a plan launched since (in flight, or applied at
                     # once under force_sync, not reconciled yet) took it again
                     taken = {b for g in self.flying.values() if g.plan is not f.plan for b in g.dests}
+                    back = set(self.alloc.free_queue()) if drained else set(self.mgr.headroom)
                     for b in f.dests:
-                        assert b in self.mgr.headroom or b in taken, \
-                            f"aborted plan {pid}: destination {b} not back in the headroom"
+                        assert b in back or b in taken, \
+                            f"aborted plan {pid}: destination {b} not back in the " \
+                            f"{'free queue after the drain' if drained else 'headroom'}"
 
     # ------------------------------------------------------------------ rules: the workload
     # At most MAX_REQUESTS at once: the pool is small, and a few longer requests (several
@@ -492,6 +509,26 @@ class PlannerMachine(RuleBasedStateMachine):
             after = self.table.export_state(), self.alloc.export_state(), sorted(self.mgr.headroom)
             assert after == before, f"an aborted plan changed state:\n before={before}\n after={after}"
 
+    @precondition(lambda self: self.flying)
+    @rule()
+    def drain(self):
+        """The end of a batch with requests still running (the manager stays usable: the
+        next step refills the headroom): every plan in flight ends, the headroom is given back."""
+        self._drain()
+
+    def _drain(self):
+        PlannerMachine.ops += 1
+        ended = self.mgr.drain()
+        ids = {p.id for p in ended}
+        self._reconcile(drained=True)
+        assert not self.flying, f"after drain, plans {sorted(self.flying)} still in flight (drain ended {sorted(ids)})"
+        assert not self.mgr.in_flight, f"after drain, the manager has plans {sorted(self.mgr.in_flight)} in flight"
+        deferred = getattr(self.mgr, "_deferred", {})
+        assert not deferred, f"after drain, frees still deferred: {deferred}"
+        assert not self.mgr.headroom and self.alloc.num_reserved == 0, \
+            f"after drain, headroom {self.mgr.headroom} and reserved {self.alloc.export_state()['reserved']} " \
+            f"not given back"
+
     @rule(force_sync=st.sampled_from([False, False, False, True]))
     def step(self, force_sync):
         PlannerMachine.ops += 1
@@ -507,6 +544,39 @@ class PlannerMachine(RuleBasedStateMachine):
                 continue
             best = best_reduction(self._view(rid), left)
             assert best == 0, f"the planning round left request {rid} reducible by {best} (headroom {left})"
+
+    # ------------------------------------------------------------------ the end of an example
+    def teardown(self):
+        """The end of a batch: every request finishes, the manager drains, nothing is left.
+
+        Then nothing is in flight or deferred, the headroom is given back, every block but
+        the null block is free (the machine holds nothing any more), the tables are empty,
+        and every launched plan ended once: the manager's ``stats`` agree with the machine's
+        own count (``plans == applied + aborted + orphaned``). Skipped when the example has
+        already failed: Hypothesis calls teardown in a ``finally``, and the exception in
+        flight is the one to report, not what it left behind.
+        """
+        if sys.exc_info()[1] is not None or not hasattr(self, "mgr"):  # a failure propagating, or no setup
+            return
+        self._reconcile()
+        for rid in self.rids():
+            mine = [f for f in self.flying.values() if f.rid == rid and not getattr(f, "orphaned", False)]
+            self._finish(rid, mine)
+            del self.pos[rid], self.held[rid]
+        self._drain()
+        self.consistent()
+        a = self.alloc
+        free = set(a.free_queue())
+        left = {b: ("reserved" if a.state[b] == RESERVED else f"{int(a.ref[b])} reference(s)")
+                for b in range(a.num_blocks) if b != NULL_BLOCK and b not in free}
+        assert not left, f"after every request finished and the drain, blocks are not free: {left}"
+        assert not self.table.export_state()["requests"], "after every request finished, the table has requests"
+        st_ = self.mgr.stats
+        ends = {k: st_[k] for k in ("applied", "aborted", "orphaned")}
+        assert st_["plans"] == self.launched == sum(ends.values()) and ends == {k: self.ended[k] for k in ends}, \
+            f"plans launched {self.launched} (stats {st_['plans']}) != ended {dict(self.ended)} (stats {ends})"
+        if self.ended["orphaned"]:
+            event("end of example: orphaned plans ended")
 
     # ------------------------------------------------------------------ invariants
     @invariant()

@@ -36,6 +36,9 @@ OTHER_FAULTS = {
                      r"in the free queue but held",  # the allocator's own assertion on handing it out
     "skip_apply": r"block_not_empty|state differs|source_not_owned",  # the manager itself trips over the stale table
     "finish_twice_overwrites_deferred": r"ownership: block \d+ has \d+ reference\(s\) but \d+ owner\(s\).*leak",
+    # leaks only at the end of a batch: seen once the drain rule or the end of the example drains
+    "drain_drops_orphans": r"after drain|after every request finished|ownership: block \d+ has \d+ reference\(s\) "
+                           r"but 0 owner\(s\).*leak|reserved .* != headroom",
 }
 
 
