@@ -72,7 +72,9 @@ eviction, ``manager.step``); one CUDA graph capture per batch shape.
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -83,13 +85,146 @@ import torch
 
 from .allocator import NULL_BLOCK, BlockAllocator
 from .copy_engine import KVCopyEngine, checker_factory
-from .errors import RelocationCheckError
+from .errors import ConfigError, RelocationCheckError
 from .model.decoder import DecodeItem, PagedDecoder, greedy
 from .planner import MODES, PlannerConfig, ReclamationManager
-from .policies import make_policy
+from .policies import POLICIES, make_policy
 from .table import TokenTable
 
-__all__ = ["DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config", "full_retention_blocks", "make_prompts", "MODES"]
+__all__ = ["DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config", "full_retention_blocks",
+           "make_prompts", "MODES", "CHECK_METHODS"]
+
+# The relocation checker's digest methods (its ``method`` argument; None: its default).
+CHECK_METHODS = ("xxh3", "fingerprint")
+# Arguments the engine itself passes to the copy engine: never in ``copy_kwargs``.
+_ENGINE_OWN = ("kv", "block_size", "force_sync")
+
+
+# ====================================================================== argument checks
+def _bad(code: str, name: str, want: str, value) -> None:
+    raise ConfigError(code, f"DecodeEngine.{name} must be {want}, got {value!r}")
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, (bool, np.bool_))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not _is_bool(v)
+
+
+def _keywords(fn) -> Optional[set]:
+    """The keyword arguments ``fn`` (a class: its ``__init__`` chain along the MRO, as
+    ``super().__init__(*a, **kw)`` passes them on) accepts; None: any (a ``**kwargs`` that
+    reaches no fixed signature, or no signature to read). O(MRO)."""
+    chain = [c.__init__ for c in fn.__mro__ if "__init__" in vars(c)] if isinstance(fn, type) else [fn]
+    names: set = set()
+    for f in chain:
+        try:
+            params = inspect.signature(f).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            return names - {"self"}
+    return None
+
+
+def _check_kwargs(name: str, kw, accepted: Optional[set], who: str) -> dict:
+    """``kw`` is None or a dict of keyword arguments ``who`` accepts (``accepted``; None: any)."""
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or not all(isinstance(k, str) for k in kw):
+        _bad("bad_type", name, "None or a dict of keyword arguments", kw)
+    unknown = sorted(k for k in kw if accepted is not None and k not in accepted)
+    if unknown:
+        _bad("out_of_range", name, f"keyword arguments {who} accepts ({sorted(accepted)}); unknown {unknown}", kw)
+    return dict(kw)
+
+
+def _check_scalars(mode, policy, evict_ratio, block_size, num_blocks, seed) -> None:
+    if not isinstance(mode, str):
+        _bad("bad_type", "mode", f"one of {MODES}", mode)
+    if mode not in MODES:
+        _bad("out_of_range", "mode", f"one of {MODES}", mode)
+    if not isinstance(policy, str):
+        _bad("bad_type", "policy", f"a policy name, one of {sorted(POLICIES)}", policy)
+    if policy not in POLICIES:
+        _bad("out_of_range", "policy", f"a policy name, one of {sorted(POLICIES)}", policy)
+    if _is_bool(evict_ratio) or not isinstance(evict_ratio, (int, float, np.integer, np.floating)):
+        _bad("bad_type", "evict_ratio", "a number in [0, 1)", evict_ratio)
+    if not 0.0 <= float(evict_ratio) < 1.0:  # NaN fails too
+        _bad("out_of_range", "evict_ratio", "a number in [0, 1)", evict_ratio)
+    for name, v, lo in (("block_size", block_size, 1), ("num_blocks", num_blocks, 2), ("seed", seed, 0)):
+        if v is None and name == "num_blocks":
+            continue
+        want = f"an integer >= {lo}" + (" or None (sized by run)" if name == "num_blocks" else "")
+        if not _is_int(v):
+            _bad("bad_type", name, want, v)
+        if v < lo:
+            _bad("out_of_range", name, want, v)
+
+
+def _check_device(device) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        _bad("bad_type", "device", "'cpu' or 'cuda' (a str or torch.device)", device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        _bad("out_of_range", "device", "'cpu' or 'cuda' (a str or torch.device)", device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        _bad("out_of_range", "device", "a device this machine has (no CUDA device is available)", device)
+    return dev
+
+
+def _check_copy(copy_kwargs, factory, device: torch.device) -> dict:
+    """``copy_kwargs``: keywords the copy engine accepts, the shipped engine's own checked
+    (``lag`` an integer >= 0, 0 on CUDA; ``sleep_cycles`` an integer >= 0; ``sentinel``,
+    ``timed`` bools); ``kv``, ``block_size`` and ``force_sync`` are the engine's to pass."""
+    if factory is not None and not callable(factory):
+        _bad("bad_type", "copy_engine_factory", "None or a callable (kv, block_size, **kwargs) -> engine", factory)
+    kw = _check_kwargs("copy_kwargs", copy_kwargs, None, "the copy engine")
+    own = sorted(set(kw) & set(_ENGINE_OWN))
+    if own:
+        _bad("out_of_range", "copy_kwargs", f"free of {list(_ENGINE_OWN)} (the engine passes them: set "
+                                            f"{own} through DecodeEngine's own arguments)", copy_kwargs)
+    accepted = _keywords(factory or KVCopyEngine)
+    _check_kwargs("copy_kwargs", kw, None if accepted is None else accepted - set(_ENGINE_OWN), "the copy engine")
+    for k in ("lag", "sleep_cycles"):
+        if k in kw and (not _is_int(kw[k]) or kw[k] < 0):
+            _bad("bad_type" if not _is_int(kw[k]) else "out_of_range", f"copy_kwargs[{k!r}]", "an integer >= 0", kw[k])
+    if kw.get("lag") and device.type == "cuda":
+        _bad("out_of_range", "copy_kwargs['lag']", "0 on CUDA (a CPU simulation knob: the stream is asynchronous "
+                                                   "already)", kw["lag"])
+    for k in ("sentinel", "timed"):
+        if k in kw and not _is_bool(kw[k]):
+            _bad("bad_type", f"copy_kwargs[{k!r}]", "True or False", kw[k])
+    return kw
+
+
+def _check_flags(mode, copy_kw: dict, check_relocations, planner_config, sentinel_check, check_method, full_bytes,
+                 force_sync, cuda_graph, snapshot_dir) -> None:
+    for name, v in (("sentinel_check", sentinel_check), ("full_bytes", full_bytes), ("force_sync", force_sync)):
+        if not _is_bool(v):
+            _bad("bad_type", name, "True or False", v)
+    if sentinel_check and (mode != "vtoken" or not copy_kw.get("sentinel")):
+        _bad("out_of_range", "sentinel_check", "False unless mode='vtoken' with copy_kwargs={'sentinel': True} "
+                                               "(the sentinel it looks for is the copy engine's)", sentinel_check)
+    if cuda_graph is not None and not _is_bool(cuda_graph):
+        _bad("bad_type", "cuda_graph", "None, True or False", cuda_graph)
+    if check_method is not None and not isinstance(check_method, str):
+        _bad("bad_type", "check_method", f"None or one of {CHECK_METHODS}", check_method)
+    if check_method is not None and check_method not in CHECK_METHODS:
+        _bad("out_of_range", "check_method", f"None or one of {CHECK_METHODS}", check_method)
+    if check_relocations is True or (check_relocations not in (None, False) and not callable(check_relocations)):
+        _bad("bad_type", "check_relocations", "None or the checker factory, e.g. "
+                                              "vtoken.invariants.relocation_hash.RelocationChecker", check_relocations)
+    if planner_config is not None and not isinstance(planner_config, PlannerConfig):
+        _bad("bad_type", "planner_config", "None or a vtoken.planner.PlannerConfig", planner_config)
+    if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
+        _bad("bad_type", "snapshot_dir", "None or a path", snapshot_dir)
 
 
 
@@ -305,6 +440,19 @@ class DecodeEngine:
         cuda_graph: run decode steps through :class:`StepGraph` (the graph path, see the
             module docstring): None (default) = on CUDA only; True on the CPU runs the same
             path eagerly (its CPU fallback); False = the plain ``decode_step`` path.
+
+    Every argument is checked before anything is built: a bad one raises
+    :class:`~vtoken.errors.ConfigError` (``bad_type`` / ``out_of_range``; a ``ValueError``)
+    naming the argument and its value, and no cache, table or engine exists. Ranges: ``mode``
+    in :data:`MODES`; ``policy`` a registered name, ``policy_kwargs`` keywords its class
+    accepts; ``evict_ratio`` in [0, 1); ``block_size`` >= 1; ``num_blocks`` None or >= 2 (the
+    null block and one more); ``seed`` >= 0; ``device`` cpu, or cuda where there is one;
+    ``copy_kwargs`` keywords the copy engine accepts (``lag`` >= 0, 0 on CUDA;
+    ``sleep_cycles`` >= 0; ``sentinel`` / ``timed`` bools; never ``kv`` / ``block_size`` /
+    ``force_sync``, the engine's own); ``sentinel_check`` only in ``vtoken`` mode with
+    ``copy_kwargs={"sentinel": True}``; ``check_method`` None or in :data:`CHECK_METHODS`;
+    ``cuda_graph`` None or a bool; ``planner_config`` None or a :class:`PlannerConfig` (its
+    own fields are checked by it). Integers are ints (not bools), flags bools.
     """
 
     def __init__(self, model: PagedDecoder, mode: str = "vtoken", policy: str = "h2o", evict_ratio: float = 0.5,
@@ -314,30 +462,35 @@ class DecodeEngine:
                  policy_kwargs: Optional[dict] = None, sentinel_check: bool = False,
                  check_method: Optional[str] = None, full_bytes: bool = False,
                  copy_engine_factory=None, cuda_graph: Optional[bool] = None):
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} not in {MODES}")
-        if not 0.0 <= evict_ratio < 1.0:
-            raise ValueError(f"evict_ratio {evict_ratio} outside [0, 1)")
+        # every argument checked before anything is built (ConfigError naming it and its value)
+        if not isinstance(model, PagedDecoder):
+            _bad("bad_type", "model", "a vtoken.model.decoder.PagedDecoder", type(model).__name__)
+        _check_scalars(mode, policy, evict_ratio, block_size, num_blocks, seed)
+        dev = _check_device(device)
+        copy_kw = _check_copy(copy_kwargs, copy_engine_factory, dev)
+        _check_flags(mode, copy_kw, check_relocations, planner_config, sentinel_check, check_method, full_bytes,
+                     force_sync, cuda_graph, snapshot_dir)
+        policy_kw = _check_kwargs("policy_kwargs", policy_kwargs, _keywords(POLICIES[policy]), f"policy {policy!r}")
         self.model = model
         self.mode = mode
         self.policy_name = policy
         self.evict_ratio = float(evict_ratio)
         self.S = int(block_size)
-        self.device = torch.device(device)
+        self.device = dev
         factory = checker_factory(check_relocations, "DecodeEngine")  # validated in every mode
         self.check_relocations = factory if mode == "vtoken" else None
         cfg = planner_config or default_planner_config()
         if self.check_relocations and not cfg.record_snapshots:
             cfg = PlannerConfig(**{**asdict(cfg), "record_snapshots": True})
         self.cfg = cfg
-        self.seed = seed
-        self.force_sync = force_sync
-        self.copy_kwargs = dict(copy_kwargs or {})
+        self.seed = int(seed)
+        self.force_sync = bool(force_sync)
+        self.copy_kwargs = copy_kw
         self.snapshot_dir = snapshot_dir
-        self.policy_kwargs = dict(policy_kwargs or {})
-        self.sentinel_check = sentinel_check
-        self.check_method, self.full_bytes = check_method, full_bytes
-        self.num_blocks = num_blocks
+        self.policy_kwargs = policy_kw
+        self.sentinel_check = bool(sentinel_check)
+        self.check_method, self.full_bytes = check_method, bool(full_bytes)
+        self.num_blocks = None if num_blocks is None else int(num_blocks)
         self.copy_engine_factory = copy_engine_factory or KVCopyEngine
         self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
         self._ready = False
