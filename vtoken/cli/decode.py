@@ -85,7 +85,8 @@ def _print_summary(d: dict, stream=sys.stdout) -> None:
     print(f"  tokens/s {d['tokens_per_s']:.1f} (decode {d['decode_tokens_per_s']:.1f}); "
           f"step median {d['step_ms_median']:.2f} ms over {d['steps']} steps; wall {d['wall_s']:.2f} s", file=stream)
     print(f"  relocations {d['relocations']} (launched {d['plans_launched']}, aborted {d['plans_aborted']}, "
-          f"moves {d['moves']}, blocks freed by compaction {d['blocks_freed_by_compaction']})", file=stream)
+          f"orphaned {d['plans_orphaned']}, moves {d['moves']}, "
+          f"blocks freed by compaction {d['blocks_freed_by_compaction']})", file=stream)
     print(f"  hash checks passed {d['hash_checks']}, failed {d['hash_failures']}", file=stream)
     print(f"  retained blocks: end {d['retained_blocks_end']}, peak {d['retained_blocks_peak']}, "
           f"mean {d['retained_blocks_mean']:.1f} (ideal at end {d['ideal_blocks_end']}); "
