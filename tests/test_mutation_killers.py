@@ -184,11 +184,11 @@ def test_default_config_plans_in_place_without_headroom_and_at_most_b_sources():
 
 def test_stats_count_every_event():
     """``stats`` (reported by bench and simulate) counts rounds, plans, applies, aborts,
-    deferrals, moves and freed blocks exactly. Kills: planner.py mutated initial values in
+    orphans, deferrals, moves and freed blocks exactly. Kills: planner.py mutated initial values in
     `self.stats = dict(...)`, `stats["plans"] += 1` -> `-=`, `stats["applied"] += 1` -> `+= 0`,
     `stats["rounds"] += 1` -> `+= 2`."""
     table, alloc, mgr = make(nb=32, headroom=2)
-    zero = dict(plans=0, applied=0, aborted=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
+    zero = dict(plans=0, applied=0, aborted=0, orphaned=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
     assert mgr.stats == zero
     sparse(table, alloc, "a", 5, keep=1)  # four one-live blocks and a full tail
     (p1,) = mgr.step()  # a round: planned and launched
@@ -211,6 +211,14 @@ def test_stats_count_every_event():
     sparse(table2, alloc2, "c", 4, keep=1)
     assert mgr2.plan_request("c") is None
     assert mgr2.stats == dict(zero, deferred=1)
+    # the request finishes while its copy flies: the plan ends orphaned, neither applied nor aborted
+    table3, alloc3, mgr3 = make(nb=32, headroom=2, latency=2)
+    blocks = sparse(table3, alloc3, "d", 5, keep=1)
+    (p4,) = mgr3.step()
+    mgr3.finish_request("d", blocks)
+    mgr3.drain()
+    assert mgr3.stats == dict(zero, plans=1, orphaned=1, rounds=1)
+    assert p4.state == "aborted" and alloc3.num_free == 31 and mgr3.in_flight == {}
 
 
 def test_snapshots_record_the_shared_blocks_and_the_whole_schedule():
