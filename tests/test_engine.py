@@ -24,7 +24,6 @@ from vtoken.fuzz.patches import Patch
 from vtoken.fuzz.patches import planted as planted_patches
 from vtoken.fuzz.planted import planted
 from vtoken.kvcache import KVCache
-from vtoken.model import PagedDecoder
 from vtoken.planner import Plan, PlannerConfig
 from vtoken.snapshot import load as load_snapshot
 from vtoken.invariants.relocation_hash import RelocationChecker
@@ -36,23 +35,7 @@ S_OF = {"h2o": 4, "streaming": 8, "scissorhands": 4, "random": 16}
 BUDGET = {4: 72, 8: 40, 16: 24}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: the CI box is shared (the decoder is bitwise stable per thread count)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return PagedDecoder()
-
-
-@pytest.fixture(scope="module")
-def prompts(model):
-    return make_prompts(R, P, model.config.vocab_size, seed=3)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cfg(**kw):

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from vtoken.allocator import NULL_BLOCK, USED, BlockAllocator
-from vtoken.decode import DecodeEngine, make_prompts
+from vtoken.decode import DecodeEngine
 from vtoken.errors import PlanError
 from vtoken.fuzz.planted import planted
 from vtoken.invariants.relocation_hash import RelocationChecker
-from vtoken.model import PagedDecoder
 from vtoken.planner import ABORTED, APPLIED, NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.sim.replay import Replay
 from vtoken.sim.schedule import Schedule
@@ -34,22 +32,7 @@ LAGS = list(range(0, 11))
 CONFIGS = {"in_place": dict(theta_f=0.1), "out_of_place": dict(theta_f=0.1, in_place=False, headroom=8)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return PagedDecoder()
-
-
-@pytest.fixture(scope="module")
-def prompts(model):
-    return make_prompts(4, 32, model.config.vocab_size, seed=3)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

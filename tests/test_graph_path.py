@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken.decode import make_prompts
 from vtoken.decode import DecodeEngine, StepGraph
 from vtoken.errors import RelocationCheckError
 from vtoken.fuzz.catalogue import BY_NAME
@@ -29,22 +28,7 @@ BUDGET = {4: 72, 8: 40, 16: 24}
 LENS = [48, 35, 43, 27]  # requests finish at different steps: the batch shape changes
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return PagedDecoder()
-
-
-@pytest.fixture(scope="module")
-def prompts(model):
-    return make_prompts(4, 32, model.config.vocab_size, seed=3)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cfg():
