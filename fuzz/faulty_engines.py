@@ -56,6 +56,8 @@ O(request length) per completed copy, at most.
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 import torch
 
@@ -235,14 +237,16 @@ DECODE_ENGINES = {
 
 
 # ---------------------------------------------------------------------------------- adapter-side engines
-class _PlanTracking(KVCopyEngine):
+class _PlanTracking(KVCopyEngine, metaclass=abc.ABCMeta):
     """Remembers each handle's plan until its copy is over, and calls :meth:`_at_done` at the
     ``poll`` that finds the copy complete, before ``done`` goes back to the caller (the
     relocation checker that wraps the engine, then the worker, see it after this). A
-    ``wait`` (a host sync at idle) finishes the copy untouched."""
+    ``wait`` (a host sync at idle) finishes the copy untouched. ``table``: the worker's
+    token table (where the plan's request's live tokens are)."""
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a, table, **kw):
         super().__init__(*a, **kw)
+        self.table = table
         self._plans: dict = {}  # handle id -> the plan (worker's _WPlan: id, req_id, sources, dests, moves, fills)
         self.tampered: list = []  # (plan id, what was done): every tampering, in order
 
@@ -264,8 +268,9 @@ class _PlanTracking(KVCopyEngine):
         self._plans.pop(handle.id, None)
         return super().wait(handle)
 
-    def _at_done(self, plan) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _at_done(self, plan) -> None:
+        """Tamper with the completed copy of ``plan`` (what the fault is)."""
 
 
 class FailingCopyEngine(KVCopyEngine):
@@ -295,12 +300,7 @@ class InFlightCorruptionEngine(_PlanTracking):
     (last layer, K), alternately a live token in one of the plan's fills (a slot the copy
     must not touch) and a moved entry at its destination (what the copy wrote). Either way
     the relocation checker the worker wraps its engine with must raise: the flipped token
-    is live and read after the plan applies. ``table``: the worker's token table (where
-    the request's live tokens are)."""
-
-    def __init__(self, *a, table, **kw):
-        super().__init__(*a, **kw)
-        self.table = table
+    is live and read after the plan applies."""
 
     def _at_done(self, plan) -> None:
         t, S = self.table, self.S
@@ -328,13 +328,9 @@ class StealFillEngine(_PlanTracking):
     of the block, an intruder request writes a token into it): a block held by another
     request alone, so its reference count is 1. Applying the plan must refuse the fill
     (``shared_fill``) and the adapter must raise ``shared_never_moved``, never take the
-    quiet "aborted, table kept" path. ``table``: the worker's token table."""
+    quiet "aborted, table kept" path."""
 
     INTRUDER = "intruder (StealFillEngine)"
-
-    def __init__(self, *a, table, **kw):
-        super().__init__(*a, **kw)
-        self.table = table
 
     def _at_done(self, plan) -> None:
         t, S = self.table, self.S
