@@ -43,7 +43,8 @@ Checked after every step, against the pool itself (not the adapter's bookkeeping
 
 Hard states counted (``vtoken fuzz --machines adapter``): a prefix request aimed at a block
 an in-flight copy is moving out of, preemption with a plan in flight, finish mid-copy,
-resume with a replaced block list, a plan and growth in one step.
+resume with a replaced block list, a plan and growth in one step, a copy pending across
+preempt and resume, a copy failed in the adapter (aborted, table kept).
 
 Owns: two adapters with their workers and vLLM schedulers (one machine instance each
 example), the machine's grabbed blocks, its record of plans (where their blocks were taken
@@ -155,7 +156,7 @@ class _Run:
                 self.reports[pid] = bool(res.copy_done)
                 self.status[pid] = res.status
                 if res.status == "aborted" and res.table_kept and not res.shared_sources:
-                    event("copy failed (aborted, table kept)")
+                    hard("copy failed in the adapter")
             return rep
 
         def execute_spy(so):
@@ -252,7 +253,7 @@ class _Run:
         if c.resumed_req_ids:
             hard("resume with a replaced block list")
             if any(p.req_id in c.resumed_req_ids and p.orphaned for p in ad.plans.values()):
-                event("copy pending across preempt and resume")
+                hard("copy pending across preempt and resume")
         meta = getattr(so, "vtoken", None)
         if meta is not None:
             grown = {r for r, nb in zip(c.req_ids, c.new_block_ids) if nb and nb[0]}

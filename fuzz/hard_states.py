@@ -29,6 +29,8 @@ HARD_STATES = (
     "finish mid-copy",  # finished or aborted while its plan's copy flies
     "resume with a replaced block list",
     "plan and growth in one step",
+    "copy pending across preempt and resume",  # the request resumed while its old incarnation's copy flies
+    "copy failed in the adapter",  # aborted with the table kept: sources and fills back to the request
 )
 
 # which machine reaches which (a campaign reports the states of the machines it ran)
