@@ -3,7 +3,8 @@
 Toolkit code (it checks the copy engine; the engine does not carry it). CUDA only.
 
 Owns: one copy engine per probe; the caller's KVCache, whose first 2n blocks' slots it overwrites.
-May call: vtoken.kvcache, vtoken.copy_engine, vtoken.fuzz.faulty_engines, torch, numpy.
+May call: vtoken.kvcache, vtoken.copy_engine, torch, numpy; never fuzz/ (a faulty engine comes in as
+``engine_cls``).
 Costs: one sentinel copy of n tokens on a relocation stream delayed by ``sleep_cycles``; a poll loop
 bounded by ``timeout_s``.
 """
@@ -16,7 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from vtoken.copy_engine import PENDING
+from vtoken.copy_engine import PENDING, KVCopyEngine
 from vtoken.kvcache import KVCache
 
 
@@ -33,12 +34,17 @@ def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n
     ``scenario``: ``"wait"`` reads right after :meth:`KVCopyEngine.wait_before_attention`
     (the device-side dependency must hold the read back); ``"poll"`` reads as soon as
     ``poll`` reports done, without a wait (a copy reported done must have landed).
-    ``fault``: a faulty engine to run with (``vtoken.fuzz.faulty_engines``: ``cuda_wait_dropped``,
-    ``cuda_event_wrong_stream``, ``cuda_release_before_event``); ``engine_cls`` overrides it. The first ``2n`` blocks'
+    ``engine_cls``: the copy engine class to probe (default :class:`KVCopyEngine`; the
+    toolkit's faulty engines, ``vtoken.fuzz.faulty_engines.factory(name)``, come in here);
+    ``fault``: its name, for the result (required with another engine, refused without
+    one). The first ``2n`` blocks'
     worth of slots past the null block are used (sources, then destinations); their
     contents are overwritten. Returns ``sentinel_seen`` (an I3 violation), ``bytes_equal``,
     ``first_poll`` and the host time of the wait call (it must not block).
     """
+    if (fault is None) != (engine_cls is None):
+        raise ValueError("i3_probe: give a faulty engine as engine_cls together with its name as fault "
+                         f"(got fault={fault!r}, engine_cls={engine_cls!r})")
     if kv.device.type != "cuda":
         raise ValueError("i3_probe needs a CUDA cache")
     S = kv.block_size
@@ -55,11 +61,7 @@ def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n
     kv.flat.index_copy_(2, src, vals.to(kv.dtype))
     want = kv.flat.index_select(2, src).clone()
     torch.cuda.synchronize(kv.device)
-    if engine_cls is None:
-        from vtoken.fuzz.faulty_engines import factory
-
-        engine_cls = factory(fault)
-    eng = engine_cls(kv, S, sentinel=True, sleep_cycles=sleep_cycles)
+    eng = (engine_cls or KVCopyEngine)(kv, S, sentinel=True, sleep_cycles=sleep_cycles)
     out = {"scenario": scenario, "fault": fault}
     h = eng.launch(ProbePlan(1, moves))
     out["first_poll"] = eng.poll(h) if scenario == "poll" else None

@@ -354,6 +354,7 @@ def decode_json_main(case: dict) -> int:
 def sec_i3(dev: str) -> dict:
     import torch
 
+    from vtoken.fuzz.faulty_engines import factory
     from vtoken.invariants.i3_probe import i3_probe
     from vtoken.kvcache import KVCache
 
@@ -366,7 +367,8 @@ def sec_i3(dev: str) -> dict:
     for fault, scen, violation in [(None, "wait", False), (None, "poll", False), ("cuda_wait_dropped", "wait", True),
                                    ("cuda_event_wrong_stream", "wait", True), ("cuda_event_wrong_stream", "poll", True),
                                    ("cuda_release_before_event", "poll", True)]:
-        r = i3_probe(cache(), scenario=scen, fault=fault, sleep_cycles=400_000_000)
+        r = i3_probe(cache(), scenario=scen, fault=fault, engine_cls=factory(fault) if fault else None,
+                     sleep_cycles=400_000_000)
         r["expected_violation"] = violation
         r["ok"] = r["sentinel_seen"] == violation and r["bytes_equal"] != violation
         ok &= r["ok"]

@@ -155,7 +155,7 @@ def test_i3_probe_clean(scenario):
                                             ("cuda_event_wrong_stream", "poll"),
                                             ("cuda_release_before_event", "poll")])
 def test_ordering_faults_caught_by_sentinel(fault, scenario):
-    r = i3_probe(cuda_cache(), scenario=scenario, fault=fault, sleep_cycles=SLEEP)
+    r = i3_probe(cuda_cache(), scenario=scenario, fault=fault, engine_cls=factory(fault), sleep_cycles=SLEEP)
     assert r["sentinel_seen"] and not r["bytes_equal"], r
 
 

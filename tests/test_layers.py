@@ -82,6 +82,40 @@ def test_system_imports_no_toolkit():
     assert not found, "the system imports the toolkit:\n" + "\n".join(found)
 
 
+def _imports_folder(target: str, folder: str) -> bool:
+    """Does ``target`` name a module of the toolkit ``folder`` (``fuzz``: ``vtoken.fuzz...`` or,
+    from the repository root, ``fuzz...``)?"""
+    pkg = TOOLKIT_DIRS[folder]
+    return target == pkg or target.startswith(pkg + ".") or target.split(".")[0] == folder
+
+
+def test_invariants_import_no_fuzz():
+    """The checks never import the fuzzers (the fuzzers drive the checks, not the other way):
+    a check that needs a faulty engine takes it as an argument (``i3_probe(engine_cls=)``)."""
+    files = sorted((ROOT / "invariants").rglob("*.py"))
+    assert len(files) > 8
+    found = [f"{p.relative_to(ROOT)}:{line} imports {t}" for p in files for line, t in imports_of(p)
+             if _imports_folder(t, "fuzz")]
+    assert not found, "invariants/ imports fuzz/:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, expect", [
+    ("def f():\n    from vtoken.fuzz.faulty_engines import factory\n", True),  # lazy: still a breach
+    ("from ..fuzz import catalogue\n", True),  # relative
+    ("import fuzz.planted\n", True),  # from the repository root
+    ("ENGINE = 'vtoken.fuzz.faulty_engines:factory'\n", True),  # by name
+    ("from .z3_checks import check_snapshot\n", False),
+    ("from vtoken.copy_engine import KVCopyEngine\n", False),
+])
+def test_the_invariants_rule_finds_planted_breaches(tmp_path, monkeypatch, source, expect):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    f = tmp_path / "invariants" / "probe.py"
+    f.parent.mkdir(parents=True)
+    f.write_text(source)
+    found = [t for _line, t in imports_of(f) if _imports_folder(t, "fuzz")]
+    assert bool(found) == expect, found
+
+
 def test_spec_imports_no_system():
     files = sorted((ROOT / "spec").rglob("*.py"))
     assert files
