@@ -114,3 +114,19 @@ def test_unknown_section_is_refused():
     p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--only", "nope"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 2 and "unknown sections" in p.stderr
+
+
+def test_i3_probe_takes_a_faulty_engine_with_its_name():
+    """The probe never builds a faulty engine itself (invariants/ does not import fuzz/): a
+    fault name without its engine, or an engine without its name, is refused before anything runs."""
+    from vtoken.copy_engine import KVCopyEngine
+    from vtoken.invariants.i3_probe import i3_probe
+    from vtoken.kvcache import KVCache
+
+    kv = KVCache(2, 8, 4, 1, 8)
+    with pytest.raises(ValueError, match="engine_cls"):
+        i3_probe(kv, fault="cuda_wait_dropped")
+    with pytest.raises(ValueError, match="engine_cls"):
+        i3_probe(kv, engine_cls=KVCopyEngine)
+    with pytest.raises(ValueError, match="CUDA"):  # well-formed: refused only for the CPU cache
+        i3_probe(kv)
