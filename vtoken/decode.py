@@ -85,7 +85,8 @@ import torch
 
 from .allocator import NULL_BLOCK, BlockAllocator
 from .copy_engine import KVCopyEngine, checker_factory
-from .errors import ConfigError, RelocationCheckError
+from .errors import RelocationCheckError
+from .fields import is_bool, is_int, need_choice, need_device, need_int, need_number, refuse
 from .model.decoder import DecodeItem, PagedDecoder, greedy
 from .planner import MODES, PlannerConfig, ReclamationManager
 from .policies import POLICIES, make_policy
@@ -101,16 +102,11 @@ _ENGINE_OWN = ("kv", "block_size", "force_sync")
 
 
 # ====================================================================== argument checks
+_OWN = "DecodeEngine"
+
+
 def _bad(code: str, name: str, want: str, value) -> None:
-    raise ConfigError(code, f"DecodeEngine.{name} must be {want}, got {value!r}")
-
-
-def _is_bool(v) -> bool:
-    return isinstance(v, (bool, np.bool_))
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not _is_bool(v)
+    refuse(code, _OWN, name, want, value)
 
 
 def _keywords(fn) -> Optional[set]:
@@ -143,40 +139,12 @@ def _check_kwargs(name: str, kw, accepted: Optional[set], who: str) -> dict:
 
 
 def _check_scalars(mode, policy, evict_ratio, block_size, num_blocks, seed) -> None:
-    if not isinstance(mode, str):
-        _bad("bad_type", "mode", f"one of {MODES}", mode)
-    if mode not in MODES:
-        _bad("out_of_range", "mode", f"one of {MODES}", mode)
-    if not isinstance(policy, str):
-        _bad("bad_type", "policy", f"a policy name, one of {sorted(POLICIES)}", policy)
-    if policy not in POLICIES:
-        _bad("out_of_range", "policy", f"a policy name, one of {sorted(POLICIES)}", policy)
-    if _is_bool(evict_ratio) or not isinstance(evict_ratio, (int, float, np.integer, np.floating)):
-        _bad("bad_type", "evict_ratio", "a number in [0, 1)", evict_ratio)
-    if not 0.0 <= float(evict_ratio) < 1.0:  # NaN fails too
-        _bad("out_of_range", "evict_ratio", "a number in [0, 1)", evict_ratio)
-    for name, v, lo in (("block_size", block_size, 1), ("num_blocks", num_blocks, 2), ("seed", seed, 0)):
-        if v is None and name == "num_blocks":
-            continue
-        want = f"an integer >= {lo}" + (" or None (sized by run)" if name == "num_blocks" else "")
-        if not _is_int(v):
-            _bad("bad_type", name, want, v)
-        if v < lo:
-            _bad("out_of_range", name, want, v)
-
-
-def _check_device(device) -> torch.device:
-    if not isinstance(device, (str, torch.device)):
-        _bad("bad_type", "device", "'cpu' or 'cuda' (a str or torch.device)", device)
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        _bad("out_of_range", "device", "'cpu' or 'cuda' (a str or torch.device)", device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        _bad("out_of_range", "device", "a device this machine has (no CUDA device is available)", device)
-    return dev
+    need_choice(_OWN, "mode", mode, MODES)
+    need_choice(_OWN, "policy", policy, sorted(POLICIES))
+    need_number(_OWN, "evict_ratio", evict_ratio, 0, 1, hi_open=True)
+    need_int(_OWN, "block_size", block_size, 1)
+    need_int(_OWN, "num_blocks", num_blocks, 2, none_ok=True)
+    need_int(_OWN, "seed", seed, 0)
 
 
 def _check_copy(copy_kwargs, factory, device: torch.device) -> dict:
@@ -193,13 +161,13 @@ def _check_copy(copy_kwargs, factory, device: torch.device) -> dict:
     accepted = _keywords(factory or KVCopyEngine)
     _check_kwargs("copy_kwargs", kw, None if accepted is None else accepted - set(_ENGINE_OWN), "the copy engine")
     for k in ("lag", "sleep_cycles"):
-        if k in kw and (not _is_int(kw[k]) or kw[k] < 0):
-            _bad("bad_type" if not _is_int(kw[k]) else "out_of_range", f"copy_kwargs[{k!r}]", "an integer >= 0", kw[k])
+        if k in kw and (not is_int(kw[k]) or kw[k] < 0):
+            _bad("bad_type" if not is_int(kw[k]) else "out_of_range", f"copy_kwargs[{k!r}]", "an integer >= 0", kw[k])
     if kw.get("lag") and device.type == "cuda":
         _bad("out_of_range", "copy_kwargs['lag']", "0 on CUDA (a CPU simulation knob: the stream is asynchronous "
                                                    "already)", kw["lag"])
     for k in ("sentinel", "timed"):
-        if k in kw and not _is_bool(kw[k]):
+        if k in kw and not is_bool(kw[k]):
             _bad("bad_type", f"copy_kwargs[{k!r}]", "True or False", kw[k])
     return kw
 
@@ -207,12 +175,12 @@ def _check_copy(copy_kwargs, factory, device: torch.device) -> dict:
 def _check_flags(mode, copy_kw: dict, check_relocations, planner_config, sentinel_check, check_method, full_bytes,
                  force_sync, cuda_graph, snapshot_dir) -> None:
     for name, v in (("sentinel_check", sentinel_check), ("full_bytes", full_bytes), ("force_sync", force_sync)):
-        if not _is_bool(v):
+        if not is_bool(v):
             _bad("bad_type", name, "True or False", v)
     if sentinel_check and (mode != "vtoken" or not copy_kw.get("sentinel")):
         _bad("out_of_range", "sentinel_check", "False unless mode='vtoken' with copy_kwargs={'sentinel': True} "
                                                "(the sentinel it looks for is the copy engine's)", sentinel_check)
-    if cuda_graph is not None and not _is_bool(cuda_graph):
+    if cuda_graph is not None and not is_bool(cuda_graph):
         _bad("bad_type", "cuda_graph", "None, True or False", cuda_graph)
     if check_method is not None and not isinstance(check_method, str):
         _bad("bad_type", "check_method", f"None or one of {CHECK_METHODS}", check_method)
@@ -466,7 +434,7 @@ class DecodeEngine:
         if not isinstance(model, PagedDecoder):
             _bad("bad_type", "model", "a vtoken.model.decoder.PagedDecoder", type(model).__name__)
         _check_scalars(mode, policy, evict_ratio, block_size, num_blocks, seed)
-        dev = _check_device(device)
+        dev = need_device(_OWN, "device", device)
         copy_kw = _check_copy(copy_kwargs, copy_engine_factory, dev)
         _check_flags(mode, copy_kw, check_relocations, planner_config, sentinel_check, check_method, full_bytes,
                      force_sync, cuda_graph, snapshot_dir)

@@ -48,7 +48,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .allocator import BlockAllocator
-from .errors import ConfigError, PlanError
+from .errors import PlanError
+from .fields import need_bool, need_int, need_number
 from .placement import holes, place
 from .snapshot import SCHEMA, request_state
 from .table import OWN_TAIL, TokenTable
@@ -357,32 +358,14 @@ class PlannerConfig:
         an integer (< 0: no pressure branch); ``record_snapshots``, ``in_place`` bools. A bool
         is not a number here, nor a float an integer. O(1).
         """
-        def bad(code: str, name: str, want: str):
-            raise ConfigError(code, f"PlannerConfig.{name} must be {want}, got {getattr(self, name)!r}")
-
-        def is_bool(v) -> bool:
-            return isinstance(v, (bool, np.bool_))
-
-        x = self.theta_f
-        if is_bool(x) or not isinstance(x, (int, float, np.integer, np.floating)):
-            bad("bad_type", "theta_f", "a number")
-        if not (np.isfinite(float(x)) and x <= 1):
-            bad("out_of_range", "theta_f", "a finite number <= 1")
-        self.theta_f = float(x)
-        for name, lo in (("check_every", 1), ("max_sources", 1), ("headroom", 0), ("low_watermark", None),
-                         ("copy_steps", 0), ("max_plans_per_round", 1)):
-            v = getattr(self, name)
-            if v is None and name == "low_watermark":
-                continue
-            if is_bool(v) or not isinstance(v, (int, np.integer)):
-                bad("bad_type", name, "an integer or None" if lo is None else f"an integer >= {lo}")
-            if lo is not None and v < lo:
-                bad("out_of_range", name, f"an integer >= {lo}")
-            setattr(self, name, int(v))
+        own = "PlannerConfig"
+        self.theta_f = need_number(own, "theta_f", self.theta_f, hi=1)
+        for name, lo in (("check_every", 1), ("max_sources", 1), ("headroom", 0), ("copy_steps", 0),
+                         ("max_plans_per_round", 1)):
+            setattr(self, name, need_int(own, name, getattr(self, name), lo))
+        self.low_watermark = need_int(own, "low_watermark", self.low_watermark, none_ok=True)
         for name in ("record_snapshots", "in_place"):
-            if not is_bool(getattr(self, name)):
-                bad("bad_type", name, "True or False")
-            setattr(self, name, bool(getattr(self, name)))
+            setattr(self, name, need_bool(own, name, getattr(self, name)))
 
 
 def trigger_inputs(table: TokenTable, free_blocks: int) -> dict:

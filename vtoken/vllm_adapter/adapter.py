@@ -84,7 +84,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
-from .assumptions import (ASSUMPTIONS, AdapterAssumptionError, check_device, check_field, check_supported_kv_config,
+from ..fields import need_bool, need_device, need_instance, need_int
+from .assumptions import (ASSUMPTIONS, AdapterAssumptionError, check_supported_kv_config,
                           check_supported_vllm)
 from .checks import RuntimeChecks
 from .driver import AdapterDriver
@@ -120,8 +121,8 @@ def check_adapter_config(*, block_size, num_blocks, prefix_caching, async_schedu
                          table_device, evict_unfaithful_hashes, check_full_every, paranoid_checks, scheduler,
                          headroom_pool_fraction) -> dict:
     """Every field of ``VTokenAdapter``'s configuration, checked before anything is built
-    (``assumptions.check_field``: :class:`~vtoken.errors.ConfigError` naming the field and
-    the value). Integers: ``block_size`` in [1, the table's limit], ``num_blocks`` in [2, the
+    (:mod:`vtoken.fields`: :class:`~vtoken.errors.ConfigError` naming the field and the
+    value). Integers: ``block_size`` in [1, the table's limit], ``num_blocks`` in [2, the
     table's limit], ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
     ``max_plans_per_step``, ``check_full_every``, ``headroom_pool_fraction`` >= 1; the
     switches bools; ``planner_config`` a ``PlannerConfig`` or None (its own fields are checked
@@ -130,20 +131,20 @@ def check_adapter_config(*, block_size, num_blocks, prefix_caching, async_schedu
     from vllm.v1.core.sched.scheduler import Scheduler
 
     own = "VTokenAdapter"
-    out = dict(block_size=check_field(own, "block_size", block_size, "int", 1, MAX_BLOCK_SIZE),
-               num_blocks=check_field(own, "num_blocks", num_blocks, "int", 2, MAX_BLOCKS))
+    out = dict(block_size=need_int(own, "block_size", block_size, 1, MAX_BLOCK_SIZE),
+               num_blocks=need_int(own, "num_blocks", num_blocks, 2, MAX_BLOCKS))
     for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("max_model_len", max_model_len), ("max_plans_per_step", max_plans_per_step),
                     ("check_full_every", check_full_every), ("headroom_pool_fraction", headroom_pool_fraction)):
-        out[name] = check_field(own, name, v, "int", 1)
+        out[name] = need_int(own, name, v, 1)
     for name, v in (("prefix_caching", prefix_caching), ("async_scheduling", async_scheduling), ("reclaim", reclaim),
                     ("checks", checks), ("evict_unfaithful_hashes", evict_unfaithful_hashes),
                     ("paranoid_checks", paranoid_checks)):
-        out[name] = check_field(own, name, v, "bool")
-    out["planner_config"] = check_field(own, "planner_config", planner_config, "instance", types=PlannerConfig,
-                                        optional=True)
-    out["scheduler"] = check_field(own, "scheduler", scheduler, "instance", types=Scheduler, optional=True)
-    out["table_device"] = check_device(own, "table_device", table_device)
+        out[name] = need_bool(own, name, v)
+    out["planner_config"] = need_instance(own, "planner_config", planner_config, PlannerConfig, none_ok=True)
+    out["scheduler"] = need_instance(own, "scheduler", scheduler, Scheduler, none_ok=True)
+    need_device(own, "table_device", table_device)
+    out["table_device"] = table_device
     return out
 
 

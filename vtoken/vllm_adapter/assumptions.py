@@ -1,24 +1,15 @@
 """The adapter's assumptions about vLLM and about itself, as a report states them, and what
-it refuses at start.
+it refuses at start (a vLLM version not audited, a KV layout not supported).
 
 :data:`ASSUMPTIONS` (name -> statement) and :class:`AdapterAssumptionError`, which every
 runtime check raises (its message starts ``assumption broken: <statement> [<name>]``).
-Refused at start, before anything is built: a vLLM version not audited, a KV layout not
-supported, and a bad configuration field of the adapter's constructors (:func:`check_field`,
-raising :class:`vtoken.errors.ConfigError` naming the field and the value).
 Imported by every module of the adapter.
 Owns: the names only, nothing at run time.
-May call: numpy (scalar types), torch (device names), ``vtoken.errors``; nothing else.
-Costs: none at run time; O(1) per field checked.
+May call: nothing (standard library only).
+Costs: none.
 """
 
 from __future__ import annotations
-
-import math
-
-import numpy as np
-
-from ..errors import ConfigError
 
 # name -> the assumption, as a report states it.
 ASSUMPTIONS: dict[str, str] = {
@@ -95,76 +86,3 @@ def check_supported_vllm(installed: str | None, supported: str) -> None:
                                  f"(audit a candidate with `vtoken audit --vllm {installed}`; to run it anyway "
                                  f"set {ALLOW_ENV}={installed})")
 
-
-def _is_bool(v) -> bool:
-    return isinstance(v, (bool, np.bool_))
-
-
-def _is_int(v) -> bool:
-    return not _is_bool(v) and isinstance(v, (int, np.integer))
-
-
-def check_field(owner: str, name: str, value, kind: str, lo=None, hi=None, choices=(), types=(),
-                optional: bool = False):
-    """One field of a constructor's configuration, refused before anything is built.
-
-    ``kind``: ``"bool"`` (True or False); ``"int"`` (an integer, not a bool, in ``[lo, hi]``,
-    either bound None for none); ``"number"`` (a finite int or float, not a bool, with
-    ``lo <= value < hi``); ``"choice"`` (one of ``choices``); ``"instance"`` (an instance of
-    ``types``). ``optional``: None is accepted too. Raises :class:`~vtoken.errors.ConfigError`
-    (``bad_type`` for the wrong kind of value, ``out_of_range`` for one outside its range)
-    with ``<owner>.<name> must be <what>, got <value>``; returns the value as a plain Python
-    ``bool`` / ``int`` / ``float`` (numpy scalars converted). O(1).
-    """
-    if value is None and optional:
-        return None
-
-    def refuse(code: str, want: str):
-        raise ConfigError(code, f"{owner}.{name} must be {want}{' or None' if optional else ''}, got {value!r}")
-
-    if kind == "bool":
-        if not _is_bool(value):
-            refuse("bad_type", "True or False")
-        return bool(value)
-    if kind == "int":
-        want = "an integer" + (f" >= {lo}" if lo is not None and hi is None else "") + \
-               (f" in [{lo}, {hi}]" if lo is not None and hi is not None else "")
-        if not _is_int(value):
-            refuse("bad_type", want)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            refuse("out_of_range", want)
-        return int(value)
-    if kind == "number":
-        want = f"a finite number in [{lo}, {hi})"
-        if _is_bool(value) or not isinstance(value, (int, float, np.integer, np.floating)):
-            refuse("bad_type", want)
-        if not (math.isfinite(float(value)) and lo <= value < hi):
-            refuse("out_of_range", want)
-        return float(value)
-    if kind == "choice":
-        if not isinstance(value, str):
-            refuse("bad_type", f"one of {sorted(choices)}")
-        if value not in choices:
-            refuse("out_of_range", f"one of {sorted(choices)}")
-        return value
-    if kind == "instance":
-        if not isinstance(value, types):
-            refuse("bad_type", "a " + " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,))))
-        return value
-    raise ValueError(f"check_field: unknown kind {kind!r}")
-
-
-def check_device(owner: str, name: str, device):
-    """A device field: a ``str`` or ``torch.device`` torch parses, CUDA only where CUDA is
-    available (:class:`~vtoken.errors.ConfigError` otherwise). Returns it unchanged."""
-    import torch
-
-    check_field(owner, name, device, "instance", types=(str, torch.device))
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise ConfigError("out_of_range", f"{owner}.{name} must be a device torch knows, got {device!r} ({e})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("out_of_range", f"{owner}.{name} must be a device this machine has, got {device!r} "
-                                          f"(no CUDA device)")
-    return device

@@ -55,9 +55,9 @@ import numpy as np
 import torch
 
 from ..copy_engine import KVCopyEngine, checker_factory
-from .assumptions import check_device, check_field
 from .messages import PlanResult, WorkerReport
 from ..errors import PlanError
+from ..fields import need_choice, need_device, need_instance, need_int, need_number, refuse
 from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
 from ..planner import apply_completed, snapshot_applied
 from ..policies import make_policy
@@ -69,7 +69,7 @@ __all__ = ["PlanResult", "VTokenWorker", "WorkerReport", "check_worker_config"]
 def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_kwargs, evict_ratio, seed,
                         check_relocations, snapshot_dir, copy_lag, device, copy_engine_factory) -> dict:
     """Every field of ``VTokenWorker``'s configuration, checked before anything is built
-    (``assumptions.check_field``: :class:`~vtoken.errors.ConfigError` naming the field and the
+    (:mod:`vtoken.fields`: :class:`~vtoken.errors.ConfigError` naming the field and the
     value): ``model`` a ``PagedDecoder``, ``table`` a ``TokenTable`` whose block size and
     block count are ``block_size`` and ``num_blocks``; ``policy`` a registered policy name,
     ``policy_kwargs`` a dict or None; ``evict_ratio`` in [0, 1); ``seed`` and ``copy_lag``
@@ -79,27 +79,25 @@ def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_
     the numbers as plain Python ones."""
     import os
 
-    from ..errors import ConfigError
     from ..policies import POLICIES
 
     own = "VTokenWorker"
-    check_field(own, "model", model, "instance", types=PagedDecoder)
-    check_field(own, "table", table, "instance", types=TokenTable)
-    out = dict(num_blocks=check_field(own, "num_blocks", num_blocks, "int", 2),
-               block_size=check_field(own, "block_size", block_size, "int", 1))
+    need_instance(own, "model", model, PagedDecoder)
+    need_instance(own, "table", table, TokenTable)
+    out = dict(num_blocks=need_int(own, "num_blocks", num_blocks, 2),
+               block_size=need_int(own, "block_size", block_size, 1))
     for name, want in (("num_blocks", table.num_blocks), ("block_size", table.S)):
         if out[name] != want:
-            raise ConfigError("out_of_range", f"{own}.{name} must be the table's ({want}), got {out[name]!r}")
-    check_field(own, "policy", policy, "choice", choices=tuple(POLICIES))
-    check_field(own, "policy_kwargs", policy_kwargs, "instance", types=dict, optional=True)
-    out["evict_ratio"] = check_field(own, "evict_ratio", evict_ratio, "number", 0, 1)
-    out["seed"] = check_field(own, "seed", seed, "int", 0)
-    out["copy_lag"] = check_field(own, "copy_lag", copy_lag, "int", 0)
-    check_device(own, "device", device)
-    check_field(own, "snapshot_dir", snapshot_dir, "instance", types=(str, os.PathLike), optional=True)
+            refuse("out_of_range", own, name, f"the table's ({want})", out[name])
+    need_choice(own, "policy", policy, POLICIES)
+    need_instance(own, "policy_kwargs", policy_kwargs, dict, none_ok=True)
+    out["evict_ratio"] = need_number(own, "evict_ratio", evict_ratio, 0, 1, hi_open=True)
+    out["seed"] = need_int(own, "seed", seed, 0)
+    out["copy_lag"] = need_int(own, "copy_lag", copy_lag, 0)
+    need_device(own, "device", device)
+    need_instance(own, "snapshot_dir", snapshot_dir, (str, os.PathLike), none_ok=True)
     if copy_engine_factory is not None and not callable(copy_engine_factory):
-        raise ConfigError("bad_type", f"{own}.copy_engine_factory must be a callable or None, got "
-                                      f"{copy_engine_factory!r}")
+        refuse("bad_type", own, "copy_engine_factory", "a callable or None", copy_engine_factory)
     checker_factory(check_relocations, own)
     return out
 
