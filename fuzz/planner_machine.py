@@ -95,12 +95,14 @@ class RecordingEngine(NullCopyEngine):
 
     def __init__(self, latency: int = 0):
         super().__init__(latency)
-        self.completed: set[int] = set()
+        # Keyed by id() but holding the handle itself: a handle kept alive keeps its id, so a
+        # later handle can never reuse it (a bare id set made Hypothesis replays flaky).
+        self.completed: dict[int, object] = {}
 
     def poll(self, handle) -> str:
         status = super().poll(handle)  # wait() polls too
         if status == "done":
-            self.completed.add(id(handle))
+            self.completed[id(handle)] = handle
         return status
 
 
@@ -244,7 +246,7 @@ class PlannerMachine(RuleBasedStateMachine):
         """The scheduler's side of an applied plan, and the reference table kept in step."""
         f = self.flying[plan.id]
         rid = f.rid
-        assert id(plan.handle) in self.engine.completed, \
+        assert self.engine.completed.get(id(plan.handle)) is plan.handle, \
             f"plan {plan.id} applied before the engine reported its copy complete"
         live = set(self.spec.live_tokens(rid))
         moves = [mv for mv in f.moves if mv[0] in live]  # tokens evicted during the copy stay dead
