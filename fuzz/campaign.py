@@ -16,7 +16,7 @@ summary (``summary.json``) is rewritten after every batch.
 Owns: its worker processes, the example database connection and the ``--out`` folder (failures,
 summary).
 May call: fuzz (machines, protocol, hard_states, profiles, catalogue, planted), hypothesis, redis,
-vtoken.cli.args.
+vtoken.argtypes.
 Costs: time-boxed: ``--budget`` seconds on ``--workers`` processes; the summary is rewritten per
 batch.
 """
@@ -342,8 +342,8 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
 
 
 def main_fuzz(argv) -> int:
-    from vtoken.cli.args import comma_choices, device, example_db, nonneg_int, positive_float, positive_int, repeated
-    from vtoken.cli.args import writable_dir
+    from vtoken.argtypes import comma_choices, device, example_db, nonneg_int, positive_float, positive_int, repeated
+    from vtoken.argtypes import writable_dir
 
     from .catalogue import BY_NAME
 

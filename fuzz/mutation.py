@@ -35,7 +35,7 @@ per-mutant timeout (counted as killed, reported separately).
 
 Owns: the source snapshot, one shadow directory and child process per mutant, and the ``--out``
 files.
-May call: fuzz.mutation_gen, fuzz.shadow, pytest, subprocess, vtoken.cli.args.
+May call: fuzz.mutation_gen, fuzz.shadow, pytest, subprocess, vtoken.argtypes.
 Costs: one test run per mutant (seconds each, bounded by the per-mutant timeout): minutes to hours
 per campaign.
 """
@@ -522,8 +522,8 @@ def _results_json_kind(obj) -> Optional[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vtoken.cli.args import existing_dir, existing_json_file, nonneg_int, percent, positive_float, positive_int
-    from vtoken.cli.args import writable_dir
+    from vtoken.argtypes import existing_dir, existing_json_file, nonneg_int, percent, positive_float, positive_int
+    from vtoken.argtypes import writable_dir
 
     p = argparse.ArgumentParser(prog="vtoken mutate", description=__doc__.split("\n\n")[0])
     p.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="modules to mutate (repository paths)")
@@ -553,7 +553,7 @@ def _check_only(ap: argparse.ArgumentParser, keys: list, repo: Path, files: list
     """``--only``: every key names a mutant of ``--files`` as they are now (the mutants are
     generated from the repository's files, as the snapshot will hold them; O(files' size));
     ``ap.error`` otherwise, before the snapshot is taken."""
-    from vtoken.cli.args import repeated
+    from vtoken.argtypes import repeated
 
     if repeated(keys):
         ap.error(f"argument --only: {', '.join(map(repr, repeated(keys)))} given twice")
@@ -565,7 +565,7 @@ def _check_only(ap: argparse.ArgumentParser, keys: list, repo: Path, files: list
 
 
 def main(argv=None) -> int:
-    from vtoken.cli.args import repeated
+    from vtoken.argtypes import repeated
 
     ap = build_parser()
     args = ap.parse_args(argv)

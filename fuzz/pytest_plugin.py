@@ -22,7 +22,7 @@ it) is a usage error in one line before any test runs (``vtoken.fuzz.protocol.ch
 never a conformance failure.
 
 Owns: one test item per ``--vtoken-impl``; its example database and replay files under ``.vtoken/``.
-May call: fuzz.protocol, fuzz.profiles, vtoken.cli.args (the option's check), pytest, hypothesis.
+May call: fuzz.protocol, fuzz.profiles, vtoken.argtypes (the option's check), pytest, hypothesis.
 Costs: nothing without the option; with it, one machine run per implementation (the profile's
 examples).
 """
@@ -39,7 +39,7 @@ def pytest_addoption(parser):
     g = parser.getgroup("vtoken", "check a token table or planner against vtoken's reference model")
     g.addoption("--vtoken-impl", action="append", default=[], metavar="module:Class",
                 help="a token table or planner class to check (repeatable)")
-    from vtoken.cli.args import positive_int  # argparse's one-line refusal of 0, -1, x
+    from vtoken.argtypes import positive_int  # argparse's one-line refusal of 0, -1, x
 
     g.addoption("--vtoken-examples", type=positive_int, default=None, metavar="N",
                 help="examples per machine for --vtoken-impl (default: the ci profile's)")

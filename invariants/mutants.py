@@ -50,7 +50,7 @@ exercised by some operator.
 
 Owns: nothing beyond one run's collected snapshots and mutants, dropped when it returns.
 May call: invariants (snapshot_checks, z3_checks, relocation_hash), the system's public drivers
-(table, allocator, planner, decode, model, snapshot, vllm_adapter), vtoken.cli.args; never fuzz/.
+(table, allocator, planner, decode, model, snapshot, vllm_adapter), vtoken.argtypes; never fuzz/.
 Costs: collection runs each path once (a CPU decode; the adapter where vLLM is installed); then
 every mutant through both checkers, each linear in its snapshot.
 """
@@ -1317,7 +1317,7 @@ def main(argv=None) -> int:
     1: otherwise; 2: a path could not give
     snapshots (named in the error; nothing is skipped silently). With ``--json`` the last
     stdout line is one JSON object (see :func:`run`)."""
-    from vtoken.cli.args import comma_choices, nonneg_int, positive_int
+    from vtoken.argtypes import comma_choices, nonneg_int, positive_int
 
     ap = argparse.ArgumentParser(prog="vtoken check-mutants", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")

@@ -28,7 +28,7 @@ Symmetry reductions (each obviously sound):
 Nothing else is reduced: every liveness pattern of every token is enumerated.
 
 Owns: nothing beyond each enumerated state's table, allocator and manager.
-May call: vtoken.table, .allocator, .planner, invariants.z3_checks, invariants.table_checks; vtoken.cli.args
+May call: vtoken.table, .allocator, .planner, invariants.z3_checks, invariants.table_checks; vtoken.argtypes
 (the command line's argument checks).
 Costs: every state up to the bound (exponential in it: all liveness patterns), a Z3 check per
 snapshot.
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     import argparse
     import json
 
-    from vtoken.cli.args import positive_float, positive_int
+    from vtoken.argtypes import positive_float, positive_int
 
     ap = argparse.ArgumentParser(prog="python -m vtoken.invariants.small_scope", description=__doc__.split("\n")[0])
     for name in ("max_S", "max_blocks", "max_requests"):

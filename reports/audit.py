@@ -24,8 +24,8 @@ version and writes ``matrix.{md,html,json}``: every contract, check, fuzz machin
 test group, pass / fail / not run per version (``reports/audit_matrix.py``).
 
 Owns: the report folder it writes and the subprocesses it starts (pytest runs, audits in side envs).
-May call: vllm, vtoken.cli (args, bench, simulate), fuzz.campaign, invariants (mutants,
-vllm_contracts), reports (audit_matrix, verdict, vllm_envs, vllm_runs), vtoken.vllm_adapter.
+May call: vllm, vtoken.argtypes, vtoken.sim, fuzz.campaign, invariants (mutants, vllm_contracts),
+reports (audit_matrix, bench, bench_adapter, verdict, vllm_envs, vllm_runs), vtoken.vllm_adapter.
 Costs: the sum of its checks (the invariants suite, a fuzz campaign, decodes, measurements):
 minutes; ``--quick`` less.
 """
@@ -389,7 +389,7 @@ def _own_test_groups(mod, res: dict, div: list) -> dict:
 
 def check_waste(ctx) -> CheckResult:
     """Waste under Naive-Evict and retained blocks Naive-Evict vs vToken (quick simulation)."""
-    from vtoken.cli.simulate import run_retained, run_waste
+    from vtoken.sim import run_retained, run_waste
 
     w = run_waste(quick=True, out=ctx["out"] / "simulate")
     r = run_retained(quick=True, out=ctx["out"] / "simulate")
@@ -406,7 +406,7 @@ def check_waste(ctx) -> CheckResult:
 
 
 def check_table_bench(ctx) -> CheckResult:
-    from vtoken.cli.bench import bench_table
+    from .bench import bench_table
 
     res = bench_table(quick=True)
     # A timing: reported, never a verdict (a shared machine's noise must not flip an audit;
@@ -424,7 +424,7 @@ def check_adapter_bench(ctx) -> CheckResult:
     audit): one run's ratio moves by about 0.1 on a shared machine, the median of three less."""
     if vllm_version() is None:
         return CheckResult("adapter-step-cost", None, _no_vllm("the adapter bench needs vLLM's scheduler"))
-    from vtoken.cli.bench_adapter import bench_adapter, ratio_text
+    from .bench_adapter import bench_adapter, ratio_text
 
     repeats = 1 if ctx["quick"] else 3
     res = bench_adapter(seed=ctx["seed"], quick=ctx["quick"], repeats=repeats)
@@ -714,7 +714,7 @@ def _vllm_versions_arg(value: str) -> list[str]:
 
 
 def main_audit(argv) -> int:
-    from vtoken.cli.args import existing_json_file, nonneg_int, positive_int, repeated, writable_dir
+    from vtoken.argtypes import existing_json_file, nonneg_int, positive_int, repeated, writable_dir
 
     ap = argparse.ArgumentParser(prog="vtoken audit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=writable_dir, default="reports",

@@ -765,7 +765,7 @@ def main(argv=None) -> int:
     """The command line; a bad argument, or an interpreter that cannot run the tests
     (:func:`preflight`), is refused in argparse's one line (exit 2) before anything is
     fetched or written."""
-    from vtoken.cli.args import json_object, nonneg_int, positive_int, writable_dir
+    from vtoken.argtypes import json_object, nonneg_int, positive_int, writable_dir
 
     ap = argparse.ArgumentParser(prog="python -m vtoken.reports.vllm_own_tests", description=__doc__.split("\n")[0])
     ap.add_argument("--version", type=_version_arg, default=None, help="vLLM version (default: the one --python imports)")

@@ -40,7 +40,7 @@ tell a test that never built a scheduler (vtoken not in play) from one that did.
 
 Owns: the wrapped scheduler ``__init__``s (for the whole session: nothing unwraps them) and weak
 references to the adapters attached in the current test.
-May call: vllm (scheduler classes), vtoken.vllm_adapter (adapter, hooks, harness), vtoken.cli.args (the option's
+May call: vllm (scheduler classes), vtoken.vllm_adapter (adapter, hooks, harness), vtoken.argtypes (the option's
 check), pytest.
 Costs: one ``attach`` per scheduler a test builds, then the adapter's per-step cost.
 """
@@ -62,7 +62,7 @@ _STATS = ("headroom_yielded", "backpressure_steps", "preemptions")
 
 
 def pytest_addoption(parser):
-    from vtoken.cli.args import json_object
+    from vtoken.argtypes import json_object
 
     # a JSON object, checked as the command line is parsed (pytest's usage error, before any test)
     parser.addoption("--vtoken-adapter-settings", type=json_object, default={},

@@ -24,7 +24,7 @@ TOOLKIT_DIRS = {"spec": "vtoken.spec", "invariants": "vtoken.invariants", "fuzz"
                 "reports": "vtoken.reports"}
 
 
-_DYNAMIC = re.compile(r"^((?:vtoken\.(?:spec|invariants|fuzz|reports)|(?:spec|invariants|fuzz|reports)\.\w+)"
+_DYNAMIC = re.compile(r"^((?:vtoken\.(?:spec|invariants|fuzz|reports|cli)|(?:spec|invariants|fuzz|reports)\.\w+)"
                       r"(?:\.\w+)*)(?::\w+)?$")
 
 
@@ -113,6 +113,51 @@ def test_the_invariants_rule_finds_planted_breaches(tmp_path, monkeypatch, sourc
     f.parent.mkdir(parents=True)
     f.write_text(source)
     found = [t for _line, t in imports_of(f) if _imports_folder(t, "fuzz")]
+    assert bool(found) == expect, found
+
+
+CLI = "vtoken.cli"
+
+
+def _imports_cli(target: str) -> bool:
+    """Does ``target`` name the command layer (``vtoken.cli`` or one of its modules)?"""
+    return target == CLI or target.startswith(CLI + ".")
+
+
+def toolkit_files() -> list[Path]:
+    return sorted(p for d in TOOLKIT_DIRS for p in (ROOT / d).rglob("*.py")
+                  if "__pycache__" not in p.parts and not (d == "reports" and len(p.relative_to(ROOT).parts) > 2))
+
+
+def cli_breaches(files) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{line} imports {t}" for p in files for line, t in imports_of(p) if _imports_cli(t)]
+
+
+def test_toolkit_imports_no_command_layer():
+    """The toolkit never imports ``vtoken/cli/``: the command layer sits on top (it parses
+    arguments and calls bodies); a toolkit command's argument types come from
+    ``vtoken.argtypes``, a benchmark body lives in ``reports/``."""
+    files = toolkit_files()
+    assert len(files) > 30  # the walk found the toolkit
+    found = cli_breaches(files)
+    assert not found, "the toolkit imports the command layer:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("folder, source, expect", [
+    ("fuzz", "def main(argv):\n    from vtoken.cli.args import positive_int\n", True),  # lazy: still a breach
+    ("reports", "from vtoken.cli.bench import bench_table\n", True),
+    ("invariants", "import vtoken.cli.decode\n", True),
+    ("spec", "from vtoken import cli\n", True),
+    ("fuzz", "MAIN = 'vtoken.cli.main:main'\n", True),  # by name
+    ("reports", "from vtoken.argtypes import positive_int\n", False),
+    ("fuzz", "from vtoken.client import x\n", False),  # a prefix of the name is not the package
+])
+def test_the_command_layer_rule_finds_planted_breaches(tmp_path, monkeypatch, folder, source, expect):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    f = tmp_path / folder / "probe.py"
+    f.parent.mkdir(parents=True)
+    f.write_text(source)
+    found = cli_breaches([f])
     assert bool(found) == expect, found
 
 

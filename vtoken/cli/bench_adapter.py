@@ -1,195 +1,25 @@
-"""``vtoken bench adapter``: the adapter's price on vLLM's scheduler, against plain vLLM.
+"""``vtoken bench adapter``: the command (arguments, the printed table, the JSON line); the
+measurement is :mod:`vtoken.reports.bench_adapter`.
 
-What vLLM's engine-core thread pays per step: ``schedule()`` + ``update_from_output()``
-(the adapter's hooks run inside them; the worker is timed apart and not counted). Variants,
-all in one process, interleaved in rounds (a shared machine's noise hits them alike):
-
-- ``plain``: vLLM 0.33.0's own ``Scheduler``, driven by the same real worker;
-- ``off``: the adapter with reclamation off (indirection only);
-- ``defaults``: the adapter at its defaults, no eviction acting;
-- ``evict50``: the adapter at its defaults, 50% random eviction (plans every few steps);
-- the three adapter variants again with ``checks=False``.
-
-Sync scheduling, prefix caching on, S = 16, prompts of 256-1024 tokens, a pool large enough
-that nothing is preempted. Per variant and R: the median of the per-step cost over the
-measured decode steps; ``ratio`` = median variant / median plain; ``spread`` = (p75 - p25) /
-median of each variant. ``--repeats N`` runs the whole measurement N times on fresh runs of the
-same workload and reports the median of the N ratios (each in ``ratio_runs``): on a shared
-machine one run's ratio moves by +-0.1. The last stdout line is one JSON object.
-
-Owns: one harness, scheduler, adapter and worker per variant of a run, dropped when it returns.
-May call: vtoken.vllm_adapter (adapter, harness, worker), vtoken.model, vtoken.table, .args, torch,
-numpy, cProfile.
-Costs: one decode per variant, round and repeat on the real vLLM scheduler: about 2 minutes a repeat;
-the profile pass more.
+Owns: nothing.
+May call: vtoken.reports.bench_adapter, vtoken.argtypes, argparse, json.
+Costs: those of the measurement (about 2 minutes a repeat).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
-import numpy as np
-
-VARIANTS = ("plain", "off", "defaults", "evict50", "off_nochecks", "defaults_nochecks", "evict50_nochecks")
-
-
-def _model():
-    import torch
-
-    from vtoken.model import DecoderConfig, PagedDecoder
-
-    torch.manual_seed(0)
-    return PagedDecoder(DecoderConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                      intermediate_size=64, vocab_size=64))
-
-
-class _Run:
-    def __init__(self, variant: str, R: int, prompts: list, new: int, seed: int, model):
-        from vtoken.table import TokenTable
-        from vtoken.vllm_adapter.adapter import VTokenAdapter
-        from vtoken.vllm_adapter.harness import VllmHarness
-        from vtoken.vllm_adapter.worker import VTokenWorker
-
-        S = 16
-        N = sum(-(-(len(p) + new) // S) for p in prompts) + 64
-        kw = dict(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, max_num_seqs=R,
-                  max_num_batched_tokens=8192, max_model_len=2048)
-        self.variant = variant
-        evict = 0.5 if variant.startswith("evict50") else 0.0
-        if variant == "plain":
-            self.harness = VllmHarness(**kw)
-            self.sched = self.harness.scheduler
-            table = TokenTable(S, N)
-            for i, p in enumerate(prompts):
-                self.harness.add_request(f"r{i}", p, max_tokens=new)
-        else:
-            self.ad = VTokenAdapter(reclaim=not variant.startswith("off"), checks=not variant.endswith("nochecks"), **kw)
-            self.sched = self.ad.scheduler
-            table = self.ad.table
-            for i, p in enumerate(prompts):
-                self.ad.add_request(f"r{i}", p, max_tokens=new)
-        self.w = VTokenWorker(model, table, N, S, policy="random", evict_ratio=evict, seed=seed,
-                              check_relocations=False)
-        if variant != "plain":
-            self.ad.attach_worker(self.w)
-        self.times: list[float] = []
-
-    def step(self, measure: bool) -> bool:
-        t0 = time.perf_counter()
-        sched_out = self.sched.schedule()
-        t1 = time.perf_counter()
-        out = self.w.execute(sched_out)
-        t2 = time.perf_counter()
-        self.sched.update_from_output(sched_out, out)
-        t3 = time.perf_counter()
-        if measure:
-            self.times.append((t1 - t0) + (t3 - t2))
-        return sched_out.total_num_scheduled_tokens > 0
-
-    def prefill(self, R: int) -> None:
-        """Step (chunked prefill, not measured) until all ``R`` requests run and decode."""
-        for _ in range(200):
-            self.step(False)
-            if len(self.sched.running) == R and all(r.num_computed_tokens >= r.num_prompt_tokens
-                                                       for r in self.sched.running):
-                return
-
-    def stats(self) -> dict:
-        self.times.sort()
-        n = len(self.times)
-        med = statistics.median(self.times)
-        return {"median_ms": med * 1e3, "p25_ms": self.times[n // 4] * 1e3, "p75_ms": self.times[(3 * n) // 4] * 1e3,
-                "spread": (self.times[(3 * n) // 4] - self.times[n // 4]) / med if med else 0.0, "steps": n}
-
-
-def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int = 50, profile_evict: bool = False,
-                  repeats: int = 1) -> dict:
-    """Run every variant at each R (interleaved rounds of 5 steps); see the module docstring.
-
-    ``repeats``: the whole measurement again, on fresh runs of the same workload; ``ratio`` is
-    then the median over the repeats of each repeat's ratio (``ratio_runs`` lists them), so
-    one slow stretch of a shared machine moves one repeat, not the figure."""
-    import torch
-
-    torch.set_num_threads(1)
-    model = _model()
-    if quick:
-        Rs, steps = (8,), 10
-    out = {"ratio": {}, "spread": {}, "median_ms": {}, "ratio_runs": {}, "R": list(Rs), "steps": steps,
-           "repeats": int(repeats), "variants": list(VARIANTS)}
-    for R in Rs:
-        rng = np.random.default_rng([seed, R])
-        lo, hi = (32, 64) if quick else (256, 1024)
-        prompts = [rng.integers(1, 63, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(R)]
-        reps = []
-        for rep in range(max(1, int(repeats))):
-            runs = _measure(R, prompts, steps, seed, model)
-            st = {v: r.stats() for v, r in runs.items()}
-            plain = st["plain"]["median_ms"]
-            reps.append(({v: s["median_ms"] / plain for v, s in st.items() if v != "plain"}, st))
-            if rep == 0:
-                out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].ad.stats["applied"]
-            del runs
-        if profile_evict and R == max(Rs):
-            out["profile_top10"] = _profile(R, prompts, steps, seed, model)
-        key = str(R)
-        out["ratio_runs"][key] = {v: [r[v] for r, _ in reps] for v in reps[0][0]}
-        out["ratio"][key] = {v: statistics.median(x) for v, x in out["ratio_runs"][key].items()}
-        out["median_ms"][key] = {v: statistics.median(st[v]["median_ms"] for _, st in reps) for v in VARIANTS}
-        out["spread"][key] = {v: statistics.median(st[v]["spread"] for _, st in reps) for v in VARIANTS}
-    return out
-
-
-def ratio_text(res: dict, R: str) -> str:
-    """``res``'s ratios at ``R`` as one line: ``off x1.07, defaults x1.09, ...``."""
-    return ", ".join(f"{v} x{x:.2f}" for v, x in res["ratio"][R].items())
-
-
-def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:
-    """One interleaved measurement: a fresh run per variant, prefilled, then ``steps`` decode
-    steps each in rounds of 5."""
-    new = steps + 48  # decoding through the measured steps and the profile
-    runs = {v: _Run(v, R, prompts, new, seed, model) for v in VARIANTS}
-    for run in runs.values():
-        run.prefill(R)
-    done = 0
-    while done < steps:
-        k = min(5, steps - done)
-        for run in runs.values():
-            for _ in range(k):
-                run.step(True)
-        done += k
-    return runs
-
-
-def _profile(R: int, prompts: list, steps: int, seed: int, model) -> list[str]:
-    """cProfile top-10 (cumulative) of the adapter's own functions (``vtoken/``) inside the
-    scheduler-side calls of a fresh ``evict50`` run, over the same decode window the
-    measurement times (its first ``steps`` decode steps, after the prefill)."""
-    import cProfile
-    import io
-    import pstats
-
-    run = _Run("evict50", R, prompts, steps + 48, seed, model)
-    run.prefill(R)
-    pr = cProfile.Profile()
-    for _ in range(steps):
-        sched_out = pr.runcall(run.sched.schedule)
-        outp = run.w.execute(sched_out)
-        pr.runcall(run.sched.update_from_output, sched_out, outp)
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(r"vtoken[/\\]", 10)
-    return [l for l in s.getvalue().splitlines() if l.strip()][:24]
+from ..reports.bench_adapter import bench_adapter, ratio_text
+from ..reports import bench_adapter as _measurement
 
 
 def main(argv=None) -> int:
     import argparse
 
-    from .args import nonneg_int, positive_int
+    from ..argtypes import nonneg_int, positive_int
 
-    ap = argparse.ArgumentParser(prog="vtoken bench adapter", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="vtoken bench adapter", description=_measurement.__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
     ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--profile", action="store_true", help="add the cProfile top-10 of evict50 at the largest R")

@@ -37,7 +37,7 @@ from ..model import DecoderConfig, PagedDecoder
 from ..policies import POLICIES
 from ..invariants.relocation_hash import RelocationChecker
 from ..table import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_SLOTS
-from .args import device, fraction_in, int_in, nonneg_int, positive_int, writable_dir
+from ..argtypes import device, fraction_in, int_in, nonneg_int, positive_int, writable_dir
 
 __all__ = ["main_decode", "bench_decode", "make_prompts"]
 

@@ -25,7 +25,7 @@ import time
 from ..sim import COMMANDS, run_all
 from ..sim.parallel import Progress
 from ..sim.report import _jsonable
-from .args import positive_int, writable_dir
+from ..argtypes import positive_int, writable_dir
 
 __all__ = ["main_simulate", "run_waste", "run_retained", "run_frontier", "run_sweeps", "run_scaling",
            "run_robustness", "run_all"]

@@ -1,4 +1,6 @@
-"""Argument checks shared by every ``vtoken`` command (argparse ``type=`` functions).
+"""Argument checks shared by every ``vtoken`` command (argparse ``type=`` functions): the
+system's commands (``vtoken/cli/``) and the toolkit's (``fuzz``, ``audit``, the pytest
+plugins' options). A leaf of the system, so the toolkit never reaches into the command layer.
 
 Each returns the converted value or raises :class:`argparse.ArgumentTypeError` with what is
 wrong; argparse then prints ``vtoken <cmd>: error: argument --x: <what is wrong>`` and exits
