@@ -221,18 +221,11 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=
     q.put(("done", k))
 
 
-def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machines=None, batch=50,
-                 progress=True, profile="dev", examples=None) -> dict:
-    """Run the campaign; returns (and writes ``out/summary.json``) the summary.
+def _resolve_machines(machines) -> tuple[list, dict]:
+    """The machines to run (``machines``, or every available one) and ``{machine: why not}`` for the rest.
 
-    Time-boxed by ``minutes`` (what a nightly campaign wants: explore as much as the night
-    allows), or, with ``examples``, exactly that many examples per machine and worker,
-    seeded by ``seed``: the same work and the same verdict on any machine at any speed
-    (what an audit wants). Machines that cannot run here are listed in
-    ``machines_unavailable`` with the reason.
+    Raises (before anything runs) for an unknown machine or an ``impl:`` that does not load and build.
     """
-    check_db(db)  # DatabaseError before anything is written or run
-    out = Path(out)
     avail, missing = available_machines()
     impls = [m for m in machines or () if m.startswith("impl:")]
     if impls:  # a user's implementation: it must load and build (a clear error now, not in a worker)
@@ -251,6 +244,60 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
         missing = {m: missing[m] for m in machines if m in missing}
     else:
         names = avail
+    return names, missing
+
+
+def _handle_msg(msg, summary: dict, hard: Counter, t_start: float, progress: bool) -> int:
+    """Fold one worker message into ``summary`` / ``hard``; 1 for a worker's "done", else 0."""
+    if msg[0] == "progress":
+        _, k, name, ops, secs, h = msg
+        summary["ops"] += ops
+        summary["ops_by_machine"][name] = summary["ops_by_machine"].get(name, 0) + ops
+        hard.update(h)
+    elif msg[0] == "failure":
+        _, k, name, stem, nsteps, last = msg
+        summary["failures"] += 1
+        summary["failure_reports"].append({"machine": name, "worker": k, "files": stem, "steps": nsteps,
+                                           "error": last, "found_after_s": time.time() - t_start})
+        if progress:
+            print(f"\nFAILURE in {name} (worker {k}): {last}\n  -> {stem}.txt", flush=True)
+    elif msg[0] == "db_error":
+        _, k, name, why = msg
+        summary["db_error"] = f"{why} (worker {k}, machine {name})"
+        if progress:
+            print(f"\nDATABASE LOST (worker {k}, machine {name}): {why}", flush=True)
+    elif msg[0] == "done":
+        return 1
+    return 0
+
+
+def _recover_failures(summary: dict, out: Path, t_start: float) -> None:
+    """Add to ``summary`` the failure files under ``out`` written since ``t_start`` but never reported."""
+    # A worker killed between writing a failure and reporting it: the files are the record.
+    known = {r["files"] for r in summary["failure_reports"]}
+    for f in sorted((out / "failures").glob("*.txt")) if (out / "failures").exists() else []:
+        stem = str(f.with_suffix(""))
+        if stem not in known and f.stat().st_mtime >= t_start:
+            summary["failures"] += 1
+            summary["failure_reports"].append({"machine": f.name.split("-w")[0], "files": stem,
+                                               "error": f.read_text().strip().splitlines()[-1][:300],
+                                               "recovered_from_disk": True,
+                                               "found_after_s": f.stat().st_mtime - t_start})
+
+
+def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machines=None, batch=50,
+                 progress=True, profile="dev", examples=None) -> dict:
+    """Run the campaign; returns (and writes ``out/summary.json``) the summary.
+
+    Time-boxed by ``minutes`` (what a nightly campaign wants: explore as much as the night
+    allows), or, with ``examples``, exactly that many examples per machine and worker,
+    seeded by ``seed``: the same work and the same verdict on any machine at any speed
+    (what an audit wants). Machines that cannot run here are listed in
+    ``machines_unavailable`` with the reason.
+    """
+    check_db(db)  # DatabaseError before anything is written or run
+    out = Path(out)
+    names, missing = _resolve_machines(machines)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + minutes * 60
     ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
@@ -267,6 +314,7 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     hard = Counter()
     done = 0
     last_print = 0.0
+    handle = (lambda msg: _handle_msg(msg, summary, hard, t_start, progress))
 
     def write():
         summary["seconds"] = time.time() - t_start
@@ -276,28 +324,6 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
         summary["hard_states"] = {h: hard.get(h, 0) for h in states_of(names)}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
-    def handle(msg):
-        nonlocal done
-        if msg[0] == "progress":
-                _, k, name, ops, secs, h = msg
-                summary["ops"] += ops
-                summary["ops_by_machine"][name] = summary["ops_by_machine"].get(name, 0) + ops
-                hard.update(h)
-        elif msg[0] == "failure":
-            _, k, name, stem, nsteps, last = msg
-            summary["failures"] += 1
-            summary["failure_reports"].append({"machine": name, "worker": k, "files": stem, "steps": nsteps,
-                                               "error": last, "found_after_s": time.time() - t_start})
-            if progress:
-                print(f"\nFAILURE in {name} (worker {k}): {last}\n  -> {stem}.txt", flush=True)
-        elif msg[0] == "db_error":
-            _, k, name, why = msg
-            summary["db_error"] = f"{why} (worker {k}, machine {name})"
-            if progress:
-                print(f"\nDATABASE LOST (worker {k}, machine {name}): {why}", flush=True)
-        elif msg[0] == "done":
-            done += 1
-
     try:
         while done < workers:
             try:
@@ -306,7 +332,7 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
                 if not any(p.is_alive() for p in procs):
                     break
                 continue
-            handle(msg)
+            done += handle(msg)
             write()
             now = time.time()
             if progress and now - last_print > 2:
@@ -325,24 +351,16 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
             handle(q.get(timeout=0.2))
         except (queue_mod.Empty, OSError, EOFError):
             break
-    # A worker killed between writing a failure and reporting it: the files are the record.
-    known = {r["files"] for r in summary["failure_reports"]}
-    for f in sorted((out / "failures").glob("*.txt")) if (out / "failures").exists() else []:
-        stem = str(f.with_suffix(""))
-        if stem not in known and f.stat().st_mtime >= t_start:
-            summary["failures"] += 1
-            summary["failure_reports"].append({"machine": f.name.split("-w")[0], "files": stem,
-                                               "error": f.read_text().strip().splitlines()[-1][:300],
-                                               "recovered_from_disk": True,
-                                               "found_after_s": f.stat().st_mtime - t_start})
+    _recover_failures(summary, out, t_start)
     write()
     if progress:
         print(flush=True)
     return summary
 
 
-def main_fuzz(argv) -> int:
-    from vtoken.argtypes import comma_choices, device, example_db, nonneg_int, positive_float, positive_int, repeated
+def _fuzz_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``vtoken fuzz``."""
+    from vtoken.argtypes import comma_choices, device, example_db, nonneg_int, positive_float, positive_int
     from vtoken.argtypes import writable_dir
 
     from .catalogue import BY_NAME
@@ -365,6 +383,13 @@ def main_fuzz(argv) -> int:
                     help="--planted: independent seeds per fault (the rate's denominator; default 1)")
     ap.add_argument("--budget", type=positive_float, default=None, help="--planted: seconds per detection run (default 60)")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
+    return ap
+
+
+def main_fuzz(argv) -> int:
+    from vtoken.argtypes import repeated
+
+    ap = _fuzz_parser()
     a = ap.parse_args(argv)
     if a.planted and (a.machines is not None or a.impl or a.db is not None):
         ap.error("argument --planted: runs the planted faults; it does not take --machines, --impl or --db")

@@ -372,6 +372,146 @@ def write_report(out: Path, summary: dict, results: list[dict], diffs: dict) -> 
     (out / "survivors.md").write_text("\n".join(lines))
 
 
+def _collect_mutants(args, snap: Path, say) -> tuple[list[Mutant], dict]:
+    """The mutants of ``args.files`` in ``snap`` after --rerun/--only/--max-mutants, and each file's text."""
+    mutants: list[Mutant] = []
+    originals = {}
+    for f in args.files:
+        text = (snap / f).read_text()
+        originals[f] = text
+        ms = generate(text, f)
+        say(f"{f}: {len(ms)} mutants")
+        mutants += ms
+    if args.rerun:
+        prev = json.loads(Path(args.rerun).read_text())
+        want = {r["key"] for r in prev["mutants"] if r["status"] in ("survived", "timeout", "error")}
+        mutants = [m for m in mutants if m.key in want]
+        say(f"--rerun: {len(mutants)} of the {len(want)} survivors/timeouts/errors of {args.rerun} still exist")
+    if args.only:
+        mutants = [m for m in mutants if m.key in set(args.only)]
+    if args.max_mutants is not None and len(mutants) > args.max_mutants:
+        rng = random.Random(args.seed)
+        mutants = sorted(rng.sample(mutants, args.max_mutants), key=lambda m: (m.file, m.line, m.col))
+        say(f"sampled {len(mutants)} mutants (seed {args.seed})")
+    return mutants, originals
+
+
+def _check_run(args, snap: Path, repo: Path, work: Path, logs: Path, say) -> None:
+    """Raise SystemExit unless a run in a shadow of ``snap`` imports the shadow, not the real tree."""
+    chk = make_shadow(snap, work / "check")
+    rc, _ = _run_one(chk, repo, logs / "check.log", args.isolation, 300, pyfunc=check_code(args.files))
+    check_out = (logs / "check.log").read_text()
+    for ln in check_out.splitlines():
+        if ln.startswith("MUTATION-CHECK"):
+            say("  " + ln)
+    if rc != 0:
+        raise SystemExit(f"check run failed (rc={rc}): the shadow tree is not what gets imported\n{check_out[-3000:]}")
+    shutil.rmtree(chk, ignore_errors=True)
+
+
+def _baseline_timeouts(args, snap: Path, repo: Path, work: Path, logs: Path, say) -> dict:
+    """Per-file mutant timeouts from baseline runs of the unmutated snapshot; SystemExit if one fails."""
+    base_time = {}
+    for f in args.files:
+        tests = select_tests(snap, f, args.tests)
+        sh = make_shadow(snap, work / f"base-{Path(f).stem}")
+        rc, dt = _run_one(sh, repo, logs / "base.log", args.isolation, 1800, tests=tests, seed=args.hypothesis_seed)
+        shutil.rmtree(sh, ignore_errors=True)
+        if rc != 0:
+            raise SystemExit(f"baseline failed for {f} (rc={rc}); fix the tests first\n"
+                             + (logs / "base.log").read_text()[-4000:])
+        base_time[f] = dt
+        say(f"baseline {f}: {' '.join(tests)} passed in {dt:.1f} s")
+    timeouts = {f: args.timeout or max(60.0, 3.0 * base_time[f] + 10) for f in args.files}
+    say(f"per-mutant timeout: " + ", ".join(f"{f} {t:.0f} s" for f, t in timeouts.items()))
+    return timeouts
+
+
+def _mutant_result(m: Mutant, rc, dt: float, log: Path, out: Path, originals: dict, diffs: dict) -> dict:
+    """The result row of a finished (or timed-out, ``rc`` None) mutant run; records its diff or error log."""
+    if rc is None:
+        status = "timeout"
+    elif rc == 0:
+        status = "survived"
+    elif rc in (1, 2):  # tests failed / the mutant broke collection or import
+        status = "killed"
+    else:
+        status = "error"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if "MUTATION-GUARD" in text:
+        status = "error"
+    r = {k: v for k, v in asdict(m).items() if k != "source"}
+    r.update(status=status, rc=rc, seconds=round(dt, 2), killed_by=_killer(text) if status == "killed" else "")
+    if status == "survived":
+        r["equivalent"] = _equivalent(r)
+        diffs[m.key] = _diff(m, originals[m.file])
+    if status == "error":
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, out / "logs" / f"{m.key}.log")
+    return r
+
+
+def _run_mutants(args, snap: Path, repo: Path, work: Path, logs: Path, out: Path, mutants: list[Mutant],
+                 originals: dict, timeouts: dict, say) -> tuple[list[dict], dict]:
+    """Run every mutant, ``args.workers`` at a time; its result rows (in finishing order) and survivor diffs."""
+    results: list[dict] = []
+    diffs: dict = {}
+    queue = list(enumerate(mutants))
+    running: dict = {}
+    n = len(mutants)
+    done = 0
+    try:
+        while queue or running:
+            while queue and len(running) < args.workers:
+                i, m = queue.pop(0)
+                sh = make_shadow(snap, work / f"m{i}", m)
+                log = logs / f"m{i}.log"
+                job = _start(sh, repo, log, args.isolation, tests=select_tests(snap, m.file, args.tests),
+                             seed=args.hypothesis_seed)
+                running[job.pid] = (job, i, m, sh, log, time.monotonic())
+            time.sleep(0.05)
+            for pid in list(running):
+                job, i, m, sh, log, t0 = running[pid]
+                rc = job.poll()
+                dt = time.monotonic() - t0
+                if rc is None and dt <= timeouts[m.file]:
+                    continue
+                if rc is None:
+                    job.kill()
+                r = _mutant_result(m, rc, dt, log, out, originals, diffs)
+                results.append(r)
+                del running[pid]
+                shutil.rmtree(sh, ignore_errors=True)
+                log.unlink(missing_ok=True)
+                done += 1
+                by = f" by {r['killed_by']}" if r["killed_by"] else ""
+                say(f"[{done:4d}/{n}] {r['status']:8s} {m.file}:{m.line} [{m.op}] {m.desc} ({dt:.1f} s){by}")
+    finally:  # interrupted: stop the runs this campaign started (each its own process group)
+        for job, *_ in running.values():
+            job.kill()
+    return results, diffs
+
+
+def _campaign_summary(args, snap: Path, results: list[dict], t_start: float) -> dict:
+    """The summary dict of a campaign; sorts ``results`` in place by file, line, col, key."""
+    results.sort(key=lambda r: (r["file"], r["line"], r["col"], r["key"]))
+    killed = sum(r["status"] in ("killed", "timeout") for r in results)
+    survived = [r for r in results if r["status"] == "survived"]
+    equivalent = sum(1 for r in survived if r.get("equivalent"))
+    errors = sum(r["status"] == "error" for r in results)
+    total = len(results)
+    return {
+        "total": total, "killed": killed, "timeout": sum(r["status"] == "timeout" for r in results),
+        "survived": len(survived), "equivalent": equivalent, "errors": errors,
+        "score": killed / total if total else 1.0,
+        "score_excluding_equivalent": killed / (total - equivalent) if total - equivalent else 1.0,
+        "files": list(args.files), "tests": sorted({t for f in args.files for t in select_tests(snap, f, args.tests)}),
+        "runtime_s": round(time.monotonic() - t_start, 1),
+        "survivors": [{k: r[k] for k in ("file", "line", "func", "op", "desc", "original", "mutated", "key", "equivalent")}
+                      for r in survived],
+    }
+
+
 def run_campaign(args) -> dict:
     global _SHRINK
     _SHRINK = bool(args.shrink)
@@ -383,25 +523,7 @@ def run_campaign(args) -> dict:
     try:
         snap = snapshot(repo, work / "snap")
         say(f"snapshot of {repo} -> {snap}")
-        mutants: list[Mutant] = []
-        originals = {}
-        for f in args.files:
-            text = (snap / f).read_text()
-            originals[f] = text
-            ms = generate(text, f)
-            say(f"{f}: {len(ms)} mutants")
-            mutants += ms
-        if args.rerun:
-            prev = json.loads(Path(args.rerun).read_text())
-            want = {r["key"] for r in prev["mutants"] if r["status"] in ("survived", "timeout", "error")}
-            mutants = [m for m in mutants if m.key in want]
-            say(f"--rerun: {len(mutants)} of the {len(want)} survivors/timeouts/errors of {args.rerun} still exist")
-        if args.only:
-            mutants = [m for m in mutants if m.key in set(args.only)]
-        if args.max_mutants is not None and len(mutants) > args.max_mutants:
-            rng = random.Random(args.seed)
-            mutants = sorted(rng.sample(mutants, args.max_mutants), key=lambda m: (m.file, m.line, m.col))
-            say(f"sampled {len(mutants)} mutants (seed {args.seed})")
+        mutants, originals = _collect_mutants(args, snap, say)
         if args.list:
             for m in mutants:
                 say(f"{m.key} {m.file}:{m.line} ({m.func or 'module'}) [{m.op}] {m.desc}: {m.original!r} -> {m.mutated!r}")
@@ -411,100 +533,10 @@ def run_campaign(args) -> dict:
             preload()
         logs = work / "logs"
         logs.mkdir()
-        # ---- check run: the shadow is what gets imported
-        chk = make_shadow(snap, work / "check")
-        rc, _ = _run_one(chk, repo, logs / "check.log", args.isolation, 300, pyfunc=check_code(args.files))
-        check_out = (logs / "check.log").read_text()
-        for ln in check_out.splitlines():
-            if ln.startswith("MUTATION-CHECK"):
-                say("  " + ln)
-        if rc != 0:
-            raise SystemExit(f"check run failed (rc={rc}): the shadow tree is not what gets imported\n{check_out[-3000:]}")
-        shutil.rmtree(chk, ignore_errors=True)
-        # ---- baseline: the unmutated snapshot passes the selection
-        base_time = {}
-        for f in args.files:
-            tests = select_tests(snap, f, args.tests)
-            sh = make_shadow(snap, work / f"base-{Path(f).stem}")
-            rc, dt = _run_one(sh, repo, logs / "base.log", args.isolation, 1800, tests=tests, seed=args.hypothesis_seed)
-            shutil.rmtree(sh, ignore_errors=True)
-            if rc != 0:
-                raise SystemExit(f"baseline failed for {f} (rc={rc}); fix the tests first\n"
-                                 + (logs / "base.log").read_text()[-4000:])
-            base_time[f] = dt
-            say(f"baseline {f}: {' '.join(tests)} passed in {dt:.1f} s")
-        timeouts = {f: args.timeout or max(60.0, 3.0 * base_time[f] + 10) for f in args.files}
-        say(f"per-mutant timeout: " + ", ".join(f"{f} {t:.0f} s" for f, t in timeouts.items()))
-
-        # ---- the campaign
-        results: list[dict] = []
-        diffs: dict = {}
-        queue = list(enumerate(mutants))
-        running: dict = {}
-        n = len(mutants)
-        done = 0
-        try:
-            while queue or running:
-                while queue and len(running) < args.workers:
-                    i, m = queue.pop(0)
-                    sh = make_shadow(snap, work / f"m{i}", m)
-                    log = logs / f"m{i}.log"
-                    job = _start(sh, repo, log, args.isolation, tests=select_tests(snap, m.file, args.tests),
-                                 seed=args.hypothesis_seed)
-                    running[job.pid] = (job, i, m, sh, log, time.monotonic())
-                time.sleep(0.05)
-                for pid in list(running):
-                    job, i, m, sh, log, t0 = running[pid]
-                    rc = job.poll()
-                    dt = time.monotonic() - t0
-                    if rc is None and dt <= timeouts[m.file]:
-                        continue
-                    if rc is None:
-                        job.kill()
-                        status = "timeout"
-                    elif rc == 0:
-                        status = "survived"
-                    elif rc in (1, 2):  # tests failed / the mutant broke collection or import
-                        status = "killed"
-                    else:
-                        status = "error"
-                    text = log.read_text(errors="replace") if log.exists() else ""
-                    if "MUTATION-GUARD" in text:
-                        status = "error"
-                    r = {k: v for k, v in asdict(m).items() if k != "source"}
-                    r.update(status=status, rc=rc, seconds=round(dt, 2), killed_by=_killer(text) if status == "killed" else "")
-                    if status == "survived":
-                        r["equivalent"] = _equivalent(r)
-                        diffs[m.key] = _diff(m, originals[m.file])
-                    if status == "error":
-                        (out / "logs").mkdir(parents=True, exist_ok=True)
-                        shutil.copy(log, out / "logs" / f"{m.key}.log")
-                    results.append(r)
-                    del running[pid]
-                    shutil.rmtree(sh, ignore_errors=True)
-                    log.unlink(missing_ok=True)
-                    done += 1
-                    by = f" by {r['killed_by']}" if r["killed_by"] else ""
-                    say(f"[{done:4d}/{n}] {status:8s} {m.file}:{m.line} [{m.op}] {m.desc} ({dt:.1f} s){by}")
-        finally:  # interrupted: stop the runs this campaign started (each its own process group)
-            for job, *_ in running.values():
-                job.kill()
-        results.sort(key=lambda r: (r["file"], r["line"], r["col"], r["key"]))
-        killed = sum(r["status"] in ("killed", "timeout") for r in results)
-        survived = [r for r in results if r["status"] == "survived"]
-        equivalent = sum(1 for r in survived if r.get("equivalent"))
-        errors = sum(r["status"] == "error" for r in results)
-        total = len(results)
-        summary = {
-            "total": total, "killed": killed, "timeout": sum(r["status"] == "timeout" for r in results),
-            "survived": len(survived), "equivalent": equivalent, "errors": errors,
-            "score": killed / total if total else 1.0,
-            "score_excluding_equivalent": killed / (total - equivalent) if total - equivalent else 1.0,
-            "files": list(args.files), "tests": sorted({t for f in args.files for t in select_tests(snap, f, args.tests)}),
-            "runtime_s": round(time.monotonic() - t_start, 1),
-            "survivors": [{k: r[k] for k in ("file", "line", "func", "op", "desc", "original", "mutated", "key", "equivalent")}
-                          for r in survived],
-        }
+        _check_run(args, snap, repo, work, logs, say)  # the shadow is what gets imported
+        timeouts = _baseline_timeouts(args, snap, repo, work, logs, say)  # the unmutated snapshot passes
+        results, diffs = _run_mutants(args, snap, repo, work, logs, out, mutants, originals, timeouts, say)
+        summary = _campaign_summary(args, snap, results, t_start)
         write_report(out, summary, results, diffs)
         return summary
     finally:

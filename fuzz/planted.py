@@ -307,11 +307,57 @@ def _summarize(r: dict) -> dict:
     return r
 
 
+def _start_fault(n: str, work: Path, snap: Path, seeds: str, budget_s: float, results: list, progress: bool):
+    """Start fault ``n``'s detection run over a new shadow; ``(Popen, shadow, log)``, or None (and a
+    result row appended to ``results``) when its patch does not apply."""
+    from .shadow import env_for
+
+    try:
+        sh = build_shadow(BY_NAME[n], work, snap)
+    except PatchError as e:  # a patch that no longer applies is a failure, loudly
+        results.append({"fault": n, "detector": BY_NAME[n].detector, "runs": [],
+                        "error": f"patch does not apply: {e}"})
+        if progress:
+            print(f"BROKEN   {n:34s} patch does not apply: {str(e).splitlines()[0]}", flush=True)
+        return None
+    env = env_for(sh)
+    env.setdefault("HYPOTHESIS_EXPERIMENTAL_OBSERVABILITY_NOCOVER", "1")
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
+    # output to files, not pipes: a chatty child (vLLM logs) would fill a pipe
+    # nobody reads until it exits, and block forever
+    log = open(work / f"{n}.log", "w+")
+    return (subprocess.Popen(
+        [sys.executable, "-B", "-m", "vtoken.fuzz.planted", "--one", n, "--seeds", seeds,
+         "--budget", str(budget_s), "--shadow", str(sh)],
+        cwd=sh, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), sh, log)
+
+
+def _finish_fault(n: str, sh: Path, log, runs: int, progress: bool) -> dict:
+    """The summarized result of fault ``n``'s finished run; closes ``log`` and removes the shadow ``sh``."""
+    import shutil
+
+    log.seek(0)
+    out = log.read()
+    log.close()
+    shutil.rmtree(sh, ignore_errors=True)
+    lines = [l for l in out.strip().splitlines() if l.startswith('{"fault"')]
+    r = json.loads(lines[-1]) if lines else {"fault": n, "detector": BY_NAME[n].detector, "runs": [],
+                                            "error": f"detector crashed: {out.strip()[-400:]}"}
+    r = _summarize(r)
+    if progress:
+        mark = "DETECTED" if r["rate"] >= 0.9 else ("WEAK    " if r["detections"] else "MISSED  ")
+        med = "-" if r["median_s"] is None else f"{r['median_s']:.1f}"
+        mx = "-" if r["max_s"] is None else f"{r['max_s']:.1f}"
+        print(f"{mark} {n:34s} {r['detections']}/{runs}  median {med:>6} s  max {mx:>6} s  "
+              f"steps {r.get('steps')!s:>4}  [{r['detector']}]", flush=True)
+    return r
+
+
 def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, workers: int = 2, progress=True) -> dict:
     """Every fault in its own process, over its own shadow tree, ``runs`` seeds each."""
     import shutil
 
-    from .shadow import env_for, snapshot
+    from .shadow import snapshot
 
     names = names or [f.name for f in cpu_faults()]
     unknown = [n for n in names if n not in BY_NAME]
@@ -333,44 +379,15 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
         while pending or running:
             while pending and len(running) < workers:
                 n = pending.pop(0)
-                try:
-                    sh = build_shadow(BY_NAME[n], work, snap)
-                except PatchError as e:  # a patch that no longer applies is a failure, loudly
-                    results.append({"fault": n, "detector": BY_NAME[n].detector, "runs": [],
-                                    "error": f"patch does not apply: {e}"})
-                    if progress:
-                        print(f"BROKEN   {n:34s} patch does not apply: {str(e).splitlines()[0]}", flush=True)
-                    continue
-                env = env_for(sh)
-                env.setdefault("HYPOTHESIS_EXPERIMENTAL_OBSERVABILITY_NOCOVER", "1")
-                env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
-                # output to files, not pipes: a chatty child (vLLM logs) would fill a pipe
-                # nobody reads until it exits, and block forever
-                log = open(work / f"{n}.log", "w+")
-                running[n] = (subprocess.Popen(
-                    [sys.executable, "-B", "-m", "vtoken.fuzz.planted", "--one", n, "--seeds", seeds,
-                     "--budget", str(budget_s), "--shadow", str(sh)],
-                    cwd=sh, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), sh, log)
+                job = _start_fault(n, work, snap, seeds, budget_s, results, progress)
+                if job is not None:
+                    running[n] = job
             time.sleep(0.2)
             for n, (p, sh, log) in list(running.items()):
                 if p.poll() is None:
                     continue
                 del running[n]
-                log.seek(0)
-                out = log.read()
-                log.close()
-                shutil.rmtree(sh, ignore_errors=True)
-                lines = [l for l in out.strip().splitlines() if l.startswith('{"fault"')]
-                r = json.loads(lines[-1]) if lines else {"fault": n, "detector": BY_NAME[n].detector, "runs": [],
-                                                        "error": f"detector crashed: {out.strip()[-400:]}"}
-                r = _summarize(r)
-                results.append(r)
-                if progress:
-                    mark = "DETECTED" if r["rate"] >= 0.9 else ("WEAK    " if r["detections"] else "MISSED  ")
-                    med = "-" if r["median_s"] is None else f"{r['median_s']:.1f}"
-                    mx = "-" if r["max_s"] is None else f"{r['max_s']:.1f}"
-                    print(f"{mark} {n:34s} {r['detections']}/{runs}  median {med:>6} s  max {mx:>6} s  "
-                          f"steps {r.get('steps')!s:>4}  [{r['detector']}]", flush=True)
+                results.append(_finish_fault(n, sh, log, runs, progress))
     finally:
         for p, _, log in running.values():
             p.kill()
