@@ -66,6 +66,7 @@ import numpy as np
 import torch
 
 from .kvcache import KVCache
+from .errors import CallError, ConfigError
 
 __all__ = ["KVCopyEngine", "CopyHandle", "checker_factory"]
 
@@ -78,7 +79,7 @@ def checker_factory(value, who: str):
     if value is None or value is False:
         return None
     if value is True or not callable(value):
-        raise ValueError(f"{who}: check_relocations={value!r}: pass None or the checker factory, "
+        raise CallError("bad_type", f"{who}: check_relocations={value!r}: pass None or the checker factory, "
                          "e.g. vtoken.invariants.relocation_hash.RelocationChecker")
     return value
 
@@ -118,7 +119,7 @@ class KVCopyEngine:
     def __init__(self, kv: KVCache, block_size: int, force_sync: bool = False, lag: int = 0,
                  sentinel: bool = False, sleep_cycles: int = 200_000_000, timed: bool = False):
         if int(block_size) != kv.block_size:
-            raise ValueError(f"block_size {block_size} != the cache's {kv.block_size}")
+            raise ConfigError("inconsistent", f"block_size {block_size} != the cache's {kv.block_size}")
         self.kv = kv
         self.S = int(block_size)
         self.device = kv.device
@@ -126,7 +127,7 @@ class KVCopyEngine:
         self.force_sync = force_sync
         self.lag = int(lag)
         if self.lag and self.is_cuda:
-            raise ValueError("lag is a CPU simulation knob; on CUDA the stream is asynchronous already")
+            raise ConfigError("unsupported", "lag is a CPU simulation knob; on CUDA the stream is asynchronous already")
         self.sentinel = sentinel
         self.sleep_cycles = int(sleep_cycles)
         self.timed = timed

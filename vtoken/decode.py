@@ -85,7 +85,7 @@ import torch
 
 from .allocator import NULL_BLOCK, BlockAllocator
 from .copy_engine import KVCopyEngine, checker_factory
-from .errors import RelocationCheckError
+from .errors import CallError, CallIndexError, OrderError, RelocationCheckError
 from .fields import is_bool, is_int, need_choice, need_device, need_int, need_number, refuse
 from .model.decoder import DecodeItem, PagedDecoder, greedy
 from .planner import MODES, PlannerConfig, ReclamationManager
@@ -328,7 +328,7 @@ class StepGraph:
               num_read: Sequence[int]) -> None:
         """Write the rows' scalars into ``inputs`` in place (one copy, no host wait)."""
         if self._in_flight:
-            raise RuntimeError("StepGraph.stage before the previous step's fetch")
+            raise OrderError("out_of_order", "StepGraph.stage before the previous step's fetch")
         st = self._staging.numpy()
         st[0], st[1], st[2], st[3] = tokens, positions, write_slots, num_read
         self.inputs.copy_(self._staging, non_blocking=self.is_cuda)
@@ -600,12 +600,12 @@ class DecodeEngine:
         test hook); by default ``ceil(len(prompt) / S)`` blocks are allocated.
         """
         if not self._ready:
-            raise RuntimeError("engine not set up: pass num_blocks or call setup()")
+            raise OrderError("not_set_up", "engine not set up: pass num_blocks or call setup()")
         if req_id in self._reqs:
-            raise ValueError(f"request {req_id!r} already admitted")
+            raise CallError("duplicate_request", f"request {req_id!r} already admitted")
         P = len(prompt_ids)
         if P == 0 or max_new_tokens < 1:
-            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
+            raise CallError("bad_value", "need a non-empty prompt and max_new_tokens >= 1")
         S = self.S
         blocks = list(blocks) if blocks is not None else self._allocate(-(-P // S), req_id)
         r = _Req(req_id, P, int(max_new_tokens), blocks)
@@ -806,17 +806,17 @@ class DecodeEngine:
         """The host checks ``decode_step`` makes on a checked cache (the graph validates nothing)."""
         ws = [it.write_slot for it in items]
         if len(set(ws)) != len(ws):
-            raise ValueError("decode_step: two requests share a write_slot")
+            raise CallError("duplicate_slot", "decode_step: two requests share a write_slot")
         ns = self.kv.num_slots
         for it in items:
             rs = it.read_slots
             if not 0 <= it.write_slot < ns:
-                raise IndexError(f"write slot {it.write_slot} out of range [0, {ns})")
+                raise CallIndexError("out_of_range", f"write slot {it.write_slot} out of range [0, {ns})")
             if rs.numel():
                 if int(rs.min()) < 0 or int(rs.max()) >= ns:
-                    raise IndexError(f"read slot out of range [0, {ns})")
+                    raise CallIndexError("out_of_range", f"read slot out of range [0, {ns})")
                 if bool((rs == it.write_slot).any()):
-                    raise ValueError(f"decode_step: write_slot {it.write_slot} is in read_slots")
+                    raise CallError("duplicate_slot", f"decode_step: write_slot {it.write_slot} is in read_slots")
 
     def _graph_decode(self, active: list, items: list, observe: bool):
         """Step 4 through the graph path: write the slot buffer, stage, run, fetch (see the
@@ -824,8 +824,9 @@ class DecodeEngine:
         B = len(items)
         gs = self._graph_for(active, B)
         ns = [int(it.read_slots.numel()) for it in items]
-        if max(ns) > gs.T or max(it.position for it in items) > gs.T:
-            raise RuntimeError(f"graph path: a request outgrew its shape (T={gs.T})")  # _graph_for sizes T
+        # an internal invariant, not a caller's error: _graph_for sizes T to the longest request
+        assert max(ns) <= gs.T and max(it.position for it in items) <= gs.T, \
+            f"graph path: a request outgrew its shape (T={gs.T})"
         if self.kv.checked:
             self._check_items(items)
         for i, (r, it) in enumerate(zip(active, items)):

@@ -45,6 +45,25 @@ class RelocationCheckError(VTokenError):
     """Hash-and-compare found a relocation that changed a token's id or K/V bytes."""
 
 
+class CallError(VTokenError, ValueError):
+    """A call of the system was given arguments it refuses (``code`` in ``CALL_CODES``);
+    nothing was changed. A ``ValueError`` too, so callers that caught the bare one still do."""
+
+
+class CallTypeError(CallError, TypeError):
+    """A :class:`CallError` about an argument's type (a ``TypeError`` too)."""
+
+
+class CallIndexError(CallError, IndexError):
+    """A :class:`CallError` about an index out of its range (an ``IndexError`` too)."""
+
+
+class OrderError(VTokenError, RuntimeError):
+    """An operation called out of its order or against a state it cannot serve (``code`` in
+    ``ORDER_CODES``): not set up, a step before the previous one ended, a run that did not
+    finish. A ``RuntimeError`` too."""
+
+
 class ConfigError(VTokenError, ValueError):
     """A configuration object was built with a bad field (``code`` in ``CONFIG_CODES``); the
     message names the field and the value. Raised at construction, before anything uses it."""
@@ -109,4 +128,26 @@ SNAPSHOT_CODES = (
 CONFIG_CODES = (
     "bad_type",      # a field of the wrong type (a bool where a number belongs included, a float where an int does)
     "out_of_range",  # a number outside the field's stated range (NaN and infinities included)
+    "inconsistent",  # fields that disagree with each other (heads not a multiple of KV heads, ...)
+    "unsupported",   # a setting the system does not implement (a model feature, a CPU-only knob on CUDA)
+)
+
+# The codes a call of the system raises (CallError) for arguments it refuses.
+CALL_CODES = (
+    "bad_type",        # an argument of the wrong type (slots that are not integers, a checker that is not callable)
+    "bad_shape",       # a tensor or array of the wrong shape or of lengths that disagree
+    "bad_value",       # a value outside what the call accepts (an empty prompt, a budget below 1, ...)
+    "duplicate_slot",  # two requests or two copies writing one slot, or a write slot also read
+    "duplicate_request",  # a request id admitted twice
+    "unknown_name",    # a name not in the registry it is looked up in (a policy)
+    "bad_weights",     # a checkpoint whose tensors do not match the model
+    "out_of_range",    # a slot or layer index outside its range (CallIndexError)
+)
+
+# The codes an operation out of its order raises (OrderError).
+ORDER_CODES = (
+    "not_set_up",      # used before its setup
+    "out_of_order",    # a step before the previous one ended
+    "state_mismatch",  # the caller's view and the system's disagree (a chunk start, a request's length)
+    "did_not_finish",  # a bounded run that did not end within its bound
 )

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import xxhash
+from .errors import CallError, CallIndexError, CallTypeError, ConfigError
 
 __all__ = ["KVCache"]
 
@@ -62,7 +63,7 @@ class KVCache:
                           ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                           ("head_dim", head_dim)):
             if int(val) <= 0:
-                raise ValueError(f"{name} must be positive, got {val}")
+                raise ConfigError("out_of_range", f"{name} must be positive, got {val}")
         self.num_layers = int(num_layers)
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
@@ -109,22 +110,22 @@ class KVCache:
         s = torch.as_tensor(slots, device=self.device)
         if s.dtype != torch.int64:
             if s.dtype.is_floating_point or s.dtype == torch.bool:
-                raise TypeError(f"{what}: slots must be integers, got {s.dtype}")
+                raise CallTypeError("bad_type", f"{what}: slots must be integers, got {s.dtype}")
             s = s.to(torch.int64)
         if s.dim() != 1:
-            raise ValueError(f"{what}: slots must be 1-D, got shape {tuple(s.shape)}")
+            raise CallError("bad_shape", f"{what}: slots must be 1-D, got shape {tuple(s.shape)}")
         if self.checked and s.numel():
             lo, hi = int(s.min()), int(s.max())
             if lo < 0 or hi >= self.num_slots:
-                raise IndexError(f"{what}: slot out of range [0, {self.num_slots}): "
+                raise CallIndexError("out_of_range", f"{what}: slot out of range [0, {self.num_slots}): "
                                  f"min {lo}, max {hi}")
             if unique and s.numel() > 1 and torch.unique(s).numel() != s.numel():
-                raise ValueError(f"{what}: a destination slot is named twice")
+                raise CallError("duplicate_slot", f"{what}: a destination slot is named twice")
         return s
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+            raise CallIndexError("out_of_range", f"layer {layer} out of range [0, {self.num_layers})")
 
     # ------------------------------------------------------------------ per layer
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -137,7 +138,7 @@ class KVCache:
         s = self._slots(slots, "write", unique=True)
         shape = (s.numel(), self.num_kv_heads, self.head_dim)
         if tuple(k.shape) != shape or tuple(v.shape) != shape:
-            raise ValueError(f"write: k/v must be {shape}, got {tuple(k.shape)}, {tuple(v.shape)}")
+            raise CallError("bad_shape", f"write: k/v must be {shape}, got {tuple(k.shape)}, {tuple(v.shape)}")
         self._flat[layer, 0].index_copy_(0, s, k.to(self.dtype))
         self._flat[layer, 1].index_copy_(0, s, v.to(self.dtype))
 
@@ -164,7 +165,7 @@ class KVCache:
         src = self._slots(src_slots, "copy_slots src")
         dst = self._slots(dst_slots, "copy_slots dst", unique=True)
         if src.numel() != dst.numel():
-            raise ValueError(f"copy_slots: {src.numel()} sources but {dst.numel()} destinations")
+            raise CallError("bad_shape", f"copy_slots: {src.numel()} sources but {dst.numel()} destinations")
         if src.numel() == 0:
             return
         moved = self._flat.index_select(2, src)  # [L, 2, n, H, D], a fresh tensor

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from ..errors import ConfigError
 
 __all__ = ["DecoderConfig"]
 
@@ -69,14 +70,14 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+            raise ConfigError("inconsistent", f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+            raise ConfigError("unsupported", f"head_dim must be even for RoPE, got {self.head_dim}")
         for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "intermediate_size", "max_position_embeddings"):
             if getattr(self, f) <= 0:
-                raise ValueError(f"{f} must be positive")
+                raise ConfigError("out_of_range", f"{f} must be positive")
 
     @property
     def group_size(self) -> int:
@@ -94,12 +95,12 @@ class DecoderConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], **overrides: Any) -> "DecoderConfig":
         if d.get("rope_scaling") not in (None, {}):
-            raise ValueError(f"rope_scaling {d['rope_scaling']!r} is not supported")
+            raise ConfigError("unsupported", f"rope_scaling {d['rope_scaling']!r} is not supported")
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
-                raise ValueError(f"{flag}=true is not supported")
+                raise ConfigError("unsupported", f"{flag}=true is not supported")
         if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (silu only)")
+            raise ConfigError("unsupported", f"hidden_act {d['hidden_act']!r} is not supported (silu only)")
         kw: dict[str, Any] = {}
         for f, hf in _HF_KEYS.items():
             if hf in d and d[hf] is not None:

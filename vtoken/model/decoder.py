@@ -48,6 +48,7 @@ from torch import nn
 from vtoken.kvcache import KVCache
 from vtoken.model.config import DecoderConfig
 from vtoken.model.rope import RopeTable, apply_rope
+from ..errors import CallError
 
 __all__ = ["DecodeItem", "PagedDecoder", "greedy"]
 
@@ -181,7 +182,7 @@ class PagedDecoder(nn.Module):
         c = self.config
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (
                 c.num_layers, c.num_kv_heads, c.head_dim):
-            raise ValueError(f"{kv!r} does not match the model geometry "
+            raise CallError("bad_shape", f"{kv!r} does not match the model geometry "
                              f"(L={c.num_layers}, H={c.num_kv_heads}, D={c.head_dim})")
 
     # ------------------------------------------------------------------ core
@@ -257,7 +258,7 @@ class PagedDecoder(nn.Module):
         ws = torch.as_tensor(write_slots, dtype=torch.int64, device=kv.device)
         n = ids.numel()
         if n == 0 or pos.numel() != n or ws.numel() != n:
-            raise ValueError(f"prefill: need n>0 and equal lengths, got "
+            raise CallError("bad_shape", f"prefill: need n>0 and equal lengths, got "
                              f"{n}, {pos.numel()}, {ws.numel()}")
         logits, stats = self._forward(kv, ids, pos, ws, [_Group(0, n, ws, True)],
                                       slice(n - 1, n))
@@ -282,12 +283,12 @@ class PagedDecoder(nn.Module):
         wslots = torch.tensor([it.write_slot for it in items], dtype=torch.int64,
                               device=kv.device)
         if kv.checked and len(set(wslots.tolist())) != len(items):
-            raise ValueError("decode_step: two requests share a write_slot")
+            raise CallError("duplicate_slot", "decode_step: two requests share a write_slot")
         keys = []
         for it in items:
             rs = torch.as_tensor(it.read_slots, dtype=torch.int64, device=kv.device)
             if kv.checked and bool((rs == it.write_slot).any()):
-                raise ValueError(f"decode_step: write_slot {it.write_slot} is in read_slots")
+                raise CallError("duplicate_slot", f"decode_step: write_slot {it.write_slot} is in read_slots")
             keys.append(torch.cat([rs, wslots.new_tensor([it.write_slot])]))
         ids = torch.tensor([it.token_id for it in items], dtype=torch.int64)
         pos = torch.tensor([it.position for it in items], dtype=torch.int64)

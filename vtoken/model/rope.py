@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+from ..errors import CallError, ConfigError
 
 __all__ = ["RopeTable", "apply_rope"]
 
@@ -38,7 +39,7 @@ class RopeTable:
     def __init__(self, head_dim: int, theta: float, capacity: int,
                  dtype: torch.dtype = torch.float32) -> None:
         if head_dim % 2:
-            raise ValueError("head_dim must be even")
+            raise ConfigError("unsupported", "head_dim must be even")
         self.head_dim = head_dim
         self.dtype = dtype
         half = head_dim // 2
@@ -68,7 +69,7 @@ class RopeTable:
         if positions.numel():
             lo, hi = int(positions.min()), int(positions.max())
             if lo < 0:
-                raise ValueError(f"negative position {lo}")
+                raise CallError("bad_value", f"negative position {lo}")
             self.ensure(hi + 1)
         p = positions.cpu()
         return self.cos.index_select(0, p), self.sin.index_select(0, p)

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from vtoken.model.config import DecoderConfig
 from vtoken.model.decoder import PagedDecoder
+from ..errors import CallError
 
 __all__ = ["load_safetensors", "save_safetensors"]
 
@@ -71,11 +72,11 @@ def load_safetensors(folder: str | os.PathLike[str], dtype: torch.dtype | None =
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{src / WEIGHTS_NAME}: missing {missing[:5]}, "
+        raise CallError("bad_weights", f"{src / WEIGHTS_NAME}: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     for name, t in state.items():
         if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected "
+            raise CallError("bad_weights", f"{name}: shape {tuple(t.shape)}, expected "
                              f"{tuple(expected[name].shape)}")
     model.load_state_dict({k: v.to(cfg.dtype) for k, v in state.items()}, strict=True)
     return model

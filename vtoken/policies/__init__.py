@@ -14,6 +14,7 @@ from vtoken.policies.h2o import H2O
 from vtoken.policies.random_policy import RandomPolicy
 from vtoken.policies.scissorhands import Scissorhands
 from vtoken.policies.streaming import StreamingLLM
+from ..errors import CallError
 
 __all__ = ["POLICIES", "H2O", "Policy", "RandomPolicy", "Scissorhands", "StreamingLLM",
            "make_policy", "protect_recent"]
@@ -31,5 +32,5 @@ def make_policy(name: str, **kw: Any) -> Policy:
     try:
         cls = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}") from None
+        raise CallError("unknown_name", f"unknown policy {name!r}; known: {sorted(POLICIES)}") from None
     return cls(**kw)

@@ -34,6 +34,7 @@ import abc
 from typing import Hashable
 
 import numpy as np
+from ..errors import CallError
 
 __all__ = ["Policy", "protect_recent"]
 
@@ -64,15 +65,15 @@ class Policy(abc.ABC):
     def select_victims(self, req_id: Hashable, live_ids: np.ndarray, budget: int) -> np.ndarray:
         ids = np.asarray(live_ids, dtype=np.int64)
         if ids.ndim != 1:
-            raise ValueError(f"live_ids must be 1-D, got shape {ids.shape}")
+            raise CallError("bad_shape", f"live_ids must be 1-D, got shape {ids.shape}")
         n_evict = ids.size - int(budget)
         if n_evict <= 0:
             return np.empty(0, dtype=np.int64)
         if budget < 1:
-            raise ValueError(f"budget {budget} < 1: the newest token must survive")
+            raise CallError("bad_value", f"budget {budget} < 1: the newest token must survive")
         score = np.asarray(self.keep_scores(req_id, ids, int(budget)), dtype=np.float64)
         if score.shape != ids.shape:
-            raise ValueError(f"{self.name}: keep_scores gave {score.shape}, want {ids.shape}")
+            raise CallError("bad_shape", f"{self.name}: keep_scores gave {score.shape}, want {ids.shape}")
         score = np.where(np.isnan(score), -np.inf, score)
         # The newest token is never a candidate; lexsort: by score, then logical order.
         order = np.lexsort((np.arange(ids.size - 1), score[:-1]))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import need_choice, need_int, need_number
+from ..errors import CallError
 
 WORKLOADS = {
     # name: (input median, input sigma, input clip, output median, output sigma, output clip)
@@ -81,5 +82,5 @@ def frontier_request_shape(full_blocks: int = 1020, block_size: int = 16, output
     """(prompt, output) such that a fully retained request needs exactly ``full_blocks`` blocks."""
     prompt = full_blocks * block_size - output
     if prompt <= 0:
-        raise ValueError("output longer than the full footprint")
+        raise CallError("bad_value", "output longer than the full footprint")
     return prompt, output

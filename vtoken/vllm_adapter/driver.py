@@ -14,6 +14,7 @@ Costs: O(1) per step beyond the calls it makes.
 from __future__ import annotations
 
 from collections import deque
+from ..errors import OrderError
 
 
 class AdapterDriver:
@@ -41,7 +42,7 @@ class AdapterDriver:
         n = 0
         while self.ad.has_work():
             if n >= max_steps:
-                raise RuntimeError(f"requests still pending after {max_steps} steps")
+                raise OrderError("did_not_finish", f"requests still pending after {max_steps} steps")
             self.step()
             n += 1
         while self.in_flight:

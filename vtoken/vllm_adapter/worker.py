@@ -56,7 +56,7 @@ import torch
 
 from ..copy_engine import KVCopyEngine, checker_factory
 from .messages import PlanResult, WorkerReport
-from ..errors import PlanError
+from ..errors import OrderError, PlanError
 from ..fields import need_choice, need_device, need_instance, need_int, need_number, refuse
 from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
 from ..planner import apply_completed, snapshot_applied
@@ -280,10 +280,10 @@ class VTokenWorker:
             self.stats["cached_tokens"] += start - n
             n = start
         if n != start:
-            raise RuntimeError(f"worker: request {r!r} has {n} tokens in its table, the scheduler says the "
+            raise OrderError("state_mismatch", f"worker: request {r!r} has {n} tokens in its table, the scheduler says the "
                                f"chunk starts at {start}")
         if start + k > len(toks):
-            raise RuntimeError(f"worker: request {r!r}: chunk [{start}, {start + k}) beyond its "
+            raise OrderError("state_mismatch", f"worker: request {r!r}: chunk [{start}, {start + k}) beyond its "
                                f"{len(toks)} known tokens")
         decode = k == 1 and start >= len(w.prompt) and start > 0
         if decode and self.evict_ratio > 0:
