@@ -547,6 +547,14 @@ def _i4(d: _View) -> list[Violation]:
             v("blocks", f"plan {d.pid} fills the tail block {b} (still being written)", x=b)
         if b in dests:
             v("blocks", f"block {b} is both a fill and a destination of plan {d.pid}", x=b)
+    _i4_rest(d, v)
+    return out
+
+
+def _i4_rest(d: _View, v) -> None:
+    """I4 in-flight, duplicate, count, dests_used, schedule and derived rules, reported through ``v``."""
+    S = d.S
+    srcs, dests, fills = set(d.sources), set(d.dests), d.fill_set
     ours = srcs | d.dst_all | fills
     ids = Counter(p["id"] for p in d.in_flight)
     for p in d.in_flight:
@@ -592,7 +600,6 @@ def _i4(d: _View) -> list[Violation]:
         for b in sorted(fills - d.post_blocks):
             v("fill_kept", f"fill block {b} is no longer a block of request {d.req!r} after the plan", x=b)
     _i4_derived(d, v)
-    return out
 
 
 def _i4_derived(d: _View, v) -> None:

@@ -427,6 +427,15 @@ def _check_i1(d: _Snap, ask: _Ask) -> list[Violation]:
         out.append(Violation("I1", f"token {int(m[a, 0])} is moved twice (moves #{a} and #{b})", model, "moved_twice"))
     if not post:
         return out
+    _i1_after(d, ask, out)
+    return out
+
+
+def _i1_after(d: _Snap, ask: _Ask, out: list) -> None:
+    """I1 (c)-(e) on a snapshot with a post state: evicted, unmoved and digest rules, appended to ``out``."""
+    n, S, m = d.n, d.S, d.moves
+    pl, ps = d.pre_live, d.pre_slot
+    ev = d.evicted
     ql, qs = d.post_live, d.post_slot
     # (c) a token recorded as evicted in flight is dead at its pre slot after the plan
     dis = [f"(and (= IDX {t}) (or {_b(ql[t])} (not (= {ps[t]} {qs[t]}))))" for t in range(n) if ev[t]]
@@ -466,7 +475,6 @@ def _check_i1(d: _Snap, ask: _Ask) -> list[Violation]:
             model.update(pre_digest=pre_d[k], post_digest=post_d[k])
             out.append(Violation("I1", f"move #{k}: token {int(m[k, 0])}'s K/V digest changed across the copy "
                                        f"({pre_d[k]:#018x} before, {post_d[k]:#018x} after)", model, "digest"))
-    return out
 
 
 def _pair(S: int, slot: int) -> list[int]:
