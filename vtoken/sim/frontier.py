@@ -274,22 +274,53 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
     cmax = max(ideal.values()) + 1
     per_req = -(-st["keep"] // st["S"])
 
-    # 1. schedules (policy decisions), in parallel chunks
+    scheds = _schedules(st, n_seeds, cmax, jobs, progress)
+    t_sched = time.perf_counter() - t0
+    peaks = _unconstrained(scheds, st, n_seeds, jobs, progress)
+    budget_res, abl_res, curve_res, big = _constrained(blist, ideal, scheds, peaks, st, n_seeds, jobs,
+                                                       ablations, progress)
+
+    frontier, spread, detail, traffic = _aggregate(blist, budget_res, per_req)
+    curves = _curves(blist, budget_res, curve_res, peaks, n_seeds, st)
+    abl_table = _ablation_table(abl_res)
+    paper = {k: PAPER.get(k) for k in blist}
+    result = dict(experiment="frontier", quick=quick, seeds=n_seeds, budgets=blist, frontier=frontier,
+                  ideal=ideal, paper=paper, spread=spread, detail=detail, curves=curves, traffic=traffic,
+                  geometry_of={k: st["geometry"][k] for k in blist}, geometries=GEOMETRIES,
+                  planner=dict(default=dict(vars(PlannerConfig(**st["default"]))), tuned=dict(st["tuned"])),
+                  ablations=dict(budget=big, C=ideal[big] if big else None, seeds=min(n_seeds, st["ablation_seeds"]),
+                                 table=abl_table),
+                  setting={k: v for k, v in st.items() if k not in ("ablations",)}, geometry=GEOMETRY,
+                  copy_engine="NullCopyEngine(latency=1): sources freed two scheduler steps after the plan, never before the copy",
+                  schedule_s=t_sched, wall_s=time.perf_counter() - t0)
+    fig = _plot(result, budget_res, peaks, st)
+    md = _markdown(result, st)
+    result["files"] = rep.write(rep.out_dir(out), "frontier", result, md, fig)
+    return result
+
+
+def _schedules(st, n_seeds, cmax, jobs, progress) -> dict:
+    """Policy schedules for requests ``0..cmax-1`` of every seed, in parallel chunks: ``{seed: [schedule]}``."""
     chunks = [list(range(i, min(cmax, i + 6))) for i in range(0, cmax, 6)]
     got = run_tasks(_task_schedules, [(s, ids, st) for s in range(n_seeds) for ids in chunks], jobs,
                     progress=progress and (lambda d, n: progress("frontier: schedules", d, n)))
     scheds = {s: [] for s in range(n_seeds)}
     for s, lst in got:
         scheds[s].extend(lst)
-    t_sched = time.perf_counter() - t0
+    return scheds
 
-    # 2. unconstrained curves for the non-interacting systems
+
+def _unconstrained(scheds, st, n_seeds, jobs, progress) -> dict:
+    """Unconstrained demand curves of the non-interacting systems: ``{(seed, mode): result}``."""
     unc = run_tasks(_task_unconstrained, [(s, m, scheds[s], st) for s in range(n_seeds)
                                           for m in ("native", "naive-evict")], jobs,
                     progress=progress and (lambda d, n: progress("frontier: unconstrained", d, n)))
-    peaks = {(s, m): d for s, m, d in unc}
+    return {(s, m): d for s, m, d in unc}
 
-    # 3. constrained runs: frontier searches, the defaults' demand curve, the ablations
+
+def _constrained(blist, ideal, scheds, peaks, st, n_seeds, jobs, ablations, progress) -> tuple:
+    """Constrained runs in one batch (frontier searches, the defaults' demand curve, the ablations);
+    returns ``(budget_res, abl_res, curve_res, big)`` with ``big`` the ablations' budget or None."""
     tasks = []
     for s in range(n_seeds):
         for label, nb in blist.items():
@@ -309,8 +340,12 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
     budget_res = mixed[:len(tasks)]
     abl_res = mixed[len(tasks):len(tasks) + len(atasks)]
     curve_res = mixed[len(tasks) + len(atasks):]
+    return budget_res, abl_res, curve_res, big
 
-    # 4. aggregate
+
+def _aggregate(blist, budget_res, per_req) -> tuple:
+    """Per budget: frontier medians, their spread, the peak detail and the copy traffic over seeds;
+    returns ``(frontier, spread, detail, traffic)``."""
     frontier, spread, detail, traffic = {}, {}, {}, {}
     for label in blist:
         rs = [r for r in budget_res if r["budget"] == label]
@@ -333,31 +368,21 @@ def run_frontier(budgets=None, quick: bool = False, seeds: int | None = None, ou
         detail[label]["predicted"] = {m: [r[m]["predicted"] for r in rs] for m in ("native", "naive-evict")}
         detail[label]["confirmed"] = {m: all(r[m]["predicted"] == r[m]["frontier"] for r in rs)
                                       for m in ("native", "naive-evict")}
-    curves = _curves(blist, budget_res, curve_res, peaks, n_seeds, st)
+    return frontier, spread, detail, traffic
+
+
+def _ablation_table(abl_res) -> dict:
+    """Per ablation name: feasible seeds and the summaries of its runs over seeds."""
     abl = {}
     for s, name, r in abl_res:
         abl.setdefault(name, []).append(r)
-    abl_table = {name: dict(feasible_seeds=sum(r["feasible"] for r in rs), seeds=len(rs),
-                            preempted_step=summary([r["preempted_at"]["step"] for r in rs if r["preempted_at"]]),
-                            peak_norm=summary([r["peak_norm"] for r in rs]),
-                            moves=summary([r["planner"]["moves"] for r in rs]),
-                            plans=summary([r["planner"]["plans"] for r in rs]),
-                            deferred=summary([r["planner"]["deferred"] for r in rs]))
-                 for name, rs in abl.items()}
-    paper = {k: PAPER.get(k) for k in blist}
-    result = dict(experiment="frontier", quick=quick, seeds=n_seeds, budgets=blist, frontier=frontier,
-                  ideal=ideal, paper=paper, spread=spread, detail=detail, curves=curves, traffic=traffic,
-                  geometry_of={k: st["geometry"][k] for k in blist}, geometries=GEOMETRIES,
-                  planner=dict(default=dict(vars(PlannerConfig(**st["default"]))), tuned=dict(st["tuned"])),
-                  ablations=dict(budget=big, C=ideal[big] if big else None, seeds=min(n_seeds, st["ablation_seeds"]),
-                                 table=abl_table),
-                  setting={k: v for k, v in st.items() if k not in ("ablations",)}, geometry=GEOMETRY,
-                  copy_engine="NullCopyEngine(latency=1): sources freed two scheduler steps after the plan, never before the copy",
-                  schedule_s=t_sched, wall_s=time.perf_counter() - t0)
-    fig = _plot(result, budget_res, peaks, st)
-    md = _markdown(result, st)
-    result["files"] = rep.write(rep.out_dir(out), "frontier", result, md, fig)
-    return result
+    return {name: dict(feasible_seeds=sum(r["feasible"] for r in rs), seeds=len(rs),
+                       preempted_step=summary([r["preempted_at"]["step"] for r in rs if r["preempted_at"]]),
+                       peak_norm=summary([r["peak_norm"] for r in rs]),
+                       moves=summary([r["planner"]["moves"] for r in rs]),
+                       plans=summary([r["planner"]["plans"] for r in rs]),
+                       deferred=summary([r["planner"]["deferred"] for r in rs]))
+            for name, rs in abl.items()}
 
 
 def _peak_summary(runs, per_req) -> dict:
@@ -460,8 +485,16 @@ def _plot(result, budget_res, peaks, st):
 
 
 def _markdown(res, st) -> str:
+    """The frontier report in markdown, section by section."""
+    L = _md_intro(res, st) + _md_frontier(res, st) + _md_traffic(res) + _md_peak(res) + _md_ablations(res)
+    L += _md_curves(res)
+    L.append(method_md(st["window"]))
+    return "\n".join(L)
+
+
+def _md_intro(res, st) -> list:
+    """The title, the setting paragraph and, in quick mode, the scale note."""
     P, O = frontier_request_shape(st["full_blocks"], st["S"], st["output"])
-    dflt = res["planner"]["default"]
     L = []
     L.append("# Capacity frontier (paper Fig. 9 and 10)\n")
     L.append(f"Llama-3.1-8B geometry (32 layers, 8 KV heads, head dim 128, fp16: "
@@ -475,6 +508,13 @@ def _markdown(res, st) -> str:
     if st["scale"] != 1:
         L.append(f"*Quick mode: 1/16 scale; budgets simulated as {res['budgets']}; the defaults' headroom / 16 "
                  f"({st['default']}).*\n")
+    return L
+
+
+def _md_frontier(res, st) -> list:
+    """The frontier table per budget and the shipped defaults' paragraph."""
+    dflt = res["planner"]["default"]
+    L = []
     rows = []
     for label in res["budgets"]:
         sp = res["spread"][label]
@@ -490,6 +530,12 @@ def _markdown(res, st) -> str:
     L.append(f"\nShipped defaults: `PlannerConfig()` = `{ {k: v for k, v in dflt.items() if k != 'record_snapshots'} }` "
              f"(trigger `vtoken.planner.should_reclaim`: F > theta_F, or any waste once free blocks are at or below "
              f"the derived watermark). Earlier tuned point: `{st['tuned']}`. Copy engine: {res['copy_engine']}.\n")
+    return L
+
+
+def _md_traffic(res) -> list:
+    """The copy-traffic section at the frontier."""
+    L = []
     L.append("## Copy traffic at the frontier (shipped defaults)\n")
     L.append("Per plan the lower bound of the work is the live tokens of the blocks it frees: for a plan with s "
              "sources and d fresh destinations, the live tokens of its s - d emptiest sources. The shipped defaults "
@@ -509,6 +555,12 @@ def _markdown(res, st) -> str:
     L.append(rep.md_table(["budget", "planner", "moved / bound", "tokens moved per block freed", "bound per block freed",
                            "mean live tokens per source", "moved / source live", "plans", "tokens moved",
                            "blocks freed"], rows))
+    return L
+
+
+def _md_peak(res) -> list:
+    """What the peak is made of, and why the first infeasible C fails."""
+    L = []
     L.append("\n## What the peak is made of (shipped defaults, at the frontier)\n")
     rows = []
     for label in res["budgets"]:
@@ -534,6 +586,12 @@ def _markdown(res, st) -> str:
                      + (f" (preempted at step {fmt(f1['preempted_step'], digits=0)})." if f1.get("preempted_step", {})
                         .get("median") is not None else "."))
     L.append("")
+    return L
+
+
+def _md_ablations(res) -> list:
+    """The one-factor ablation table, or nothing when no ablations ran."""
+    L = []
     ab = res["ablations"]
     if ab["table"]:
         L.append(f"## One factor at a time away from the defaults (budget {ab['budget']}, C = {ab['C']}, "
@@ -544,6 +602,12 @@ def _markdown(res, st) -> str:
         L.append(rep.md_table(["change from the defaults", "feasible seeds", "preempted at step", "moves", "plans",
                                "plans deferred (headroom short)"], rows))
         L.append("")
+    return L
+
+
+def _md_curves(res) -> list:
+    """Normalised demand against concurrency, one table per budget."""
+    L = []
     L.append("## Normalised demand against concurrency\n")
     for label in res["budgets"]:
         cur = res["curves"][label]
@@ -555,5 +619,4 @@ def _markdown(res, st) -> str:
         L.append(f"Budget {label} (Native / Naive-Evict: unconstrained need; vToken, defaults: constrained run):\n")
         L.append(rep.md_table(["C", "Native", "Naive-Evict", "vToken", "vToken feasible seeds"], rows))
         L.append("")
-    L.append(method_md(st["window"]))
-    return "\n".join(L)
+    return L

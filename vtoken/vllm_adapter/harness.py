@@ -94,6 +94,85 @@ def _init_hashing() -> Any:
     return sha256
 
 
+def _vllm_config(
+    *,
+    block_size: int,
+    num_blocks: int,
+    prefix_caching: bool,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    async_scheduling: bool,
+    enable_chunked_prefill: bool,
+) -> Any:
+    """Build the VllmConfig for the tiny model with ``num_blocks`` GPU blocks and the asked
+    async-scheduling flag; a platform-detection RuntimeError gets the import-order hint."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model_config = ModelConfig(
+        model=str(TINY_MODEL_DIR),
+        dtype="float16",
+        seed=42,
+        skip_tokenizer_init=True,  # the folder holds only config.json
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=enable_chunked_prefill,
+        async_scheduling=async_scheduling,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size, enable_prefix_caching=prefix_caching
+    )
+    try:
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+        )
+    except RuntimeError as exc:
+        if "infer device type" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"{exc} -- vLLM picked its platform before VLLM_TARGET_DEVICE=cpu was set: "
+            "import vtoken.vllm_adapter.harness before vllm, or export "
+            "VLLM_TARGET_DEVICE=cpu"
+        ) from exc
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # vLLM's CPU platform switches async scheduling off (vllm/platforms/cpu.py,
+    # check_and_update_config); put back what was asked, as on a GPU.
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    return vllm_config
+
+
+def _kv_cache_config(block_size: int, num_blocks: int) -> Any:
+    """One full-attention group of ``num_blocks`` blocks; the tensors are not allocated."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
+
+
 class VllmHarness:
     """One real vLLM scheduler + KV-cache manager with a single full-attention group."""
 
@@ -111,15 +190,8 @@ class VllmHarness:
         log_stats: bool = False,
     ) -> None:
         ensure_cpu_env()
-        import torch
-        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec,
-            KVCacheConfig,
-            KVCacheGroupSpec,
-        )
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.block_size = block_size
@@ -127,56 +199,17 @@ class VllmHarness:
         self.prefix_caching = prefix_caching
         self.async_scheduling = async_scheduling
 
-        model_config = ModelConfig(
-            model=str(TINY_MODEL_DIR),
-            dtype="float16",
-            seed=42,
-            skip_tokenizer_init=True,  # the folder holds only config.json
-        )
-        scheduler_config = SchedulerConfig(
+        self.vllm_config = _vllm_config(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            prefix_caching=prefix_caching,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
-            is_encoder_decoder=False,
-            enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=async_scheduling,
+            enable_chunked_prefill=enable_chunked_prefill,
         )
-        cache_config = CacheConfig(
-            block_size=block_size, enable_prefix_caching=prefix_caching
-        )
-        try:
-            self.vllm_config = VllmConfig(
-                model_config=model_config,
-                scheduler_config=scheduler_config,
-                cache_config=cache_config,
-            )
-        except RuntimeError as exc:
-            if "infer device type" not in str(exc):
-                raise
-            raise RuntimeError(
-                f"{exc} -- vLLM picked its platform before VLLM_TARGET_DEVICE=cpu was set: "
-                "import vtoken.vllm_adapter.harness before vllm, or export "
-                "VLLM_TARGET_DEVICE=cpu"
-            ) from exc
-        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        # vLLM's CPU platform switches async scheduling off (vllm/platforms/cpu.py,
-        # check_and_update_config); put back what was asked, as on a GPU.
-        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    ["layer"],
-                    FullAttentionSpec(
-                        block_size=block_size,
-                        num_kv_heads=1,
-                        head_size=1,
-                        dtype=torch.float32,
-                    ),
-                )
-            ],
-        )
+        self.kv_cache_config = _kv_cache_config(block_size, num_blocks)
         cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = cls(
             vllm_config=self.vllm_config,
