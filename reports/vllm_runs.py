@@ -299,6 +299,41 @@ def _repeats(prompts: dict, seed: int) -> Callable[[Callable], dict]:
     return then
 
 
+def _prefix_policy_row(policy: str, runs: dict, g_off: dict, g_on: dict, problems: list) -> dict:
+    """One policy's row of :func:`prefix_equality`; appends what is wrong to ``problems``."""
+    row = {"policy": policy, "cache_off": g_off, "cache_on": g_on,
+           "relocations": runs[(True, True)]["stats"]["applied"],
+           "hash_failures": runs[(True, True)]["hash_failures"] + runs[(True, False)]["hash_failures"]}
+    if g_off["compared"] != g_off["requests"] or not g_off["equal"]:
+        problems.append(f"{policy}, caching off: {g_off['compared']}/{g_off['requests']} requests "
+                        f"compared, differ {g_off['differ']}")
+    if not g_on["equal"]:
+        problems.append(f"{policy}, caching on: outputs differ with the same prefix-cache hits "
+                        f"{g_on['differ']}")
+    if g_on["hit_rate_off"] == 0:
+        problems.append(f"{policy}: no prefix-cache hit even with reclamation off (the run is too weak)")
+    if min(runs[(True, True)]["stats"]["applied"], runs[(True, False)]["stats"]["applied"]) == 0:
+        problems.append(f"{policy}: no relocation happened (the run is too weak)")
+    if row["hash_failures"]:
+        problems.append(f"{policy}: {row['hash_failures']} hash failures")
+    for reclaim, name in ((True, "vtoken"), (False, "naive-evict")):
+        bad = served_from_cache_mismatch(runs[(reclaim, True)], runs[(reclaim, False)])
+        row[f"hits_served_fresh_bytes_{name}"] = not bad
+        if bad:
+            problems.append(f"{policy}, {name}: prefix hits served K/V a fresh prefill does not write "
+                            f"{bad} (a stale or unfaithful prefix-cache hash)")
+    if policy == "random":  # decisions independent of attention: hits must be transparent
+        for reclaim, name in ((True, "vtoken"), (False, "naive-evict")):
+            a, b = runs[(reclaim, True)]["outputs"], runs[(reclaim, False)]["outputs"]
+            bad = [[r, _first_difference(a[r], b[r])] for r in a if a[r] != b[r]]
+            row[f"hits_transparent_{name}"] = not bad
+            if bad:
+                problems.append(f"{policy}, {name}: outputs with prefix caching on differ from caching "
+                                f"off {bad} (a hit served bytes a recompute does not write: a stale or "
+                                f"unfaithful prefix-cache hash)")
+    return row
+
+
 def prefix_equality(quick: bool = True, seed: int = 0) -> dict:
     """What the outputs guarantee says under prefix caching, checked (``vtoken audit`` check
     ``vllm-prefix-equality``). Requests decode and finish; then later requests repeat a whole
@@ -337,36 +372,7 @@ def prefix_equality(quick: bool = True, seed: int = 0) -> dict:
                         for reclaim in (True, False) for cache in (False, True)}
                 g_off = outputs_guarantee(runs[(True, False)], runs[(False, False)])
                 g_on = outputs_guarantee(runs[(True, True)], runs[(False, True)])
-                row = {"policy": policy, "cache_off": g_off, "cache_on": g_on,
-                       "relocations": runs[(True, True)]["stats"]["applied"],
-                       "hash_failures": runs[(True, True)]["hash_failures"] + runs[(True, False)]["hash_failures"]}
-                if g_off["compared"] != g_off["requests"] or not g_off["equal"]:
-                    problems.append(f"{policy}, caching off: {g_off['compared']}/{g_off['requests']} requests "
-                                    f"compared, differ {g_off['differ']}")
-                if not g_on["equal"]:
-                    problems.append(f"{policy}, caching on: outputs differ with the same prefix-cache hits "
-                                    f"{g_on['differ']}")
-                if g_on["hit_rate_off"] == 0:
-                    problems.append(f"{policy}: no prefix-cache hit even with reclamation off (the run is too weak)")
-                if min(runs[(True, True)]["stats"]["applied"], runs[(True, False)]["stats"]["applied"]) == 0:
-                    problems.append(f"{policy}: no relocation happened (the run is too weak)")
-                if row["hash_failures"]:
-                    problems.append(f"{policy}: {row['hash_failures']} hash failures")
-                for reclaim, name in ((True, "vtoken"), (False, "naive-evict")):
-                    bad = served_from_cache_mismatch(runs[(reclaim, True)], runs[(reclaim, False)])
-                    row[f"hits_served_fresh_bytes_{name}"] = not bad
-                    if bad:
-                        problems.append(f"{policy}, {name}: prefix hits served K/V a fresh prefill does not write "
-                                        f"{bad} (a stale or unfaithful prefix-cache hash)")
-                if policy == "random":  # decisions independent of attention: hits must be transparent
-                    for reclaim, name in ((True, "vtoken"), (False, "naive-evict")):
-                        a, b = runs[(reclaim, True)]["outputs"], runs[(reclaim, False)]["outputs"]
-                        bad = [[r, _first_difference(a[r], b[r])] for r in a if a[r] != b[r]]
-                        row[f"hits_transparent_{name}"] = not bad
-                        if bad:
-                            problems.append(f"{policy}, {name}: outputs with prefix caching on differ from caching "
-                                            f"off {bad} (a hit served bytes a recompute does not write: a stale or "
-                                            f"unfaithful prefix-cache hash)")
+                row = _prefix_policy_row(policy, runs, g_off, g_on, problems)
                 res["runs"].append(row)
                 parts.append(f"{policy}: caching off {g_off['compared']}/{g_off['requests']} equal; caching on "
                              f"{g_on['compared']}/{g_on['requests']} computed alike and equal "
