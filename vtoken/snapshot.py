@@ -251,17 +251,8 @@ def _validate_digests(dg, k: int):
                 _int(x, f"plan.digests.{side}[{i}]", 0, 2 ** DIGEST_BITS)
 
 
-def validate(snap) -> dict:
-    """Check a snapshot's shape, types, ranges and internal consistency; returns it or
-    raises :class:`SnapshotError` naming the field. Linear in the snapshot's size."""
-    if not isinstance(snap, dict):
-        _fail("bad_field", f"snapshot must be a JSON object, got {type(snap).__name__}")
-    schema = snap.get("schema")
-    if schema != SCHEMA:
-        _fail("schema", f"schema: unknown version {_show(schema)} (expected {SCHEMA!r})")
-    S = _need(snap, "block_size", int, "snapshot")
-    if not 1 <= S <= MAX_BLOCK_SIZE:
-        _fail("out_of_range", f"block_size = {_show(S)} outside [1, {MAX_BLOCK_SIZE}]")
+def _validate_plan(snap, S):
+    """Check ``snap["plan"]`` (block size ``S``); returns ``(request, moves)`` or raises SnapshotError."""
     plan = _need(snap, "plan", dict, "snapshot")
     _int(_need(plan, "id", int, "plan"), "plan.id", 0, MAX_ID)
     if "request" not in plan:
@@ -290,18 +281,11 @@ def validate(snap) -> dict:
             _fail("null_block", f"plan.moves[{i}] moves token {t} into the null block 0")
     if plan.get("digests") is not None:
         _validate_digests(plan["digests"], len(moves))
-    pre = _validate_state(_need(snap, "pre", dict, "snapshot"), S, "pre")
-    if req not in pre:
-        _fail("missing_field", f"pre.requests has no entry for the plan's request {_show(req)}")
-    pre_n = pre[req]["length"]
-    if snap.get("post") is not None:
-        post = _validate_state(_need(snap, "post", dict, "snapshot"), S, "post")
-        if req not in post:
-            _fail("missing_field", f"post.requests has no entry for the plan's request {_show(req)}")
-        if post[req]["length"] < pre_n:  # requests may grow while a copy is in flight
-            _fail("bad_count", f"post.requests[{_show(req)}].length {post[req]['length']} < pre length {pre_n}")
-    _block_list(_need(snap, "shared_blocks", list, "snapshot"), "shared_blocks")
-    _block_list(_need(snap, "headroom", list, "snapshot"), "headroom")
+    return req, moves
+
+
+def _validate_in_flight(snap) -> None:
+    """Check every ``snap["in_flight"]`` plan entry or raise SnapshotError naming it."""
     for i, p in enumerate(_list(_need(snap, "in_flight", list, "snapshot"), "in_flight", MAX_PLANS)):
         w = f"in_flight[{i}]"
         if not isinstance(p, dict):
@@ -314,6 +298,10 @@ def validate(snap) -> dict:
         if "request" not in p:
             _fail("missing_field", f"{w}.request is missing")
         _name(p["request"], f"{w}.request")
+
+
+def _validate_schedule(snap, S) -> None:
+    """Check ``snap["schedule"]`` events (kinds, fields, time order) or raise SnapshotError."""
     last = None
     n_slots = MAX_BLOCKS * S
     for i, ev in enumerate(_list(_need(snap, "schedule", list, "snapshot"), "schedule", MAX_EVENTS)):
@@ -343,6 +331,10 @@ def validate(snap) -> dict:
         if kind == "write":
             _int(_need(ev, "token", int, w), f"{w}.token", 0, MAX_TOKENS)
             _int(_need(ev, "slot", int, w), f"{w}.slot", 0, n_slots)
+
+
+def _validate_evicted(snap, moves, pre_n) -> None:
+    """Check ``snap["evicted_in_flight"]``: ids < ``pre_n``, moved by the plan, no repeats."""
     ev_ids = _int_list(_need(snap, "evicted_in_flight", list, "snapshot"), "evicted_in_flight", 0, pre_n,
                        MAX_TOKENS)
     if ev_ids:
@@ -354,6 +346,35 @@ def validate(snap) -> dict:
             if t in seen:
                 _fail("bad_field", f"evicted_in_flight[{i}]: token {t} listed twice")
             seen.add(t)
+
+
+def validate(snap) -> dict:
+    """Check a snapshot's shape, types, ranges and internal consistency; returns it or
+    raises :class:`SnapshotError` naming the field. Linear in the snapshot's size."""
+    if not isinstance(snap, dict):
+        _fail("bad_field", f"snapshot must be a JSON object, got {type(snap).__name__}")
+    schema = snap.get("schema")
+    if schema != SCHEMA:
+        _fail("schema", f"schema: unknown version {_show(schema)} (expected {SCHEMA!r})")
+    S = _need(snap, "block_size", int, "snapshot")
+    if not 1 <= S <= MAX_BLOCK_SIZE:
+        _fail("out_of_range", f"block_size = {_show(S)} outside [1, {MAX_BLOCK_SIZE}]")
+    req, moves = _validate_plan(snap, S)
+    pre = _validate_state(_need(snap, "pre", dict, "snapshot"), S, "pre")
+    if req not in pre:
+        _fail("missing_field", f"pre.requests has no entry for the plan's request {_show(req)}")
+    pre_n = pre[req]["length"]
+    if snap.get("post") is not None:
+        post = _validate_state(_need(snap, "post", dict, "snapshot"), S, "post")
+        if req not in post:
+            _fail("missing_field", f"post.requests has no entry for the plan's request {_show(req)}")
+        if post[req]["length"] < pre_n:  # requests may grow while a copy is in flight
+            _fail("bad_count", f"post.requests[{_show(req)}].length {post[req]['length']} < pre length {pre_n}")
+    _block_list(_need(snap, "shared_blocks", list, "snapshot"), "shared_blocks")
+    _block_list(_need(snap, "headroom", list, "snapshot"), "headroom")
+    _validate_in_flight(snap)
+    _validate_schedule(snap, S)
+    _validate_evicted(snap, moves, pre_n)
     if snap.get("dests_used") is not None:
         used = _block_list(snap["dests_used"], "dests_used")
         if len(set(used)) != len(used):

@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
 from . import VLLM_VERSION  # noqa: E402,F401 - one definition (the package's)
+from ..errors import OrderError  # noqa: E402
+
 
 def ensure_cpu_env() -> None:
     """Set the environment the harness needs, without overriding a caller's choice.
@@ -135,7 +137,8 @@ def _vllm_config(
     except RuntimeError as exc:
         if "infer device type" not in str(exc):
             raise
-        raise RuntimeError(
+        raise OrderError(
+            "not_set_up",
             f"{exc} -- vLLM picked its platform before VLLM_TARGET_DEVICE=cpu was set: "
             "import vtoken.vllm_adapter.harness before vllm, or export "
             "VLLM_TARGET_DEVICE=cpu"
@@ -366,10 +369,10 @@ class VllmHarness:
         """Apply the fake worker output of the oldest in-flight step (which must be
         ``sched_out`` when given) through ``Scheduler.update_from_output``."""
         if not self._in_flight:
-            raise RuntimeError("no step in flight")
+            raise OrderError("out_of_order", "finish() with no step in flight")
         oldest, sampling = self._in_flight.popleft()
         if sched_out is not None and sched_out is not oldest:
-            raise RuntimeError("steps must be finished in the order they were scheduled")
+            raise OrderError("out_of_order", "steps must be finished in the order they were scheduled")
         result = self.scheduler.update_from_output(
             oldest, self.fake_output(oldest, sampling, token)
         )
@@ -390,7 +393,7 @@ class VllmHarness:
             self.finish()
         while self.has_requests():
             if n >= max_steps:
-                raise RuntimeError(f"requests still pending after {max_steps} steps")
+                raise OrderError("did_not_finish", f"requests still pending after {max_steps} steps")
             self.step()
             n += 1
         return n
