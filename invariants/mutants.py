@@ -1173,15 +1173,8 @@ def make_mutants(valid: list[tuple[str, dict]], per_operator: int, seed: int = 0
                 break
 
 
-def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = False,
-        progress: Optional[Callable[[str], None]] = None) -> dict:
-    """Collect, mutate, check (see the module docstring). Returns the figures as a dict:
-    ``operators``, ``mutants``, ``rejected`` (by every checker), ``valid``,
-    ``valid_accepted`` (by every checker), ``malformed``, ``disagreements``, ``by_operator``,
-    ``by_path``, ``by_checker``, the rule-coverage table (:func:`rule_coverage`), ``passed``
-    and the failures found (``failures``, a few)."""
-    t0 = time.perf_counter()
-    say = progress or (lambda _m: None)
+def _collect(paths, seed: int, quick: bool, say) -> tuple[list, dict]:
+    """The valid snapshots of every path, as ``(path, snapshot)``, and the per-path figures."""
     sizes = dict(planner=dict(runs=2, steps=10), engine=dict(runs=2, new_tokens=28)) if quick else {}
     valid: list[tuple[str, dict]] = []
     by_path: dict = {}
@@ -1193,7 +1186,11 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
         valid += [(p, s) for s in snaps]
         by_path[p] = dict(valid=len(snaps), collect_s=round(time.perf_counter() - c0, 2))
         say(f"{p}: {len(snaps)} valid snapshots")
-    failures: list[dict] = []
+    return valid, by_path
+
+
+def _check_valid(valid: list, by_path: dict, failures: list) -> tuple[dict, int]:
+    """Every checker on every valid snapshot: (accepted per checker, accepted by every checker)."""
     acc = {c: 0 for c in CHECKERS}
     valid_accepted = 0
     for p, s in valid:
@@ -1209,6 +1206,46 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
                 acc[c] += 1
         valid_accepted += ok_all
         by_path[p]["accepted"] = by_path[p].get("accepted", 0) + ok_all
+    return acc, valid_accepted
+
+
+def _check_mutant(op: Operator, path: str, mut: dict, row: dict, cover: dict, failures: list) -> tuple[bool, bool]:
+    """Every checker on one well-formed mutant, counted into ``row`` and ``cover``: (rejected by all, disagreement)."""
+    sets, rules = {}, {}
+    for c, fn in CHECKERS.items():
+        sets[c], rules[c] = _flagged(fn, mut)
+        for i in sets[c]:
+            row["flagged"][c][i] += 1
+        if op.invariant in sets[c]:
+            row["rejected"][c] += 1
+        elif len(failures) < 20:
+            failures.append(dict(kind="mutant_accepted", operator=op.name, path=path, checker=c,
+                                 flagged=sorted(sets[c]), plan=mut["plan"]["id"]))
+    for c in CHECKERS:
+        for inv, rule in rules[c]:
+            cover[c].setdefault(f"{inv}.{rule}", set()).add(op.name)
+    # agreement: the same violated invariants; every rule Z3 names is one Python names
+    disagree = len({frozenset(x) for x in sets.values()}) > 1 or not rules["z3"] <= rules["python"]
+    if disagree:
+        row["disagreements"] += 1
+        if len(failures) < 20:
+            failures.append(dict(kind="disagreement", operator=op.name, path=path,
+                                 python=sorted(rules["python"]), z3=sorted(rules["z3"])))
+    return all(op.invariant in sets[c] for c in CHECKERS), disagree
+
+
+def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = False,
+        progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Collect, mutate, check (see the module docstring). Returns the figures as a dict:
+    ``operators``, ``mutants``, ``rejected`` (by every checker), ``valid``,
+    ``valid_accepted`` (by every checker), ``malformed``, ``disagreements``, ``by_operator``,
+    ``by_path``, ``by_checker``, the rule-coverage table (:func:`rule_coverage`), ``passed``
+    and the failures found (``failures``, a few)."""
+    t0 = time.perf_counter()
+    say = progress or (lambda _m: None)
+    valid, by_path = _collect(paths, seed, quick, say)
+    failures: list[dict] = []
+    acc, valid_accepted = _check_valid(valid, by_path, failures)
     by_op: dict = {}
     cover: dict = {c: {} for c in CHECKERS}  # checker -> "I1.arrival" -> operators whose mutants it flagged so
     total = rejected_all = malformed = disagreements = 0
@@ -1226,28 +1263,9 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
             if len(failures) < 20:
                 failures.append(dict(kind="malformed_mutant", operator=op.name, path=path, error=err))
             continue
-        sets, rules = {}, {}
-        for c, fn in CHECKERS.items():
-            sets[c], rules[c] = _flagged(fn, mut)
-            for i in sets[c]:
-                row["flagged"][c][i] += 1
-            if op.invariant in sets[c]:
-                row["rejected"][c] += 1
-            elif len(failures) < 20:
-                failures.append(dict(kind="mutant_accepted", operator=op.name, path=path, checker=c,
-                                     flagged=sorted(sets[c]), plan=mut["plan"]["id"]))
-        for c in CHECKERS:
-            for inv, rule in rules[c]:
-                cover[c].setdefault(f"{inv}.{rule}", set()).add(op.name)
-        if all(op.invariant in sets[c] for c in CHECKERS):
-            rejected_all += 1
-        # agreement: the same violated invariants; every rule Z3 names is one Python names
-        if len({frozenset(x) for x in sets.values()}) > 1 or not rules["z3"] <= rules["python"]:
-            row["disagreements"] += 1
-            disagreements += 1
-            if len(failures) < 20:
-                failures.append(dict(kind="disagreement", operator=op.name, path=path,
-                                     python=sorted(rules["python"]), z3=sorted(rules["z3"])))
+        by_all, disagree = _check_mutant(op, path, mut, row, cover, failures)
+        rejected_all += by_all
+        disagreements += disagree
         if total % 200 == 0:
             say(f"{total} mutants checked")
     short = [name for name in (o.name for o in OPERATORS) if by_op.get(name, {}).get("generated", 0) < per_operator]

@@ -175,6 +175,59 @@ def _live_bits(m, bits) -> list[int]:
     return [1 if z3.is_true(m.eval(b, model_completion=True)) else 0 for b in bits]
 
 
+def _term(x):
+    """The Z3 integer term of one entry of ``place``'s output (a :class:`_Sym` or a concrete int)."""
+    return x.e if isinstance(x, _Sym) else z3.IntVal(int(x))
+
+
+def _run_place(enc: _Enc, live: list, S: int):
+    """``place`` on the symbolic liveness ``live``: its output, and its two arrays' shapes (None: not a pair)."""
+    flags = np.empty(len(live), dtype=object)  # place() runs on object arrays: each element a Z3 term
+    flags[:] = live
+    out = place(flags, S, ite=np.frompyfunc(_make_ite(enc), 3, 1), zero=_Sym(z3.IntVal(0), enc),
+                one=_Sym(z3.IntVal(1), enc))
+    shapes = [np.shape(x) for x in out] if isinstance(out, tuple) and len(out) == 2 else None
+    return out, shapes
+
+
+def _live_counts(enc: _Enc, live: list) -> list:
+    """The specification side, independent of ``place``: ``cnt[i]`` live tokens before token ``i``, ``cnt[N]`` all."""
+    x = [enc.indicator(b) for b in live]
+    cnt = [z3.IntVal(0)]
+    for i in range(len(live)):
+        c = z3.Int(f"count_{i + 1}")
+        enc.side.append(c == cnt[-1] + x[i])
+        cnt.append(c)
+    return cnt
+
+
+def _layout(n_blocks: int) -> tuple[list, dict]:
+    """The concrete blocks around the plan: the destinations, and each excluded block with why it is excluded."""
+    sources = list(range(1, n_blocks + 1))
+    shared = [n_blocks + 1, n_blocks + 2]
+    tail = n_blocks + 3
+    dests = [n_blocks + 4 + k for k in range(n_blocks)]
+    excluded = {0: "null block", -1: "no block (IndexError)", tail: "tail block"}
+    excluded.update({b: "source block" for b in sources})
+    excluded.update({b: "shared-prefix block" for b in shared})
+    return dests, excluded
+
+
+def _search_cubes(s: z3.Solver, I, N: int, deadline: float) -> tuple[str, Optional[int]]:
+    """One property's search, cube ``I == i`` by cube: (proved | counterexample | unknown, ``i`` of the sat cube)."""
+    for i in reversed(range(N)):  # late tokens first: where off-by-k placements overflow
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return "unknown", None
+        s.set("timeout", max(1, int(left * 1000)))
+        r = s.check(I == i)
+        if r == z3.unknown:
+            return "unknown", None
+        if r == z3.sat:
+            return "counterexample", i
+    return "proved", None
+
+
 def prove_placement(n_blocks: int = 8, S: int = 16, timeout_s: float = 60.0,
                     stop_at_first: bool = False) -> ProofResult:
     """Prove the placement rule for every liveness pattern of ``n_blocks`` blocks of ``S``.
@@ -190,36 +243,19 @@ def prove_placement(n_blocks: int = 8, S: int = 16, timeout_s: float = 60.0,
     N = n_blocks * S
     enc = _Enc()
     live = [z3.Bool(f"live_{i}") for i in range(N)]
-    flags = np.empty(N, dtype=object)  # place() runs on object arrays: each element a Z3 term
-    flags[:] = live
-    out = place(flags, S, ite=np.frompyfunc(_make_ite(enc), 3, 1), zero=_Sym(z3.IntVal(0), enc),
-                one=_Sym(z3.IntVal(1), enc))
-    shapes = [np.shape(x) for x in out] if isinstance(out, tuple) and len(out) == 2 else None
+    out, shapes = _run_place(enc, live, S)
     if shapes != [(N,), (N,)]:
         return ProofResult(False, time.perf_counter() - t0,
                            {"property": "shape", "why": f"place returned {shapes or type(out).__name__}, not "
                                                         f"two arrays of {N} entries"}, {}, n_blocks, S)
-    term = lambda x: x.e if isinstance(x, _Sym) else z3.IntVal(int(x))  # noqa: E731
-    d = [term(x) for x in out[0]]
-    off = [term(x) for x in out[1]]
+    d = [_term(x) for x in out[0]]
+    off = [_term(x) for x in out[1]]
     pos = [S * d[i] + off[i] for i in range(N)]
 
-    # The specification side: independent live counts.
-    x = [enc.indicator(b) for b in live]
-    cnt = [z3.IntVal(0)]
-    for i in range(N):
-        c = z3.Int(f"count_{i + 1}")
-        enc.side.append(c == cnt[-1] + x[i])
-        cnt.append(c)
+    cnt = _live_counts(enc, live)
     T = cnt[N]
     nd = z3.Int("n_dests")  # ceil(T / S)
-    sources = list(range(1, n_blocks + 1))
-    shared = [n_blocks + 1, n_blocks + 2]
-    tail = n_blocks + 3
-    dests = [n_blocks + 4 + k for k in range(n_blocks)]
-    excluded = {0: "null block", -1: "no block (IndexError)", tail: "tail block"}
-    excluded.update({b: "source block" for b in sources})
-    excluded.update({b: "shared-prefix block" for b in shared})
+    dests, excluded = _layout(n_blocks)
 
     I = z3.Int("I")
     DI, OI, CI = z3.Int("D_I"), z3.Int("O_I"), z3.Int("C_I")
@@ -253,22 +289,9 @@ def prove_placement(n_blocks: int = 8, S: int = 16, timeout_s: float = 60.0,
         s.add(negations[name]())
         if name in lemmas and status.get(lemmas[name][0]) == "proved":
             s.add(lemmas[name][1])
-        result = "proved"
-        for i in reversed(range(N)):  # late tokens first: where off-by-k placements overflow
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                result = "unknown"
-                break
-            s.set("timeout", max(1, int(left * 1000)))
-            r = s.check(I == i)
-            if r == z3.unknown:
-                result = "unknown"
-                break
-            if r == z3.sat:
-                result = "counterexample"
-                if cex is None:
-                    cex = _explain(name, s.model(), live, d, off, cnt, i, N, S, dests, excluded)
-                break
+        result, i = _search_cubes(s, I, N, deadline)
+        if result == "counterexample" and cex is None:
+            cex = _explain(name, s.model(), live, d, off, cnt, i, N, S, dests, excluded)
         s.pop()
         status[name] = result
     proved = all(v == "proved" for v in status.values())

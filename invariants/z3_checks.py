@@ -616,12 +616,9 @@ def _plan_events(d: _Snap):
     return launch, fence, apply
 
 
-def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
-    out = []
-    S, sched = d.S, d.schedule
-    if not sched:
-        return out
-    launch, fence, apply = _plan_events(d)
+def _i3_touches(d: _Snap) -> list:
+    """The schedule events touching the copy's blocks or slots: ``(event index, kind, what it touches)``."""
+    S = d.S
     fills = set(d.fills)
     src, dst = set(d.sources), set(d.dests) | set(d.fresh_dst_blocks)
     dst_slots = set(d.dst_slot.tolist())
@@ -631,7 +628,7 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
         return s // S in fills and s not in live_pre
 
     cands = []  # (event index, kind, what it touches)
-    for i, ev in enumerate(sched):
+    for i, ev in enumerate(d.schedule):
         kind = ev["kind"]
         if kind == "read":  # a fresh destination's slot, or a fill's hole (its live slots are R's, readable)
             hit = [(t, s) for t, s in zip(ev["tokens"], ev["slots"]) if s // S in dst or hole(s)]
@@ -647,6 +644,36 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
             continue
         if hit:
             cands.append((i, kind, hit))
+    return cands
+
+
+def _i3_touch_why(d: _Snap, ev: dict, kind: str, hit: list, when: str) -> str:
+    """The message for one event that touches the copy's blocks or slots too early (``when``: at what point)."""
+    S = d.S
+    fills = set(d.fills)
+    src, dst = set(d.sources), set(d.dests) | set(d.fresh_dst_blocks)
+    dst_slots = set(d.dst_slot.tolist())
+    if kind == "read":
+        desc = ", ".join(f"token {t} at {_loc(S, s)}" for t, s in hit[:4])
+        what = "destination slot(s)" if any(s // S in dst for _t, s in hit) else "fill hole slot(s)"
+        return f"attention reads {what} of plan {d.pid} ({desc}) {when}"
+    if kind == "free":
+        role = "source" if all(b in src for b in hit) else "fill" if all(b in fills for b in hit) else "source/fill"
+        return f"{role} block(s) {hit} of plan {d.pid} freed {when}"
+    if kind == "alloc":
+        return f"block(s) {hit} of plan {d.pid} handed to request {ev['request']!r} {when}"
+    (t, s), = hit
+    role = ("in a source block" if s // S in src else "on a destination slot" if s in dst_slots
+            else "on a hole of a fill")
+    return f"new token {t} written at {_loc(S, s)}, {role} of plan {d.pid}, {when}"
+
+
+def _i3_early(d: _Snap, ask: _Ask) -> list[Violation]:
+    """I3 ``early``: no event touches the copy's blocks or slots while the copy can still be running."""
+    out = []
+    sched = d.schedule
+    launch, fence, _apply = _plan_events(d)
+    cands = _i3_touches(d)
     t_launch = sched[launch]["t"] if launch is not None else max(ev["t"] for ev in sched)
     w = sched[fence]["t"] if fence is not None else None
     dis = []
@@ -666,22 +693,15 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
         else:
             when = (f"at t={ev['t']} (schedule[{i}]) while the copy can still be running (it may complete at "
                     f"c={model['c']}; launched t={t_launch}, " + ("no fence before)" if w is None or i <= fence else "fenced)"))
-        if kind == "read":
-            desc = ", ".join(f"token {t} at {_loc(S, s)}" for t, s in hit[:4])
-            what = "destination slot(s)" if any(s // S in dst for _t, s in hit) else "fill hole slot(s)"
-            why = f"attention reads {what} of plan {d.pid} ({desc}) {when}"
-        elif kind == "free":
-            role = "source" if all(b in src for b in hit) else "fill" if all(b in fills for b in hit) else "source/fill"
-            why = f"{role} block(s) {hit} of plan {d.pid} freed {when}"
-        elif kind == "alloc":
-            why = f"block(s) {hit} of plan {d.pid} handed to request {ev['request']!r} {when}"
-        else:
-            (t, s), = hit
-            role = ("in a source block" if s // S in src else "on a destination slot" if s in dst_slots
-                    else "on a hole of a fill")
-            why = f"new token {t} written at {_loc(S, s)}, {role} of plan {d.pid}, {when}"
-        out.append(Violation("I3", why, model, "early"))
-    # concrete read consistency: before apply the pre slot, after it the destination
+        out.append(Violation("I3", _i3_touch_why(d, ev, kind, hit, when), model, "early"))
+    return out
+
+
+def _i3_reads(d: _Snap, ask: _Ask) -> list[Violation]:
+    """I3 read consistency: R's reads use the pre slot before apply, the destination after it."""
+    out = []
+    S, sched = d.S, d.schedule
+    _launch, _fence, apply = _plan_events(d)
     n, pl, ps = d.n, d.pre_live, d.pre_slot
     dest_of = {}
     for t, ds in zip(d.moves[:, 0].tolist(), d.dst_slot.tolist()):
@@ -715,6 +735,13 @@ def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
             out.append(Violation("I3", f"stale slot mapping: the read at t={sched[i]['t']} (schedule[{i}], {phase} apply) "
                                        f"uses {_loc(S, s)} for token {t}, expected {_loc(S, exp)}", model, "stale_read"))
     return out
+
+
+def _check_i3(d: _Snap, ask: _Ask) -> list[Violation]:
+    """I3 on the schedule: nothing touches the copy's blocks too early, every read uses the right slot."""
+    if not d.schedule:
+        return []
+    return _i3_early(d, ask) + _i3_reads(d, ask)
 
 
 # ---------------------------------------------------------------------------------- I4
@@ -759,25 +786,25 @@ def _derived_cands(d: _Snap) -> list:
     return cands
 
 
-def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
-    out = []
+def _i4_membership(d: _Snap) -> str:
+    """The fact table ``src@`` / ``dst@`` (a plan source; where a move may write), fixed per block."""
+    S, m = d.S, d.moves
+    srcs, lands = set(d.sources), set(d.dests) | set(d.fills)
+    blocks = set(m[:, 1].tolist()) | set(m[:, 3].tolist()) | set((d.pre_slot // S).tolist()) | srcs | lands
+    return ("(declare-fun src@ (Int) Bool)(declare-fun dst@ (Int) Bool)"
+            + "".join(f"(assert {'' if b in srcs else '(not '}(src@ {b}){'' if b in srcs else ')'})"
+                      f"(assert {'' if b in lands else '(not '}(dst@ {b}){'' if b in lands else ')'})"
+                      for b in blocks))
+
+
+def _i4_moves(d: _Snap, ask: _Ask, prelude: str, v) -> None:
+    """I4 ``consistent`` (each move agrees with the snapshot and the plan's blocks) and ``emptied``, through ``v``."""
     S, n, m = d.S, d.n, d.moves
     pl, ps = d.pre_live, d.pre_slot
     src, dests, fill_list = d.sources, d.dests, d.fills
-    srcs, dsts, fills = set(src), set(dests), set(fill_list)
-    dst_all = sorted(dsts | set(d.fresh_dst_blocks))  # fresh destinations: listed, or written and not a fill
-    lands = dsts | fills  # where a move may write
-
-    def v(rule, why, **model):
-        out.append(Violation("I4", why, model, rule))
-
+    srcs = set(src)
     # consistent snapshot: per move, token live at the move's source, source among the plan's
     # sources, destination among its dests or fills. Membership is a fact table: predicates fixed per block.
-    blocks = set(m[:, 1].tolist()) | set(m[:, 3].tolist()) | set((d.pre_slot // S).tolist()) | srcs | lands
-    prelude = ("(declare-fun src@ (Int) Bool)(declare-fun dst@ (Int) Bool)"
-               + "".join(f"(assert {'' if b in srcs else '(not '}(src@ {b}){'' if b in srcs else ')'})"
-                         f"(assert {'' if b in lands else '(not '}(dst@ {b}){'' if b in lands else ')'})"
-                         for b in blocks))
     dis = []
     for k, (t, sb, ss, db) in enumerate(zip(m[:, 0].tolist(), m[:, 1].tolist(), d.src_slot.tolist(), m[:, 3].tolist())):
         if not 0 <= t < n:
@@ -807,8 +834,13 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     dis = [f"(and (= IDX {t}) (src@ {blk[t]}) {_b(not moved[t])})" for t in np.flatnonzero(pl).tolist()]
     for t, model in ask.index("j", dis, prelude=prelude):
         v("emptied", f"live token {t} in source block {blk[t]} is not moved: the source is not emptied", token=t, **model)
-    # Block-set facts, all in one question: a symbolic index over (property, block) candidates,
-    # each with its membership fact; the model names the property and the block.
+
+
+def _i4_block_cands(d: _Snap) -> list:
+    """Candidates ``(message, fact, model, rule)`` of the block-set rules, the in-flight ones and the derived ones."""
+    src, fills, dsts = d.sources, set(d.fills), set(d.dests)
+    srcs = set(src)
+    dst_all = sorted(dsts | set(d.fresh_dst_blocks))  # fresh destinations: listed, or written and not a fill
     cands = []  # (message, fact, model, rule)
 
     def each(blocks, member, msg, rule="blocks", **extra):
@@ -850,12 +882,13 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         cands.append((f"two in-flight plans carry id {p['id']}", p["id"] in seen_ids, dict(in_flight=p["id"]),
                       "duplicate_id"))
         seen_ids[p["id"]] = True
-    cands += _derived_cands(d)
-    dis = [f"(and (= IDX {k}) {_b(fact)})" for k, (_msg, fact, _m, _r) in enumerate(cands)]
-    for k, model in ask.index("x", dis, cap=4 * MAX_PER_QUESTION):
-        msg, _fact, extra, rule = cands[k]
-        model.update(extra)
-        v(rule, msg, **model)
+    return cands + _derived_cands(d)
+
+
+def _i4_counts(d: _Snap, ask: _Ask, v) -> None:
+    """I4 ``duplicate_block``, ``dst_once`` and ``decrease`` (the block count strictly falls), through ``v``."""
+    S = d.S
+    src, dests, fill_list = d.sources, d.dests, d.fills
     # no block named twice; each destination slot used once
     lists = {"sources": list(src), "dests": list(dests), "fills": list(fill_list)}
     res = ask.distinct({**lists, "dst_once": d.dst_slot.tolist()})
@@ -867,30 +900,39 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         a, b, model = res["dst_once"]
         v("dst_once", f"destination slot {_loc(S, int(d.dst_slot[a]))} is used twice (moves #{a} and #{b})", **model)
     # the block count strictly decreases: sources > destinations listed and > fresh destinations used
-    n_src, n_used, n_listed = len(srcs), len(d.fresh_dst_blocks), len(dsts)
+    n_src, n_used, n_listed = len(set(src)), len(d.fresh_dst_blocks), len(set(dests))
     ns, nu, nl = (ask.name(x) for x in ("n_sources", "n_used", "n_listed"))
     if ask.holds(f"(declare-const {ns} Int)(declare-const {nu} Int)(declare-const {nl} Int)",
                  f"(and (= {ns} {n_src}) (= {nu} {n_used}) (= {nl} {n_listed}) (or (<= {ns} {nu}) (<= {ns} {nl})))"):
         v("decrease", f"plan {d.pid} does not reduce the block count: {n_src} source(s) vs {n_listed} destination(s) "
                       f"listed, {n_used} used", sources=n_src, dests_listed=n_listed, dests_used=n_used)
-    # dests_used, when recorded: exactly the blocks the moves not recorded as evicted write
-    if d.dests_used is not None:
-        rec = d.recorded_evicted
-        want = {db for t, db in zip(m[:, 0].tolist(), m[:, 3].tolist())
-                if not (0 <= t < n and rec[t]) and db not in fills}
-        used = set(d.dests_used)
-        every = sorted(want | used)
-        pre_u = "(declare-fun used@ (Int) Bool)(declare-fun want@ (Int) Bool)" + "".join(
-            f"(assert {'' if b in used else '(not '}(used@ {b}){'' if b in used else ')'})"
-            f"(assert {'' if b in want else '(not '}(want@ {b}){'' if b in want else ')'})" for b in every)
-        dis = [f"(and (= IDX {k}) (distinct (used@ {b}) (want@ {b})))" for k, b in enumerate(every)]
-        for k, model in ask.index("u", dis, prelude=pre_u, cap=1):
-            b = every[k]
-            model.update(block=b)
-            v("dests_used", f"dests_used {sorted(used)} differs from the blocks the applied moves write {sorted(want)} "
-                            f"(block {b})", **model)
-    # lifecycle: sources freed only after the plan is applied (free events as an indexed fact table:
-    # event index, "frees a source", position before/after the plan's apply event)
+
+
+def _i4_dests_used(d: _Snap, ask: _Ask, v) -> None:
+    """I4 ``dests_used``, when recorded: exactly the blocks the moves not recorded as evicted write, through ``v``."""
+    if d.dests_used is None:
+        return
+    n, m, fills = d.n, d.moves, set(d.fills)
+    rec = d.recorded_evicted
+    want = {db for t, db in zip(m[:, 0].tolist(), m[:, 3].tolist())
+            if not (0 <= t < n and rec[t]) and db not in fills}
+    used = set(d.dests_used)
+    every = sorted(want | used)
+    pre_u = "(declare-fun used@ (Int) Bool)(declare-fun want@ (Int) Bool)" + "".join(
+        f"(assert {'' if b in used else '(not '}(used@ {b}){'' if b in used else ')'})"
+        f"(assert {'' if b in want else '(not '}(want@ {b}){'' if b in want else ')'})" for b in every)
+    dis = [f"(and (= IDX {k}) (distinct (used@ {b}) (want@ {b})))" for k, b in enumerate(every)]
+    for k, model in ask.index("u", dis, prelude=pre_u, cap=1):
+        b = every[k]
+        model.update(block=b)
+        v("dests_used", f"dests_used {sorted(used)} differs from the blocks the applied moves write {sorted(want)} "
+                        f"(block {b})", **model)
+
+
+def _i4_frees(d: _Snap, ask: _Ask, v) -> None:
+    """I4 ``free_before_apply``: sources and fills freed only after the plan is applied, through ``v``."""
+    srcs, fills = set(d.sources), set(d.fills)
+    # free events as an indexed fact table: event index, "frees a source", position before/after the plan's apply event
     _launch, _fence, apply = _plan_events(d)
     frees = [(i, ev, [b for b in ev["blocks"] if b in srcs or b in fills]) for i, ev in enumerate(d.schedule)
              if ev["kind"] == "free"]
@@ -901,6 +943,28 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
         role = "source" if all(b in srcs for b in hit) else "fill" if all(b in fills for b in hit) else "source/fill"
         v("free_before_apply", f"{role} block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan {d.pid} is "
                                f"applied", event=i, t=ev["t"], blocks=hit, **model)
+
+
+def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
+    """I4 on the plan: its moves, its blocks, in-flight plans, the counts, dests_used and the frees."""
+    out = []
+
+    def v(rule, why, **model):
+        out.append(Violation("I4", why, model, rule))
+
+    prelude = _i4_membership(d)
+    _i4_moves(d, ask, prelude, v)
+    # Block-set facts, all in one question: a symbolic index over (property, block) candidates,
+    # each with its membership fact; the model names the property and the block.
+    cands = _i4_block_cands(d)
+    dis = [f"(and (= IDX {k}) {_b(fact)})" for k, (_msg, fact, _m, _r) in enumerate(cands)]
+    for k, model in ask.index("x", dis, cap=4 * MAX_PER_QUESTION):
+        msg, _fact, extra, rule = cands[k]
+        model.update(extra)
+        v(rule, msg, **model)
+    _i4_counts(d, ask, v)
+    _i4_dests_used(d, ask, v)
+    _i4_frees(d, ask, v)
     return out
 
 
@@ -974,6 +1038,28 @@ def check_and_explain(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True)
     return "\n".join(lines)
 
 
+def _synthetic_schedule(pre: list, post: list, src: list, S: int, reads: bool) -> list:
+    """The synthetic plan's schedule: launch, reads of the pre slots, fence, apply, free, reads of the post slots."""
+    live_pre = [t for t in range(len(pre)) if pre[t][2]]
+    sched = []
+    t = 0
+
+    def ev(kind, **f):
+        nonlocal t
+        t += 1
+        sched.append({"t": t, "kind": kind, **f})
+
+    ev("launch", plan=1)
+    if reads:
+        ev("read", request="r0", tokens=list(live_pre), slots=[pre[i][0] * S + pre[i][1] for i in live_pre])
+    ev("fence", plan=1)
+    ev("apply", plan=1)
+    ev("free", blocks=list(src))
+    if reads:
+        ev("read", request="r0", tokens=list(live_pre), slots=[post[i][0] * S + post[i][1] for i in live_pre])
+    return sched
+
+
 def synthetic_snapshot(n_moves: int, S: int = 16, reads: bool = True, in_place: bool = False) -> dict:
     """A valid, applied snapshot with ``n_moves`` moves: half-full source blocks packed into
     fresh destinations, a tail block, the full schedule (launch, reads of the pre slots,
@@ -1022,23 +1108,7 @@ def synthetic_snapshot(n_moves: int, S: int = 16, reads: bool = True, in_place: 
         post.append([tail, o, True])
     n = len(pre)
     blocks_pre = src + fills + [tail]
-    live_pre = [t for t in range(n) if pre[t][2]]
-    sched = []
-    t = 0
-
-    def ev(kind, **f):
-        nonlocal t
-        t += 1
-        sched.append({"t": t, "kind": kind, **f})
-
-    ev("launch", plan=1)
-    if reads:
-        ev("read", request="r0", tokens=list(live_pre), slots=[pre[i][0] * S + pre[i][1] for i in live_pre])
-    ev("fence", plan=1)
-    ev("apply", plan=1)
-    ev("free", blocks=list(src))
-    if reads:
-        ev("read", request="r0", tokens=list(live_pre), slots=[post[i][0] * S + post[i][1] for i in live_pre])
+    sched = _synthetic_schedule(pre, post, src, S, reads)
     plan = {"id": 1, "request": "r0", "sources": src, "dests": dests, "moves": moves}
     if in_place:
         plan["fills"] = fills

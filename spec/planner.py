@@ -95,6 +95,135 @@ def holes_in(view, block) -> list:
     return [o for o in range(view["S"]) if o not in taken]
 
 
+def _move_errors(toks, sources, moves) -> tuple:
+    """The move rules: ``(errors, the well-formed moves, the tokens moved)``."""
+    errs, good, moved = [], [], set()
+    for i, mv in enumerate(moves):
+        mv = list(mv)
+        if len(mv) != 5 or not all(isinstance(x, int) and not isinstance(x, bool) for x in mv):
+            errs.append(f"bad_move: move #{i} {mv}")
+            continue
+        t, sb, so, db, do = mv
+        if not 0 <= t < len(toks):
+            errs.append(f"unknown_token: move #{i} token {t}")
+            continue
+        b, o, live = toks[t]
+        if not live:
+            errs.append(f"dead_token: move #{i} token {t}")
+        if t in moved:
+            errs.append(f"duplicate_token: move #{i} token {t}")
+        moved.add(t)
+        if (sb, so) != (b, o):
+            errs.append(f"wrong_source: move #{i} token {t} is at ({b}, {o}), not ({sb}, {so})")
+        if sb not in sources:
+            errs.append(f"move_not_from_source: move #{i} from block {sb}")
+        good.append(mv)
+    return errs, good, moved
+
+
+def _private_errors(view, kind, b, private) -> list:
+    """The rules of a source or a fill ``b``: the request's own, unshared, not the tail, idle, allowed."""
+    mine, flying, excluded = private
+    errs = []
+    if b not in mine:
+        errs.append(f"{kind}_not_owned: block {b}")
+    elif view["refs"].get(b, 0) != 1:
+        errs.append(f"{kind}_shared: block {b} has {view['refs'].get(b, 0)} references")
+    if b == view["tail"]:
+        errs.append(f"{kind}_tail: block {b}")
+    if b in flying:
+        errs.append(f"{kind}_in_flight: block {b}")
+    if b in excluded:
+        errs.append(f"{kind}_excluded: block {b}")
+    return errs
+
+
+def _source_errors(view, sources, moved, private) -> list:
+    """The source rules (``moved``: the tokens the plan moves)."""
+    errs = []
+    if len(set(sources)) != len(sources):
+        errs.append(f"duplicate_source: {sources}")
+    if len(sources) > view["max_sources"]:
+        errs.append(f"too_many_sources: {len(sources)} > B={view['max_sources']}")
+    for b in sources:
+        errs += _private_errors(view, "source", b, private)
+    for t, (b, _, live) in enumerate(view["tokens"]):
+        if live and b in sources and t not in moved:
+            errs.append(f"source_not_emptied: live token {t} stays in source {b}")
+    return errs
+
+
+def _fill_errors(view, fills, sources, dests, private) -> list:
+    """The fill rules: the request's own private blocks, as a source would be, but neither a source nor a dest."""
+    errs = []
+    if fills and not view.get("in_place", False):
+        errs.append(f"fill_not_allowed: fills {fills}: the view is out-of-place only")
+    if len(set(fills)) != len(fills):
+        errs.append(f"duplicate_fill: {fills}")
+    for b in dict.fromkeys(fills):
+        if b == NULL_BLOCK:
+            errs.append("null_fill: the null block 0")
+            continue
+        errs += _private_errors(view, "fill", b, private)
+        if b in sources:
+            errs.append(f"fill_is_source: block {b}")
+        if b in dests:
+            errs.append(f"fill_is_dest: block {b}")
+    return errs
+
+
+def _dest_errors(dests, N, headroom, flying) -> list:
+    """The destination rules: fresh blocks of ``[1, N)`` from the evacuation headroom, not in flight."""
+    errs = []
+    if len(set(dests)) != len(dests):
+        errs.append(f"duplicate_dest: {dests}")
+    for b in dests:
+        if b == NULL_BLOCK:
+            errs.append("null_dest: the null block 0")
+        elif not 0 < b < N:
+            errs.append(f"dest_out_of_range: block {b}")
+        if b not in headroom:
+            errs.append(f"dest_not_headroom: block {b}")
+        if b in flying:
+            errs.append(f"dest_in_flight: block {b}")
+    return errs
+
+
+def _slot_errors(good, dests, holes, S) -> list:
+    """The slot rules of the well-formed moves ``good`` (``holes``: each fill's holes)."""
+    errs, slots = [], set()
+    for t, _, _, db, do in good:
+        if db not in dests and db not in holes:
+            errs.append(f"move_to_unlisted_dest: token {t} -> block {db}")
+        if not 0 <= do < S:
+            errs.append(f"bad_offset: token {t} -> offset {do}")
+        if db in holes and 0 <= do < S and do not in holes[db]:
+            errs.append(f"slot_occupied: token {t} -> ({db}, {do}): a live token of the request is there")
+        if (db, do) in slots:
+            errs.append(f"duplicate_slot: token {t} -> ({db}, {do})")
+        slots.add((db, do))
+    return errs
+
+
+def _placement_errors(good, dests, holes, S) -> list:
+    """The placement rules: the fills' holes, then whole destinations, in logical order."""
+    errs = []
+    targets = [(b, o) for b, hs in holes.items() for o in hs] + [(d, o) for d in dests for o in range(S)]
+    for k, (t, _, _, db, do) in enumerate(sorted(good)):
+        want = targets[k] if k < len(targets) else None
+        if (db, do) != want:
+            errs.append(f"fill_order: token {t} (#{k} in logical order) -> ({db}, {do}), expected {want}")
+    into = {mv[3] for mv in good}
+    for b in holes:
+        if b not in into:
+            errs.append(f"fill_count: fill {b} receives no token")
+    n_holes = sum(len(hs) for hs in holes.values())
+    if len(dests) != ceil_div(max(0, len(good) - n_holes), S):
+        errs.append(f"dest_count: {len(dests)} destinations for {len(good)} moved tokens, {n_holes} holes in the "
+                    f"fills (S={S})")
+    return errs
+
+
 def plan_errors(view, plan) -> list:
     """Every rule ``plan`` breaks, given ``view``; ``[]`` for a valid plan."""
     S, N, toks = view["S"], view["num_blocks"], view["tokens"]
@@ -102,115 +231,18 @@ def plan_errors(view, plan) -> list:
     excluded = set(view.get("excluded", ()))
     sources, dests = list(plan["sources"]), list(plan["dests"])
     fills = list(plan.get("fills", []))
-    errs = []
+    private = (mine, flying, excluded)  # a source or a fill: one of mine, not flying, not excluded
 
-    def bad(code, detail):
-        errs.append(f"{code}: {detail}")
-
-    # -- moves agree with the view
-    good, moved = [], set()
-    for i, mv in enumerate(plan["moves"]):
-        mv = list(mv)
-        if len(mv) != 5 or not all(isinstance(x, int) and not isinstance(x, bool) for x in mv):
-            bad("bad_move", f"move #{i} {mv}")
-            continue
-        t, sb, so, db, do = mv
-        if not 0 <= t < len(toks):
-            bad("unknown_token", f"move #{i} token {t}")
-            continue
-        b, o, live = toks[t]
-        if not live:
-            bad("dead_token", f"move #{i} token {t}")
-        if t in moved:
-            bad("duplicate_token", f"move #{i} token {t}")
-        moved.add(t)
-        if (sb, so) != (b, o):
-            bad("wrong_source", f"move #{i} token {t} is at ({b}, {o}), not ({sb}, {so})")
-        if sb not in sources:
-            bad("move_not_from_source", f"move #{i} from block {sb}")
-        good.append(mv)
-
-    # -- sources
-    if len(set(sources)) != len(sources):
-        bad("duplicate_source", f"{sources}")
-    if len(sources) > view["max_sources"]:
-        bad("too_many_sources", f"{len(sources)} > B={view['max_sources']}")
-    def own_private(kind, b):  # a source or a fill: the request's own, unshared, not the tail, idle, allowed
-        if b not in mine:
-            bad(f"{kind}_not_owned", f"block {b}")
-        elif view["refs"].get(b, 0) != 1:
-            bad(f"{kind}_shared", f"block {b} has {view['refs'].get(b, 0)} references")
-        if b == view["tail"]:
-            bad(f"{kind}_tail", f"block {b}")
-        if b in flying:
-            bad(f"{kind}_in_flight", f"block {b}")
-        if b in excluded:
-            bad(f"{kind}_excluded", f"block {b}")
-
-    for b in sources:
-        own_private("source", b)
-    for t, (b, _, live) in enumerate(toks):
-        if live and b in sources and t not in moved:
-            bad("source_not_emptied", f"live token {t} stays in source {b}")
-
-    # -- fills: the request's own private blocks, as a source would be, but neither a source nor a dest
-    if fills and not view.get("in_place", False):
-        bad("fill_not_allowed", f"fills {fills}: the view is out-of-place only")
-    if len(set(fills)) != len(fills):
-        bad("duplicate_fill", f"{fills}")
-    for b in dict.fromkeys(fills):
-        if b == NULL_BLOCK:
-            bad("null_fill", "the null block 0")
-            continue
-        own_private("fill", b)
-        if b in sources:
-            bad("fill_is_source", f"block {b}")
-        if b in dests:
-            bad("fill_is_dest", f"block {b}")
-
-    # -- destinations and slots
-    if len(set(dests)) != len(dests):
-        bad("duplicate_dest", f"{dests}")
-    for b in dests:
-        if b == NULL_BLOCK:
-            bad("null_dest", "the null block 0")
-        elif not 0 < b < N:
-            bad("dest_out_of_range", f"block {b}")
-        if b not in headroom:
-            bad("dest_not_headroom", f"block {b}")
-        if b in flying:
-            bad("dest_in_flight", f"block {b}")
+    errs, good, moved = _move_errors(toks, sources, plan["moves"])  # moves agree with the view
+    errs += _source_errors(view, sources, moved, private)
+    errs += _fill_errors(view, fills, sources, dests, private)
+    errs += _dest_errors(dests, N, headroom, flying)
     holes = {b: holes_in(view, b) for b in dict.fromkeys(fills)}  # each fill once, in fill order
-    slots = set()
-    for t, _, _, db, do in good:
-        if db not in dests and db not in holes:
-            bad("move_to_unlisted_dest", f"token {t} -> block {db}")
-        if not 0 <= do < S:
-            bad("bad_offset", f"token {t} -> offset {do}")
-        if db in holes and 0 <= do < S and do not in holes[db]:
-            bad("slot_occupied", f"token {t} -> ({db}, {do}): a live token of the request is there")
-        if (db, do) in slots:
-            bad("duplicate_slot", f"token {t} -> ({db}, {do})")
-        slots.add((db, do))
-
-    # -- placement: the fills' holes, then whole destinations, in logical order
-    targets = [(b, o) for b, hs in holes.items() for o in hs] + [(d, o) for d in dests for o in range(S)]
-    for k, (t, _, _, db, do) in enumerate(sorted(good)):
-        want = targets[k] if k < len(targets) else None
-        if (db, do) != want:
-            bad("fill_order", f"token {t} (#{k} in logical order) -> ({db}, {do}), expected {want}")
-    into = {mv[3] for mv in good}
-    for b in holes:
-        if b not in into:
-            bad("fill_count", f"fill {b} receives no token")
-    n_holes = sum(len(hs) for hs in holes.values())
-    if len(dests) != ceil_div(max(0, len(good) - n_holes), S):
-        bad("dest_count", f"{len(dests)} destinations for {len(good)} moved tokens, {n_holes} holes in the "
-                          f"fills (S={S})")
-
-    # -- reduction
+    errs += _slot_errors(good, dests, holes, S)
+    errs += _placement_errors(good, dests, holes, S)
+    # reduction
     if not len(sources) > len(dests):
-        bad("not_reducing", f"{len(sources)} sources, {len(dests)} destinations")
+        errs.append(f"not_reducing: {len(sources)} sources, {len(dests)} destinations")
     return errs
 
 

@@ -454,45 +454,9 @@ class TokenTable:
         return bool(len(gone)) and not self.n_b[gone // self.S].all()  # a block lost its last live token
 
     # ------------------------------------------------------------------ growth
-    def sync_new_tokens(self, req_id, block_ids: Sequence[int], total_len: int) -> np.ndarray:
-        """Register the tokens that grew ``req_id`` to ``total_len`` (creating the request).
-
-        ``block_ids`` is the request's whole positional block list as the scheduler holds
-        it: new token ``p`` lives at ``block_ids[p // S]``, offset ``p % S``. Only entries
-        that receive new tokens are read, so the cost is O(new tokens); earlier entries may
-        hold the null block (a freed position) and are ignored.
-
-        ``block_ids``: a list, tuple, range, 1-D integer numpy array or torch tensor; the
-        entries read must be integers (``int`` / numpy integers, not ``bool``).
-
-        Checks, in order: ``bad_request_id``; ``not_integer`` (``total_len``, then
-        ``block_ids`` not a sequence); ``length_decrease``; ``blocks_short``;
-        ``not_integer`` (an entry read is not an integer); then per new token in position
-        order: ``block_out_of_range``, ``null_block``, ``slot_conflict``.
-        Returns the new tokens' slots (int64, position order): where to write their K/V.
-        """
-        r = self._get(req_id)
-        n = r.n if r is not None else 0
-        if type(total_len) is not int:  # the common case costs one type test each
-            total_len = _index(total_len, f"request {req_id!r}: total_len")
-        if type(block_ids) is not list:
-            if isinstance(block_ids, torch.Tensor):
-                block_ids = block_ids.detach().cpu().numpy()
-            if not _is_sequence(block_ids):
-                raise TableError("not_integer",
-                                 f"request {req_id!r}: block_ids must be a list of block ids, got {_show(block_ids)}")
-        if total_len < n:
-            raise TableError("length_decrease", f"request {req_id!r}: total_len {_fmt(total_len)} < current length {n}")
-        if len(block_ids) * self.S < total_len:
-            raise TableError("blocks_short", f"request {req_id!r}: {len(block_ids)} blocks cannot hold {_fmt(total_len)} tokens")
+    def _sync_many(self, req_id, r, block_ids, n: int, total_len: int) -> np.ndarray:
+        """``sync_new_tokens`` for two new tokens or more (a prefill): the per-token checks, vector code."""
         k = total_len - n
-        if k == 0:
-            if r is None:
-                self._reqs[req_id] = _Req()
-                self._changed.add(req_id)
-            return np.empty(0, dtype=np.int64)
-        if k == 1:
-            return self._sync_one(req_id, r, block_ids, n)
         S = self.S
         j0, j1 = n // S, (total_len - 1) // S + 1
         seg = _index_array(block_ids[j0:j1], f"request {req_id!r}: block_ids[{j0}:{j1}]")
@@ -543,6 +507,47 @@ class TokenTable:
         pool.pend_val.append(slots.copy())  # the caller may write into the returned array
         pool.pend_new.append(gidx)
         return slots
+
+    def sync_new_tokens(self, req_id, block_ids: Sequence[int], total_len: int) -> np.ndarray:
+        """Register the tokens that grew ``req_id`` to ``total_len`` (creating the request).
+
+        ``block_ids`` is the request's whole positional block list as the scheduler holds
+        it: new token ``p`` lives at ``block_ids[p // S]``, offset ``p % S``. Only entries
+        that receive new tokens are read, so the cost is O(new tokens); earlier entries may
+        hold the null block (a freed position) and are ignored.
+
+        ``block_ids``: a list, tuple, range, 1-D integer numpy array or torch tensor; the
+        entries read must be integers (``int`` / numpy integers, not ``bool``).
+
+        Checks, in order: ``bad_request_id``; ``not_integer`` (``total_len``, then
+        ``block_ids`` not a sequence); ``length_decrease``; ``blocks_short``;
+        ``not_integer`` (an entry read is not an integer); then per new token in position
+        order: ``block_out_of_range``, ``null_block``, ``slot_conflict``.
+        Returns the new tokens' slots (int64, position order): where to write their K/V.
+        """
+        r = self._get(req_id)
+        n = r.n if r is not None else 0
+        if type(total_len) is not int:  # the common case costs one type test each
+            total_len = _index(total_len, f"request {req_id!r}: total_len")
+        if type(block_ids) is not list:
+            if isinstance(block_ids, torch.Tensor):
+                block_ids = block_ids.detach().cpu().numpy()
+            if not _is_sequence(block_ids):
+                raise TableError("not_integer",
+                                 f"request {req_id!r}: block_ids must be a list of block ids, got {_show(block_ids)}")
+        if total_len < n:
+            raise TableError("length_decrease", f"request {req_id!r}: total_len {_fmt(total_len)} < current length {n}")
+        if len(block_ids) * self.S < total_len:
+            raise TableError("blocks_short", f"request {req_id!r}: {len(block_ids)} blocks cannot hold {_fmt(total_len)} tokens")
+        k = total_len - n
+        if k == 0:
+            if r is None:
+                self._reqs[req_id] = _Req()
+                self._changed.add(req_id)
+            return np.empty(0, dtype=np.int64)
+        if k == 1:
+            return self._sync_one(req_id, r, block_ids, n)
+        return self._sync_many(req_id, r, block_ids, n, total_len)
 
     def _sync_one(self, req_id, r, block_ids, n) -> np.ndarray:
         """``sync_new_tokens`` for one new token (the decode step): same checks, scalar code."""
