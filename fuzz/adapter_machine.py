@@ -28,7 +28,7 @@ Checked after every step, against the pool itself (not the adapter's bookkeeping
   only after the step carrying the plan was processed AND the worker reported the copy
   done (the machine watches every free of the pool); no headroom block, destination or
   in-flight source carries a prefix-cache hash;
-- every plan's recorded list indices (``AdapterPlan.list_index``) against where the machine
+- every plan's recorded list indices (``Plan.list_index``) against where the machine
   last saw its sources and fills; a probe puts a fill of a plan in flight back in its list
   and the adapter's incremental check alone must see it;
 - every proposal against ``spec.planner`` (rules and optimality, through the adapter's
@@ -260,13 +260,13 @@ class _Run:
             for p in meta.plans:
                 # where each source and fill was (the lists as last observed: a plan takes
                 # no block that entered a list in this step): its index, or -1 (held)
-                taken = {b: self.list_pos.get((p.req_id, b), -1) for b in p.source_ids + p.fill_ids}
+                taken = {b: self.list_pos.get((p.req_id, b), -1) for b in p.sources + p.fills}
                 assert dict(p.list_index) == taken, (
                     f"plan {p.id} of {p.req_id!r} records its blocks at list indices {dict(p.list_index)}; they "
                     f"were at {taken} (-1: held)")
                 self.taken_at[p.id] = taken
-                self.plans[p.id] = (p.seq, p.source_ids)
-                for b in p.source_ids:
+                self.plans[p.id] = (p.seq, list(p.sources))
+                for b in p.sources:
                     self.source_of[b] = p.id
                 if p.req_id in grown:
                     hard("plan and growth in one step")
@@ -379,7 +379,7 @@ class _Run:
         for r, v in ad.held.items():
             owners[f"destinations of {r!r}"] = list(v)
         for p in ad.plans.values():
-            owners[f"plan {p.id}"] = p.block_ids
+            owners[f"plan {p.id}"] = p.blocks
         for i, (seq, blocks) in enumerate(ad.scheduler.deferred_frees):
             owners[f"deferred free #{i} (fence {seq})"] = [b.block_id for b in blocks if not b.is_null]
         owners["machine (pool pressure)"] = [b.block_id for b in self.grabbed]
@@ -396,7 +396,7 @@ class _Run:
                 assert b.block_hash is None, f"destination block {b.block_id} carries a prefix-cache hash"
         for p in ad.plans.values():
             for b in p.blocks:
-                assert b.block_hash is None, f"block {b.block_id} of in-flight plan {p.id} carries a prefix-cache hash"
+                assert ad.block(b).block_hash is None, f"block {b} of in-flight plan {p.id} carries a prefix-cache hash"
 
     def check_snapshots(self, done: int) -> int:
         from vtoken.invariants.snapshot_checks import check_snapshot as py_check
@@ -667,9 +667,9 @@ class AdapterMachine(RuleBasedStateMachine):
                 continue
             at = self.vt.taken_at.get(p.id, {})
             for b in p.fills:
-                i = at.get(b.block_id, -1)
+                i = at.get(b, -1)
                 if 0 <= i < len(lst) and lst[i].is_null:
-                    return p, b, i
+                    return p, ad.block(b), i
         return None
 
     @precondition(lambda self: not self.halted and self._fill_out_of_its_list() is not None)

@@ -100,9 +100,9 @@ CATALOGUE: list[Fault] = [
               "        n_dest = min(max(int(need[m - 1]), m), limit)\n"
               "        if n_dest == 0:\n            return None, worthwhile\n        dests = [int(b) for b in headroom[:n_dest]]"),)),
     Fault("plan_dup_dst", "9 duplicate destination slot (planner)", "the planner gives two tokens one destination", "planner",
-          (_p(P, "propose", "        moves[:, 4] = offset\n",
+          (_p(P, "_moves_of", "        moves[:, 4] = offset\n",
               "        moves[:, 4] = offset\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"),
-           _p(P, "propose", "        moves[:, 4] = hole_offset[:len(toks)]\n",
+           _p(P, "_moves_of", "        moves[:, 4] = hole_offset[:len(toks)]\n",
               "        moves[:, 4] = hole_offset[:len(toks)]\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"))),
     Fault("plan_overlaps_inflight", "I4 overlap with an in-flight plan", "blocks of an in-flight plan are planned again",
           "planner", (_p(P, "ReclamationManager.plan_request", "excluded=self._busy_mask if self.in_flight else None",
@@ -110,12 +110,11 @@ CATALOGUE: list[Fault] = [
                       _p(P, "ReclamationManager.plan_round", "            if rid in busy:\n                continue\n", ""))),
     Fault("free_sources_at_plan", "8 source freed before its copy completed", "sources return to the allocator at launch",
           "planner", (_p(P, "ReclamationManager.launch", "        plan.handle = self.engine.launch(plan)\n",
-                         "        plan.handle = self.engine.launch(plan)\n        self.alloc.free(plan.sources)\n"
-                         "        self.record(plan, 'free', blocks=list(plan.sources))\n        plan.freed_early = True\n"),
-                      _p(P, "ReclamationManager.apply",
-                         '        self.alloc.free(plan.sources)\n        self.record(plan, "free", blocks=list(plan.sources))\n',
-                         "        if not getattr(plan, 'freed_early', False):\n            self.alloc.free(plan.sources)\n"
-                         '            self.record(plan, "free", blocks=list(plan.sources))\n'))),
+                         "        plan.handle = self.engine.launch(plan)\n"
+                         "        self.ledger.release(plan.sources, plan=plan)\n        plan.freed_early = True\n"),
+                      _p(P, "ReclamationManager.apply", "        self.ledger.release(plan.sources, plan=plan)\n",
+                         "        if not getattr(plan, 'freed_early', False):\n"
+                         "            self.ledger.release(plan.sources, plan=plan)\n"))),
     Fault("apply_before_complete", "8/I3 read before the copy completes",
           "a pending copy is applied (slot mapping switched) without its fence", "planner",
           (_p(P, "ReclamationManager.poll", '            if status == "pending":\n                continue\n',
@@ -141,8 +140,7 @@ CATALOGUE: list[Fault] = [
           "but its deferred sources and fills are never freed and its destinations stay reserved", "planner",
           (_p(P, "ReclamationManager.drain", "        done = self.poll(force_sync=True)\n",
               "        for p in [p for p in self.in_flight.values() if p.orphaned]:\n"
-              "            self._release(p)\n            self._deferred.pop(p.id, None)\n"
-              "            p.state = ABORTED\n            self.stats['orphaned'] += 1\n"
+              "            self._end(p, 'aborted')\n            self._deferred.pop(p.id, None)\n"
               "        done = self.poll(force_sync=True)\n"),)),
     # ---------------------------------------------------------------- placement
     Fault("placement_off_by_one", "5 wrong-slot placement", "the k-th moved token goes to slot k+1", "placement",
@@ -176,10 +174,9 @@ CATALOGUE: list[Fault] = [
           "apply frees only the sources its surviving moves emptied: one whose every token was evicted while "
           "the copy flew is released by the table but stays allocated", "decode",
           (_p(P, "ReclamationManager.apply",
-              '        self.alloc.free(plan.sources)\n        self.record(plan, "free", blocks=list(plan.sources))\n',
+              "        self.ledger.release(plan.sources, plan=plan)\n",
               "        kept = sorted({int(b) for b in res.moves[:, 1]}) if len(res.moves) else []\n"
-              "        self.alloc.free(kept)\n"
-              '        self.record(plan, "free", blocks=kept)\n'),)),
+              "        self.ledger.release(kept, plan=plan)\n"),)),
     # ---------------------------------------------------------------- the graph path (CUDA graphs)
     Fault("graph_replay_on_capture_stream", "10 a replay that skips a host-side hook (the event wait before replay)",
           "the decode graph is replayed on its capture stream, which never waited on pending copies nor on the "
@@ -190,10 +187,10 @@ CATALOGUE: list[Fault] = [
     # ---------------------------------------------------------------- the vLLM adapter
     Fault("adapter_free_before_fence", "8 source freed before its fence (vLLM async scheduling)",
           "the adapter hands a plan's sources back to the pool at launch, before the step that copies them",
-          "adapter", (_p(PL, "PlanBook.launch", '        ad.stats["plans"] += 1\n',
-                         '        ad.stats["plans"] += 1\n        ad.pool.free_blocks(list(sources))\n'),
+          "adapter", (_p(PL, "PlanBook.launch", "        meta.plans.append(plan)\n",
+                         "        meta.plans.append(plan)\n        ad.pool.free_blocks(list(sources))\n"),
                       _p(PL, "PlanBook.free_sources",
-                         "        ad.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)\n", ""))),
+                         "        self.ledger.release(plan.sources, plan.seq, plan=plan)\n", ""))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
           "a source's prefix-cache hash moves to the destination (or first fill) at launch (the tokens moved, the hash follows)",
           "adapter", (_p(PL, "PlanBook.launch", "        ad.hashes.drop_sources(sources + fills)\n",
@@ -233,8 +230,8 @@ CATALOGUE: list[Fault] = [
               "        if True:\n"),)),
     Fault("adapter_release_unfenced", "8 released block freed before its fence (async step offsets)",
           "blocks whose tokens all died are freed with the previous step's fence", "adapter",
-          (_p(AD, "VTokenAdapter._release_empty", "self.scheduler._free_cow_retained_blocks([blk], meta.seq)",
-              "self.scheduler._free_cow_retained_blocks([blk], meta.seq - 2)"),)),
+          (_p(AD, "VTokenAdapter._release_empty", "self.book.ledger.release([b], meta.seq)",
+              "self.book.ledger.release([b], meta.seq - 2)"),)),
     Fault("adapter_fill_index_dropped", "positional block list broken (a check blind to fills)",
           "a plan records the list indices of its sources only, so the incremental check never compares a fill "
           "with vLLM's list", "adapter",

@@ -247,7 +247,7 @@ class _PlanTracking(KVCopyEngine, metaclass=abc.ABCMeta):
     def __init__(self, *a, table, **kw):
         super().__init__(*a, **kw)
         self.table = table
-        self._plans: dict = {}  # handle id -> the plan (worker's _WPlan: id, req_id, sources, dests, moves, fills)
+        self._plans: dict = {}  # handle id -> the plan (the worker's copy of the lifecycle.Plan: block ids)
         self.tampered: list = []  # (plan id, what was done): every tampering, in order
 
     def launch(self, plan):

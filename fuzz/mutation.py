@@ -62,10 +62,14 @@ from .mutation_gen import Mutant, generate  # noqa: F401 - generate is part of t
 from .shadow import _ignore, make_shadow
 from .shadow import snapshot as shadow_snapshot
 
-DEFAULT_FILES = ("vtoken/table.py", "vtoken/planner.py")
-EXAMPLE_TESTS = ("tests/test_table.py", "tests/test_planner.py", "tests/test_mutation_killers.py")
+# the lifecycle bookkeeping moved out of planner.py (issue 27): mutated with it, killed by
+# the same planner machine plus its own contract tests
+DEFAULT_FILES = ("vtoken/table.py", "vtoken/planner.py", "vtoken/lifecycle.py")
+EXAMPLE_TESTS = ("tests/test_table.py", "tests/test_planner.py", "tests/test_mutation_killers.py",
+                 "tests/test_lifecycle.py")
 MACHINE_TESTS = {"vtoken/table.py": "tests/test_table_conformance.py",
-                 "vtoken/planner.py": "tests/test_planner_conformance.py"}
+                 "vtoken/planner.py": "tests/test_planner_conformance.py",
+                 "vtoken/lifecycle.py": "tests/test_planner_conformance.py"}
 # pyproject's package-dir mapping: repository folder -> its place in the shadow package
 GUARD_PLUGIN = "_vtoken_mutation_guard"
 
@@ -80,7 +84,7 @@ EQUIVALENT: list[dict] = [
     dict(file="vtoken/table.py", original="self.map_src_n = 0  # tokens [0, map_src_n) are reflected in map_cache",
          ops=("delete", "const"), reason="map_src_n is read only when map_cache is set, and every statement that sets "
          "map_cache sets map_src_n with it"),
-    dict(file="vtoken/table.py", original="if need <= cap:", descs=("<= -> <",),
+    dict(file="vtoken/table.py", original="if need <= r.cap:", descs=("<= -> <",),
          reason="need == cap then reallocates to 2*cap and copies: capacity only, same contents"),
     dict(file="vtoken/table.py", original="slot = np.full(new, -1, dtype=np.int64)", descs=("1 -> 0", "1 -> 2", "remove -"),
          reason=_UNREAD_FILL),
@@ -105,20 +109,20 @@ EQUIVALENT: list[dict] = [
          reason="the placeholder slot of a move with a bad offset only feeds checks of that move (already failing, "
          "bad_offset is reported before slot_occupied / duplicate_destination) or of later moves (the first failing "
          "move is reported)"),
-    dict(file="vtoken/table.py", original="r.map_cache = torch.empty(max(64, 2 * len(m)), dtype=torch.int64, device=self.device)",
-         descs=("2 -> 3", "2 -> 1", "64 -> 63", "64 -> 65"), reason="capacity of the cached mapping: any size >= len(m) "
+    dict(file="vtoken/table.py", original="r.map_cache = torch.empty(max(64, 2 * k), dtype=torch.int64, device=self.device)",
+         descs=("2 -> 3", "2 -> 1", "64 -> 63", "64 -> 65"), reason="capacity of the cached mapping: any size >= k "
          "holds it, and appends grow it when needed"),
     dict(file="vtoken/table.py", original="if need > len(r.map_cache):", descs=("> -> >=",),
          reason="grows the cached mapping when it is exactly full: capacity only"),
     # ---- vtoken/planner.py
     dict(file="vtoken/planner.py", original="max_plans_per_round: int = 1 << 30", descs=("1 -> 2", "30 -> 31", "30 -> 29"),
          reason="still unbounded in practice: a round launches at most one plan per request"),
-    dict(file="vtoken/planner.py", original="self._ids = itertools.count(1)", descs=("1 -> 0", "1 -> 2"),
+    dict(file="vtoken/lifecycle.py", original="self._ids = itertools.count(1)", descs=("1 -> 0", "1 -> 2"),
          reason="plan ids are opaque: unique and increasing from any start (never tested for truth)"),
     dict(file="vtoken/planner.py", original="reductions[need > limit] = -1  # shrink to what the headroom can serve",
          descs=("1 -> 0", "1 -> 2"), reason="any value <= 0 works: a plan needs a reduction > 0, and a feasible positive "
          "prefix beats 0 and -2 alike in argmax"),
-    dict(file="vtoken/planner.py", original="gain = len(r.blocks) - int(has_tail) - -(-max(0, r.n_live - in_tail) // S)",
+    dict(file="vtoken/planner.py", original="return n_blocks - has_tail - -(-np.maximum(0, n_live - in_tail) // S)",
          descs=("0 -> -1",), reason="ceil(-1 / S) == ceil(0 / S) == 0 for S >= 2; for S == 1 the bound grows by one only "
          "for a request whose tail is shared and outnumbers its own live tokens (its only effect is the order of "
          "requests within a round)"),
@@ -321,7 +325,7 @@ def select_tests(root: Path, mutated: str, override: Optional[list[str]] = None)
     tests = [t for t in EXAMPLE_TESTS if (root / t).exists()]
     own = MACHINE_TESTS.get(mutated)
     machines = ([own] if own else []) + [t for f, t in MACHINE_TESTS.items() if f != mutated]
-    return tests + [t for t in machines if (root / t).exists()]
+    return tests + [t for t in dict.fromkeys(machines) if (root / t).exists()]
 
 
 def _equivalent(m: dict) -> Optional[str]:

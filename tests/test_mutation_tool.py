@@ -119,3 +119,34 @@ def test_a_bad_mutant_is_killed_and_an_equivalent_one_survives(tmp_path, capsys,
     results = json.loads((out / "results.json").read_text())["mutants"]
     (killed,) = [r for r in results if r["status"] == "killed"]
     assert killed["key"] == bad.key and killed["killed_by"] == "tests/test_tiny.py::test_clamp"
+
+
+def stale_exemptions(equivalent, root) -> list[str]:
+    """Equivalent-mutant entries whose original line no longer occurs in their file (a stale
+    exemption matches nothing: it silently stops saying why a survivor is harmless)."""
+    from pathlib import Path
+
+    out = []
+    for e in equivalent:
+        f = Path(root) / e["file"]
+        lines = {ln.strip() for ln in f.read_text().splitlines()} if f.exists() else set()
+        if e["original"] not in lines:
+            out.append(f"{e['file']}: {e['original']!r}")
+    return out
+
+
+def test_every_equivalent_mutant_entry_names_a_line_that_exists():
+    from pathlib import Path
+
+    from vtoken.fuzz.mutation import DEFAULT_FILES, EQUIVALENT
+
+    root = Path(__file__).resolve().parent.parent
+    assert stale_exemptions(EQUIVALENT, root) == []
+    assert {e["file"] for e in EQUIVALENT} <= set(DEFAULT_FILES)  # an exemption for a file never mutated is dead
+
+
+def test_the_stale_exemption_check_finds_a_planted_one(tmp_path):
+    (tmp_path / "m.py").write_text("x = 1\nif need <= r.cap:\n    pass\n")
+    entries = [dict(file="m.py", original="if need <= r.cap:"), dict(file="m.py", original="if need <= cap:"),
+               dict(file="gone.py", original="x = 1")]
+    assert stale_exemptions(entries, tmp_path) == ["m.py: 'if need <= cap:'", "gone.py: 'x = 1'"]

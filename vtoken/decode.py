@@ -88,6 +88,7 @@ from .copy_engine import KVCopyEngine, checker_factory
 from .errors import CallError, CallIndexError, OrderError, RelocationCheckError
 from .fields import is_bool, is_int, need_choice, need_device, need_int, need_number, refuse
 from .model.decoder import DecodeItem, PagedDecoder, greedy
+from .lifecycle import PlanLedger, allocator_release
 from .planner import MODES, PlannerConfig, ReclamationManager
 from .policies import POLICIES, make_policy
 from .table import TokenTable
@@ -490,6 +491,8 @@ class DecodeEngine:
                                                       method=self.check_method, full_bytes=self.full_bytes)
                 eng = self.checker.wrap(self.copy_engine)
             self.manager = ReclamationManager(self.table, self.alloc, eng, self.cfg, on_applied=self._on_applied)
+        # the lifecycle's one release of emptied blocks (without reclamation, a ledger with no plans)
+        self.ledger = self.manager.ledger if self.manager else PlanLedger(allocator_release(self.alloc))
         self._reqs: dict[object, _Req] = {}
         self._order: list = []
         self._recent: list = []  # plans finished by the last manager step (watched one more step)
@@ -562,7 +565,7 @@ class DecodeEngine:
         cand = [int(b) for b in cand if t.n_b[b] == 0 and t.refs[b] == 1 and not (mgr is not None and mgr.is_busy(b))]
         if cand:
             freed = t.release_empty_blocks(r.id, cand)
-            self.alloc.free(freed)
+            self.ledger.release(freed)
             self._drop_blocks(r, freed)
             self.empty_released += len(freed)
             self._poison(freed)
@@ -661,10 +664,10 @@ class DecodeEngine:
         r.done = True
         held = [b for b in r.blocks if b != NULL_BLOCK] + list(r.held)
         if self.mode == "native":
-            self.alloc.free(held)
+            self.ledger.release(held)
         elif self.mode == "naive-evict":
             self.table.free_request(req_id)
-            self.alloc.free(held)
+            self.ledger.release(held)
         else:
             if self.checker is not None:
                 self.checker.forget_request(req_id)

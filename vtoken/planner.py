@@ -40,7 +40,6 @@ Costs: trigger O(1); ``step`` polls O(plans in flight), a round scores O(request
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -50,11 +49,11 @@ import numpy as np
 from .allocator import BlockAllocator
 from .errors import PlanError
 from .fields import need_bool, need_int, need_number
+# the lifecycle states and record, re-exported for the paths that drive the manager
+from .lifecycle import ABORTED, APPLIED, COMPLETED, COPYING, PLANNED, Plan, PlanLedger, allocator_release  # noqa: F401
 from .placement import holes, place
 from .snapshot import SCHEMA, request_state
 from .table import OWN_TAIL, TokenTable
-
-PLANNED, COPYING, COMPLETED, APPLIED, ABORTED = "planned", "copying", "completed", "applied", "aborted"
 
 
 # ====================================================================== the planner, as pure functions
@@ -163,6 +162,14 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
             return None, worthwhile
         dests = [int(b) for b in headroom[: int(need[m - 1])]]
     sources = np.sort(candidates[:m])
+    moves = _moves_of(table, req_id, sources, fills, dests, in_place)
+    return Proposal(sources.tolist(), dests, moves, fills), worthwhile
+
+
+def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests: list, in_place: bool) -> np.ndarray:
+    """The (k, 5) moves of a proposal: every live token of the sorted ``sources``, in logical
+    order, into the holes of ``fills`` (in place) or packed into ``dests``."""
+    S = table.S
     ids, slots = table.live_slots(req_id)
     blk = slots // S
     at = np.minimum(np.searchsorted(sources, blk), len(sources) - 1)  # sources is sorted: O(length log B)
@@ -182,7 +189,7 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
         dest_index, offset = place(np.ones(len(toks), dtype=bool), S)
         moves[:, 3] = np.asarray(dests, dtype=np.int64)[dest_index]
         moves[:, 4] = offset
-    return Proposal(sources.tolist(), dests, moves, fills), worthwhile
+    return moves
 
 
 @dataclass
@@ -413,30 +420,6 @@ def should_reclaim(cfg: PlannerConfig, *, waste_ratio: float, free_blocks: int, 
                                                              block_size=block_size)
 
 
-@dataclass
-class Plan:
-    id: int
-    req_id: object
-    sources: list  # blocks the plan empties (all of them: moved-out and all-dead ones)
-    dests: list  # fresh destination blocks, taken from the headroom
-    moves: np.ndarray  # (k, 5): token, src_block, src_offset, dst_block, dst_offset
-    fills: list = field(default_factory=list)  # the request's blocks whose holes take tokens (stay its own)
-    state: str = PLANNED
-    handle: object = None
-    snapshot: Optional[dict] = None
-    evicted_in_flight: list = field(default_factory=list)  # moved tokens that died while the copy flew
-    orphaned: bool = False  # its request finished or was preempted while the copy flew
-
-    @property
-    def reduction(self) -> int:
-        return len(self.sources) - len(self.dests)
-
-    @property
-    def blocks(self) -> list:
-        """Every block the copy touches (busy while it flies): sources, fills, dests."""
-        return list(self.sources) + list(self.fills) + list(self.dests)
-
-
 class NullCopyEngine:
     """A copy engine without bytes (simulation, metadata fuzzing): a copy completes after
     ``latency`` polls. ``fail_next`` makes the next launched copy fail part-way."""
@@ -491,8 +474,9 @@ class ReclamationManager:
         self.S = table.S
         self._tail_of = tail_of or table.tail_block
         self.on_applied = on_applied
-        self._ids = itertools.count(1)
-        self.in_flight: dict[int, Plan] = {}
+        self.stats = dict(plans=0, applied=0, aborted=0, orphaned=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
+        # the lifecycle room: plans in flight, ids, outcomes, the one free of emptied blocks
+        self.ledger = PlanLedger(allocator_release(allocator), self.stats, clock)
         self._busy_mask = np.zeros(table.num_blocks, dtype=bool)  # blocks of in-flight plans
         self.headroom: list[int] = []
         # plan id -> blocks to free once its copy completes: the references of every
@@ -500,10 +484,17 @@ class ReclamationManager:
         # may finish, resume and finish again while one copy flies: the lists accumulate)
         self._deferred: dict[int, list] = {}
         self.steps = 0
-        self.stats = dict(plans=0, applied=0, aborted=0, orphaned=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
-        self.history: list[Plan] = []  # applied/aborted plans with snapshots (when recorded)
-        self._clock = clock or itertools.count().__next__
         self.refill_headroom()
+
+    @property
+    def in_flight(self) -> dict[int, Plan]:
+        """The plans in flight, by id (the ledger's)."""
+        return self.ledger.in_flight
+
+    @property
+    def history(self) -> list[Plan]:
+        """Ended plans with snapshots (when recorded), in the order they ended."""
+        return self.ledger.history
 
     # ------------------------------------------------------------------ stage 1 and 2
     def refill_headroom(self) -> None:
@@ -529,7 +520,7 @@ class ReclamationManager:
 
     def busy_requests(self) -> set:
         """Requests with a plan in flight (I4: at most one plan per request copies at a time)."""
-        return {p.req_id for p in self.in_flight.values() if not p.orphaned}
+        return self.ledger.busy_requests()
 
     # ------------------------------------------------------------------ stage 3
     def plan_request(self, req_id, max_dests: Optional[int] = None) -> Optional[Plan]:
@@ -548,7 +539,7 @@ class ReclamationManager:
             if worthwhile:
                 self.stats["deferred"] += 1  # worth doing, but the headroom is short
             return None
-        plan = Plan(next(self._ids), req_id, prop.sources, prop.dests, prop.moves, prop.fills)
+        plan = self.ledger.new_plan(req_id, prop.sources, prop.dests, prop.moves, prop.fills)
         if self.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(
                 self.table, req_id, plan.id, prop, tail, self.headroom,
@@ -558,8 +549,7 @@ class ReclamationManager:
 
     def record(self, p: Plan, kind: str, **fields) -> None:
         """Append an event to the plan's snapshot schedule (when snapshots are recorded)."""
-        if p.snapshot is not None:
-            p.snapshot["schedule"].append({"t": self._clock(), "kind": kind, **fields})
+        p.record(kind, **fields)
 
     # ------------------------------------------------------------------ lifecycle
     def launch(self, plan: Plan) -> None:
@@ -575,11 +565,9 @@ class ReclamationManager:
                 raise PlanError("stale_plan", f"plan {plan.id}: destinations {plan.dests} are no longer in the headroom")
             self.headroom = [b for b in self.headroom if b not in taken]
         self._busy_mask[plan.blocks] = True
-        plan.state = COPYING
-        self.in_flight[plan.id] = plan
-        self.stats["plans"] += 1
+        self.ledger.open(plan)
         plan.handle = self.engine.launch(plan)
-        self.record(plan, "launch", plan=plan.id)
+        plan.record("launch", plan=plan.id)
 
     def poll(self, force_sync: bool = False) -> list[Plan]:
         """Observe finished copies and apply them. Returns the plans that finished (either way)."""
@@ -592,7 +580,7 @@ class ReclamationManager:
                 self.abort(plan)
             else:
                 plan.state = COMPLETED
-                self.record(plan, "fence", plan=plan.id)
+                plan.record("fence", plan=plan.id)
                 self.apply(plan)
             done.append(plan)
         return done
@@ -603,11 +591,9 @@ class ReclamationManager:
         if plan.state != COMPLETED:
             raise PlanError("bad_state", f"plan {plan.id} is {plan.state}: apply only after the copy completed")
         if plan.id in self._deferred:  # the request finished while the copy was in flight
-            self._release(plan)
+            self._end(plan, "aborted")
             self.alloc.unreserve(plan.dests)
-            self.alloc.free(self._deferred.pop(plan.id))
-            plan.state = ABORTED
-            self.stats["orphaned"] += 1
+            self.ledger.release(self._deferred.pop(plan.id))
             return
         t = self.table
         shared = [b for b in plan.sources if t.block_refs(b) > 1]
@@ -620,17 +606,14 @@ class ReclamationManager:
             self.abort(plan)
             return
         res = apply_completed(t, plan.req_id, plan.sources, plan.moves, fills=plan.fills)
-        self._release(plan)
         plan.moves, plan.evicted_in_flight = res.moves, res.evicted_in_flight
         used = res.used_dests
         self.alloc.take_reserved(used)
         self.headroom += [b for b in plan.dests if b not in used]
-        self.record(plan, "apply", plan=plan.id)
-        self.alloc.free(plan.sources)
-        self.record(plan, "free", blocks=list(plan.sources))
+        plan.record("apply", plan=plan.id)
+        self.ledger.release(plan.sources, plan=plan)
         plan.dests = used
-        plan.state = APPLIED
-        self.stats["applied"] += 1
+        self._end(plan, "applied")
         self.stats["moves"] += len(res.moves)
         self.stats["blocks_freed"] += len(plan.sources) - len(used)
         if plan.snapshot is not None:
@@ -640,14 +623,13 @@ class ReclamationManager:
             self.on_applied(plan)
 
     def abort(self, plan: Plan) -> None:
-        """The copy failed part-way: nothing changes but the plan's end; destinations go back to the headroom."""
-        self._release(plan)
-        plan.state = ABORTED
-        # its request gone, the plan ends as an orphan whatever the copy did
-        self.stats["orphaned" if plan.id in self._deferred else "aborted"] += 1
+        """The copy failed part-way: nothing changes but the plan's end; destinations go back
+        to the headroom (its request gone, the plan ends as an orphan whatever the copy did:
+        destinations to the free queue, the request's deferred blocks freed)."""
+        self._end(plan, "aborted")
         if plan.id in self._deferred:
             self.alloc.unreserve(plan.dests)
-            self.alloc.free(self._deferred.pop(plan.id))
+            self.ledger.release(self._deferred.pop(plan.id))
             return
         self.headroom += plan.dests
 
@@ -670,10 +652,11 @@ class ReclamationManager:
             self.headroom = []
         return done
 
-    def _release(self, plan: Plan) -> None:
-        assert self.in_flight.get(plan.id) is plan, f"plan {plan.id} released but not in flight"
-        del self.in_flight[plan.id]
+    def _end(self, plan: Plan, outcome: str) -> None:
+        """The plan's blocks stop being busy and the ledger counts its end (``outcome``, or
+        orphaned: :meth:`PlanLedger.close`)."""
         self._busy_mask[plan.blocks] = False
+        self.ledger.close(plan, outcome)
 
     def finish_request(self, req_id, held_blocks) -> list[int]:
         """The request finished or was preempted: forget it and free the blocks it held.
@@ -689,12 +672,12 @@ class ReclamationManager:
         later = set()
         for plan in self.in_flight.values():
             if plan.req_id == req_id and not plan.orphaned:
-                plan.orphaned = True
                 mine = [b for b in held_blocks if b in plan.sources or b in plan.fills]  # the copy reads / writes them
                 self._deferred.setdefault(plan.id, []).extend(mine)
                 later |= set(mine)
+        self.ledger.orphan(req_id)
         now = [b for b in held_blocks if b not in later]
-        self.alloc.free(now)
+        self.ledger.release(now)
         return now
 
     # ------------------------------------------------------------------ the step hook

@@ -128,7 +128,7 @@ def test_relocation_null_substitutes_sources_and_keeps_length(model):
                     assert lst[i] is ad.pool.null_block, f"{r}[{i}] is block {lst[i].block_id}, not null"
                     checked += 1
             if p.id in ad.plans:  # in flight: no source is in the list (once freed, a source may come back as new growth)
-                assert all(not any(x is s for x in lst) for s in p.sources)
+                assert all(not any(x is ad.block(s) for x in lst) for s in p.sources)
     ad.close()
     assert ad.stats["applied"] > 0 and checked > 0
     assert w.hash_checks >= 2 * ad.stats["applied"] and w.hash_failures == 0
@@ -171,7 +171,7 @@ def test_sources_freed_only_after_the_fence(model, async_, lag):
         d.step()
         for pid, p in ad.plans.items():
             launched_at.setdefault(pid, w.stats["steps"])
-            watch[pid] = p.sources
+            watch[pid] = [ad.block(b) for b in p.sources]
         for pid, srcs in watch.items():
             if pid in ad.plans:  # not reported yet: every source still held by the adapter
                 assert all(b.ref_cnt >= 1 for b in srcs), [(b.block_id, b.ref_cnt) for b in srcs]
@@ -199,7 +199,7 @@ def test_fence_check_catches_a_free_behind_the_adapters_back(model):
         if ad.plans:
             break
     plan = next(iter(ad.plans.values()))
-    ad.pool.free_blocks([plan.sources[0]])
+    ad.pool.free_blocks([ad.block(plan.sources[0])])
     with pytest.raises(AdapterAssumptionError, match=r"\[fence\].*block \d+ \(source of plan"):
         ad.check_all()
 
@@ -265,9 +265,9 @@ def test_prefix_hit_on_inflight_source_regression(model, async_):
         if ad.plans:
             break
     plan = next(iter(ad.plans.values()))
-    assert all(b.block_hash is None for b in plan.sources), "a source in flight still carries a hash"
+    assert all(ad.block(b).block_hash is None for b in plan.sources), "a source in flight still carries a hash"
     assert ad.stats["source_hashes_dropped"] > 0, "the plan's sources were never hashed: not the case under test"
-    flying = set(plan.source_ids)
+    flying = set(plan.sources)
     ad.add_request("b", pre + [7, 8, 9], max_tokens=4)
     hits = set()
     orig = w.execute
@@ -551,12 +551,12 @@ def test_in_place_plan_holds_its_fills_hashless_and_gives_them_back(model, async
         for pid, p in list(seen.items()):
             if pid in ad.plans:
                 lst = ad.req_to_blocks.get(p.req_id, [])
-                for b in p.fills:
+                for b in map(ad.block, p.fills):
                     assert b.block_hash is None and b.ref_cnt == 1 and b.block_id not in free, b
                     assert not any(x is b for x in lst), f"fill {b.block_id} still in {p.req_id}'s list"
             elif not p.orphaned and p.req_id in ad.mirror:
                 held = set(ad.held.get(p.req_id, ()))
-                back += all(b.block_id in held or b.ref_cnt == 0 for b in p.fills)
+                back += all(b.block_id in held or b.ref_cnt == 0 for b in map(ad.block, p.fills))
                 del seen[pid]
     ad.close()
     assert ad.stats["fills"] > 0 and back > 0, (ad.stats["fills"], back)

@@ -180,7 +180,7 @@ def test_shared_source_at_copy_time_is_caught(model):
         plan = meta.plans[-1]
         if not state:  # make another request reference the first source in the token table
             other = next(x for x in ad.table.requests() if x != r)
-            src = plan.source_ids[0]
+            src = plan.sources[0]
             t = ad.table
             t._ref_block(t._reqs[other], src)
             state["done"] = (other, src)

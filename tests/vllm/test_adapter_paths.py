@@ -71,16 +71,16 @@ def test_a_fill_put_back_in_its_list_is_caught_by_the_incremental_check(model):
 
     def fill_in_flight():  # (plan, fill, the list index the mirror substituted it at)
         return next(((p, b, i) for p in ad.plans.values() if not p.orphaned for b in p.fills
-                     for i, sub in ad.mirror.subst.get(p.req_id, {}).items() if sub == b.block_id), None)
+                     for i, sub in ad.mirror.subst.get(p.req_id, {}).items() if sub == b), None)
 
     steps_until(d, lambda: fill_in_flight() is not None)
     plan, fill, i = fill_in_flight()
     lst = ad.req_to_blocks[plan.req_id]
     assert lst[i] is ad.pool.null_block
     ad.check.check_touched("before")  # what changed so far is checked (and consumed): nothing is touched now
-    lst[i] = fill
+    lst[i] = ad.block(fill)
     with pytest.raises(AdapterAssumptionError,
-                       match=rf"\[null_substitution\]: probe: block {fill.block_id} \(a source or fill\) of plan "
+                       match=rf"\[null_substitution\]: probe: block {fill} \(a source or fill\) of plan "
                              rf"{plan.id} is still in request"):
         ad.check.check_touched("probe")
 
@@ -138,16 +138,16 @@ class _Watch:
         if res.status == "applied":
             used = set(res.used_dests)
             for b in plan.dests:
-                where = held if b.block_id in used else room
-                assert alive is False and b.block_id in used or b.block_id in where, \
-                    (plan.id, b.block_id, b.block_id in used, sorted(held), sorted(room))
+                where = held if b in used else room
+                assert alive is False and b in used or b in where, \
+                    (plan.id, b, b in used, sorted(held), sorted(room))
             if alive:
-                assert {b.block_id for b in plan.fills} <= held
+                assert set(plan.fills) <= held
         else:
-            assert {b.block_id for b in plan.dests} <= room, (plan.id, plan.dest_ids, sorted(room))
+            assert set(plan.dests) <= room, (plan.id, plan.dests, sorted(room))
             if alive and res.table_kept:
                 self.aborted_kept += 1
-                assert {b.block_id for b in plan.sources + plan.fills} <= held, (plan.id, sorted(held))
+                assert set(plan.sources + plan.fills) <= held, (plan.id, sorted(held))
 
 
 def _check_reservation(ad, H):
@@ -156,7 +156,7 @@ def _check_reservation(ad, H):
     for b in ad.headroom:
         assert b.ref_cnt == 1 and b.block_hash is None and b.block_id not in lists, b
     for p in ad.plans.values():
-        for b in p.dests:
+        for b in map(ad.block, p.dests):
             assert b.ref_cnt == 1 and b.block_hash is None and b.block_id not in lists, (p.id, b)
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from vtoken.allocator import BlockAllocator
 from vtoken.errors import ConfigError
+from vtoken.lifecycle import PlanLedger, allocator_release
 from vtoken.planner import MODES, NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.table import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_SLOTS, TokenTable
 
@@ -123,6 +124,8 @@ class Replay:
         if mode == "vtoken":
             self.mgr = ReclamationManager(self.table, self.alloc, NullCopyEngine(latency),
                                           planner or PlannerConfig(), on_applied=self._on_applied)
+        # the lifecycle's one release of emptied blocks (without reclamation, a ledger with no plans)
+        self.ledger = self.mgr.ledger if self.mgr else PlanLedger(allocator_release(self.alloc))
         self.reqs: dict[int, _R] = {}
         self.evicts = mode != "native"
         self.defer = bool(defer_inflight_victims)
@@ -210,7 +213,7 @@ class Replay:
         for b in blocks:
             if t.n_b[b] == 0 and b != tail and b in r.held and b not in self.busy and t.refs[b] == 1:
                 t.release_empty_blocks(r.id, [b])
-                self.alloc.free([b])
+                self.ledger.release([b])
                 r.held.discard(b)
 
     def _evict(self, r: _R, v: np.ndarray) -> None:
@@ -282,7 +285,7 @@ class Replay:
             self.mgr.finish_request(r.id, sorted(r.held))
         else:
             self.table.free_request(r.id)
-            self.alloc.free(sorted(r.held))
+            self.ledger.release(sorted(r.held))
         r.held = set()
         self.finished += 1
 

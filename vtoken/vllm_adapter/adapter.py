@@ -25,7 +25,7 @@ The rooms of the adapter
 - ``prefix_hash``: sources and fills lose their hash at launch, released blocks keep it only with full
   context, hashes of blocks computed after a request's first eviction are dropped;
 - ``checks``: the runtime checks against vLLM's pool (``ASSUMPTIONS`` in ``assumptions``);
-- ``messages``: what rides on the outputs (``StepMeta``, ``AdapterPlan``) and comes back
+- ``messages``: what rides on the outputs (``StepMeta``, the step's ``Plan`` records) and comes back
   (``WorkerReport``); ``driver``: the engine-core loop for tests and audits.
 
 A step
@@ -94,7 +94,7 @@ from .harness import VllmHarness
 from .headroom import Headroom
 from .held import HeldBlocks
 from .hooks import scheduler_class
-from .messages import AdapterPlan, StepMeta
+from .messages import StepMeta
 from .mirror import BlockMirror
 from .plans import PlanBook
 from .prefix_hash import PrefixHashRules
@@ -108,7 +108,6 @@ __all__ = [
     "ASSUMPTIONS",
     "AdapterAssumptionError",
     "AdapterDriver",
-    "AdapterPlan",
     "StepMeta",
     "VTokenAdapter",
     "default_adapter_planner_config",
@@ -306,7 +305,8 @@ class VTokenAdapter:
 
     @property
     def history(self) -> list:
-        return self.book.history
+        """Snapshots of applied plans (``planner_config.record_snapshots``), in the order they landed."""
+        return [p.snapshot for p in self.book.ledger.history]
 
     @property
     def kept_hashes(self) -> list:
@@ -404,10 +404,16 @@ class VTokenAdapter:
         return [at.get(b, -1) for b in ids]
 
     def free_blocks(self, blocks: list, fence: int) -> None:
-        """Return blocks the adapter holds, through vLLM's own fenced path."""
-        if blocks:
-            self.scheduler._free_cow_retained_blocks(list(blocks), fence)
-            self.stats["deferred_free_calls"] += 1
+        """Return blocks the adapter holds (vLLM objects) through the lifecycle's one release."""
+        self.book.ledger.release([b.block_id for b in blocks], fence)
+
+    def free_ids(self, block_ids: list, fence: int) -> None:
+        """The lifecycle's free on this path: vLLM's own fenced free, ``_free_cow_retained_blocks``
+        (at once when step ``fence`` was processed, else deferred to it). Only
+        ``PlanLedger.release`` calls it."""
+        blocks = self.pool.blocks
+        self.scheduler._free_cow_retained_blocks([blocks[b] for b in block_ids], fence)
+        self.stats["deferred_free_calls"] += 1
 
     def _on_list_start(self, r: str, seq: int) -> None:
         """A request's block list (re)started (new or resumed): a new incarnation."""
@@ -503,8 +509,7 @@ class VTokenAdapter:
                 self.hashes.on_release(r, blk, self.detach(r, blk))
                 out.append(b)
                 self.pending_release.append((meta.seq, r, b))
-                self.scheduler._free_cow_retained_blocks([blk], meta.seq)
-                self.stats["deferred_free_calls"] += 1
+                self.book.ledger.release([b], meta.seq)
             if out:
                 meta.releases[r] = out
                 self.stats["released_empty"] += len(out)

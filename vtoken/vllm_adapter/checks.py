@@ -170,7 +170,7 @@ class RuntimeChecks:
             pend.setdefault(r, set()).add(b)
         inflight: dict[str, set] = {}
         for p in ad.plans.values():
-            inflight.setdefault(p.req_id, set()).update(p.block_ids)
+            inflight.setdefault(p.req_id, set()).update(p.blocks)
         m = ad.mirror
         for r in (m.ids if requests is None else requests):
             if r not in m or r not in t or m.incarnation.get(r, 0) > processed:
@@ -201,7 +201,7 @@ class RuntimeChecks:
             kind.update(dict.fromkeys(h, ("held", r)))  # h: {block id: block}
         for p in self.ad.plans.values():
             for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)):
-                kind.update((b.block_id, (role, p)) for b in blocks)
+                kind.update((b, (role, p)) for b in blocks)
         return kind
 
     def _check_new_entries(self, where: str) -> None:
@@ -252,8 +252,8 @@ class RuntimeChecks:
         dest_like = [b for _, h in held for b in h]
         ids = [b.block_id for b in headroom] + dest_like  # every hold, in the order the errors name them
         for p in ad.plans.values():
-            more = [b.block_id for b in p.fills] + [b.block_id for b in p.dests]
-            ids += [b.block_id for b in p.sources] + more
+            more = list(p.fills) + list(p.dests)
+            ids += list(p.sources) + more
             dest_like += more
         if not ids:
             return
@@ -278,7 +278,7 @@ class RuntimeChecks:
 
     def _check_sources_detached(self, where: str, thorough: bool) -> None:
         """No source or fill of a plan in flight is in its request's list (at the index it was
-        taken from, ``AdapterPlan.list_index``, or with ``thorough`` anywhere in the list). A
+        taken from, ``Plan.list_index``, or with ``thorough`` anywhere in the list). A
         source or fill with no recorded index is itself a violation: the incremental check
         could never compare it with vLLM's list."""
         ad = self.ad
@@ -286,14 +286,15 @@ class RuntimeChecks:
             if p.orphaned:
                 continue
             own = ad.req_to_blocks.get(p.req_id, [])
-            for b in p.sources + p.fills:
-                i = p.list_index.get(b.block_id)
+            for bid in p.sources + p.fills:
+                i = p.list_index.get(bid)
                 if i is None:
                     raise AdapterAssumptionError(
-                        "null_substitution", f"{where}: block {b.block_id} of plan {p.id} (request {p.req_id!r}) has "
+                        "null_substitution", f"{where}: block {bid} of plan {p.id} (request {p.req_id!r}) has "
                         f"no recorded list index: where it was taken from is unknown")
+                b = ad.block(bid)
                 there = any(x is b for x in own) if thorough else (0 <= i < len(own) and own[i] is b)
-                if there or ad.mirror.index(p.req_id, b.block_id) is not None:
+                if there or ad.mirror.index(p.req_id, bid) is not None:
                     raise AdapterAssumptionError(
-                        "null_substitution", f"{where}: block {b.block_id} (a source or fill) of plan {p.id} is still in "
+                        "null_substitution", f"{where}: block {bid} (a source or fill) of plan {p.id} is still in "
                         f"request {p.req_id!r}'s block list")

@@ -40,7 +40,7 @@ class FenceLedger:
 
     def open(self, plan) -> None:
         """The plan launched: its sources are pending until their fence."""
-        self.pending[plan.id] = FenceEntry(plan.id, plan.req_id, plan.seq, plan.source_ids)
+        self.pending[plan.id] = FenceEntry(plan.id, plan.req_id, plan.seq, list(plan.sources))
 
     def drop(self, plan) -> None:
         """The plan aborted: its sources are not handed back through the fence."""

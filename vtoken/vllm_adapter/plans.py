@@ -1,9 +1,13 @@
 """The plan book: the adapter's compaction plans, from proposal to the worker's report.
 
-Owns: the plans in flight (``plans``: one reference held on each of their sources, fills
-and destinations until the worker reports them), the request each one busies (``busy``: one
-plan per request, I4), the cached positive reclaim bounds and the requests whose bound is
-stale, and the completed plans' snapshots (``history``).
+The lifecycle is :class:`vtoken.lifecycle.PlanLedger`'s, the one the decode engine and the
+simulator drive through ``ReclamationManager``: plans in flight (``plans``, one record type
+with block ids), the one plan per request (``busy``, I4), ids, outcomes, snapshot clock and
+``history``, and the one release of emptied blocks (``ledger.release``, here vLLM's fenced
+free). What stays here is the translation to vLLM: its ``KVCacheBlock`` objects, its lists,
+its pool's reference counts.
+Owns: one reference held on each source, fill and destination of a plan in flight until the
+worker reports it; the cached positive reclaim bounds and the requests whose bound is stale.
 Plans come from :mod:`vtoken.planner` only (``should_reclaim``, ``reclaim_bounds``,
 ``propose``: the planner every path runs); the worker applies them with
 ``planner.apply_completed``. At launch the destinations leave the headroom, the sources
@@ -21,25 +25,31 @@ plus the planner's own cost per plan; per report O(blocks of the reported plans)
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from .assumptions import AdapterAssumptionError
-from .messages import AdapterPlan, StepMeta
+from .messages import StepMeta
+from ..lifecycle import Plan, PlanLedger
 from ..planner import Proposal, plan_snapshot, propose, reclaim_bounds, should_reclaim, trigger_inputs
 
 
 class PlanBook:
     def __init__(self, adapter):
         self.ad = adapter
-        self.plans: dict[int, AdapterPlan] = {}  # in flight (not yet reported by the worker)
-        self.busy: dict[str, int] = {}  # req -> its plan in flight
-        self.history: list[dict] = []  # snapshots of applied plans (planner_config.record_snapshots)
+        # the lifecycle room; frees go to vLLM at their fence (``VTokenAdapter.free_ids``)
+        self.ledger = PlanLedger(adapter.free_ids, adapter.stats)
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
         self.bound: dict[str, tuple] = {}  # request -> (-its positive reclaim bound, arrival, request), cached
-        self._ids = itertools.count(1)
-        self._clock = itertools.count().__next__  # snapshot event times
+
+    @property
+    def plans(self) -> dict[int, Plan]:
+        """The plans in flight (not yet reported by the worker), by id."""
+        return self.ledger.in_flight
+
+    @property
+    def busy(self) -> dict:
+        """Request -> the ids of its plans in flight (one at most here: a busy request is not planned, I4)."""
+        return self.ledger.busy
 
     def plan(self, meta: StepMeta) -> None:
         """Stages 1-3: eligibility (``should_reclaim`` every ``check_every`` steps), requests
@@ -80,7 +90,7 @@ class PlanBook:
             if p is None:
                 continue
             if ad.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
-                flying = [b for q in self.plans.values() for b in q.block_ids]
+                flying = [b for q in self.plans.values() for b in q.blocks]
                 try:
                     ad.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=head, excluded=exclude.tolist(),
                                  max_sources=cfg.max_sources, in_flight=flying, in_place=cfg.in_place)
@@ -109,30 +119,24 @@ class PlanBook:
                     f"{'source' if k < len(sources) else 'fill'} (vLLM ref_cnt {blk.ref_cnt}, table refs "
                     f"{int(ad.table.refs[blk.block_id])}) at step {meta.seq}")
         dests = ad.reserve.take(p.dests)
-        plan = AdapterPlan(id=next(self._ids), req_id=r, seq=meta.seq, sources=sources, dests=dests,
-                           moves=np.asarray(p.moves, dtype=np.int64).reshape(-1, 5), fills=fills, clock=self._clock)
+        plan = self.ledger.new_plan(r, p.sources, p.dests, np.asarray(p.moves, dtype=np.int64).reshape(-1, 5),
+                                    p.fills, seq=meta.seq)
         if ad.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(
                 ad.table, r, plan.id, p, tail, head,
-                [{"id": q.id, "request": str(q.req_id), "sources": q.source_ids, "dests": q.dest_ids,
-                  "fills": q.fill_ids} for q in self.plans.values()])
+                [{"id": q.id, "request": str(q.req_id), "sources": list(q.sources), "dests": list(q.dests),
+                  "fills": list(q.fills)} for q in self.plans.values()])
         ad.hashes.drop_sources(sources + fills)
         plan.list_index = dict(zip(p.sources + p.fills, ad.detach_all(r, sources + fills)))
         ad.fence.open(plan)
         ad.check.touch([r])
-        self.plans[plan.id] = plan
-        self.busy[r] = plan.id
+        self.ledger.open(plan)
         meta.plans.append(plan)
-        ad.stats["plans"] += 1
 
     def orphan(self, r: str) -> None:
         """``r``'s list was freed (preemption, finish): its plans in flight are orphaned (their
         blocks return when the worker reports them) and its bound forgotten."""
-        for p in self.plans.values():
-            if p.req_id == r and not p.orphaned:
-                p.orphaned = True
-                self.ad.stats["orphaned_plans"] += 1
-        self.busy.pop(r, None)
+        self.ad.stats["orphaned_plans"] += len(self.ledger.orphan(r))
         self.bound.pop(r, None)
 
     def absorb(self, reported: dict) -> None:
@@ -140,12 +144,11 @@ class PlanBook:
         the headroom), sources back through the fence."""
         ad = self.ad
         stats = ad.stats
+        blocks = ad.pool.blocks
         for pid, res in reported.items():
-            plan = self.plans.pop(pid, None)
+            plan = self.plans.get(pid)
             if plan is None:
                 raise AdapterAssumptionError("ownership", f"the worker reported plan {pid}, which is not in flight")
-            if self.busy.get(plan.req_id) == pid:
-                self.busy.pop(plan.req_id)
             if res.shared_sources:
                 stats["shared_blocks_moved"] += len(res.shared_sources)
                 raise AdapterAssumptionError(
@@ -156,33 +159,33 @@ class PlanBook:
             ad.look_again(plan.req_id)  # it may release again now that no plan flies
             alive = not plan.orphaned and plan.req_id in ad.mirror
             gone_fence = ad.gone_fence.get(plan.req_id, 0)
+            self.ledger.close(plan, "applied" if res.status == "applied" else "aborted")
+            fills = [blocks[b] for b in plan.fills]
             if res.status == "applied":
                 used_ids = set(res.used_dests)
-                used = [d for d in plan.dests if d.block_id in used_ids]
-                unused = [d for d in plan.dests if d.block_id not in used_ids]
+                used = [blocks[d] for d in plan.dests if d in used_ids]
+                unused = [blocks[d] for d in plan.dests if d not in used_ids]
                 ad.reserve.put(unused)  # never written: straight back to the reservation
                 stats["dests_returned"] += len(unused)
                 stats["dests_used"] += len(used)
                 stats["fills"] += len(plan.fills)
-                stats["applied"] += 1
                 stats["moves"] += int(res.moved)
                 if alive:  # fills stay the request's: held, like destinations (never hashed again)
-                    ad.held.add(plan.req_id, plan.fills + used)
+                    ad.held.add(plan.req_id, fills + used)
                 else:
-                    ad.free_blocks(plan.fills + used, max(plan.seq, gone_fence))
+                    ad.free_blocks(fills + used, max(plan.seq, gone_fence))
                 self.free_sources(plan, copy_done=res.copy_done)
                 if plan.snapshot is not None and plan.snapshot["post"] is not None:
-                    self.history.append(plan.snapshot)  # completed by the worker (snapshot_applied)
+                    self.ledger.history.append(plan)  # its snapshot completed by the worker (snapshot_applied)
             else:  # aborted: nothing moved (or the request is gone)
-                stats["aborted"] += 1
-                ad.reserve.put(plan.dests)
+                ad.reserve.put([blocks[d] for d in plan.dests])
                 ad.fence.drop(plan)
                 if alive and res.table_kept:  # still read by the request
-                    ad.held.add(plan.req_id, plan.sources + plan.fills)
+                    ad.held.add(plan.req_id, [blocks[b] for b in plan.sources] + fills)
                 else:
-                    ad.free_blocks(plan.sources + plan.fills, max(plan.seq, gone_fence))
+                    ad.free_blocks([blocks[b] for b in plan.sources] + fills, max(plan.seq, gone_fence))
 
-    def free_sources(self, plan: AdapterPlan, copy_done: bool) -> None:
+    def free_sources(self, plan: Plan, copy_done: bool) -> None:
         """Hand a plan's sources back to the pool at their fence: vLLM's
         ``_free_cow_retained_blocks(sources, plan.seq)`` frees them at once when step
         ``plan.seq`` has been processed, else defers them to it. A source carries no
@@ -190,16 +193,14 @@ class PlanBook:
         request's list): one that does was re-hashed under the adapter (``prefix_hash``)."""
         ad = self.ad
         processed = ad.scheduler.processed_step_seq
-        for blk in plan.sources:
-            if blk.block_hash is not None:
+        for b in plan.sources:
+            if ad.pool.blocks[b].block_hash is not None:
                 raise AdapterAssumptionError(
-                    "prefix_hash", f"source block {blk.block_id} of plan {plan.id} (request {plan.req_id!r}) carries "
+                    "prefix_hash", f"source block {b} of plan {plan.id} (request {plan.req_id!r}) carries "
                     f"a prefix-cache hash at its free: its hash was dropped at launch, so it was re-hashed while in "
                     f"flight")
         ad.fence.close(plan, processed, copy_done)
-        plan.record("free", blocks=plan.source_ids)
         ad.stats["sources_freed"] += len(plan.sources)
-        ad.scheduler._free_cow_retained_blocks(list(plan.sources), plan.seq)
-        ad.stats["deferred_free_calls"] += 1
+        self.ledger.release(plan.sources, plan.seq, plan=plan)
         if ad.checks:
             ad.fence.check()

@@ -48,7 +48,7 @@ applied; the per-request work is for scheduled requests only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -59,6 +59,7 @@ from .messages import PlanResult, WorkerReport
 from ..errors import OrderError, PlanError
 from ..fields import need_choice, need_device, need_instance, need_int, need_number, refuse
 from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
+from ..lifecycle import Plan
 from ..planner import apply_completed, snapshot_applied
 from ..policies import make_policy
 from ..table import TokenTable
@@ -100,19 +101,6 @@ def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_
         refuse("bad_type", own, "copy_engine_factory", "a callable or None", copy_engine_factory)
     checker_factory(check_relocations, own)
     return out
-
-
-@dataclass
-class _WPlan:
-    """The plan object the copy engine and the relocation checker see."""
-
-    id: int
-    req_id: str
-    sources: list
-    dests: list
-    moves: np.ndarray
-    snapshot: Optional[dict] = None
-    fills: list = field(default_factory=list)
 
 
 @dataclass
@@ -177,7 +165,7 @@ class VTokenWorker:
         self.policy = make_policy(policy, **kw)
         self.evict_ratio = float(evict_ratio)
         self.reqs: dict[str, _WorkerRequest] = {}
-        self.pending: dict[int, tuple] = {}  # plan id -> (_WPlan, handle, AdapterPlan, gen)
+        self.pending: dict[int, tuple] = {}  # plan id -> (the worker's copy of the plan, handle, the plan, gen)
         self.faithful: dict[str, int] = {}
         self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
                           relocations=0, moves=0, aborted=0, releases=0)
@@ -347,12 +335,12 @@ class VTokenWorker:
         t = self.table
         r = ap.req_id
         w = self.reqs.get(r)
-        srcs = list(ap.source_ids)
+        srcs = list(ap.sources)
         if r not in t or w is None:
             rep.plans[ap.id] = PlanResult("aborted", copy_done=True, reason="request gone before the copy")
             self.stats["aborted"] += 1
             return
-        shared = [b for b in srcs + ap.fill_ids if t.block_refs(b) != 1 or not t.references(r, b)]
+        shared = [b for b in srcs + list(ap.fills) if t.block_refs(b) != 1 or not t.references(r, b)]
         if shared:
             rep.plans[ap.id] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
                                           reason="source or fill shared or not the request's")
@@ -361,7 +349,8 @@ class VTokenWorker:
         m = np.asarray(ap.moves, dtype=np.int64).reshape(-1, 5)
         if len(m):
             m = m[t.are_live(r, m[:, 0])]  # tokens evicted since planning stay dead where they were
-        wp = _WPlan(ap.id, r, srcs, list(ap.dest_ids), m, snapshot=ap.snapshot, fills=list(ap.fill_ids))
+        # the copy's view: the same record, the moves of tokens still live (``ap`` keeps the planned ones)
+        wp = Plan(ap.id, r, srcs, list(ap.dests), m, fills=list(ap.fills), snapshot=ap.snapshot)
         handle = self.engine.launch(wp)
         ap.record("launch", plan=ap.id)
         self.pending[ap.id] = (wp, handle, ap, w.gen)
