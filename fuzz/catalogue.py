@@ -188,18 +188,19 @@ CATALOGUE: list[Fault] = [
     Fault("adapter_free_before_fence", "8 source freed before its fence (vLLM async scheduling)",
           "the adapter hands a plan's sources back to the pool at launch, before the step that copies them",
           "adapter", (_p(PL, "PlanBook.launch", "        meta.plans.append(plan)\n",
-                         "        meta.plans.append(plan)\n        ad.pool.free_blocks(list(sources))\n"),
+                         "        meta.plans.append(plan)\n        self.harness.pool.free_blocks(list(sources))\n"),
                       _p(PL, "PlanBook.free_sources",
                          "        self.ledger.release(plan.sources, plan.seq, plan=plan)\n", ""))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
           "a source's prefix-cache hash moves to the destination (or first fill) at launch (the tokens moved, the hash follows)",
-          "adapter", (_p(PL, "PlanBook.launch", "        ad.hashes.drop_sources(sources + fills)\n",
-                         "        ad.hashes.drop_sources(fills)\n"
+          "adapter", (_p(PL, "PlanBook.launch", "        self.hashes.drop_sources(sources + fills)\n",
+                         "        self.hashes.drop_sources(fills)\n"
+                         "        dests = [pool_blocks[d] for d in p.dests]\n"
                          "        for blk in sources:\n"
                          "            to = (dests or fills)[:1]\n"
                          "            if to and to[0].block_hash is None and blk.block_hash is not None:\n"
-                         "                ad.pool.move_block_hashes(blk, to[0])\n"
-                         "            else:\n                ad.hashes.drop_sources([blk])\n"),)),
+                         "                self.harness.pool.move_block_hashes(blk, to[0])\n"
+                         "            else:\n                self.hashes.drop_sources([blk])\n"),)),
     Fault("adapter_source_keeps_hash", "7/I4 in-flight prefix hit on a source",
           "a source keeps its prefix-cache hash while its copy flies (vLLM can hand it out as a hit)", "adapter",
           (_p(PH, "PrefixHashRules.drop_sources", "            self.pool.evict_blocks(hashed)\n", "            pass\n"),)),
@@ -230,8 +231,8 @@ CATALOGUE: list[Fault] = [
               "        if True:\n"),)),
     Fault("adapter_release_unfenced", "8 released block freed before its fence (async step offsets)",
           "blocks whose tokens all died are freed with the previous step's fence", "adapter",
-          (_p(AD, "VTokenAdapter._release_empty", "self.book.ledger.release([b], meta.seq)",
-              "self.book.ledger.release([b], meta.seq - 2)"),)),
+          (_p(AD, "VTokenAdapter._release_empty", "self.ledger.release([b], meta.seq)",
+              "self.ledger.release([b], meta.seq - 2)"),)),
     Fault("adapter_fill_index_dropped", "positional block list broken (a check blind to fills)",
           "a plan records the list indices of its sources only, so the incremental check never compares a fill "
           "with vLLM's list", "adapter",
@@ -244,7 +245,7 @@ CATALOGUE: list[Fault] = [
     Fault("adapter_used_dests_to_headroom", "3 reservation leak (out of place)",
           "an applied out-of-place plan gives its written destinations back to the headroom (the unwritten ones "
           "are lost)", "adapter",
-          (_p(PL, "PlanBook.absorb", "ad.reserve.put(unused)", "ad.reserve.put(used)"),)),
+          (_p(PL, "PlanBook.absorb", "self.reserve.put(unused)", "self.reserve.put(used)"),)),
     Fault("worker_resumed_applies_old_plan", "8 a plan applied to another incarnation (copy across preempt and resume)",
           "a plan whose copy outlived its request's preemption is applied once the request resumed (the "
           "incarnation check dropped)", "adapter",

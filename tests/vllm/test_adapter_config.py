@@ -124,3 +124,41 @@ def test_a_worker_with_check_relocations_true_is_refused(model):
 
     with pytest.raises(ValueError, match="check_relocations=True"):
         VTokenWorker(model, TokenTable(8, 32), 32, 8, check_relocations=True)
+
+
+# ---------------------------------------------------------------------------- the config object
+def test_the_config_object_is_validated_when_made_and_builds_the_same_adapter():
+    _require_vllm()
+    from vtoken.planner import PlannerConfig
+    from vtoken.vllm_adapter.adapter import VTokenAdapter
+    from vtoken.vllm_adapter.config import AdapterConfig
+
+    with pytest.raises(ConfigError, match=r"VTokenAdapter\.num_blocks must be"):
+        AdapterConfig(num_blocks=1)  # refused with no adapter in sight
+    c = AdapterConfig(block_size=8, num_blocks=48, max_plans_per_step=2, planner_config=PlannerConfig(headroom=3))
+    a, b = VTokenAdapter(c), VTokenAdapter(block_size=8, num_blocks=48, max_plans_per_step=2,
+                                           planner_config=PlannerConfig(headroom=3))
+    assert a.config == b.config == c
+    assert (a.S, a.N, a.max_plans_per_step, a.cfg.headroom) == (b.S, b.N, b.max_plans_per_step, 3) == (8, 48, 2, 3)
+    assert AdapterConfig().planner_config == PlannerConfig()  # None: the shipped defaults
+
+
+def test_a_config_and_settings_together_are_refused(nothing_built):
+    _require_vllm()
+    from vtoken.vllm_adapter.adapter import VTokenAdapter
+    from vtoken.vllm_adapter.config import AdapterConfig
+
+    with pytest.raises(ConfigError) as e:
+        VTokenAdapter(AdapterConfig(), num_blocks=32)
+    assert e.value.code == "inconsistent" and "num_blocks" in str(e.value)
+    with pytest.raises(ConfigError, match=r"VTokenAdapter\.config must be"):
+        VTokenAdapter({"num_blocks": 32})
+
+
+def test_attach_records_the_geometry_of_the_scheduler_it_was_given():
+    _require_vllm()
+    from vtoken.vllm_adapter.adapter import VTokenAdapter
+
+    built = VTokenAdapter(block_size=8, num_blocks=40, prefix_caching=False)
+    other = VTokenAdapter.attach(built.harness.scheduler)  # the settings' defaults say 16 / 128 / caching on
+    assert (other.config.block_size, other.config.num_blocks, other.config.prefix_caching) == (8, 40, False)

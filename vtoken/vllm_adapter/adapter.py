@@ -81,25 +81,29 @@ O(requests tracked); the runtime checks as stated in ``checks``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
-from ..fields import need_bool, need_device, need_instance, need_int
+from ..errors import ConfigError
+from ..fields import need_instance
 from .assumptions import (ASSUMPTIONS, AdapterAssumptionError, check_supported_kv_config,
                           check_supported_vllm)
 from .checks import RuntimeChecks
+from .config import AdapterConfig
 from .driver import AdapterDriver
 from .fence import FenceLedger
 from .harness import VllmHarness
 from .headroom import Headroom
-from .held import HeldBlocks
+from .held import HeldBlocks, unaccounted
 from .hooks import scheduler_class
 from .messages import StepMeta
 from .mirror import BlockMirror
 from .plans import PlanBook
+from ..lifecycle import PlanLedger
 from .prefix_hash import PrefixHashRules
 from ..planner import PlannerConfig
-from ..table import MAX_BLOCK_SIZE, MAX_BLOCKS, TokenTable
+from ..table import TokenTable
 
 _RUNNING = None  # vllm.v1.request.RequestStatus.RUNNING, bound at first use (vLLM loads lazily)
 _NO_BLOCKS: dict = {}  # read-only stand-in for a request with no entry
@@ -107,44 +111,13 @@ _NO_BLOCKS: dict = {}  # read-only stand-in for a request with no entry
 __all__ = [
     "ASSUMPTIONS",
     "AdapterAssumptionError",
+    "AdapterConfig",
     "AdapterDriver",
     "StepMeta",
     "VTokenAdapter",
     "default_adapter_planner_config",
     "scheduler_class",
 ]
-
-
-def check_adapter_config(*, block_size, num_blocks, prefix_caching, async_scheduling, max_num_seqs,
-                         max_num_batched_tokens, max_model_len, reclaim, planner_config, max_plans_per_step, checks,
-                         table_device, evict_unfaithful_hashes, check_full_every, paranoid_checks, scheduler,
-                         headroom_pool_fraction) -> dict:
-    """Every field of ``VTokenAdapter``'s configuration, checked before anything is built
-    (:mod:`vtoken.fields`: :class:`~vtoken.errors.ConfigError` naming the field and the
-    value). Integers: ``block_size`` in [1, the table's limit], ``num_blocks`` in [2, the
-    table's limit], ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
-    ``max_plans_per_step``, ``check_full_every``, ``headroom_pool_fraction`` >= 1; the
-    switches bools; ``planner_config`` a ``PlannerConfig`` or None (its own fields are checked
-    when it is made); ``table_device`` a device torch knows (CUDA only where there is one);
-    ``scheduler`` None or a vLLM ``Scheduler``. Returns the values as plain Python ones."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    own = "VTokenAdapter"
-    out = dict(block_size=need_int(own, "block_size", block_size, 1, MAX_BLOCK_SIZE),
-               num_blocks=need_int(own, "num_blocks", num_blocks, 2, MAX_BLOCKS))
-    for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                    ("max_model_len", max_model_len), ("max_plans_per_step", max_plans_per_step),
-                    ("check_full_every", check_full_every), ("headroom_pool_fraction", headroom_pool_fraction)):
-        out[name] = need_int(own, name, v, 1)
-    for name, v in (("prefix_caching", prefix_caching), ("async_scheduling", async_scheduling), ("reclaim", reclaim),
-                    ("checks", checks), ("evict_unfaithful_hashes", evict_unfaithful_hashes),
-                    ("paranoid_checks", paranoid_checks)):
-        out[name] = need_bool(own, name, v)
-    out["planner_config"] = need_instance(own, "planner_config", planner_config, PlannerConfig, none_ok=True)
-    out["scheduler"] = need_instance(own, "scheduler", scheduler, Scheduler, none_ok=True)
-    need_device(own, "table_device", table_device)
-    out["table_device"] = table_device
-    return out
 
 
 def default_adapter_planner_config(**kw) -> PlannerConfig:
@@ -157,21 +130,13 @@ class VTokenAdapter:
     """A real vLLM scheduler with token-level reclamation (see the module docstring).
 
     Args:
-        block_size, num_blocks, prefix_caching, async_scheduling, max_num_seqs,
-        max_num_batched_tokens, max_model_len: the vLLM configuration (``VllmHarness``).
-        reclaim: plan compactions (False: Naive-Evict, same eviction decisions, no headroom).
-        planner_config: ``PlannerConfig`` (its ``headroom`` is the reservation size).
-        max_plans_per_step: plans launched per scheduler step at most.
-        checks: run the runtime assumption checks at every hook (``checks.RuntimeChecks``):
-            incremental (what changed), with a full scan every ``check_full_every`` hooks,
-            at idle, and at every hook with ``paranoid_checks`` (campaigns).
-        evict_unfaithful_hashes: drop the prefix-cache hash of blocks computed after the
-            request's first eviction (``prefix_hash``).
-        headroom_pool_fraction: the headroom is at most 1/this of the live pool (default 16:
-            no headroom below 17 blocks, where vLLM's own schedule needs every block).
-
-    Every argument is checked before anything is built (:func:`check_adapter_config`): a bad
-    one raises :class:`~vtoken.errors.ConfigError` naming the field and the value.
+        config: an :class:`~.config.AdapterConfig` (every setting, validated when it was
+            made); or, instead, its fields as keywords (``VTokenAdapter(num_blocks=64)``),
+            which build one. A bad field raises :class:`~vtoken.errors.ConfigError` naming it
+            and its value before anything is built; a config and keywords together are
+            refused (``inconsistent``: use ``dataclasses.replace``).
+        scheduler: None (the adapter builds vLLM's scheduler from the config) or a vLLM
+            ``Scheduler`` built elsewhere (``attach``): kept, its geometry read off it.
 
     Ownership: the adapter holds one reference on every headroom block (``reserve``), every
     applied destination (``held``), and every block of a plan in flight (``book.plans``);
@@ -180,23 +145,16 @@ class VTokenAdapter:
     ``plan_hook``: a callable the toolkit attaches to check every proposal before launch.
     """
 
-    def __init__(self, *, block_size: int = 16, num_blocks: int = 128, prefix_caching: bool = True,
-                 async_scheduling: bool = True, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 1024, reclaim: bool = True, planner_config: PlannerConfig | None = None,
-                 max_plans_per_step: int = 4, checks: bool = True, table_device: str = "cpu",
-                 evict_unfaithful_hashes: bool = True, check_full_every: int = 64, paranoid_checks: bool = False,
-                 scheduler=None, headroom_pool_fraction: int = 16):
+    def __init__(self, config: AdapterConfig | None = None, *, scheduler=None, **settings):
+        from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.request import RequestStatus
-        from vllm.v1.structured_output import StructuredOutputManager
 
-        c = check_adapter_config(  # every field refused before anything is built
-            block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
-            async_scheduling=async_scheduling, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, reclaim=reclaim, planner_config=planner_config,
-            max_plans_per_step=max_plans_per_step, checks=checks, table_device=table_device,
-            evict_unfaithful_hashes=evict_unfaithful_hashes, check_full_every=check_full_every,
-            paranoid_checks=paranoid_checks, scheduler=scheduler, headroom_pool_fraction=headroom_pool_fraction)
-        block_size, num_blocks, max_plans_per_step = c["block_size"], c["num_blocks"], c["max_plans_per_step"]
+        if config is not None and settings:
+            raise ConfigError("inconsistent", f"VTokenAdapter: a config and the settings {sorted(settings)} "
+                                              f"together; pass one (dataclasses.replace(config, ...))")
+        need_instance("VTokenAdapter", "config", config, AdapterConfig, none_ok=True)
+        config = config if config is not None else AdapterConfig(**settings)  # every field refused first
+        need_instance("VTokenAdapter", "scheduler", scheduler, Scheduler, none_ok=True)
         import vllm
 
         from . import VLLM_VERSION
@@ -204,62 +162,81 @@ class VTokenAdapter:
         check_supported_vllm(getattr(vllm, "__version__", None), VLLM_VERSION)  # refused before anything is built
         global _RUNNING
         _RUNNING = RequestStatus.RUNNING
-
-        if scheduler is not None:  # ``attach``: a scheduler built elsewhere, kept; its class gets the hooks
-            self.harness = VllmHarness.around(scheduler)
-            check_supported_kv_config(self.harness.kv_cache_config)  # refused at start, never mid-run
-            sched = scheduler
-            if not hasattr(type(sched), "vtoken_adapter"):  # not a VToken<...> class yet
-                sched.__class__ = scheduler_class(type(sched))
-            block_size, num_blocks = self.harness.block_size, self.harness.num_blocks
-            prefix_caching, async_scheduling = self.harness.prefix_caching, self.harness.async_scheduling
-        else:
-            self.harness = VllmHarness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=max_model_len, async_scheduling=async_scheduling)
-            check_supported_kv_config(self.harness.kv_cache_config)  # refused at start, never mid-run
-            cls = scheduler_class(type(self.harness.scheduler))
-            sched = cls(vllm_config=self.harness.vllm_config, kv_cache_config=self.harness.kv_cache_config,
-                        block_size=block_size, log_stats=False,
-                        structured_output_manager=StructuredOutputManager(self.harness.vllm_config))
-        self.harness.scheduler = sched  # the harness's accessors (pool, manager, make_request) now see ours
+        sched, config = self._scheduler(config, scheduler)
+        self.config = config
         sched.defer_block_free = True  # run sched_step_seq / processed_step_seq / deferred_frees
         sched.vtoken_adapter = self
         self.scheduler = sched
-        self.S, self.N = int(block_size), int(num_blocks)
-        self.async_scheduling, self.prefix_caching = async_scheduling, prefix_caching
-        self.reclaim = bool(reclaim)
-        self.cfg = planner_config or default_adapter_planner_config()
-        self.max_plans_per_step = int(max_plans_per_step)
-        self.checks = checks
-        self.table = TokenTable(self.S, self.N, device=table_device)
+        self.S, self.N = config.block_size, config.num_blocks
+        self.async_scheduling, self.prefix_caching = config.async_scheduling, config.prefix_caching
+        self.reclaim = config.reclaim
+        self.cfg = config.planner_config
+        self.max_plans_per_step = config.max_plans_per_step
+        self.checks = config.checks
+        self.table = TokenTable(self.S, self.N, device=config.table_device)
         self.worker = None
         self.stats = dict(plans=0, applied=0, aborted=0, moves=0, sources_freed=0, dests_used=0,
                           dests_returned=0, fills=0, released_empty=0, hashes_kept=0, hashes_evicted=0,
                           shared_blocks_moved=0, backpressure_steps=0, held_back_max=0, headroom_idle_returns=0,
                           orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
                           unfaithful_hashes_evicted=0, source_hashes_dropped=0)
-        self.held = HeldBlocks()  # req -> {block id: block}: applied destinations and fills
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
         self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
-        # the rooms
-        self.reserve = Headroom(self.harness, self.cfg.headroom if self.reclaim else 0, headroom_pool_fraction,
-                                self.S, self.stats)
-        self.book = PlanBook(self)
-        self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, self.pool.blocks,
-                                  on_start=self._on_list_start)
-        self.fence = FenceLedger()
-        self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=evict_unfaithful_hashes)
-        self.check = RuntimeChecks(self, full_every=check_full_every, paranoid=paranoid_checks)
+        self._rooms(config)
         # per-step work follows what changed: the requests whose table or list changed since
         # they were last looked at
         self.release_todo: set = set()  # requests to look at for all-dead blocks
         self.tail_wait: dict[str, int] = {}  # request -> its all-dead tail block, kept until the tail moves
         self._arrival: dict[str, int] = {}  # request -> arrival order (deterministic iteration)
-        self.plan_hook = None
         self.requests: dict[str, Any] = {}  # every vLLM Request made (outputs stay readable)
         self.steps = 0  # non-empty steps scheduled
         self.retained: list[tuple[int, int, int]] = []  # (seq, retained blocks, running requests)
+
+    def _scheduler(self, c: AdapterConfig, scheduler):
+        """vLLM's scheduler with the hooks (``hooks.scheduler_class``), built from ``c`` or
+        the one given (kept; ``c``'s geometry replaced by what it was built with), and the
+        harness around it. Refuses a KV layout the adapter does not support, at start."""
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        if scheduler is not None:  # ``attach``: a scheduler built elsewhere, kept; its class gets the hooks
+            self.harness = h = VllmHarness.around(scheduler)
+            check_supported_kv_config(h.kv_cache_config)  # refused at start, never mid-run
+            sched = scheduler
+            if not hasattr(type(sched), "vtoken_adapter"):  # not a VToken<...> class yet
+                sched.__class__ = scheduler_class(type(sched))
+            c = replace(c, block_size=h.block_size, num_blocks=h.num_blocks, prefix_caching=h.prefix_caching,
+                        async_scheduling=h.async_scheduling)
+        else:
+            self.harness = h = VllmHarness(block_size=c.block_size, num_blocks=c.num_blocks,
+                                           prefix_caching=c.prefix_caching, max_num_seqs=c.max_num_seqs,
+                                           max_num_batched_tokens=c.max_num_batched_tokens,
+                                           max_model_len=c.max_model_len, async_scheduling=c.async_scheduling)
+            check_supported_kv_config(h.kv_cache_config)  # refused at start, never mid-run
+            cls = scheduler_class(type(h.scheduler))
+            sched = cls(vllm_config=h.vllm_config, kv_cache_config=h.kv_cache_config, block_size=c.block_size,
+                        log_stats=False, structured_output_manager=StructuredOutputManager(h.vllm_config))
+        h.scheduler = sched  # the harness's accessors (pool, manager, make_request) now see ours
+        return sched, c
+
+    def _rooms(self, c: AdapterConfig) -> None:
+        """Build the rooms, each given what it reads (none reads the adapter's attributes)."""
+        self.held = HeldBlocks()  # req -> {block id: block}: applied destinations and fills
+        self.reserve = Headroom(self.harness, self.cfg.headroom if self.reclaim else 0, c.headroom_pool_fraction,
+                                self.S, self.stats)
+        self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, self.pool.blocks,
+                                  on_start=self._on_list_start)
+        self.fence = FenceLedger()
+        self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=c.evict_unfaithful_hashes)
+        # the lifecycle room (shared with every path); its frees go to vLLM at their fence
+        self.ledger = PlanLedger(self.free_ids, self.stats)
+        self.check = RuntimeChecks(harness=self.harness, table=self.table, reserve=self.reserve, held=self.held,
+                                   mirror=self.mirror, fence=self.fence, plans=self.ledger.in_flight,
+                                   pending_release=self.pending_release, full_every=c.check_full_every,
+                                   paranoid=c.paranoid_checks)
+        self.book = PlanBook(self.ledger, harness=self.harness, table=self.table, cfg=self.cfg, stats=self.stats,
+                             reserve=self.reserve, held=self.held, mirror=self.mirror, fence=self.fence,
+                             hashes=self.hashes, check=self.check, requests=self, gone_fence=self.gone_fence,
+                             max_plans_per_step=self.max_plans_per_step, checks=self.checks)
 
     @classmethod
     def attach(cls, scheduler, **settings) -> "VTokenAdapter":
@@ -306,7 +283,16 @@ class VTokenAdapter:
     @property
     def history(self) -> list:
         """Snapshots of applied plans (``planner_config.record_snapshots``), in the order they landed."""
-        return [p.snapshot for p in self.book.ledger.history]
+        return [p.snapshot for p in self.ledger.history]
+
+    @property
+    def plan_hook(self):
+        """The toolkit's check of every proposal before launch (None: none); the plan book's."""
+        return self.book.plan_hook
+
+    @plan_hook.setter
+    def plan_hook(self, hook) -> None:
+        self.book.plan_hook = hook
 
     @property
     def kept_hashes(self) -> list:
@@ -375,8 +361,7 @@ class VTokenAdapter:
         """Of ``block_ids``, those the adapter does not hold for ``r`` (sorted): not in its
         list (the mirror), not a held destination, not in ``also``: :meth:`accounted` for many
         blocks, as set differences in C. O(len(block_ids))."""
-        return sorted(set(block_ids).difference(self.mirror.pos.get(r, _NO_BLOCKS), self.held.get(r, _NO_BLOCKS),
-                                                also))
+        return unaccounted(self.mirror, self.held, r, block_ids, also)
 
     def detach(self, r: str, blk) -> int:
         """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
@@ -405,7 +390,7 @@ class VTokenAdapter:
 
     def free_blocks(self, blocks: list, fence: int) -> None:
         """Return blocks the adapter holds (vLLM objects) through the lifecycle's one release."""
-        self.book.ledger.release([b.block_id for b in blocks], fence)
+        self.ledger.release([b.block_id for b in blocks], fence)
 
     def free_ids(self, block_ids: list, fence: int) -> None:
         """The lifecycle's free on this path: vLLM's own fenced free, ``_free_cow_retained_blocks``
@@ -477,7 +462,7 @@ class VTokenAdapter:
         self.hashes.evict_unfaithful_grown(self.req_to_blocks)  # only requests that evicted have unfaithful blocks
         self._release_empty(meta)
         if self.reclaim:
-            self.book.plan(meta)
+            self.book.plan(meta, self.steps)
         sched_out.vtoken = meta
         if self.checks:
             self.check.after_hook(f"after scheduling step {seq}")
@@ -509,7 +494,7 @@ class VTokenAdapter:
                 self.hashes.on_release(r, blk, self.detach(r, blk))
                 out.append(b)
                 self.pending_release.append((meta.seq, r, b))
-                self.book.ledger.release([b], meta.seq)
+                self.ledger.release([b], meta.seq)
             if out:
                 meta.releases[r] = out
                 self.stats["released_empty"] += len(out)
@@ -537,7 +522,7 @@ class VTokenAdapter:
         if rep is not None:
             self._absorb(rep)
         processed = self.scheduler.processed_step_seq
-        self.pending_release = [x for x in self.pending_release if x[0] > processed]
+        self.pending_release[:] = [x for x in self.pending_release if x[0] > processed]  # the checks hold it
         meta = getattr(sched_out, "vtoken", None)
         if meta is not None and meta.seq:
             self.retained.append((meta.seq, self.retained_now(), len(self.scheduler.running)))

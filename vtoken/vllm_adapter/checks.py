@@ -1,7 +1,7 @@
 """The adapter's runtime checks: its assumptions verified against vLLM's pool, not against
 the adapter's own intentions.
 
-``RuntimeChecks(adapter)`` reads the adapter's state (headroom, held destinations, plans in
+``RuntimeChecks`` reads the adapter's rooms it is given (headroom, held blocks, the plans in
 flight, the mirror, the fence ledger, pending releases) and vLLM's (``req_to_blocks``,
 ``deferred_frees``, every block's ``ref_cnt`` and hash) and raises
 :class:`~.assumptions.AdapterAssumptionError` naming the broken assumption: ``fence``,
@@ -25,7 +25,7 @@ changed.
 Owns: the touched-request sets, the hook counter (when the next full scan runs) and the
 false alarms seen. It changes nothing of the adapter's or vLLM's state but the headroom's
 record of blocks new since the last check (``Headroom.take_fresh``).
-May call: the adapter's state and vLLM's pool and lists, read only.
+May call: the rooms it is given and vLLM's pool and lists (through the harness), read only.
 Costs: incremental O(touched + new headroom blocks + in-flight blocks + deferred frees);
 full O(pool) (request lists, deferred frees and the adapter's holdings).
 """
@@ -36,6 +36,7 @@ from collections import Counter
 from itertools import chain
 
 from .assumptions import AdapterAssumptionError
+from .held import unaccounted
 
 
 _HEADROOM = ("headroom",)
@@ -61,8 +62,21 @@ def _describe(kind: tuple) -> str:
 
 
 class RuntimeChecks:
-    def __init__(self, adapter, full_every: int = 64, paranoid: bool = False):
-        self.ad = adapter
+    """The checks over one adapter's rooms.
+
+    Args:
+        harness: the ``VllmHarness`` (vLLM's pool, scheduler and lists, read each time).
+        table, reserve, held, mirror, fence: the adapter's token table and rooms.
+        plans: the plans in flight (the lifecycle ledger's ``in_flight``, the dict itself).
+        pending_release: ``(seq, request, block)`` released and not yet applied by the worker
+            (the adapter's list, updated in place).
+        full_every, paranoid: the full scan's period, or at every hook.
+    """
+
+    def __init__(self, *, harness, table, reserve, held, mirror, fence, plans: dict, pending_release: list,
+                 full_every: int = 64, paranoid: bool = False):
+        self.harness, self.table, self.reserve, self.held = harness, table, reserve, held
+        self.mirror, self.fence, self.plans, self.pending_release = mirror, fence, plans, pending_release
         self.full_every = int(full_every)  # >= 1: the adapter refuses less at construction
         self.paranoid = bool(paranoid)
         self.hooks = 0
@@ -116,30 +130,28 @@ class RuntimeChecks:
 
     # ------------------------------------------------------------------ the incremental check
     def check_touched(self, where: str, table: bool = False) -> None:
-        ad = self.ad
-        ad.fence.check()
+        self.fence.check()
         reqs, self.touched_requests = self.touched_requests, set()
         lists, self.touched_lists = self.touched_lists | reqs, set()
-        fresh = ad.reserve.take_fresh()  # the rest of the headroom: at the full scan
-        held = [(r, ad.held[r]) for r in reqs if r in ad.held]
+        fresh = self.reserve.take_fresh()  # the rest of the headroom: at the full scan
+        held = [(r, self.held[r]) for r in reqs if r in self.held]
         deferred = self._deferred_counts()
-        self._check_headroom(where, lambda bid: min(ad.mirror.holders(bid), default=None), fresh)
+        self._check_headroom(where, lambda bid: min(self.mirror.holders(bid), default=None), fresh)
         self._check_new_entries(where)
-        listed, no = ad.mirror.where, ()
+        listed, no = self.mirror.where, ()
         self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
         self._check_sources_detached(where, thorough=False)
-        ad.mirror.check_lists(where, requests=lists)
+        self.mirror.check_lists(where, requests=lists)
         if table:
-            self.check_table(requests=lists | {p.req_id for p in ad.plans.values()})
+            self.check_table(requests=lists | {p.req_id for p in self.plans.values()})
 
     # ------------------------------------------------------------------ the full scan
     def check_pool(self, where: str) -> None:
         """Reservation, ownership, fence and prefix-hash checks against the pool itself (a
         block's holders counted from vLLM's own lists and deferred frees, not the mirror),
         then every list against its mirror."""
-        ad = self.ad
-        ad.fence.check()
-        listed = {r: [b.block_id for b in lst if not b.is_null] for r, lst in ad.req_to_blocks.items()}
+        self.fence.check()
+        listed = {r: [b.block_id for b in lst if not b.is_null] for r, lst in self.harness.req_to_blocks.items()}
         holders = Counter(chain.from_iterable(listed.values()))
         in_lists = holders.copy()
         holders.update(self._deferred_counts())
@@ -147,35 +159,35 @@ class RuntimeChecks:
         def list_holder(bid):  # the first request whose list holds bid (names a violation)
             return next((r for r, ids in listed.items() if bid in ids), None) if in_lists.get(bid) else None
 
-        ad.reserve.take_fresh()
+        self.reserve.take_fresh()
         self.new_entries = []  # every list is scanned below
-        stale = ad.held.index_errors()
+        stale = self.held.index_errors()
         if stale:
             raise AdapterAssumptionError("ownership", f"{where}: the held-block index disagrees with the held blocks: "
                                                       f"{stale[:8]}")
-        self._check_headroom(where, list_holder, ad.headroom)
-        self._check_refs(where, ad.headroom, list(ad.held.items()), lambda bid: holders.get(bid, 0))
+        self._check_headroom(where, list_holder, self.reserve.blocks)
+        self._check_refs(where, self.reserve.blocks, list(self.held.items()), lambda bid: holders.get(bid, 0))
         self._check_sources_detached(where, thorough=True)
-        ad.mirror.check_lists(where)
+        self.mirror.check_lists(where)
 
     def check_table(self, requests=None) -> None:
         """Every block the token table references for a live request is one the scheduler
         side holds for it (its list, its destinations, an in-flight plan, a pending release).
         ``requests``: only these (default: every mirrored request)."""
-        ad = self.ad
-        t = ad.table
-        processed = ad.scheduler.processed_step_seq
+        t = self.table
+        processed = self.harness.scheduler.processed_step_seq
         pend: dict[str, set] = {}
-        for _, r, b in ad.pending_release:
+        for _, r, b in self.pending_release:
             pend.setdefault(r, set()).add(b)
         inflight: dict[str, set] = {}
-        for p in ad.plans.values():
+        for p in self.plans.values():
             inflight.setdefault(p.req_id, set()).update(p.blocks)
-        m = ad.mirror
+        m = self.mirror
         for r in (m.ids if requests is None else requests):
             if r not in m or r not in t or m.incarnation.get(r, 0) > processed:
                 continue
-            extra = ad.unaccounted(r, t.block_array(r).tolist(), also=pend.get(r, _NONE) | inflight.get(r, _NONE))
+            extra = unaccounted(m, self.held, r, t.block_array(r).tolist(),
+                                also=pend.get(r, _NONE) | inflight.get(r, _NONE))
             if extra:
                 raise AdapterAssumptionError(
                     "table_in_step", f"request {r!r}: the token table references blocks {sorted(extra)} that the "
@@ -188,7 +200,7 @@ class RuntimeChecks:
     # ------------------------------------------------------------------ shared pieces
     def _deferred_counts(self) -> dict:
         """References on each block held by vLLM's deferred frees ({} when none wait)."""
-        deferred = self.ad.scheduler.deferred_frees
+        deferred = self.harness.scheduler.deferred_frees
         if not deferred:
             return {}
         return Counter(b.block_id for _, blocks in deferred for b in blocks if not b.is_null)
@@ -199,7 +211,7 @@ class RuntimeChecks:
         kind: dict[int, tuple] = {b.block_id: _HEADROOM for b in headroom}
         for r, h in held:
             kind.update(dict.fromkeys(h, ("held", r)))  # h: {block id: block}
-        for p in self.ad.plans.values():
+        for p in self.plans.values():
             for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)):
                 kind.update((b, (role, p)) for b in blocks)
         return kind
@@ -212,20 +224,19 @@ class RuntimeChecks:
         entries, self.new_entries = self.new_entries, []
         if not entries:
             return
-        ad = self.ad
-        kind = self._roles(ad.headroom, ())  # headroom and plans in flight; held blocks by their index
+        kind = self._roles(self.reserve.blocks, ())  # headroom and plans in flight; held blocks by their index
         for r, bid in entries:
-            holder = ad.held.owner(bid)
+            holder = self.held.owner(bid)
             k = kind.get(bid) or (("held", holder) if holder is not None else None)
             if k is _HEADROOM:
                 raise AdapterAssumptionError(
                     "reservation", f"{where}: headroom block {bid} is in request {r!r}'s block list "
-                    f"(ref_cnt {ad.pool.blocks[bid].ref_cnt}): vLLM handed it out while the adapter holds it")
+                    f"(ref_cnt {self.harness.pool.blocks[bid].ref_cnt}): vLLM handed it out while the adapter holds it")
             if k is not None:
                 raise AdapterAssumptionError(
                     "fence" if k[0] == "source" else "ownership",
                     f"{where}: block {bid} ({_describe(k)}) entered request {r!r}'s block list while the adapter "
-                    f"holds it (ref_cnt {ad.pool.blocks[bid].ref_cnt}): it was returned to the pool while still held")
+                    f"holds it (ref_cnt {self.harness.pool.blocks[bid].ref_cnt}): it was returned to the pool while still held")
 
     def _check_headroom(self, where: str, list_holder, blocks) -> None:
         for b in blocks:
@@ -247,11 +258,10 @@ class RuntimeChecks:
         carries no prefix hash. The holds are counted in C (``Counter``) and compared in one
         comprehension; only when that finds something are the roles worked out and the first
         violation (in the order headroom, held, plans) named."""
-        ad = self.ad
-        blocks, cached = ad.pool.blocks, ad.pool.cached_block_hashes_by_block
+        blocks, cached = self.harness.pool.blocks, self.harness.pool.cached_block_hashes_by_block
         dest_like = [b for _, h in held for b in h]
         ids = [b.block_id for b in headroom] + dest_like  # every hold, in the order the errors name them
-        for p in ad.plans.values():
+        for p in self.plans.values():
             more = list(p.fills) + list(p.dests)
             ids += list(p.sources) + more
             dest_like += more
@@ -281,20 +291,19 @@ class RuntimeChecks:
         taken from, ``Plan.list_index``, or with ``thorough`` anywhere in the list). A
         source or fill with no recorded index is itself a violation: the incremental check
         could never compare it with vLLM's list."""
-        ad = self.ad
-        for p in ad.plans.values():
+        for p in self.plans.values():
             if p.orphaned:
                 continue
-            own = ad.req_to_blocks.get(p.req_id, [])
+            own = self.harness.req_to_blocks.get(p.req_id, [])
             for bid in p.sources + p.fills:
                 i = p.list_index.get(bid)
                 if i is None:
                     raise AdapterAssumptionError(
                         "null_substitution", f"{where}: block {bid} of plan {p.id} (request {p.req_id!r}) has "
                         f"no recorded list index: where it was taken from is unknown")
-                b = ad.block(bid)
+                b = self.harness.pool.blocks[bid]
                 there = any(x is b for x in own) if thorough else (0 <= i < len(own) and own[i] is b)
-                if there or ad.mirror.index(p.req_id, bid) is not None:
+                if there or self.mirror.index(p.req_id, bid) is not None:
                     raise AdapterAssumptionError(
                         "null_substitution", f"{where}: block {bid} (a source or fill) of plan {p.id} is still in "
                         f"request {p.req_id!r}'s block list")

@@ -11,6 +11,7 @@ Owns: one adapter reference on every block in it; the adapter frees them (at the
 free, with its fence) or hands them to a plan (``take``).
 May call: ``assumptions``.
 Costs: O(blocks given) per call; :meth:`index_errors` O(blocks held).
+:func:`unaccounted` (the list and the held blocks together) lives here too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from __future__ import annotations
 from typing import Optional
 
 from .assumptions import AdapterAssumptionError
+
+_NO_BLOCKS: dict = {}  # read-only stand-in for a request with no entry
+
+
+def unaccounted(mirror, held: "HeldBlocks", r: str, block_ids, also=frozenset()) -> list[int]:
+    """Of ``block_ids``, those the scheduler side does not hold for ``r`` (sorted): not in its
+    list (``mirror.pos``), not held for it, not in ``also``; set differences in C.
+    O(len(block_ids))."""
+    return sorted(set(block_ids).difference(mirror.pos.get(r, _NO_BLOCKS), held.get(r, _NO_BLOCKS), also))
 
 
 class HeldBlocks(dict):
