@@ -162,3 +162,36 @@ def test_decode_summary_prints_orphaned_plans():
     out = io.StringIO()
     _print_summary(res.to_dict(), stream=out)
     assert "launched 9, aborted 1, orphaned 3," in out.getvalue(), out.getvalue()
+
+
+# ------------------------------------------------------------------------------ the config object
+def test_the_config_object_is_validated_when_made_and_builds_the_same_engine(model):
+    from vtoken.decode import DecodeConfig
+
+    with pytest.raises(ConfigError, match=r"DecodeEngine\.evict_ratio must be") as e:
+        DecodeConfig(evict_ratio=1.5)  # refused with no engine, cache or model in sight
+    assert e.value.code == "out_of_range"
+    c = DecodeConfig(mode="naive-evict", block_size=4, num_blocks=8, seed=3)
+    assert c.device == torch.device("cpu") and c.planner_config == PlannerConfig() and c.cuda_graph is False
+    a, b = DecodeEngine(model, c), DecodeEngine(model, mode="naive-evict", block_size=4, num_blocks=8, seed=3)
+    assert a.config == b.config == c
+    assert (a.mode, a.S, a.num_blocks, a.seed) == (b.mode, b.S, b.num_blocks, b.seed) == ("naive-evict", 4, 8, 3)
+
+
+def test_a_config_and_settings_together_or_a_foreign_config_are_refused(model):
+    from vtoken.decode import DecodeConfig
+
+    with pytest.raises(ConfigError, match=r"DecodeEngine\.config must be alone") as e:
+        DecodeEngine(model, DecodeConfig(), num_blocks=8)
+    assert e.value.code == "inconsistent"
+    with pytest.raises(ConfigError, match=r"DecodeEngine\.config must be None or a") as e:
+        DecodeEngine(model, {"num_blocks": 8})
+    assert e.value.code == "bad_type"
+
+
+def test_a_checker_makes_the_config_record_snapshots(model):
+    from vtoken.decode import DecodeConfig
+
+    assert DecodeConfig(check_relocations=RelocationChecker).planner_config.record_snapshots
+    off = DecodeConfig(mode="naive-evict", check_relocations=RelocationChecker)
+    assert off.check_relocations is None and not off.planner_config.record_snapshots  # vtoken mode only

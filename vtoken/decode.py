@@ -72,9 +72,7 @@ eviction, ``manager.step``); one CUDA graph capture per batch shape.
 
 from __future__ import annotations
 
-import inspect
 import math
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -84,128 +82,16 @@ import numpy as np
 import torch
 
 from .allocator import NULL_BLOCK, BlockAllocator
-from .copy_engine import KVCopyEngine, checker_factory
+from .decode_config import CHECK_METHODS, DecodeConfig, _bad, default_planner_config  # noqa: F401 - re-exported
 from .errors import CallError, CallIndexError, OrderError, RelocationCheckError
-from .fields import is_bool, is_int, need_choice, need_device, need_int, need_number, refuse
 from .model.decoder import DecodeItem, PagedDecoder, greedy
 from .lifecycle import PlanLedger, allocator_release
-from .planner import MODES, PlannerConfig, ReclamationManager
-from .policies import POLICIES, make_policy
+from .planner import MODES, ReclamationManager
+from .policies import make_policy
 from .table import TokenTable
 
-__all__ = ["DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config", "full_retention_blocks",
-           "make_prompts", "MODES", "CHECK_METHODS"]
-
-# The relocation checker's digest methods (its ``method`` argument; None: its default).
-CHECK_METHODS = ("xxh3", "fingerprint")
-# Arguments the engine itself passes to the copy engine: never in ``copy_kwargs``.
-_ENGINE_OWN = ("kv", "block_size", "force_sync")
-
-
-# ====================================================================== argument checks
-_OWN = "DecodeEngine"
-
-
-def _bad(code: str, name: str, want: str, value) -> None:
-    refuse(code, _OWN, name, want, value)
-
-
-def _keywords(fn) -> Optional[set]:
-    """The keyword arguments ``fn`` (a class: its ``__init__`` chain along the MRO, as
-    ``super().__init__(*a, **kw)`` passes them on) accepts; None: any (a ``**kwargs`` that
-    reaches no fixed signature, or no signature to read). O(MRO)."""
-    chain = [c.__init__ for c in fn.__mro__ if "__init__" in vars(c)] if isinstance(fn, type) else [fn]
-    names: set = set()
-    for f in chain:
-        try:
-            params = inspect.signature(f).parameters.values()
-        except (TypeError, ValueError):
-            return None
-        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not any(p.kind == p.VAR_KEYWORD for p in params):
-            return names - {"self"}
-    return None
-
-
-def _check_kwargs(name: str, kw, accepted: Optional[set], who: str) -> dict:
-    """``kw`` is None or a dict of keyword arguments ``who`` accepts (``accepted``; None: any)."""
-    if kw is None:
-        return {}
-    if not isinstance(kw, dict) or not all(isinstance(k, str) for k in kw):
-        _bad("bad_type", name, "None or a dict of keyword arguments", kw)
-    unknown = sorted(k for k in kw if accepted is not None and k not in accepted)
-    if unknown:
-        _bad("out_of_range", name, f"keyword arguments {who} accepts ({sorted(accepted)}); unknown {unknown}", kw)
-    return dict(kw)
-
-
-def _check_scalars(mode, policy, evict_ratio, block_size, num_blocks, seed) -> None:
-    need_choice(_OWN, "mode", mode, MODES)
-    need_choice(_OWN, "policy", policy, sorted(POLICIES))
-    need_number(_OWN, "evict_ratio", evict_ratio, 0, 1, hi_open=True)
-    need_int(_OWN, "block_size", block_size, 1)
-    need_int(_OWN, "num_blocks", num_blocks, 2, none_ok=True)
-    need_int(_OWN, "seed", seed, 0)
-
-
-def _check_copy(copy_kwargs, factory, device: torch.device) -> dict:
-    """``copy_kwargs``: keywords the copy engine accepts, the shipped engine's own checked
-    (``lag`` an integer >= 0, 0 on CUDA; ``sleep_cycles`` an integer >= 0; ``sentinel``,
-    ``timed`` bools); ``kv``, ``block_size`` and ``force_sync`` are the engine's to pass."""
-    if factory is not None and not callable(factory):
-        _bad("bad_type", "copy_engine_factory", "None or a callable (kv, block_size, **kwargs) -> engine", factory)
-    kw = _check_kwargs("copy_kwargs", copy_kwargs, None, "the copy engine")
-    own = sorted(set(kw) & set(_ENGINE_OWN))
-    if own:
-        _bad("out_of_range", "copy_kwargs", f"free of {list(_ENGINE_OWN)} (the engine passes them: set "
-                                            f"{own} through DecodeEngine's own arguments)", copy_kwargs)
-    accepted = _keywords(factory or KVCopyEngine)
-    _check_kwargs("copy_kwargs", kw, None if accepted is None else accepted - set(_ENGINE_OWN), "the copy engine")
-    for k in ("lag", "sleep_cycles"):
-        if k in kw and (not is_int(kw[k]) or kw[k] < 0):
-            _bad("bad_type" if not is_int(kw[k]) else "out_of_range", f"copy_kwargs[{k!r}]", "an integer >= 0", kw[k])
-    if kw.get("lag") and device.type == "cuda":
-        _bad("out_of_range", "copy_kwargs['lag']", "0 on CUDA (a CPU simulation knob: the stream is asynchronous "
-                                                   "already)", kw["lag"])
-    for k in ("sentinel", "timed"):
-        if k in kw and not is_bool(kw[k]):
-            _bad("bad_type", f"copy_kwargs[{k!r}]", "True or False", kw[k])
-    return kw
-
-
-def _check_flags(mode, copy_kw: dict, check_relocations, planner_config, sentinel_check, check_method, full_bytes,
-                 force_sync, cuda_graph, snapshot_dir) -> None:
-    for name, v in (("sentinel_check", sentinel_check), ("full_bytes", full_bytes), ("force_sync", force_sync)):
-        if not is_bool(v):
-            _bad("bad_type", name, "True or False", v)
-    if sentinel_check and (mode != "vtoken" or not copy_kw.get("sentinel")):
-        _bad("out_of_range", "sentinel_check", "False unless mode='vtoken' with copy_kwargs={'sentinel': True} "
-                                               "(the sentinel it looks for is the copy engine's)", sentinel_check)
-    if cuda_graph is not None and not is_bool(cuda_graph):
-        _bad("bad_type", "cuda_graph", "None, True or False", cuda_graph)
-    if check_method is not None and not isinstance(check_method, str):
-        _bad("bad_type", "check_method", f"None or one of {CHECK_METHODS}", check_method)
-    if check_method is not None and check_method not in CHECK_METHODS:
-        _bad("out_of_range", "check_method", f"None or one of {CHECK_METHODS}", check_method)
-    if check_relocations is True or (check_relocations not in (None, False) and not callable(check_relocations)):
-        _bad("bad_type", "check_relocations", "None or the checker factory, e.g. "
-                                              "vtoken.invariants.relocation_hash.RelocationChecker", check_relocations)
-    if planner_config is not None and not isinstance(planner_config, PlannerConfig):
-        _bad("bad_type", "planner_config", "None or a vtoken.planner.PlannerConfig", planner_config)
-    if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
-        _bad("bad_type", "snapshot_dir", "None or a path", snapshot_dir)
-
-
-
-def default_planner_config(record_snapshots: bool = False, headroom: Optional[int] = None) -> PlannerConfig:
-    """The engine's planner settings: the shipped defaults, ``PlannerConfig()`` (a thin
-    wrapper kept for its callers; there is no engine-only configuration), with
-    ``record_snapshots`` and, when given, ``headroom`` set. ``run`` sizes an unset pool for
-    full retention plus the headroom, so the reservation never competes with the batch.
-    """
-    kw = {} if headroom is None else {"headroom": int(headroom)}
-    return PlannerConfig(record_snapshots=record_snapshots, **kw)
-
+__all__ = ["DecodeConfig", "DecodeEngine", "DecodeResult", "StepGraph", "default_planner_config",
+           "full_retention_blocks", "make_prompts", "MODES", "CHECK_METHODS"]
 
 def make_prompts(requests: int, prompt_tokens: int, vocab: int, seed: int) -> list[list[int]]:
     """``requests`` random prompts of ``prompt_tokens`` ids below ``vocab``: a function of ``seed``."""
@@ -383,88 +269,38 @@ class DecodeEngine:
 
     Args:
         model: a :class:`PagedDecoder` (moved to ``device`` by the caller or here).
-        mode: ``native`` | ``naive-evict`` | ``vtoken``.
-        policy: eviction policy name (``vtoken.policies.POLICIES``); ``policy_kwargs`` go to it.
-        evict_ratio: fraction of each request's tokens to evict (keep ``ceil((1-r) * n)``).
-        block_size: ``S``.
-        num_blocks: the KV block budget (incl. the null block); None: sized by ``run`` for
-            full retention of its batch plus the headroom.
-        device: ``cpu`` or ``cuda``.
-        check_relocations: None, or the relocation checker's factory
-            ``(kv, table, out_dir=, method=, full_bytes=) -> checker`` (the toolkit's
-            ``vtoken.invariants.relocation_hash.RelocationChecker``): hash-and-compare every
-            relocation; also records plan snapshots (events included) for failures. The
-            engine owns the checker it builds (``self.checker``).
-        planner_config: default :func:`default_planner_config`.
-        seed: seeds the random policy (per request: ``(seed, request id)``).
-        force_sync: host-wait every copy (the force-sync ablation).
-        copy_kwargs: extra ``KVCopyEngine`` arguments (``lag``, ``sentinel``, ...).
-        snapshot_dir: where failing plans' snapshots go.
-        sentinel_check: before each decode step, assert no read slot holds the copy
-            engine's sentinel (I3 test mode; needs ``copy_kwargs={"sentinel": True}``). In
-            sentinel mode the engine also poisons the blocks it gives up (:meth:`_poison`).
-        check_method / full_bytes: the relocation checker's digest method.
-        copy_engine_factory: builds the copy engine, ``(kv, block_size, **kwargs) ->
-            engine`` (default :class:`KVCopyEngine`); the checks pass faulty engines here.
-        cuda_graph: run decode steps through :class:`StepGraph` (the graph path, see the
-            module docstring): None (default) = on CUDA only; True on the CPU runs the same
-            path eagerly (its CPU fallback); False = the plain ``decode_step`` path.
+        config: a :class:`~vtoken.decode_config.DecodeConfig` (every other setting, validated
+            when it was made; its fields are documented there); or, instead, its fields as
+            keywords (``DecodeEngine(model, mode="naive-evict")``), which build one. A bad
+            field raises :class:`~vtoken.errors.ConfigError` (a ``ValueError``) naming it and
+            its value before any cache, table or engine exists; a config and keywords
+            together are refused (``inconsistent``: use ``dataclasses.replace``).
 
-    Every argument is checked before anything is built: a bad one raises
-    :class:`~vtoken.errors.ConfigError` (``bad_type`` / ``out_of_range``; a ``ValueError``)
-    naming the argument and its value, and no cache, table or engine exists. Ranges: ``mode``
-    in :data:`MODES`; ``policy`` a registered name, ``policy_kwargs`` keywords its class
-    accepts; ``evict_ratio`` in [0, 1); ``block_size`` >= 1; ``num_blocks`` None or >= 2 (the
-    null block and one more); ``seed`` >= 0; ``device`` cpu, or cuda where there is one;
-    ``copy_kwargs`` keywords the copy engine accepts (``lag`` >= 0, 0 on CUDA;
-    ``sleep_cycles`` >= 0; ``sentinel`` / ``timed`` bools; never ``kv`` / ``block_size`` /
-    ``force_sync``, the engine's own); ``sentinel_check`` only in ``vtoken`` mode with
-    ``copy_kwargs={"sentinel": True}``; ``check_method`` None or in :data:`CHECK_METHODS`;
-    ``cuda_graph`` None or a bool; ``planner_config`` None or a :class:`PlannerConfig` (its
-    own fields are checked by it). Integers are ints (not bools), flags bools.
+    The engine owns the relocation checker it builds (``self.checker``). In sentinel mode
+    (``sentinel_check``) it also poisons the blocks it gives up (:meth:`_poison`).
     """
 
-    def __init__(self, model: PagedDecoder, mode: str = "vtoken", policy: str = "h2o", evict_ratio: float = 0.5,
-                 block_size: int = 16, num_blocks: Optional[int] = None, device: str = "cpu",
-                 check_relocations=None, planner_config: Optional[PlannerConfig] = None, seed: int = 0,
-                 force_sync: bool = False, copy_kwargs: Optional[dict] = None, snapshot_dir=None,
-                 policy_kwargs: Optional[dict] = None, sentinel_check: bool = False,
-                 check_method: Optional[str] = None, full_bytes: bool = False,
-                 copy_engine_factory=None, cuda_graph: Optional[bool] = None):
+    def __init__(self, model: PagedDecoder, config: Optional[DecodeConfig] = None, **settings):
         # every argument checked before anything is built (ConfigError naming it and its value)
         if not isinstance(model, PagedDecoder):
             _bad("bad_type", "model", "a vtoken.model.decoder.PagedDecoder", type(model).__name__)
-        _check_scalars(mode, policy, evict_ratio, block_size, num_blocks, seed)
-        dev = need_device(_OWN, "device", device)
-        copy_kw = _check_copy(copy_kwargs, copy_engine_factory, dev)
-        _check_flags(mode, copy_kw, check_relocations, planner_config, sentinel_check, check_method, full_bytes,
-                     force_sync, cuda_graph, snapshot_dir)
-        policy_kw = _check_kwargs("policy_kwargs", policy_kwargs, _keywords(POLICIES[policy]), f"policy {policy!r}")
+        if config is not None and settings:
+            _bad("inconsistent", "config", f"alone (settings {sorted(settings)} given too; use "
+                                           f"dataclasses.replace(config, ...))", config)
+        if config is not None and not isinstance(config, DecodeConfig):
+            _bad("bad_type", "config", "None or a vtoken.decode_config.DecodeConfig", config)
+        c = self.config = config if config is not None else DecodeConfig(**settings)
         self.model = model
-        self.mode = mode
-        self.policy_name = policy
-        self.evict_ratio = float(evict_ratio)
-        self.S = int(block_size)
-        self.device = dev
-        factory = checker_factory(check_relocations, "DecodeEngine")  # validated in every mode
-        self.check_relocations = factory if mode == "vtoken" else None
-        cfg = planner_config or default_planner_config()
-        if self.check_relocations and not cfg.record_snapshots:
-            cfg = PlannerConfig(**{**asdict(cfg), "record_snapshots": True})
-        self.cfg = cfg
-        self.seed = int(seed)
-        self.force_sync = bool(force_sync)
-        self.copy_kwargs = copy_kw
-        self.snapshot_dir = snapshot_dir
-        self.policy_kwargs = policy_kw
-        self.sentinel_check = bool(sentinel_check)
-        self.check_method, self.full_bytes = check_method, bool(full_bytes)
-        self.num_blocks = None if num_blocks is None else int(num_blocks)
-        self.copy_engine_factory = copy_engine_factory or KVCopyEngine
-        self.cuda_graph = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
+        self.mode, self.policy_name, self.evict_ratio = c.mode, c.policy, c.evict_ratio
+        self.S, self.device, self.seed = c.block_size, c.device, c.seed
+        self.check_relocations, self.cfg = c.check_relocations, c.planner_config
+        self.force_sync, self.copy_kwargs, self.snapshot_dir = c.force_sync, c.copy_kwargs, c.snapshot_dir
+        self.policy_kwargs, self.sentinel_check = c.policy_kwargs, c.sentinel_check
+        self.check_method, self.full_bytes = c.check_method, c.full_bytes
+        self.num_blocks, self.copy_engine_factory, self.cuda_graph = c.num_blocks, c.copy_engine_factory, c.cuda_graph
         self._ready = False
-        if num_blocks is not None:
-            self.setup(num_blocks)
+        if c.num_blocks is not None:
+            self.setup(c.num_blocks)
 
     # ------------------------------------------------------------------ setup
     def setup(self, num_blocks: int) -> None:
