@@ -8,15 +8,21 @@ generates anything new, so a failure found once is retried first. A Redis server
 not answer is refused before anything runs or is written (:func:`check_db`); one lost
 mid-campaign stops the worker and is reported as ``db_error``, never as a machine's failure.
 
+With ``--ray ADDRESS|auto`` the workers are Ray tasks on an existing Ray cluster (the way
+vLLM itself goes multi-node) instead of local processes: they share the same example
+database, their messages come back over a Ray queue, and the failures' files are written
+here, by the campaign, from what the workers send (a worker on another node has another
+disk). Ray is an optional extra (``pip install 'vtoken[ray]'``).
+
 Nothing found is lost to a kill: a failure is written to ``--out`` (the minimised example,
 its plan snapshot when the machine made one, and a pytest file that replays it) the moment
 the worker sees it, the database holds the example as soon as Hypothesis finds it, and the
 summary (``summary.json``) is rewritten after every batch.
 
-Owns: its worker processes, the example database connection and the ``--out`` folder (failures,
-summary).
+Owns: its worker processes (or Ray tasks), the example database connection and the ``--out``
+folder (failures, summary).
 May call: fuzz (machines, protocol, hard_states, profiles, catalogue, planted), hypothesis, redis,
-vtoken.argtypes.
+ray (``--ray`` only), vtoken.argtypes.
 Costs: time-boxed: ``--budget`` seconds on ``--workers`` processes; the summary is rewritten per
 batch.
 """
@@ -161,8 +167,33 @@ def _phases():
     return [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
 
 
+def _failure_files(name: str, k: int, n_fail: int, failure: str, db_spec, snapshot) -> tuple[str, dict]:
+    """The files that record one failure, ``(stem, {relative path: text})``: the report, the
+    plan snapshot when the machine made one, and a pytest file that replays it."""
+    safe = re.sub(r"[^A-Za-z0-9_]+", "_", name)  # impl:module:Class -> a file (and module) name
+    stem = f"failures/{safe}-w{k}-{n_fail}"
+    files = {f"{stem}.txt": failure}
+    if snapshot:
+        files[f"{stem}.snapshot.json"] = json.dumps(snapshot, indent=1, default=str)
+    files[f"failures/test_replay_{safe}_w{k}_{n_fail}.py"] = _replay_file(name, db_spec, failure)
+    return stem, files
+
+
+def _write_files(out, files: dict) -> None:
+    for rel, text in files.items():
+        f = Path(out) / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+
+
 def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=None):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    """One campaign worker: the machines in rotation until ``deadline`` (or ``examples`` each).
+    ``out`` None (a Ray task): failure files travel in the "failure" message for the campaign
+    to write; else they are written at once, before the message."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    except ValueError:  # not the main thread (a Ray worker may run tasks elsewhere)
+        pass
     import hypothesis.core
     from hypothesis import settings
 
@@ -209,14 +240,11 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=
         q.put(("progress", k, name, m.ops - ops0, time.time() - t0, dict(+hard)))
         if failure is not None:
             n_fail += 1
-            safe = re.sub(r"[^A-Za-z0-9_]+", "_", name)  # impl:module:Class -> a file (and module) name
-            stem = Path(out) / "failures" / f"{safe}-w{k}-{n_fail}"
-            stem.parent.mkdir(parents=True, exist_ok=True)
-            stem.with_suffix(".txt").write_text(failure)
-            if hard_states.LAST_SNAPSHOT:
-                stem.with_suffix(".snapshot.json").write_text(json.dumps(hard_states.LAST_SNAPSHOT, indent=1, default=str))
-            (stem.parent / f"test_replay_{stem.name.replace('-', '_')}.py").write_text(_replay_file(name, db_spec, failure))
-            q.put(("failure", k, name, str(stem), _steps_in(failure), failure.strip().splitlines()[-1][:300]))
+            stem, files = _failure_files(name, k, n_fail, failure, db_spec, hard_states.LAST_SNAPSHOT)
+            if out is not None:
+                _write_files(out, files)
+            q.put(("failure", k, name, stem, _steps_in(failure), failure.strip().splitlines()[-1][:300],
+                   files if out is None else None))
             names.remove(name)  # its database entry would replay the same failure every batch
     q.put(("done", k))
 
@@ -255,7 +283,10 @@ def _handle_msg(msg, summary: dict, hard: Counter, t_start: float, progress: boo
         summary["ops_by_machine"][name] = summary["ops_by_machine"].get(name, 0) + ops
         hard.update(h)
     elif msg[0] == "failure":
-        _, k, name, stem, nsteps, last = msg
+        _, k, name, stem, nsteps, last, files = msg
+        if files:  # from a Ray worker: written here
+            _write_files(summary["out"], files)
+        stem = str(Path(summary["out"]) / stem)
         summary["failures"] += 1
         summary["failure_reports"].append({"machine": name, "worker": k, "files": stem, "steps": nsteps,
                                            "error": last, "found_after_s": time.time() - t_start})
@@ -285,32 +316,138 @@ def _recover_failures(summary: dict, out: Path, t_start: float) -> None:
                                                "found_after_s": f.stat().st_mtime - t_start})
 
 
+class RayUnavailable(RuntimeError):
+    """``--ray`` without Ray installed, or no cluster at the address: one line, before any work."""
+
+
+def ray_cluster(address: str | None):
+    """Ray, connected: an already initialised Ray (a test's ``ray.init()``) is used as it is;
+    otherwise ``ray.init(address=address)`` joins the cluster (``auto``: the one this machine
+    belongs to). :class:`RayUnavailable` in one line when Ray is missing or nothing answers."""
+    try:
+        import ray
+    except ImportError:
+        raise RayUnavailable("--ray needs Ray, an optional extra: pip install 'vtoken[ray]'") from None
+    if not ray.is_initialized():
+        _reachable(address)  # Ray itself retries an address that does not answer for a minute or more
+        try:
+            ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            msg = (str(e).strip().splitlines() or [""])[0]
+            raise RayUnavailable(f"no Ray cluster at {address!r}: {type(e).__name__}: {msg}"[:400]) from None
+    return ray
+
+
+def _reachable(address: str | None) -> None:
+    """A ``host:port`` address must accept a TCP connection within 5 s (``auto`` and ``ray://``
+    addresses are Ray's to resolve). :class:`RayUnavailable` otherwise."""
+    import socket
+
+    if not address or address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, ValueError) as e:
+        raise RayUnavailable(f"no Ray cluster at {address!r}: {type(e).__name__}: {e}"[:400]) from None
+
+
+class _LocalWorkers:
+    """The campaign's workers as processes on this machine."""
+
+    empty = (queue_mod.Empty,)
+
+    def __init__(self, workers: int, args_of):
+        ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
+        self.q = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=args_of(k, self.q, write=True), daemon=True)
+                      for k in range(workers)]
+
+    def start(self) -> None:
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return any(p.is_alive() for p in self.procs)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+
+    def join(self) -> list[str]:
+        for p in self.procs:
+            p.join(timeout=10)
+        return []
+
+
+class _RayWorkers:
+    """The campaign's workers as Ray tasks (one CPU each) on the cluster ``ray`` is connected
+    to; messages over a Ray queue, failure files sent back in them."""
+
+    def __init__(self, ray, workers: int, args_of):
+        from ray.util.queue import Empty, Queue
+
+        self.ray, self.empty = ray, (Empty, queue_mod.Empty)
+        self.q = Queue()
+        self.args = [args_of(k, self.q, write=False) for k in range(workers)]
+        self.task = ray.remote(num_cpus=1, max_retries=0)(_worker)
+        self.refs: list = []
+
+    def start(self) -> None:
+        self.refs = [self.task.remote(*a) for a in self.args]
+
+    def alive(self) -> bool:
+        _, running = self.ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return bool(running)
+
+    def stop(self) -> None:
+        for r in self.refs:
+            self.ray.cancel(r, force=True)
+
+    def join(self) -> list[str]:
+        """Wait for the tasks (10 s); the errors of those that raised, one line each."""
+        ready, _ = self.ray.wait(self.refs, num_returns=len(self.refs), timeout=10)
+        errors = []
+        for r in ready:
+            try:
+                self.ray.get(r)
+            except Exception as e:  # a worker that crashed: reported, never a machine's failure
+                errors.append(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:300])
+        return errors
+
+
 def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machines=None, batch=50,
-                 progress=True, profile="dev", examples=None) -> dict:
+                 progress=True, profile="dev", examples=None, ray: str | None = None) -> dict:
     """Run the campaign; returns (and writes ``out/summary.json``) the summary.
 
     Time-boxed by ``minutes`` (what a nightly campaign wants: explore as much as the night
     allows), or, with ``examples``, exactly that many examples per machine and worker,
     seeded by ``seed``: the same work and the same verdict on any machine at any speed
     (what an audit wants). Machines that cannot run here are listed in
-    ``machines_unavailable`` with the reason.
+    ``machines_unavailable`` with the reason. ``ray``: an address (``auto``) or None; with it
+    the workers are Ray tasks on that cluster (:func:`ray_cluster`; an initialised Ray is
+    used as it is), else local processes.
     """
     check_db(db)  # DatabaseError before anything is written or run
+    ray_mod = ray_cluster(ray) if ray is not None else None  # RayUnavailable before anything is written
     out = Path(out)
     names, missing = _resolve_machines(machines)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + minutes * 60
-    ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(k, names, deadline, seed, db, str(out), q, batch, profile, examples),
-                         daemon=True) for k in range(workers)]
+
+    def args_of(k, q, write):
+        return (k, names, deadline, seed, db, str(out) if write else None, q, batch, profile, examples)
+
+    pool = _RayWorkers(ray_mod, workers, args_of) if ray_mod is not None else _LocalWorkers(workers, args_of)
     t_start = time.time()
-    for p in procs:
-        p.start()
+    pool.start()
     summary = {"machines": names, "workers": workers, "seed": seed, "db": db, "ops": 0, "seconds": 0.0,
                "failures": 0, "failure_reports": [], "hard_states": {}, "interrupted": False,
                "ops_by_machine": {}, "machines_unavailable": missing, "examples_per_machine": examples,
-               "db_error": None}
+               "db_error": None, "out": str(out), "ray": None, "worker_errors": []}
+    if ray_mod is not None:
+        summary["ray"] = {"address": ray, "nodes": len([n for n in ray_mod.nodes() if n.get("Alive")]),
+                          "cpus": ray_mod.cluster_resources().get("CPU", 0)}
     hard = Counter()
     done = 0
     last_print = 0.0
@@ -327,9 +464,9 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     try:
         while done < workers:
             try:
-                msg = q.get(timeout=1.0)
-            except queue_mod.Empty:
-                if not any(p.is_alive() for p in procs):
+                msg = pool.q.get(timeout=1.0)
+            except pool.empty:
+                if not pool.alive():
                     break
                 continue
             done += handle(msg)
@@ -342,14 +479,12 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
                       f"({summary['ops'] / max(el, 1e-9):7.0f}/s) failures {summary['failures']}", end="", flush=True)
     except KeyboardInterrupt:
         summary["interrupted"] = True
-        for p in procs:
-            p.terminate()
-    for p in procs:
-        p.join(timeout=10)
+        pool.stop()
+    summary["worker_errors"] = pool.join()
     while True:  # what the workers said before they stopped
         try:
-            handle(q.get(timeout=0.2))
-        except (queue_mod.Empty, OSError, EOFError):
+            handle(pool.q.get(timeout=0.2))
+        except pool.empty + (OSError, EOFError):
             break
     _recover_failures(summary, out, t_start)
     write()
@@ -367,7 +502,10 @@ def _fuzz_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="vtoken fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=positive_float, default=None, help="campaign length (default 1)")
-    ap.add_argument("--workers", type=positive_int, default=1)
+    ap.add_argument("--workers", type=positive_int, default=None,
+                    help="worker processes (default 1); with --ray, Ray tasks (default: the cluster's CPUs)")
+    ap.add_argument("--ray", metavar="ADDRESS|auto", default=None,
+                    help="run the workers as Ray tasks on an existing Ray cluster (pip install 'vtoken[ray]')")
     ap.add_argument("--device", type=device, choices=["cpu", "cuda"], default="cpu",
                     help="device of the tables' lookup cache (cuda needs a GPU)")
     ap.add_argument("--seed", type=nonneg_int, default=None, help="campaign seed (default 0)")
@@ -386,11 +524,12 @@ def _fuzz_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main_fuzz(argv) -> int:
+def _checked_args(ap, a) -> list:
+    """Refuse what ``vtoken fuzz`` cannot run (``ap.error``: exit 2, one line) before any work:
+    conflicting flags, an ``--impl`` that does not load, a database or a Ray cluster that does
+    not answer. Fills in the defaults; returns the machines to run (``[]``: every one)."""
     from vtoken.argtypes import repeated
 
-    ap = _fuzz_parser()
-    a = ap.parse_args(argv)
     if a.planted and (a.machines is not None or a.impl or a.db is not None):
         ap.error("argument --planted: runs the planted faults; it does not take --machines, --impl or --db")
     for flag, v in (("--minutes", a.minutes), ("--seed", a.seed), ("--profile", a.profile)):
@@ -419,6 +558,20 @@ def main_fuzz(argv) -> int:
             check_db(a.db)
         except DatabaseError as e:
             ap.error(f"argument --db: {e}")
+    if a.ray is not None:
+        try:
+            ray = ray_cluster(a.ray)
+        except RayUnavailable as e:
+            ap.error(f"argument --ray: {e}")
+        a.workers = a.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    a.workers = a.workers or 1
+    return machines
+
+
+def main_fuzz(argv) -> int:
+    ap = _fuzz_parser()
+    a = ap.parse_args(argv)
+    machines = _checked_args(ap, a)
     os.environ["VTOKEN_DEVICE"] = a.device
     if a.planted:
         from .planted import main_planted
@@ -431,7 +584,7 @@ def main_fuzz(argv) -> int:
             return 130
     try:
         s = run_campaign(a.minutes, a.workers, a.seed, a.db, a.out, machines or None, progress=True,
-                         profile=a.profile)
+                         profile=a.profile, ray=a.ray)
     except KeyboardInterrupt:  # before the workers ran (or while they were being stopped)
         summary = Path(a.out) / "summary.json"
         print(f"\nvtoken fuzz: interrupted before the campaign finished; "
@@ -447,9 +600,12 @@ def main_fuzz(argv) -> int:
         print(f"interrupted after {s['seconds']:.0f} s ({done}; {s['failures']} failure(s)); partial results: "
               f"{Path(a.out) / 'summary.json'}" + (f", failures in {Path(a.out) / 'failures'}" if s["failures"] else ""),
               flush=True)
+    for err in s["worker_errors"]:
+        print(f"a worker crashed (not a failure of a machine): {err}")
     if a.json:
-        print(json.dumps({k: s[k] for k in ("ops", "seconds", "ops_per_s_per_worker", "failures", "hard_states",
-                                            "interrupted", "ops_by_machine", "machines_unavailable", "db_error")}))
+        print(json.dumps({k: s[k] for k in ("workers", "ops", "seconds", "ops_per_s_per_worker", "failures",
+                                            "hard_states", "interrupted", "ops_by_machine", "machines_unavailable",
+                                            "db_error", "ray", "worker_errors")}))
     if s["interrupted"]:
         return 130
     if s["db_error"]:

@@ -24,7 +24,8 @@ plans a finished batch left, with copy lags so copies are in flight: see
 live modules for a ``with`` block.
 
 Owns: one shadow tree and child process per fault and seed, deleted after.
-May call: fuzz (catalogue, patches, shadow, faulty_engines, profiles, machines), vtoken.decode,
+May call: fuzz (catalogue, patches, shadow, faulty_engines, profiles, machines, campaign's
+``ray_cluster`` with ``--ray``), ray (``--ray``), vtoken.decode,
 invariants (placement_proof, relocation_hash), hypothesis, subprocess.
 Costs: ``--runs`` runs per fault, each bounded by ``--budget`` seconds: about R x faults x seconds.
 """
@@ -340,6 +341,11 @@ def _finish_fault(n: str, sh: Path, log, runs: int, progress: bool) -> dict:
     out = log.read()
     log.close()
     shutil.rmtree(sh, ignore_errors=True)
+    return _result_of(n, out, runs, progress)
+
+
+def _result_of(n: str, out: str, runs: int, progress: bool) -> dict:
+    """Fault ``n``'s summarized result from its detection run's output ``out``."""
     lines = [l for l in out.strip().splitlines() if l.startswith('{"fault"')]
     r = json.loads(lines[-1]) if lines else {"fault": n, "detector": BY_NAME[n].detector, "runs": [],
                                             "error": f"detector crashed: {out.strip()[-400:]}"}
@@ -353,8 +359,62 @@ def _finish_fault(n: str, sh: Path, log, runs: int, progress: bool) -> dict:
     return r
 
 
-def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, workers: int = 2, progress=True) -> dict:
-    """Every fault in its own process, over its own shadow tree, ``runs`` seeds each."""
+def _fault_on_ray(n: str, snap_tar: bytes, seeds: str, budget_s: float):
+    """A Ray task: fault ``n``'s detection run on whichever node runs it, over a shadow built
+    from the campaign's snapshot (a tar, so no shared disk is assumed). Returns ``(output,
+    None)`` or ``(None, the result row)`` when the patch does not apply."""
+    import io
+    import shutil
+    import tarfile
+
+    work = Path(tempfile.mkdtemp(prefix="vtoken-planted-"))
+    try:
+        snap = work / "snap"
+        with tarfile.open(fileobj=io.BytesIO(snap_tar)) as tf:
+            tf.extractall(snap, filter="data")
+        rows: list = []
+        job = _start_fault(n, work, snap, seeds, budget_s, rows, progress=False)
+        if job is None:
+            return None, rows[0]
+        p, sh, log = job
+        p.wait()
+        log.seek(0)
+        out = log.read()
+        log.close()
+        return out, None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_on_ray(ray, names, snap: Path, seeds: str, budget_s: float, runs: int, progress: bool) -> list:
+    """Every fault as a Ray task (one CPU each) on the connected cluster; their result rows."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add(snap, arcname=".")
+    blob = ray.put(buf.getvalue())
+    task = ray.remote(num_cpus=1, max_retries=0)(_fault_on_ray)
+    refs = {task.remote(n, blob, seeds, budget_s): n for n in names}
+    results = []
+    while refs:
+        done, _ = ray.wait(list(refs), num_returns=1)
+        n = refs.pop(done[0])
+        try:
+            out, row = ray.get(done[0])
+        except Exception as e:  # the task itself failed: the fault's run is a crash, reported as such
+            out, row = f"ray task failed: {type(e).__name__}: {e}", None
+        if row is not None and progress:
+            print(f"BROKEN   {n:34s} {row['error'].splitlines()[0]}", flush=True)
+        results.append(row if row is not None else _result_of(n, out, runs, progress))
+    return results
+
+
+def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, workers: int = 2, progress=True,
+            ray=None) -> dict:
+    """Every fault in its own process, over its own shadow tree, ``runs`` seeds each: ``workers``
+    at a time here, or (``ray``: a connected Ray module) as Ray tasks on its cluster."""
     import shutil
 
     from .shadow import snapshot
@@ -375,6 +435,12 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
         shutil.copytree(root, snap / "vtoken")
     pending, running, results = list(names), {}, []
     t_all = time.perf_counter()
+    if ray is not None:
+        pending = []
+        try:
+            results = _run_on_ray(ray, names, snap, seeds, budget_s, runs, progress)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     try:
         while pending or running:
             while pending and len(running) < workers:
@@ -424,7 +490,12 @@ def main_planted(args) -> int:
     names = None if args.planted == "all" else args.planted.split(",")
     runs = max(1, getattr(args, "runs", 1) or 1)
     budget = getattr(args, "budget", None) or DEFAULT_BUDGET_S
-    s = run_all(names, runs=runs, budget_s=budget, workers=max(1, args.workers))
+    ray = None
+    if getattr(args, "ray", None) is not None:
+        from .campaign import ray_cluster
+
+        ray = ray_cluster(args.ray)  # the command checked it answers
+    s = run_all(names, runs=runs, budget_s=budget, workers=max(1, args.workers), ray=ray)
     print(f"\n{s['detected']}/{s['planted']} planted faults detected; lowest detection rate {s['min_rate']:.2f} "
           f"over {runs} seed(s); median time to detection "
           f"{'-' if s['median_s'] is None else round(s['median_s'], 2)} s (max "

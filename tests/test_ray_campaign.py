@@ -1,0 +1,72 @@
+"""``vtoken fuzz --ray``: the campaign's workers and the planted-fault runs as Ray tasks, on a
+local Ray cluster this module starts (``ray.init`` with 2 CPUs), torn down at the end.
+
+Ray is a test dependency (``pip install 'vtoken[test]'`` brings it): a missing Ray fails
+these tests, it never skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vtoken.fuzz import campaign
+from vtoken.fuzz.campaign import RayUnavailable, ray_cluster, run_campaign
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_a_campaign_on_ray_runs_its_workers_as_tasks_and_sums_them(ray_local, tmp_path):
+    s = run_campaign(workers=2, seed=1, out=tmp_path / "out", machines=["table", "planner"], batch=5,
+                     progress=False, examples=5, ray="auto")
+    assert s["ray"]["nodes"] == 1 and s["ray"]["cpus"] == 2 and s["workers"] == 2
+    assert s["failures"] == 0 and s["worker_errors"] == [] and s["db_error"] is None
+    assert set(s["ops_by_machine"]) == {"table", "planner"} and s["ops"] > 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["ops"] == s["ops"]
+
+
+def test_a_failure_found_on_a_ray_worker_is_written_here_with_its_replay(ray_local, tmp_path):
+    """A planted ref-count leak in a user's table (``tests.alt_table:LeakyAltTable``): the
+    worker sends the failure's files, the campaign writes them under ``--out``."""
+    sys.path.insert(0, str(campaign.Path(__file__).parent.parent))
+    s = run_campaign(workers=1, seed=0, out=tmp_path / "out", machines=["impl:tests.alt_table:LeakyAltTable"],
+                     batch=50, progress=False, examples=300, ray="auto")
+    assert s["failures"] >= 1, s
+    rep = s["failure_reports"][0]
+    assert rep["machine"].startswith("impl:") and (campaign.Path(rep["files"] + ".txt")).exists()
+    replays = list((tmp_path / "out" / "failures").glob("test_replay_*.py"))
+    assert replays and "run_state_machine_as_test" in replays[0].read_text()
+
+
+def test_a_planted_fault_is_found_through_ray(ray_local):
+    from vtoken.fuzz.planted import run_all
+
+    s = run_all(["alloc_double_free"], runs=1, budget_s=60, progress=False, ray=ray_local)
+    r = s["results"][0]
+    assert s["planted"] == 1 and r["fault"] == "alloc_double_free" and r["detections"] == 1, r
+
+
+def test_without_ray_the_command_refuses_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(RayUnavailable, match=r"pip install 'vtoken\[ray\]'"):
+        ray_cluster("auto")
+
+
+def test_no_cluster_at_the_address_is_refused_before_any_work(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "vtoken", "fuzz", "--ray", "127.0.0.1:1", "--minutes", "0.01",
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "argument --ray: no Ray cluster at '127.0.0.1:1'" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "out" / "summary.json").exists()
