@@ -450,7 +450,9 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
                           "cpus": ray_mod.cluster_resources().get("CPU", 0)}
     hard = Counter()
     done = 0
-    last_print = 0.0
+    from vtoken.progress import bar as progress_bar
+
+    bar = progress_bar(total=None if examples else round(minutes * 60), desc="fuzz", unit="s") if progress else None
     handle = (lambda msg: _handle_msg(msg, summary, hard, t_start, progress))
 
     def write():
@@ -471,12 +473,10 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
                 continue
             done += handle(msg)
             write()
-            now = time.time()
-            if progress and now - last_print > 2:
-                last_print = now
-                el = now - t_start
-                print(f"\r[{el:6.0f}s / {minutes * 60:.0f}s] ops {summary['ops']:>9} "
-                      f"({summary['ops'] / max(el, 1e-9):7.0f}/s) failures {summary['failures']}", end="", flush=True)
+            if bar is not None:  # seconds of the time box (or elapsed), ops and failures so far
+                el = round(time.time() - t_start)
+                bar.n = min(el, bar.total) if bar.total else el
+                bar.set_postfix(ops=summary["ops"], failures=summary["failures"], refresh=True)
     except KeyboardInterrupt:
         summary["interrupted"] = True
         pool.stop()
@@ -486,10 +486,10 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
             handle(pool.q.get(timeout=0.2))
         except pool.empty + (OSError, EOFError):
             break
+    if bar is not None:
+        bar.close()
     _recover_failures(summary, out, t_start)
     write()
-    if progress:
-        print(flush=True)
     return summary
 
 

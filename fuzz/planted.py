@@ -386,7 +386,7 @@ def _fault_on_ray(n: str, snap_tar: bytes, seeds: str, budget_s: float):
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_on_ray(ray, names, snap: Path, seeds: str, budget_s: float, runs: int, progress: bool) -> list:
+def _run_on_ray(ray, names, snap: Path, seeds: str, budget_s: float, runs: int, progress: bool, bar=None) -> list:
     """Every fault as a Ray task (one CPU each) on the connected cluster; their result rows."""
     import io
     import tarfile
@@ -408,6 +408,8 @@ def _run_on_ray(ray, names, snap: Path, seeds: str, budget_s: float, runs: int, 
         if row is not None and progress:
             print(f"BROKEN   {n:34s} {row['error'].splitlines()[0]}", flush=True)
         results.append(row if row is not None else _result_of(n, out, runs, progress))
+        if bar is not None:
+            bar.update(1)
     return results
 
 
@@ -435,10 +437,13 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
         shutil.copytree(root, snap / "vtoken")
     pending, running, results = list(names), {}, []
     t_all = time.perf_counter()
+    from vtoken.progress import bar as progress_bar
+
+    bar = progress_bar(total=len(names), desc="planted faults", unit="fault") if progress else None
     if ray is not None:
         pending = []
         try:
-            results = _run_on_ray(ray, names, snap, seeds, budget_s, runs, progress)
+            results = _run_on_ray(ray, names, snap, seeds, budget_s, runs, progress, bar)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     try:
@@ -454,11 +459,15 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
                     continue
                 del running[n]
                 results.append(_finish_fault(n, sh, log, runs, progress))
+                if bar is not None:
+                    bar.update(1)
     finally:
         for p, _, log in running.values():
             p.kill()
             log.close()
         shutil.rmtree(work, ignore_errors=True)
+        if bar is not None:
+            bar.close()
     order = {n: i for i, n in enumerate(names)}
     results.sort(key=lambda r: order.get(r["fault"], 1 << 30))
     all_secs = [x["seconds"] for r in results for x in r["runs"] if x.get("detected")]

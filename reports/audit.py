@@ -587,8 +587,12 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
     checks = [c for c in CHECKS if _selected(c, only)]
     results = []
     interrupted = None  # Ctrl-C: the check it stopped in; the report holds the checks that finished
+    from vtoken.progress import bar as progress_bar
+
+    bar = progress_bar(total=len(checks), desc="audit", unit="check")
     for i, fn in enumerate(checks, 1):
         label = fn.__name__.removeprefix("check_")
+        bar.set_description(f"audit: {label}")
         print(f"[{i}/{len(checks)}] {label} ...", flush=True)
         t0 = time.perf_counter()
         try:
@@ -606,6 +610,8 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
         results.append(res)
         mark = "MEASURED" if res.measurement else {True: "PASS", False: "FAIL", None: "NOT RUN"}[res.passed]
         print(f"      {mark} ({res.seconds:.1f} s) {res.detail}", flush=True)
+        bar.update(1)
+    bar.close()
     verdict = [r for r in results if not r.measurement]
     ran = [r for r in verdict if r.passed is not None]
     report = {

@@ -4,7 +4,7 @@ Spawn (not fork): the table keeps torch tensors and torch's thread pools do not 
 fork reliably. Workers pin torch to one thread so two workers share two cores fairly.
 
 Owns: one spawn process pool per size, reused, shut down at exit (``atexit``).
-May call: concurrent.futures, multiprocessing, torch (thread count); never spec/, invariants/, fuzz/
+May call: concurrent.futures, multiprocessing, torch (thread count), vtoken.progress; never spec/, invariants/, fuzz/
 or reports/.
 Costs: a pool start costs seconds; then O(tasks) scheduling, the tasks' own cost.
 """
@@ -75,24 +75,34 @@ def run_tasks(fn: Callable, args: Iterable[tuple], jobs: int, progress: Callable
 
 
 class Progress:
-    """A progress display on a stream: ``progress(label, done, total)`` prints one line per
-    call at most every ``every`` seconds (and always the last one of a phase), with the time
-    since the display started."""
+    """A progress display on a stream: ``progress(label, done, total)`` moves one bar per
+    phase (``label``; :func:`vtoken.progress.bar`: a terminal only), ``note(msg)`` prints a
+    phase's result line with the time since the display started (always)."""
 
-    def __init__(self, stream=None, every: float = 5.0):
+    def __init__(self, stream=None):
         import sys
 
         self.stream = stream or sys.stderr
-        self.every = every
         self.t0 = time.perf_counter()
-        self._last = 0.0
+        self._bar = None
+        self._label = None
 
     def __call__(self, label: str, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if done < total and now - self._last < self.every:
-            return
-        self._last = now
-        print(f"[{now - self.t0:6.0f} s] {label} {done}/{total}", file=self.stream, flush=True)
+        from ..progress import bar
+
+        if label != self._label or self._bar is None:
+            self.close()
+            self._bar, self._label = bar(total=total, desc=label, unit="run", stream=self.stream), label
+        self._bar.n = done
+        self._bar.refresh()
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar, self._label = None, None
 
     def note(self, msg: str) -> None:
+        self.close()
         print(f"[{time.perf_counter() - self.t0:6.0f} s] {msg}", file=self.stream, flush=True)
