@@ -683,7 +683,7 @@ class AdapterMachine(RuleBasedStateMachine):
 
         ad = self.vt.ad
         p, fill, i = self._fill_out_of_its_list()
-        chk, lst = ad.check, ad.req_to_blocks[p.req_id]
+        chk, lst = ad.checker, ad.req_to_blocks[p.req_id]
         saved = chk.touched_requests, chk.touched_lists, chk.new_entries, ad.reserve.fresh
         chk.touched_requests, chk.touched_lists, chk.new_entries, ad.reserve.fresh = set(), set(), [], {}
         lst[i] = fill
@@ -708,7 +708,7 @@ class AdapterMachine(RuleBasedStateMachine):
             run.check_ledger()
             # the runtime checks' incremental view (a cache of the full scan) must never
             # disagree with the full scan: a false alarm is a bug in the checks
-            assert not run.ad.check.false_alarms, f"incremental runtime check false alarm: {run.ad.check.false_alarms[0]}"
+            assert not run.ad.checker.false_alarms, f"incremental runtime check false alarm: {run.ad.checker.false_alarms[0]}"
         self.snapshots_done = self.vt.check_snapshots(self.snapshots_done)
 
     @invariant()

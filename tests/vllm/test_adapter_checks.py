@@ -44,12 +44,12 @@ def _swap_an_untouched_entry(ad):
 def _hooks_until_caught(d, ad, limit):
     from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
 
-    start = ad.check.hooks
+    start = ad.checker.hooks
     for _ in range(limit):
         try:
             d.step()
         except AdapterAssumptionError as e:
-            return ad.check.hooks - start, e
+            return ad.checker.hooks - start, e
     return None, None
 
 
@@ -106,7 +106,7 @@ def test_incremental_mode_scans_less_than_the_pool(model):
         if not ad.has_work():
             break
         d.step()
-    assert ad.check.hooks >= 40 and ad.check.full_scans <= ad.check.hooks // 16 + 1
+    assert ad.checker.hooks >= 40 and ad.checker.full_scans <= ad.checker.hooks // 16 + 1
 
 # ---------------------------------------------------------------- what the per-step work looks at
 # An all-dead tail block stays (it is still written) and is released once the tail moves to
@@ -163,9 +163,9 @@ def test_an_adapter_event_on_the_request_checks_its_holdings_on_that_hook(model)
     ad, d, r = _holding(model, 1 << 20)  # no full scan in reach
     blk = next(iter(ad.held[r].values()))
     ad.pool.free_blocks([blk])
-    ad.check.touch([r])  # what the adapter's own events on r do (launch, report, release, free)
+    ad.checker.touch([r])  # what the adapter's own events on r do (launch, report, release, free)
     with pytest.raises(Exception) as e:
-        ad.check.after_hook("test")
+        ad.checker.after_hook("test")
     assert getattr(e.value, "check", None) == "ownership" and f"block {blk.block_id}" in str(e.value)
 
 
@@ -176,9 +176,9 @@ def test_a_block_entering_a_list_while_the_adapter_holds_it_is_caught_on_that_ho
 
     ad, d, r = _holding(model, 1 << 20)
     blk = next(iter(ad.held[r].values()))
-    ad.check.touch_entries([("q9", blk.block_id)])  # as if vLLM had allocated it to q9
+    ad.checker.touch_entries([("q9", blk.block_id)])  # as if vLLM had allocated it to q9
     with pytest.raises(AdapterAssumptionError) as e:
-        ad.check.check_touched("test")  # the incremental check alone (after_hook confirms with a full scan)
+        ad.checker.check_touched("test")  # the incremental check alone (after_hook confirms with a full scan)
     assert e.value.check == "ownership" and f"block {blk.block_id}" in str(e.value) and "'q9'" in str(e.value)
 
 

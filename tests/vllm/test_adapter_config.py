@@ -72,8 +72,8 @@ def test_good_adapter_fields_are_taken_as_plain_values():
 
     ad = VTokenAdapter(block_size=np.int64(8), num_blocks=np.int32(32), max_plans_per_step=np.int64(2),
                        check_full_every=np.int16(3), checks=np.bool_(True))
-    assert (ad.S, ad.N, ad.max_plans_per_step, ad.check.full_every) == (8, 32, 2, 3)
-    assert all(type(x) is int for x in (ad.S, ad.N, ad.max_plans_per_step, ad.check.full_every))
+    assert (ad.S, ad.N, ad.max_plans_per_step, ad.checker.full_every) == (8, 32, 2, 3)
+    assert all(type(x) is int for x in (ad.S, ad.N, ad.max_plans_per_step, ad.checker.full_every))
     ad.close()
 
 

@@ -77,12 +77,12 @@ def test_a_fill_put_back_in_its_list_is_caught_by_the_incremental_check(model):
     plan, fill, i = fill_in_flight()
     lst = ad.req_to_blocks[plan.req_id]
     assert lst[i] is ad.pool.null_block
-    ad.check.check_touched("before")  # what changed so far is checked (and consumed): nothing is touched now
+    ad.checker.check_touched("before")  # what changed so far is checked (and consumed): nothing is touched now
     lst[i] = ad.block(fill)
     with pytest.raises(AdapterAssumptionError,
                        match=rf"\[null_substitution\]: probe: block {fill} \(a source or fill\) of plan "
                              rf"{plan.id} is still in request"):
-        ad.check.check_touched("probe")
+        ad.checker.check_touched("probe")
 
 
 # ---------------------------------------------------------------------------- a shared fill at apply

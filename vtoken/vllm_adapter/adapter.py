@@ -70,7 +70,7 @@ destinations and fills (whose hash is dropped at launch: their bytes change) nev
 a request's list again, so vLLM never hashes them.
 Owns: the vLLM scheduler instance it drives (through ``hooks``), the token table the
 worker writes, the rooms it builds (``held``: every applied destination and fill;
-``reserve``, ``book``, ``mirror``, ``fence``, ``hashes``, ``check``); vLLM owns the request
+``reserve``, ``book``, ``mirror``, ``fence``, ``hashes``, ``checker``); vLLM owns the request
 lists.
 May call: vLLM's scheduler and ``BlockPool`` (``_free_cow_retained_blocks``, the free
 count), ``vtoken.planner`` (through ``plans``), ``vtoken.table``, its rooms; never spec/,
@@ -229,13 +229,13 @@ class VTokenAdapter:
         self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=c.evict_unfaithful_hashes)
         # the lifecycle room (shared with every path); its frees go to vLLM at their fence
         self.ledger = PlanLedger(self.free_ids, self.stats)
-        self.check = RuntimeChecks(harness=self.harness, table=self.table, reserve=self.reserve, held=self.held,
+        self.checker = RuntimeChecks(harness=self.harness, table=self.table, reserve=self.reserve, held=self.held,
                                    mirror=self.mirror, fence=self.fence, plans=self.ledger.in_flight,
                                    pending_release=self.pending_release, full_every=c.check_full_every,
                                    paranoid=c.paranoid_checks)
         self.book = PlanBook(self.ledger, harness=self.harness, table=self.table, cfg=self.cfg, stats=self.stats,
                              reserve=self.reserve, held=self.held, mirror=self.mirror, fence=self.fence,
-                             hashes=self.hashes, check=self.check, requests=self, gone_fence=self.gone_fence,
+                             hashes=self.hashes, checker=self.checker, requests=self, gone_fence=self.gone_fence,
                              max_plans_per_step=self.max_plans_per_step, checks=self.checks)
 
     @classmethod
@@ -311,7 +311,7 @@ class VTokenAdapter:
 
     def check_all(self) -> None:
         """Run every runtime check now (tests call this between steps)."""
-        self.check.check_all()
+        self.checker.check_all()
 
     def has_work(self) -> bool:
         return bool(self.scheduler.has_requests())
@@ -432,10 +432,10 @@ class VTokenAdapter:
             for b in self.table.take_lone_dead():
                 self.release_todo |= self.mirror.holders(b)
             self.book.stale_bounds |= tab | lists
-            self.check.touch_lists(lists)  # their lists and tables; ownership changes with the adapter's own events
+            self.checker.touch_lists(lists)  # their lists and tables; ownership changes with the adapter's own events
         new = self.mirror.take_new_ids()
         if new and self.checks:
-            self.check.touch_entries(new)  # blocks vLLM put in a list: never one the adapter holds
+            self.checker.touch_entries(new)  # blocks vLLM put in a list: never one the adapter holds
         if self.tail_wait:  # O(requests whose all-dead tail was kept)
             t = self.table
             for r, b in list(self.tail_wait.items()):
@@ -452,7 +452,7 @@ class VTokenAdapter:
             sched_out.vtoken = StepMeta(seq=0, reclaim=self.reclaim)
             self.reserve.after_empty_step()
             if self.checks:
-                self.check.after_hook("after schedule (empty step)")
+                self.checker.after_hook("after schedule (empty step)")
             return
         seq = sched.sched_step_seq
         self.steps += 1
@@ -465,7 +465,7 @@ class VTokenAdapter:
             self.book.plan(meta, self.steps)
         sched_out.vtoken = meta
         if self.checks:
-            self.check.after_hook(f"after scheduling step {seq}")
+            self.checker.after_hook(f"after scheduling step {seq}")
 
     def _release_empty(self, meta: StepMeta) -> None:
         """Blocks whose tokens were all evicted: null-substituted and freed at fence ``seq``
@@ -498,7 +498,7 @@ class VTokenAdapter:
             if out:
                 meta.releases[r] = out
                 self.stats["released_empty"] += len(out)
-                self.check.touch([r])
+                self.checker.touch([r])
 
     def _on_request_free(self, request) -> None:
         """Preemption or finish: free the request's destinations with vLLM's fence for its
@@ -510,7 +510,7 @@ class VTokenAdapter:
         fence = sched.sched_step_seq if not sched._request_blocks_can_be_freed(request) else 0
         dests = self.held.drop_request(r)
         self.tail_wait.pop(r, None)
-        self.check.touch([r])
+        self.checker.touch([r])
         if dests:
             self.free_blocks(dests, fence)
         self.book.orphan(r)
@@ -529,7 +529,7 @@ class VTokenAdapter:
         self.reserve.after_update(plans_in_flight=bool(self.book.plans))
         self._take_changes()
         if self.checks:
-            self.check.after_hook(f"after processing step {meta.seq if meta else '?'}", table=True)
+            self.checker.after_hook(f"after processing step {meta.seq if meta else '?'}", table=True)
 
     def _absorb(self, rep) -> None:
         """The worker's report: full-context lengths for the prefix-hash rules (for requests
@@ -552,8 +552,8 @@ class VTokenAdapter:
         if self.book.plans and self.worker is not None:
             self._absorb(self.worker.synchronize())
             if self.checks:
-                self.check.check_pool("after synchronize")
-                self.check.check_table()
+                self.checker.check_pool("after synchronize")
+                self.checker.check_table()
 
     def close(self) -> dict:
         """Give the headroom back and check that every block returned (``all_returned``)."""
@@ -563,7 +563,7 @@ class VTokenAdapter:
         if sched.has_requests():
             raise AdapterAssumptionError("all_returned", "close() with requests still pending")
         if self.checks:
-            self.check.check_pool("at close")
+            self.checker.check_pool("at close")
         self.reserve.give_back()
         free = self.pool.get_num_free_blocks()
         held = [b.block_id for b in self.pool.blocks if not b.is_null and b.ref_cnt != 0]

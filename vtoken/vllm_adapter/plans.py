@@ -18,7 +18,7 @@ fills and used destinations go to the request (the adapter's ``held``) or back t
 if it is gone, unused destinations back to the headroom, and sources back through vLLM's
 fenced free (``_free_cow_retained_blocks(sources, plan.seq)``).
 May call: what it is given (the ledger, the token table, the rooms ``reserve``, ``held``,
-``mirror``, ``fence``, ``hashes``, ``check``; vLLM's pool and scheduler through the harness;
+``mirror``, ``fence``, ``hashes``, ``checker``; vLLM's pool and scheduler through the harness;
 the request side's six questions, :class:`RequestSide`) and the toolkit's ``plan_hook`` when
 one is attached. It never reads the adapter's attributes.
 Costs: per planning step O(requests whose table changed + requests with a positive bound),
@@ -61,7 +61,7 @@ class PlanBook:
             swap the manager after construction).
         table, cfg, stats: the token table the worker writes, the ``PlannerConfig``, the
             adapter's counters.
-        reserve, held, mirror, fence, hashes, check: the adapter's rooms.
+        reserve, held, mirror, fence, hashes: the adapter's rooms; checker: its runtime checks.
         requests: the request side (:class:`RequestSide`).
         gone_fence: request -> the fence of its freed list (the adapter's dict, read here).
         max_plans_per_step: plans launched per step at most; checks: run the fence check
@@ -69,10 +69,10 @@ class PlanBook:
     """
 
     def __init__(self, ledger: PlanLedger, *, harness, table, cfg, stats: dict, reserve, held, mirror, fence, hashes,
-                 check, requests: RequestSide, gone_fence: dict, max_plans_per_step: int, checks: bool):
+                 checker, requests: RequestSide, gone_fence: dict, max_plans_per_step: int, checks: bool):
         self.ledger, self.harness, self.table, self.cfg, self.stats = ledger, harness, table, cfg, stats
         self.reserve, self.held, self.mirror, self.fence, self.hashes = reserve, held, mirror, fence, hashes
-        self.check, self.requests, self.gone_fence = check, requests, gone_fence
+        self.checker, self.requests, self.gone_fence = checker, requests, gone_fence
         self.max_plans_per_step, self.checks = int(max_plans_per_step), bool(checks)
         self.plan_hook = None  # the toolkit's contract check, attached through the adapter
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
@@ -165,7 +165,7 @@ class PlanBook:
         self.hashes.drop_sources(sources + fills)
         plan.list_index = dict(zip(p.sources + p.fills, self.requests.detach_all(r, sources + fills)))
         self.fence.open(plan)
-        self.check.touch([r])
+        self.checker.touch([r])
         self.ledger.open(plan)
         meta.plans.append(plan)
 
@@ -190,7 +190,7 @@ class PlanBook:
                     "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources or fills "
                     f"{res.shared_sources} are not the request's alone at copy time (referenced by another request, "
                     f"or no longer by it)")
-            self.check.touch([plan.req_id])
+            self.checker.touch([plan.req_id])
             self.requests.look_again(plan.req_id)  # it may release again now that no plan flies
             alive = not plan.orphaned and plan.req_id in self.mirror
             gone_fence = self.gone_fence.get(plan.req_id, 0)
