@@ -281,6 +281,10 @@ def _handle_msg(msg, summary: dict, hard: Counter, t_start: float, progress: boo
         _, k, name, ops, secs, h = msg
         summary["ops"] += ops
         summary["ops_by_machine"][name] = summary["ops_by_machine"].get(name, 0) + ops
+        secs_by = summary.setdefault("seconds_by_machine", {})
+        secs_by[name] = secs_by.get(name, 0.0) + secs
+        # a worker runs one batch at a time: a machine's ops over the seconds workers spent in it
+        summary["ops_per_s_by_machine"] = {m: summary["ops_by_machine"][m] / max(t, 1e-9) for m, t in secs_by.items()}
         hard.update(h)
     elif msg[0] == "failure":
         _, k, name, stem, nsteps, last, files = msg
@@ -603,9 +607,9 @@ def main_fuzz(argv) -> int:
     for err in s["worker_errors"]:
         print(f"a worker crashed (not a failure of a machine): {err}")
     if a.json:
-        print(json.dumps({k: s[k] for k in ("workers", "ops", "seconds", "ops_per_s_per_worker", "failures",
-                                            "hard_states", "interrupted", "ops_by_machine", "machines_unavailable",
-                                            "db_error", "ray", "worker_errors")}))
+        print(json.dumps({k: s.get(k) for k in ("workers", "ops", "seconds", "ops_per_s_per_worker", "failures",
+                                                "hard_states", "interrupted", "ops_by_machine", "ops_per_s_by_machine",
+                                                "machines_unavailable", "db_error", "ray", "worker_errors")}))
     if s["interrupted"]:
         return 130
     if s["db_error"]:

@@ -158,3 +158,12 @@ def test_database_lost_mid_campaign_is_no_failure_of_a_machine(tmp_path):
     assert "db_error" in kinds and "failure" not in kinds, msgs
     assert "ConnectionError" in next(m for m in msgs if m[0] == "db_error")[3]
     assert not (out / "failures").exists()
+
+
+def test_the_summary_gives_each_machines_checked_ops_per_second(tmp_path):
+    s = run_campaign(workers=1, out=tmp_path / "out", machines=["table", "planner"], batch=3, examples=3,
+                     progress=False, profile="ci")
+    per = s["ops_per_s_by_machine"]
+    assert set(per) == {"table", "planner"} and all(v > 0 for v in per.values())
+    for m in per:  # ops over the seconds spent in that machine's batches
+        assert per[m] == pytest.approx(s["ops_by_machine"][m] / s["seconds_by_machine"][m])
