@@ -1,7 +1,6 @@
-"""vtoken: token-level KV-cache virtualization over a block-paged KV cache.
-
-The system lives here; the reference model is ``vtoken.spec`` (folder ``spec/``), the
-checkers ``vtoken.invariants`` (``invariants/``), the fuzzers ``vtoken.fuzz`` (``fuzz/``).
+"""vtoken: token-level KV-cache virtualization over a block-paged KV cache. The system lives
+here; the reference model is ``vtoken.spec`` (``spec/``), the checkers ``vtoken.invariants``
+(``invariants/``), the fuzzers ``vtoken.fuzz`` (``fuzz/``).
 
 Owns: nothing (re-exports ``TokenTable``, ``BlockAllocator`` and the error types).
 May call: vtoken.table, vtoken.allocator, vtoken.errors; never spec/, invariants/, fuzz/ or

@@ -1,26 +1,19 @@
-"""A fixed-budget block allocator with a null block, reference counts and reservations.
+"""A fixed-budget block allocator with a null block, reference counts and reservations,
+with the ownership rules of vLLM's ``BlockPool`` (``vllm/v1/core/block_pool.py``):
 
-Modelled on vLLM's ``BlockPool`` (``vllm/v1/core/block_pool.py``) so the simulator, the
-fuzzers and the decoder exercise the same ownership rules the real pool has:
-
-- Block 0 is the *null block*. It is never handed out, never freed, and never receives a
-  token; freed positions in a request's block list may point at it.
-- Every other block is in exactly one state: FREE (in the free queue, ref 0), USED
-  (ref >= 1: one reference per request holding it; prefix sharing adds references), or
-  RESERVED (taken out of the free queue as evacuation headroom, ref 0, owned by the
-  reclamation manager and invisible to ordinary allocation).
-- ``allocate`` pops from the head of the free queue; ``free`` appends to the tail, so the
-  most recently freed block is reused last (vLLM's LRU order).
+- Block 0 is the *null block*: never handed out, never freed, never receives a token;
+  freed positions in a request's block list may point at it.
+- Every other block is in exactly one state: FREE (in the free queue, ref 0), USED (ref >=
+  1: one reference per holding request), or RESERVED (evacuation headroom, ref 0, owned by
+  the reclamation manager and invisible to ordinary allocation).
+- ``allocate`` pops from the head of the free queue; ``free`` appends to the tail (LRU reuse).
 
 Every call validates its whole input first; a failing call raises
-:class:`~vtoken.errors.AllocatorError` with a code from ``vtoken.errors.ALLOCATOR_CODES`` and
-changes nothing.
-
-Types are checked before any value is used: a count or block id must be an ``int`` or a
-numpy integer (``bool``, floats such as ``3.0``, strings, ``None`` are ``not_integer``); a
-block list is a non-string iterable of them (a 1-D integer numpy array or torch tensor
-included). Block ids beyond int64 are simply out of range (``block_out_of_range``).
-``num_blocks`` is at most ``MAX_BLOCKS`` (the table's and the snapshot schema's limit).
+:class:`~vtoken.errors.AllocatorError` (a code of ``vtoken.errors.ALLOCATOR_CODES``) and
+changes nothing. A count or block id must be an ``int`` or numpy integer (not ``bool``,
+float, string, ``None``: ``not_integer``); a block list a non-string iterable of them (1-D
+integer arrays and tensors included). Ids beyond int64 are ``block_out_of_range``.
+``num_blocks`` <= ``MAX_BLOCKS``.
 
 Owns: the pool's bookkeeping (free queue, per-block ``ref`` and state); whoever called
 ``allocate``/``take_reserved`` holds one reference and must ``free`` it exactly once.
@@ -124,7 +117,6 @@ class BlockAllocator:
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the head of the free queue; the caller holds one reference each.
-
         Checks: ``not_integer``, ``bad_count`` (negative), ``out_of_blocks``. O(n)."""
         n = _count(n, "allocate")
         if n < 0:
@@ -139,10 +131,8 @@ class BlockAllocator:
         return out
 
     def incref(self, blocks: Iterable[int]) -> None:
-        """Add a reference to used blocks (a prefix-cache hit shares them).
-
-        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``; then per
-        block ``not_allocated``. O(blocks)."""
+        """Add a reference to used blocks (a prefix-cache hit shares them). Checks: ``not_integer``;
+        per block ``block_out_of_range``, ``null_block``; then per block ``not_allocated``. O(blocks)."""
         blocks = _block_list(blocks, "incref")
         self._check_ids(blocks, "incref")
         for b in blocks:
@@ -152,13 +142,10 @@ class BlockAllocator:
             self.ref[b] += 1
 
     def free(self, blocks: Iterable[int]) -> list[int]:
-        """Drop one reference from each block; blocks reaching zero go to the queue tail.
-
-        Returns the blocks that became free. A block named more times than it has
-        references, or a block that is free or reserved, is a double free.
-        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``; then per
-        distinct block ``double_free``. O(blocks).
-        """
+        """Drop one reference from each block; blocks reaching zero go to the queue tail and are
+        returned. Naming a block more times than its references, or a free or reserved one, is a
+        double free. Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``; then
+        per distinct block ``double_free``. O(blocks)."""
         blocks = _block_list(blocks, "free")
         self._check_ids(blocks, "free")
         drops = collections.Counter(blocks)
@@ -178,9 +165,8 @@ class BlockAllocator:
 
     # -- headroom reservations ---------------------------------------------------------------
     def reserve(self, n: int) -> list[int]:
-        """Move ``n`` free blocks into the reserved state (evacuation headroom).
-
-        Checks: ``not_integer``, ``bad_count`` (negative), ``out_of_blocks``. O(n)."""
+        """Move ``n`` free blocks into the reserved state (evacuation headroom). Checks:
+        ``not_integer``, ``bad_count`` (negative), ``out_of_blocks``. O(n)."""
         n = _count(n, "reserve")
         if n < 0:
             raise AllocatorError("bad_count", f"reserve({n})")
@@ -206,9 +192,8 @@ class BlockAllocator:
 
     def take_reserved(self, blocks: Iterable[int]) -> None:
         """Hand reserved blocks to a request (compaction destinations): RESERVED -> USED, ref 1.
-
-        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``;
-        ``duplicate_block``; per block ``not_reserved``. O(blocks)."""
+        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``; ``duplicate_block``;
+        per block ``not_reserved``. O(blocks)."""
         blocks = self._reserved_list(blocks, "take_reserved")
         for b in blocks:
             self.state[b] = USED
@@ -216,10 +201,8 @@ class BlockAllocator:
         self._num_reserved -= len(blocks)
 
     def unreserve(self, blocks: Iterable[int]) -> None:
-        """Return reserved blocks to the free queue.
-
-        Checks: ``not_integer``; per block ``block_out_of_range``, ``null_block``;
-        ``duplicate_block``; per block ``not_reserved``. O(blocks)."""
+        """Return reserved blocks to the free queue. Checks: ``not_integer``; per block
+        ``block_out_of_range``, ``null_block``; ``duplicate_block``; per block ``not_reserved``. O(blocks)."""
         blocks = self._reserved_list(blocks, "unreserve")
         for b in blocks:
             self.state[b] = FREE

@@ -1,15 +1,10 @@
-"""Argument checks shared by every ``vtoken`` command (argparse ``type=`` functions): the
-system's commands (``vtoken/cli/``) and the toolkit's (``fuzz``, ``audit``, the pytest
-plugins' options). A leaf of the system, so the toolkit never reaches into the command layer.
+"""Argument checks shared by every ``vtoken`` command (argparse ``type=`` functions), the
+system's (``vtoken/cli/``) and the toolkit's (``fuzz``, ``audit``, the pytest plugins').
 
-Each returns the converted value or raises :class:`argparse.ArgumentTypeError` with what is
-wrong; argparse then prints ``vtoken <cmd>: error: argument --x: <what is wrong>`` and exits
-2, before the command does anything. Nothing here creates, writes or connects: an output
-folder is checked for being creatable and writable, a ``redis://`` URL for its syntax (and
-the ``redis`` package), a JSON input is read and checked for its kind.
-
-Validation that depends on several arguments belongs right after ``parse_args``, as
-``ap.error(...)``.
+Each returns the converted value or raises :class:`argparse.ArgumentTypeError` saying what is
+wrong (argparse then exits 2 before the command runs). An output folder is checked for being
+creatable and writable, a ``redis://`` URL for its syntax (and the ``redis`` package), a JSON
+input for its kind; checks over several arguments go after ``parse_args`` (``ap.error``).
 
 Owns: nothing (pure ``type=`` checks: nothing created, written or connected).
 May call: argparse, json, os, pathlib, urllib.parse, importlib.util; torch only for ``device``; no

@@ -2,51 +2,24 @@
 
 ``KVCopyEngine`` implements the planner's copy-engine protocol (``launch(plan) -> handle``,
 ``poll(handle)``, ``wait(handle)``; see ``vtoken.planner.NullCopyEngine``) over a
-:class:`~vtoken.kvcache.KVCache`. One plan is ONE batched gather/scatter over every layer's
-K and V (``KVCache.copy_slots`` on ``slot = block * S + offset`` from the move columns); no
-per-token Python loop anywhere.
+:class:`~vtoken.kvcache.KVCache` (``KVCache.copy_slots``).
 
-CUDA ordering (the I3 argument)
--------------------------------
-``launch`` is called after the step's forward pass has been issued on the compute stream.
+CUDA ordering (I3). ``launch`` runs after the step's forward was issued on the compute
+stream: (1) the relocation stream ``wait_stream``s the compute stream, so the copy reads
+the sources after every K/V write issued so far; (2) it copies, then records an event;
+(3) ``wait_before_attention()`` makes the compute stream ``wait_event`` on every pending
+event (device side); (4) ``poll`` answers ``done`` only once ``event.query()`` does, so the
+planner frees sources only after the copy out of them finished; (5) ``wait`` is a host
+``event.synchronize()``. ``record_stream`` and the handle keep the index tensors alive
+until the copy is seen done. CPU: the copy runs at ``launch``, or at the k-th ``poll`` of
+its handle with ``lag=k`` (a late relocation stream, for tests).
 
-1. The relocation stream first ``wait_stream``s the compute stream, so the copy reads the
-   sources only after every K/V write issued so far (the forward pass) has landed.
-2. The copy runs on the relocation stream; then an event is recorded on that stream.
-3. ``wait_before_attention()`` makes the compute stream ``wait_event`` on every pending
-   event: a device-side dependency, the host never blocks.
-4. ``poll`` answers ``done`` only once ``event.query()`` says the copy has completed, so the
-   planner hands destinations to the request and frees the sources (``apply``) only after
-   the copy out of them finished: nothing can be reallocated and overwritten under it.
-   A copy that ``poll`` reported done is no longer pending (nothing left to wait for).
-5. ``wait`` is a host ``event.synchronize()`` (the force-sync ablation).
-
-The index tensors are made on the compute stream and used on the relocation stream:
-``record_stream`` tells the caching allocator, and the handle keeps them alive until the
-copy is observed done. Temporaries of the copy itself are allocated inside the
-relocation stream's context and are therefore stream-ordered there.
-
-CPU
----
-The copy is synchronous at ``launch`` and the same lifecycle is followed (``poll`` ->
-``done``). ``lag=k`` (tests, simulation) defers the copy itself until the k-th ``poll`` of
-its handle, the CPU stand-in for a relocation stream that is running late: it lets tests
-see what happens when something touches a plan's blocks while its copy is "in flight".
-
-Failed copies
--------------
-``fail_next_copy = True``: the next launch copies only part of its moves and reports
-``failed`` (the planner then aborts). Nothing here plants a bug: faulty engines for the
-checks (a flipped byte, a skipped move, a dropped wait, an event on the wrong stream, a
-release before the event) are subclasses in the toolkit (``vtoken.fuzz.faulty_engines``)
-overriding the small steps below (``_copy``, ``_select``, ``_record_done``, ``poll``,
-``wait_before_attention``); the system takes an engine factory wherever it builds one.
-
-Sentinel mode (``sentinel=True``, a test mode): before each copy the destination slots
-are filled with a sentinel (``finfo(dtype).max``) on the compute stream, and on CUDA the
-relocation stream is delayed by ``torch.cuda._sleep(sleep_cycles)`` before copying, so a
-missing or misplaced wait shows up as sentinel values in attention's inputs
-(:meth:`KVCopyEngine.contains_sentinel`).
+``fail_next_copy = True``: the next launch copies part of its moves and reports ``failed``.
+Faulty engines are toolkit subclasses (``vtoken.fuzz.faulty_engines``) overriding the small
+steps (``_copy``, ``_select``, ``_record_done``, ``poll``, ``wait_before_attention``).
+``sentinel=True`` (a test mode): destinations are filled with ``finfo(dtype).max`` before
+each copy and, on CUDA, the relocation stream is delayed, so a missing wait shows as
+sentinels in attention's inputs.
 
 Owns: the relocation stream and each pending copy's handle (index tensors, event) until seen done;
 no blocks, no table state (which blocks it copies, and when they are freed, is the planner's).
@@ -73,9 +46,8 @@ __all__ = ["KVCopyEngine", "CopyHandle", "checker_factory"]
 
 def checker_factory(value, who: str):
     """Validate a relocation-checker hook: None / False (no checks) or a callable
-    ``(kv, table, **kwargs) -> checker`` whose checker has ``wrap(engine)``. The system takes
-    the toolkit's checker as this hook and never imports it; ``True`` is refused because
-    the system cannot name a default without importing the toolkit."""
+    ``(kv, table, **kwargs) -> checker`` whose checker has ``wrap(engine)``; ``True`` is refused
+    (the system never imports the toolkit's default)."""
     if value is None or value is False:
         return None
     if value is True or not callable(value):
@@ -105,16 +77,10 @@ class CopyHandle:
 
 
 class KVCopyEngine:
-    """Copies a plan's moves for all layers, on a relocation stream on CUDA.
-
-    Args:
-        kv: the cache the moves refer to.
-        block_size: ``S`` of the plan's ``(block, offset)`` pairs (must match the cache).
-        force_sync: ``poll`` behaves like ``wait`` (host synchronisation on every copy).
-        lag: CPU only, copies run on the ``lag``-th poll (0: at launch).
-        sentinel, sleep_cycles: the I3 test mode (see the module docstring).
-        timed: on CUDA, record timing events around each copy (``copy_ms``).
-    """
+    """Copies a plan's moves for all layers of ``kv``, on a relocation stream on CUDA.
+    ``block_size``: the plans' ``S`` (the cache's); ``force_sync``: ``poll`` acts as ``wait``;
+    ``lag`` (CPU): copies run on the ``lag``-th poll; ``sentinel``, ``sleep_cycles``: the I3 test
+    mode; ``timed`` (CUDA): timing events (``copy_ms``)."""
 
     def __init__(self, kv: KVCache, block_size: int, force_sync: bool = False, lag: int = 0,
                  sentinel: bool = False, sleep_cycles: int = 200_000_000, timed: bool = False):
@@ -272,12 +238,8 @@ class KVCopyEngine:
         return self._finish(h)
 
     def wait_before_attention(self) -> list:
-        """Make the compute stream wait (device side) for every copy not yet observed done.
-
-        Called before each step's attention; returns the plan ids waited on (the engine
-        records them as fences). A no-op on the CPU (copies are synchronous, or, with
-        ``lag``, run before they are reported done).
-        """
+        """Make the compute stream wait (device side) for every copy not yet observed done; called
+        before each step's attention. Returns the plan ids waited on. A no-op on the CPU."""
         if not self.is_cuda:
             return []
         compute = torch.cuda.current_stream(self.device)
@@ -307,10 +269,8 @@ class KVCopyEngine:
 
     # ------------------------------------------------------------------ sentinel check
     def contains_sentinel(self, slots: torch.Tensor) -> bool:
-        """True when any layer's K or V at ``slots`` holds the sentinel (I3 test mode).
-
-        Reads on the current (compute) stream, as attention would; forces a host sync.
-        """
+        """True when any layer's K or V at ``slots`` holds the sentinel (I3 test mode); reads on the
+        compute stream, as attention would, and forces a host sync."""
         s = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         if s.numel() == 0:
             return False

@@ -1,11 +1,8 @@
 """Errors raised by vtoken.
 
-Every error carries a stable ``code`` string. The codes are the contract shared with the
-reference model in ``spec/`` (which raises its own exception type with the same codes), so
-the conformance fuzzers compare *what* went wrong without either side importing the other.
-
-A failed operation never changes state: every mutating call validates its whole input
-before it writes anything.
+Every error carries a stable ``code``, shared with the reference model in ``spec/`` (its own
+exception type, the same codes), so the fuzzers compare what went wrong. A failed operation
+never changes state: every mutating call validates its whole input before writing.
 
 Owns: nothing (the exception classes and the code lists).
 May call: the standard library only; never spec/, invariants/, fuzz/ or reports/.

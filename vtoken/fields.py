@@ -1,12 +1,9 @@
-"""Field checks of configuration objects, one vocabulary for every constructor of the system
-(``PlannerConfig``, ``DecodeEngine``, ``VTokenAdapter`` / ``VTokenWorker``, the simulator's
-objects).
+"""Field checks of configuration objects, one vocabulary for every constructor of the system.
 
-Each ``need_*`` returns the value as a plain Python ``bool`` / ``int`` / ``float`` (numpy
-scalars converted) or raises :class:`~vtoken.errors.ConfigError` naming ``Owner.field`` and
-the value: ``bad_type`` for the wrong kind of value, ``out_of_range`` for one outside its
-range, with the message ``<Owner>.<field> must be <what>, got <value>``. A bool is not a
-number here, nor a float an integer. Owners call them first, before they build anything.
+Each ``need_*`` returns the value as a plain Python ``bool`` / ``int`` / ``float`` or raises
+:class:`~vtoken.errors.ConfigError` (``bad_type`` or ``out_of_range``) with the message
+``<Owner>.<field> must be <what>, got <value>``. A bool is not a number here, nor a float an
+integer. Owners call them before they build anything.
 
 Owns: nothing (pure checks).
 May call: numpy, math, vtoken.errors; torch only for :func:`need_device`; never spec/,

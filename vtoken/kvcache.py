@@ -1,25 +1,13 @@
 """The physical paged KV cache: one tensor, addressed by token slots.
 
-Layout
-------
-``kv`` has shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 of dim 1 is K, index 1 is V). Every method works through the flat view
-``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` in which a token's
-*slot* is ``block * block_size + offset`` (paper Eq. 2).
+``kv`` has shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (dim 1:
+0 is K, 1 is V), used through the flat view ``[num_layers, 2, num_blocks * block_size,
+num_kv_heads, head_dim]``, where a token's *slot* is ``block * block_size + offset`` (paper
+Eq. 2): one index op along dim 2 reaches every layer's K and V of a token.
 
-Why one tensor with the slot dimension third: a token's K and V for *every* layer live
-at the same slot index, so relocating tokens (``copy_slots``) or hashing them
-(``slot_bytes``) is a single ``index_select`` / ``index_copy_`` along dim 2 that moves all
-layers at once, instead of ``2 * num_layers`` separate copies. Per-layer reads and writes
-(``gather`` / ``write``) index the same view with the layer fixed.
-
-Validation
-----------
-With ``checked=True`` (the default) every call checks that slots are 1-D int64, inside
-``[0, num_blocks * block_size)`` and, where a write target is named twice, rejects it.
-Negative slots are rejected explicitly: torch would otherwise wrap them around to the end
-of the cache (bug class 5, wrong-slot writes). The checks read values back to the host,
-so a CUDA user on a hot path may pass ``checked=False``; the CPU cost is negligible.
+``checked=True`` (default): every call checks that slots are 1-D int64 inside ``[0,
+num_blocks * block_size)`` (negative ones included, which torch would wrap) and that no
+write target is named twice; ``checked=False`` skips the host read-back this costs.
 
 Owns: the K/V storage tensor only; which slots are live and who holds them is the table's and the
 allocator's (freeing a block is a metadata act there); it never frees or zeroes on its own.
@@ -39,14 +27,8 @@ __all__ = ["KVCache"]
 
 
 class KVCache:
-    """Paged K/V storage for all layers, addressed by token slot.
-
-    Args:
-        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the geometry.
-        dtype: storage dtype (K/V are cast to it on write; readers cast back).
-        device: where the tensor lives.
-        checked: validate slot arguments (see module docstring).
-    """
+    """Paged K/V storage for all layers, addressed by token slot: the geometry, ``dtype`` (K/V
+    cast to it on write), ``device``, ``checked`` (validate slot arguments)."""
 
     def __init__(
         self,
@@ -129,11 +111,8 @@ class KVCache:
 
     # ------------------------------------------------------------------ per layer
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k[i]``, ``v[i]`` (each ``[n, H, D]``) at ``slots[i]`` of ``layer``.
-
-        The caller owns the slots (they must be allocated to the writing request). Slots
-        must be distinct: two writes to one slot in a single call have no defined winner.
-        """
+        """Store ``k[i]``, ``v[i]`` (each ``[n, H, D]``) at ``slots[i]`` of ``layer``. The slots are
+        the caller's (allocated to the writing request) and distinct."""
         self._check_layer(layer)
         s = self._slots(slots, "write", unique=True)
         shape = (s.numel(), self.num_kv_heads, self.head_dim)
@@ -143,25 +122,17 @@ class KVCache:
         self._flat[layer, 1].index_copy_(0, s, v.to(self.dtype))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` at ``slots``, in the given order, as new ``[n, H, D]`` tensors.
-
-        ``index_select`` copies the bytes exactly, so the result depends only on the bytes
-        stored at those slots and their order, never on where the slots are.
-        """
+        """K and V of ``layer`` at ``slots``, in the given order, as new ``[n, H, D]`` tensors:
+        exact bytes, so the result never depends on where the slots are."""
         self._check_layer(layer)
         s = self._slots(slots, "gather")
         return self._flat[layer, 0].index_select(0, s), self._flat[layer, 1].index_select(0, s)
 
     # ------------------------------------------------------------------ all layers
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy every layer's K and V from ``src_slots[i]`` to ``dst_slots[i]``.
-
-        Semantics are those of a *parallel* copy: all sources are gathered into a
-        temporary first, then scattered, so a destination that is also a source in the
-        same call receives the source's *old* bytes (overlapping lists are safe).
-        Destinations must be distinct. Sources are left untouched; freeing them is the
-        caller's decision (and, on an async backend, only after the copy completed).
-        """
+        """Copy every layer's K and V from ``src_slots[i]`` to ``dst_slots[i]``, as a *parallel*
+        copy (a destination that is also a source gets the old bytes). Destinations distinct;
+        sources untouched (freeing them is the caller's, after the copy completed)."""
         src = self._slots(src_slots, "copy_slots src")
         dst = self._slots(dst_slots, "copy_slots dst", unique=True)
         if src.numel() != dst.numel():
@@ -177,22 +148,16 @@ class KVCache:
         self._flat.index_fill_(2, s, value)
 
     def slot_bytes(self, slots: torch.Tensor) -> torch.Tensor:
-        """Raw bytes of each token's K/V over all layers: uint8 ``[n, bytes_per_token]``.
-
-        Row ``i`` is the bytes of ``kv[:, :, slot_i]`` in ``(layer, k/v, head, dim)`` order.
-        The floats are reinterpreted (``view(torch.uint8)``), never converted or rounded,
-        so -0.0 vs 0.0 and NaN payloads are distinguished. Returned on this cache's device.
-        """
+        """Raw bytes of each token's K/V over all layers: uint8 ``[n, bytes_per_token]`` on this
+        cache's device, row ``i`` in ``(layer, k/v, head, dim)`` order, reinterpreted, never
+        converted (-0.0 and NaN payloads are distinguished)."""
         s = self._slots(slots, "slot_bytes")
         per_tok = self._flat.index_select(2, s).permute(2, 0, 1, 3, 4).contiguous()
         return per_tok.view(torch.uint8).reshape(s.numel(), self.bytes_per_token)
 
     def slot_digests(self, slots: torch.Tensor) -> np.ndarray:
-        """xxh3-64 digest of each token's ``slot_bytes`` row: uint64 ``[n]`` (host side).
-
-        For hash-and-compare of I1 (token conservation): digest the live tokens before a
-        relocation, apply it, digest their new slots, compare in logical order.
-        """
+        """xxh3-64 digest of each token's ``slot_bytes`` row: uint64 ``[n]`` (host side), for
+        the hash-and-compare of I1."""
         rows = self.slot_bytes(slots).cpu().numpy()
         return np.fromiter((xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows),
                            dtype=np.uint64, count=rows.shape[0])

@@ -1,34 +1,14 @@
 """The reclamation manager: stages 1-3 of the paper's backend (section 3.3) and the plan lifecycle.
 
-Stage 1 (eligibility): the waste ratio F is read from the table's incremental totals
-(O(1)); eligibility is checked every ``check_every`` scheduler steps by
-:func:`should_reclaim`, the one trigger every driver calls: F > ``theta_f``, or any waste
-once free blocks are at or below the low watermark (derived from the pool and the running
-requests by :func:`low_watermark` unless set; see :class:`PlannerConfig`).
+Stage 1 (eligibility): :func:`should_reclaim` every ``check_every`` scheduler steps, over the
+table's waste ratio F (O(1)) and the free blocks (:class:`PlannerConfig`). Stage 2
+(headroom-aware admission): ``headroom`` blocks are *reserved* in the allocator, out of the
+same budget; ``backpressure`` stops admissions while it is short. Stage 3 (planning), per
+request: :func:`propose` (in place by default, so the headroom is 0 by default).
 
-Stage 2 (headroom-aware admission): ``headroom`` blocks are *reserved* in the allocator
-(carved out of the same budget, never extra memory). ``backpressure`` tells the scheduler
-to stop admitting new requests while the headroom is short.
-
-Stage 3 (planning), per request: candidates are the request's blocks that are private
-(referenced only by it), not its tail (the block holding its last position, which is still
-being written), not in an in-flight plan and not full, sorted by live count. In place (the
-default, ``PlannerConfig.in_place``) the emptiest ``min(B, floor(holes / S))`` are the
-sources and their live tokens go into the holes of the next candidates (the plan's
-*fills*, which stay the request's; ``vtoken.placement.holes``): no destination block, so
-the headroom is 0 by default. Out of place (the paper's) the best prefix (at most
-``max_sources`` blocks) by ``sources - ceil(T_live / S)`` is taken, only with the
-destinations the headroom can give (the set is shrunk otherwise, or the plan is
-deferred), filled completely one after another in logical token order
-(``vtoken.placement.place``).
-
-Lifecycle: ``planned -> copying -> completed -> applied`` (or ``aborted``). The copy engine
-copies the K/V; only once its completion is observed are destination blocks handed to the
-request, the table updated, and the source blocks freed -- never at planning time (fills
-are busy until then: no other plan, release or free touches them). Tokens
-evicted while their copy was in flight are left dead where they were (a destination no
-live token landed in goes back to the headroom); a plan one of whose sources became
-shared meanwhile (a prefix-cache hit) is aborted, since shared blocks never move.
+Lifecycle: ``planned -> copying -> completed -> applied`` (or ``aborted``): destinations go to
+the request, the table is updated and the sources freed only once the copy's completion is
+observed (:class:`ReclamationManager`, :func:`apply_completed`).
 
 Owns: the headroom reservation and the plans in flight (snapshots, history); it frees an applied
 plan's sources; the scheduler owns the other blocks and learns of each plan via ``on_applied``.
@@ -76,14 +56,10 @@ class Proposal:
 
 
 def reclaim_bound(table: TokenTable, req_id, tail=OWN_TAIL) -> int:
-    """Upper bound on the blocks a plan for ``req_id`` can free (O(1)); ``tail``: the block
-    being written (None: none; default: the table's ``tail_block``).
-
-    Exact when every other block is eligible and neither B nor the headroom binds: the tail
-    stays, the rest packs into ``ceil(live outside the tail / S)`` blocks. A request at or
-    below 0 cannot gain. (The tail's live count is at least the request's own live tokens
-    there, so the bound never undercounts.)
-    """
+    """Upper bound on the blocks a plan for ``req_id`` can free (O(1); never undercounts):
+    the tail stays, the rest packs into ``ceil(live outside the tail / S)`` blocks, exact when
+    every other block is eligible and neither B nor the headroom binds. ``tail``: the block
+    being written (None: none; default: the table's ``tail_block``)."""
     n_blocks, n_live, has_tail, in_tail = table.reclaim_inputs(req_id, tail)
     return int(_bound(n_blocks, n_live, int(has_tail), in_tail, table.S))
 
@@ -106,27 +82,21 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
             in_place: bool = True) -> tuple[Optional[Proposal], bool]:
     """Stage 3 for one request: the best plan, or ``None`` when no positive reduction fits.
 
-    Candidates are the request's blocks that only it references (``refs == 1``), that are
-    not its ``tail``, not full of live tokens and not ``excluded`` (a bool mask over all
-    blocks, or an array of block ids: in-flight plans' blocks, blocks the substrate shares,
-    blocks the caller does not hold for the request), sorted by live count (block id breaks
-    ties, so the result is deterministic).
-
-    ``in_place`` (the default, ``PlannerConfig.in_place``): sources are the first
+    Candidates: the request's blocks that only it references (``refs == 1``), not its ``tail``,
+    not full of live tokens, not ``excluded`` (a bool mask over all blocks, or block ids),
+    sorted by live count, block id breaking ties. ``in_place`` (default): sources are the first
     ``m = min(B, floor(H / S))`` candidates, H the holes (slots without a live token) of all
-    candidates; their live tokens go into the holes of the next candidates in the same
-    order (the plan's ``fills``, as many as they need; :func:`vtoken.placement.holes`), so a
-    plan moves exactly the live tokens of the blocks it frees and needs no destination: no
-    plan frees more (whatever the sources, moved - holes left = m S - H). ``in_place=False``
-    (the paper's out-of-place compaction): the best prefix of at most ``max_sources``
-    candidates by ``sources - ceil(T_live / S)``, among those whose destinations fit in
-    ``headroom`` (and ``max_dests``), packed into the first ``ceil(T_live / S)`` headroom
-    blocks in logical order (:func:`vtoken.placement.place`).
+    candidates; their live tokens go into the holes of the next candidates in order (the
+    plan's ``fills``; :func:`vtoken.placement.holes`): no destination, exactly the live tokens
+    of the freed blocks move, and no plan frees more. ``in_place=False`` (the paper's): the best
+    prefix of at most ``max_sources`` candidates by ``sources - ceil(T_live / S)`` whose
+    destinations fit in ``headroom`` (and ``max_dests``), packed into the first ``ceil(T_live /
+    S)`` headroom blocks in logical order (:func:`vtoken.placement.place`).
 
     Returns ``(proposal, worthwhile)``: ``worthwhile`` says a positive reduction existed
     without the headroom limit (a ``None`` proposal with ``worthwhile`` is a deferral).
-    Reads only; cost O(blocks of the request + its length x log B (+ fills x S)). The
-    contract is ``vtoken.spec.planner.plan_errors`` / ``best_reduction``.
+    Reads only; O(blocks of the request + its length x log B (+ fills x S)). The contract is
+    ``vtoken.spec.planner.plan_errors`` / ``best_reduction``.
     """
     S = table.S
     limit = len(headroom) if max_dests is None else max(0, min(int(max_dests), len(headroom)))
@@ -206,18 +176,13 @@ def apply_completed(table: TokenTable, req_id, sources: Sequence[int], moves: np
                     fills: Sequence[int] = ()) -> Applied:
     """Apply a plan whose copy has completed: the table's part of ``completed -> applied``.
 
-    Moves of tokens evicted while the copy was in flight are dropped (those tokens stay
-    dead at their source); the rest go through ``TokenTable.apply_moves``; sources left
-    with no live token of the request by the moves (all-dead ones) are released. Every
-    source then holds no live token and the request no longer references it: the caller
-    frees the sources (one reference each) and hands ``used_dests`` to the request.
-
-    Validated before anything changes: a source another request references
-    (``shared_source``: shared blocks never move), one that would keep a live token
-    (``not_emptied``), or a fill (``fills``: the request's blocks whose holes the copy
-    wrote) that is no longer the request's alone (``shared_fill``: the copy already wrote
-    it, so this is corruption, never an abort) raises :class:`PlanError` with the table
-    untouched. Cost O(moves + sources + fills).
+    Moves of tokens evicted in flight are dropped (they stay dead at their source), the rest go
+    through ``TokenTable.apply_moves``, all-dead sources are released; the caller then frees the
+    sources (one reference each) and hands ``used_dests`` to the request. Validated first,
+    raising :class:`PlanError` with the table untouched: a source another request references
+    (``shared_source``), one that would keep a live token (``not_emptied``), a fill no longer the
+    request's alone (``shared_fill``: corruption, the copy already wrote it). O(moves + sources
+    + fills).
     """
     m = np.asarray(moves, dtype=np.int64).reshape(-1, 5)
     srcs = sorted(int(b) for b in sources)
@@ -256,10 +221,8 @@ def apply_completed(table: TokenTable, req_id, sources: Sequence[int], moves: np
 def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, tail: Optional[int],
                   headroom: Sequence[int], in_flight: Sequence[dict]) -> dict:
     """The plan snapshot (``vtoken.snapshot`` schema) at planning time; O(length of the request).
-
-    ``in_flight``: ``{"id", "request", "sources", "dests", "fills"}`` of every other plan still copying.
-    ``post`` stays null and ``evicted_in_flight`` empty until :func:`snapshot_applied`.
-    """
+    ``in_flight``: ``{"id", "request", "sources", "dests", "fills"}`` of every other plan copying;
+    ``post`` stays null and ``evicted_in_flight`` empty until :func:`snapshot_applied`."""
     shared = sorted(int(b) for b in table.blocks_of(req_id) if table.block_refs(b) > 1)
     return {
         "schema": SCHEMA,
@@ -278,9 +241,8 @@ def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, t
 
 
 def snapshot_applied(snap: dict, table: TokenTable, req_id, applied: Applied) -> None:
-    """Complete a snapshot once its plan applied: the one place ``evicted_in_flight``,
-    ``dests_used`` and ``post`` are written (``post`` may be longer than ``pre``: tokens
-    added while the copy flew are the request's growth, checked for unique slots)."""
+    """Complete a snapshot once its plan applied: the one writer of ``evicted_in_flight``,
+    ``dests_used`` and ``post`` (``post`` may be longer than ``pre``: tokens added in flight)."""
     key = str(req_id)
     snap["evicted_in_flight"] = [int(t) for t in applied.evicted_in_flight]
     snap["dests_used"] = [int(b) for b in applied.used_dests]
@@ -297,51 +259,21 @@ class PlannerConfig:
     """The planner's settings. ``PlannerConfig()`` is THE shipped default: the manager, the
     decode engine and the vLLM adapter all start from it (no second set of defaults).
 
-    When to plan (stage 1 and 2) is :func:`should_reclaim`, the one trigger every path calls:
+    When to plan is :func:`should_reclaim`: ``F > theta_f``, or ``F > 0`` with free blocks
+    ``<= low_watermark`` (:func:`low_watermark`). Fields:
 
-    * ``F > theta_f``: plan whatever the pressure (the paper's stage-1 gate, 0.25 its default):
-      memory may be plentiful, but a quarter of the referenced slots are dead;
-    * ``F > 0`` and free blocks ``<= low_watermark``: the pool is short, so any reclaimable
-      block is capacity the scheduler is about to need: plan until F is 0 (ideal packing).
+    * ``theta_f``: the waste-ratio gate (the paper's stage 1);
+    * ``check_every`` (K): scheduler steps between eligibility checks;
+    * ``max_sources`` (B): source blocks per plan (at most B S tokens in flight);
+    * ``headroom``: blocks reserved for destinations (out-of-place plans only);
+    * ``low_watermark``: None derives it, < 0 turns the pressure branch off; ``copy_steps``:
+      the copy latency (steps) the derived watermark's reaction reserve covers;
+    * ``max_plans_per_round``: plans launched per round at most;
+    * ``record_snapshots``: keep each applied plan's snapshot in ``history``;
+    * ``in_place``: fill the request's own holes (:func:`propose`); False: the paper's
+      out-of-place compaction into headroom blocks.
 
-    ``low_watermark = None`` (default) derives the watermark from the pool and the request mix
-    (:func:`low_watermark`): the larger of the average footprint of a running request and a
-    reaction reserve. A fixed watermark cannot serve both a pool of 100 blocks and one of
-    11,519, nor two requests and two hundred. A negative watermark turns the pressure branch
-    off (the paper's F > theta_f trigger alone).
-
-    Why each default is what it is (the frontier trace of ``vtoken simulate frontier`` and
-    ``robustness``: H2O, 22 requests in 11,519 blocks is the tight case; measured, seed 0):
-
-    * ``theta_f = 0.25``: the paper's value. It only governs a pool that is not short (under
-      pressure the watermark branch reclaims everything), so it bounds wasted slots and copy
-      traffic there, never capacity. On its own (``low_watermark=-1``) it loses the frontier:
-      F stays under 0.25 while the free blocks run out (preempted at step 4,289, no plan).
-    * ``check_every = 1``: a check is O(requests) counters and reads, nothing to amortise;
-      intervals 1-4 all hold the frontier (the robustness grid).
-    * ``in_place = True``: a plan moves the live tokens of the blocks it frees into the holes
-      of the request's other private blocks (``propose``), so it moves exactly the lower bound
-      (the live tokens of the blocks freed) and needs no destination block. Out-of-place
-      compaction (the paper's, ``in_place=False``) also moves the tokens of the blocks it
-      fills: over blocks filled to f of S it moves 1 / (1 - f) times the bound, 16x where H2O
-      leaves one hole per block (measured at the frontier: ~131 tokens moved per block freed,
-      in place ~8).
-    * ``max_sources = 32`` (B = 2 S): blocks a plan may free at once (its bytes in flight are
-      at most B S tokens). Out of place, a plan needs S sources to free one block when every
-      block misses a single token; B = 8 lost the frontier there (preempted at step ~4,450).
-    * ``headroom = 0``: in-place plans take no destination, so nothing is reserved. Out of
-      place (``in_place=False``) destinations are reclamation's throughput: 64 (4 S) held
-      every cell of the robustness grid there, 48 lost the frontier at check interval 4 with
-      copy latency 4 (sized for pools of thousands of blocks, the paper's 3,438-11,519).
-    * ``low_watermark = None``: derived, see above and :func:`low_watermark`. A fixed 16
-      loses the frontier at copy latency 1 (preempted at step ~4,340).
-    * ``copy_steps = 4``: the copy latency (steps) the watermark's reaction reserve covers.
-    * ``max_plans_per_round`` unbounded: at most one plan per request flies anyway (I4) and
-      the headroom bounds the destinations; a cap only delays plans under pressure.
-    * ``record_snapshots = False``: every applied plan would be kept in ``history``.
-
-    The price of reclaiming everything under pressure is copy traffic: in place it is the
-    bound itself (moved / bound 1.00 at the frontier, ``vtoken simulate frontier``).
+    Why each default: docs/planner-defaults.md.
     """
 
     theta_f: float = 0.25
@@ -355,16 +287,11 @@ class PlannerConfig:
     in_place: bool = True  # fill the request's own holes (no headroom needed); False: the paper's out-of-place
 
     def __post_init__(self) -> None:
-        """Check every field at construction (``dataclasses.replace`` runs this too) and turn
-        numpy scalars into Python ones; a bad field raises :class:`~vtoken.errors.ConfigError`
-        (``bad_type`` / ``out_of_range``) naming the field and the value, and nothing is built.
-
-        Ranges: ``theta_f`` a finite number <= 1 (F is in [0, 1]; a negative one triggers at
-        every check, even at F = 0); ``check_every``, ``max_sources``, ``max_plans_per_round``
-        integers >= 1; ``headroom``, ``copy_steps`` integers >= 0; ``low_watermark`` None or
-        an integer (< 0: no pressure branch); ``record_snapshots``, ``in_place`` bools. A bool
-        is not a number here, nor a float an integer. O(1).
-        """
+        """Check every field at construction (``dataclasses.replace`` too), numpy scalars made
+        Python ones; a bad field raises :class:`~vtoken.errors.ConfigError` (``bad_type`` /
+        ``out_of_range``, :mod:`vtoken.fields`) and nothing is built. Ranges: ``theta_f`` finite <= 1;
+        ``check_every``, ``max_sources``, ``max_plans_per_round`` >= 1; ``headroom``, ``copy_steps``
+        >= 0; ``low_watermark`` None or an integer; ``record_snapshots``, ``in_place`` bools. O(1)."""
         own = "PlannerConfig"
         self.theta_f = need_number(own, "theta_f", self.theta_f, hi=1)
         for name, lo in (("check_every", 1), ("max_sources", 1), ("headroom", 0), ("copy_steps", 0),
@@ -382,22 +309,11 @@ def trigger_inputs(table: TokenTable, free_blocks: int) -> dict:
 
 
 def low_watermark(cfg: PlannerConfig, *, ref_blocks: int, num_requests: int, block_size: int) -> int:
-    """Free blocks at or below which the pool is under pressure (:func:`should_reclaim`).
-
-    ``cfg.low_watermark`` when set; otherwise ``max(footprint, reserve)``:
-
-    * footprint = ``ceil(ref_blocks / num_requests)``, the blocks of an average running
-      request: while the free pool could still take one more such request, fragmentation is
-      left to the ``theta_f`` gate; once it cannot, every reclaimable block is a block the
-      scheduler is short of. At a capacity frontier the free pool is below one request's
-      footprint by definition, so reclamation there runs from the first hole, and the whole
-      slack absorbs the copies' latency rather than only a fixed margin of it.
-    * reserve = ``headroom + ceil(num_requests * (check_every + copy_steps + 1) / S)``: what
-      refilling the headroom and the running requests' growth (one token a step each) take
-      before a plan launched now frees anything; it rules when requests are small.
-
-    O(1).
-    """
+    """Free blocks at or below which the pool is under pressure (:func:`should_reclaim`):
+    ``cfg.low_watermark`` when set, else ``max(footprint, reserve)`` with footprint =
+    ``ceil(ref_blocks / num_requests)`` (an average running request's blocks) and reserve =
+    ``headroom + ceil(num_requests * (check_every + copy_steps + 1) / S)`` (the headroom's
+    refill plus the requests' growth before a plan launched now frees anything). O(1)."""
     if cfg.low_watermark is not None:
         return int(cfg.low_watermark)
     n = max(1, int(num_requests))
@@ -408,12 +324,9 @@ def low_watermark(cfg: PlannerConfig, *, ref_blocks: int, num_requests: int, blo
 
 def should_reclaim(cfg: PlannerConfig, *, waste_ratio: float, free_blocks: int, ref_blocks: int,
                    num_requests: int, block_size: int) -> bool:
-    """The trigger (stage 1 and 2), the one every path calls: plan now?
-
-    True when ``waste_ratio > cfg.theta_f`` (the paper's gate), or when there is any waste
-    (``waste_ratio > 0``) and ``free_blocks <= low_watermark(...)`` (the pool is short). Pure;
-    O(1). Inputs: :func:`trigger_inputs`.
-    """
+    """The trigger (stage 1 and 2), the one every path calls: plan now? True when ``waste_ratio >
+    cfg.theta_f``, or when ``waste_ratio > 0`` and ``free_blocks <= low_watermark(...)``. Pure;
+    O(1). Inputs: :func:`trigger_inputs`."""
     if waste_ratio > cfg.theta_f:
         return True
     return waste_ratio > 0.0 and free_blocks <= low_watermark(cfg, ref_blocks=ref_blocks, num_requests=num_requests,
@@ -449,20 +362,17 @@ class NullCopyEngine:
 class ReclamationManager:
     """Owner of the headroom and of every plan's lifecycle, over one table and allocator.
 
-    Ownership: the manager holds the headroom reservation (RESERVED in the allocator) and,
-    while a plan is in flight, its destinations; once a plan is applied it frees the
-    sources (the request's one reference on each) and the destinations become the
-    request's (``on_applied`` tells the scheduler, which then holds them). A request that
-    finishes or is preempted while its copy flies hands the manager its references on the
-    plan's sources (``finish_request``); they are freed when the copy completes.
+    It holds the headroom (RESERVED in the allocator) and an in-flight plan's destinations and
+    fills (busy: no other plan, release or free touches them); an applied plan's sources it
+    frees (the request's one reference on each), its used destinations become the request's
+    (``on_applied`` tells the scheduler), unused ones go back to the headroom. Tokens evicted in
+    flight stay dead where they were. A request gone in flight hands over its references on the
+    plan's blocks (``finish_request``), freed when the copy ends.
 
-    Lifecycle accounting (``stats``): every launched plan ends exactly once, as ``applied``,
-    ``aborted`` (its copy failed, or a source became shared meanwhile: the table is
-    unchanged) or ``orphaned`` (its request finished or was preempted while the copy flew:
-    nothing applied, its blocks freed when the copy ended), so once nothing is in flight
-    ``plans == applied + aborted + orphaned``. A plan ends only when :meth:`poll` (or
-    :meth:`drain`) observes its copy's end: the caller must keep polling, or drain at the
-    end of a batch.
+    ``stats``: every launched plan ends exactly once, as ``applied``, ``aborted`` (copy failed,
+    or a source became shared: table unchanged, shared blocks never move) or ``orphaned``
+    (request gone in flight), so once nothing is in flight ``plans == applied + aborted +
+    orphaned``. A plan ends only when :meth:`poll` or :meth:`drain` observes its copy's end.
     """
 
     def __init__(self, table: TokenTable, allocator: BlockAllocator, engine=None,
@@ -524,13 +434,10 @@ class ReclamationManager:
 
     # ------------------------------------------------------------------ stage 3
     def plan_request(self, req_id, max_dests: Optional[int] = None) -> Optional[Plan]:
-        """Plan one request's compaction (:func:`propose` over the headroom, in-flight
-        plans' blocks excluded), or None when no positive reduction fits.
-
-        At most ``max_dests`` destinations (default, and never more than, the headroom).
-        Planning changes nothing; launch the plan at once or drop it (its destinations
-        leave the headroom only at launch).
-        """
+        """Plan one request's compaction (:func:`propose` over the headroom, in-flight plans'
+        blocks excluded, at most ``max_dests`` destinations), or None when no positive reduction
+        fits. Changes nothing; launch the plan at once or drop it (its destinations leave the
+        headroom only at launch)."""
         tail = self._tail_of(req_id)
         prop, worthwhile = propose(self.table, req_id, self.headroom, max_sources=self.cfg.max_sources, tail=tail,
                                    excluded=self._busy_mask if self.in_flight else None, max_dests=max_dests,
@@ -636,15 +543,11 @@ class ReclamationManager:
     def drain(self) -> list[Plan]:
         """End of a batch: end every plan still in flight and give the headroom back.
 
-        Each in-flight copy is host-waited (``engine.wait``) and then applied, aborted or
-        ended as an orphan exactly as :meth:`poll` would, so a finished request's deferred
-        sources and fills are freed and an applied plan's ``on_applied`` runs. Then the
-        headroom reservation goes back to the free queue. Afterwards nothing is in flight,
-        nothing deferred and nothing reserved by the manager; it stays usable (the next
-        :meth:`step` refills the headroom). Every path that ends a batch calls this (the
-        decode engine's ``run``, the simulator's ``Replay.run``): a plan launched in the
-        batch's last steps would otherwise never be polled, and its blocks never freed.
-        Returns the plans ended. Cost: one host wait per plan in flight.
+        Each in-flight copy is host-waited (``engine.wait``), then handled as :meth:`poll` would
+        (deferred sources and fills freed, ``on_applied`` run); then the headroom goes back to the
+        free queue. Afterwards nothing is in flight, deferred or reserved; the manager stays usable.
+        Every path that ends a batch must call it, or a plan launched in its last steps is never
+        polled. Returns the plans ended; one host wait per plan.
         """
         done = self.poll(force_sync=True)
         if self.headroom:
@@ -661,11 +564,10 @@ class ReclamationManager:
     def finish_request(self, req_id, held_blocks) -> list[int]:
         """The request finished or was preempted: forget it and free the blocks it held.
 
-        ``held_blocks`` are the blocks the caller holds a reference on for this request
-        (its block list without null entries, plus applied destinations). References on
-        the sources of its in-flight plan are taken over by the manager and freed once that
-        copy completes; the plan is orphaned (a later incarnation of the same request id
-        is a different request to it). Returns the blocks freed now.
+        ``held_blocks``: the blocks the caller holds a reference on for the request. Those that are
+        sources or fills of its in-flight plan are taken over and freed once that copy completes;
+        the plan is orphaned (a later incarnation of the id is another request). Returns the blocks
+        freed now.
         """
         if req_id in self.table:
             self.table.free_request(req_id)

@@ -26,69 +26,42 @@ to, that an audit records, and that can be replayed. Schema ``vtoken.plan-snapsh
 
 Fields:
 
-- ``plan.fills`` (optional; absent means ``[]``, the out-of-place plan): in-place
-  compaction. The request's own private blocks (not shared, not its tail, not a source,
-  not a destination) whose *holes* -- slots holding no live token of the request before
-  the plan -- receive moved tokens; listed in fill order. A move's destination block is one
-  of ``plan.dests`` (fresh blocks from the headroom) or one of ``plan.fills``; a move into
-  a fill lands on a hole. Fills stay the request's blocks after the plan and are in flight
-  like sources while the copy flies. Validated like ``sources``/``dests`` (a list of block
-  ids, never the null block 0; ``null`` is refused: omit the key instead); the rules on
-  them are the checks' (``vtoken.invariants.snapshot_checks``). An ``in_flight`` entry may
-  carry its plan's ``fills`` the same way (absent == ``[]``).
-
-- ``tokens[i] = [block, offset, live]``: the token's slot ``block * S + offset`` (for a dead
-  token: where it last was) and its live bit, a JSON boolean (``1``/``0`` are refused: a
-  bit that is an integer is a writer's bug, and ``true`` is never a block number).
-- ``evicted_in_flight``: the moved tokens of the plan's request that a policy evicted
-  while the plan's copy was in flight. Their moves were dropped at apply; each stays dead
-  at its pre slot. Every id is below the request's pre length and is moved by the plan.
-  The checks read this record: a moved token that is live before the plan, not listed
-  here, and not live at its destination afterwards is LOST (I1).
-- ``dests_used``: written at apply, the fresh destination blocks the applied moves landed
-  in (``plan.dests`` stays as planned, matching ``plan.moves``); fills are never listed
-  (they were, and stay, the request's).
-- ``plan.digests`` (optional): per move, aligned with ``plan.moves``, a 64-bit digest of
-  the moved token's K/V bytes (all layers) read at its source before the copy (``pre``)
-  and at its destination after it (``post``); ``null`` where the writer had no bytes (a
-  move dropped by an eviction in flight, or the plan not yet applied). ``method`` names
-  the digest (``xxh3`` or ``fingerprint``; pre and post use the same one). Written by
-  whoever holds the bytes: ``vtoken.invariants.relocation_hash.RelocationChecker`` fills
-  it for every plan it checks. A live move whose two digests differ breaks I1.
-- Sharedness is a fact of ``pre``: a block in two requests' ``blocks`` lists is shared
-  whether or not ``shared_blocks`` lists it (the checks take the union).
+- ``plan.fills`` (absent == ``[]``, the out-of-place plan; ``null`` refused): the request's
+  own private blocks (not shared, not its tail, not a source or destination) whose *holes*
+  (slots without a live token of the request before the plan) receive moved tokens, in fill
+  order. A move lands in ``plan.dests`` (fresh, from the headroom) or on a hole of a fill.
+  Fills stay the request's and are in flight like sources; validated like ``sources`` (block
+  ids, never the null block 0), in ``in_flight`` entries too.
+- ``tokens[i] = [block, offset, live]``: the token's slot (a dead token's: where it last
+  was) and its live bit, a JSON boolean (``1``/``0`` are refused).
+- ``evicted_in_flight``: the plan's moved tokens evicted while its copy flew; their moves
+  were dropped at apply and each stays dead at its pre slot. A moved token live before the
+  plan, not listed here, and not live at its destination afterwards is LOST (I1).
+- ``dests_used``: written at apply, the fresh destinations the applied moves landed in
+  (``plan.dests`` stays as planned; fills never listed).
+- ``plan.digests`` (optional): per move, a 64-bit digest (``method``: ``xxh3`` or
+  ``fingerprint``) of the token's K/V bytes at its source before the copy (``pre``) and at
+  its destination after (``post``), ``null`` where the writer had no bytes (filled by
+  ``vtoken.invariants.relocation_hash.RelocationChecker``). A live move whose digests
+  differ breaks I1.
+- Sharedness is a fact of ``pre``: a block in two requests' ``blocks`` is shared whether
+  or not ``shared_blocks`` lists it.
 
 Events carry an integer time ``t`` (a logical clock, non-decreasing in the order things
-happened; several per scheduler step) and a ``kind``:
+happened) and a ``kind``: ``launch`` {plan} (the copy was issued; its completion is
+symbolic, after it); ``fence`` {plan} (a wait on the copy's event: every later event
+happens after the copy completed); ``apply`` {plan} (the table points at the
+destinations); ``free`` {blocks}; ``alloc`` {request, blocks}; ``read`` {request, tokens,
+slots} (attention read these tokens at these slots); ``write`` {request, token, slot}.
 
-- ``launch``  {plan}: the copy was issued (on the relocation stream). Its completion time
-  is not in the record: the checks leave it symbolic, after ``launch``.
-- ``fence``   {plan}: a wait on the copy's event (device-side before attention, or a host
-  query that returned done): every later event happens after the copy completed.
-- ``apply``   {plan}: the table was updated (slot mapping now points at destinations).
-- ``free``    {blocks}: blocks returned to the allocator.
-- ``alloc``   {request, blocks}: blocks handed to a request.
-- ``read``    {request, tokens, slots}: attention read these tokens at these slots.
-- ``write``   {request, token, slot}: a new token's K/V was written at ``slot``.
+Limits (:data:`LIMITS`), so a snapshot's size bounds every check's work: ``block_size`` <=
+4096; block ids < 2**31; tokens per request <= 2**24; requests and in-flight plans <= 2**16
+each; schedule events <= 2**22; ids and times < 2**62; request names <= 1024 chars; a file
+for :func:`load` <= 256 MiB.
 
-Limits (:data:`LIMITS`). Every integer is range-checked and every list length bounded, so
-a snapshot's size bounds the work of every check on it. The limits sit far above any real
-run and far below where a check would take long:
-
-- ``block_size`` <= 4096 (``MAX_BLOCK_SIZE``): vLLM's largest block size is 256 tokens and
-  the paper's are 16-32; 4096 leaves 16x room. (The issue measured 10^6 taking 18 s.)
-- block ids < 2**31 (``MAX_BLOCKS``): vLLM keeps block ids in int32 tensors; so every slot
-  ``block * S + offset`` fits in int64 with room to spare.
-- tokens per request <= 2**24 (``MAX_TOKENS``, 16.7M): 16x the longest context window
-  served today (1M tokens).
-- requests per snapshot <= 2**16, in-flight plans <= 2**16 (a scheduler batch is <= 1024).
-- schedule events <= 2**22; ids (plan ids, times) < 2**62; request names <= 1024 chars.
-- a file for :func:`load` <= 256 MiB (a 1M-token request's pre and post are ~40 MB).
-
-Every field is checked by :func:`validate`, which raises :class:`SnapshotError` naming
-the field; :func:`load` / :func:`loads` turn every failure to read or parse (non-UTF-8
-bytes, deep nesting, a 5000-digit integer, NaN, duplicate keys, a directory, a file too
-large) into a :class:`SnapshotError` too, so a malformed snapshot never crashes a check.
+:func:`validate` checks every field and raises :class:`SnapshotError` naming it;
+:func:`load` / :func:`loads` turn every failure to read or parse (non-UTF-8, deep nesting,
+huge integers, NaN, duplicate keys, a directory, a file too large) into one too.
 
 Owns: nothing (pure functions over plain data; ``save``/``load`` touch only the file named).
 May call: vtoken.errors, json, pathlib, reprlib; never spec/, invariants/, fuzz/ or reports/.

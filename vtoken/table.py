@@ -1,71 +1,37 @@
 """The token table: per-request logical token ids -> physical (block, offset), plus liveness.
 
-This is the paper's canonical table (section 3.2), held in arrays so that the cost of a
-scheduler step grows with the tokens added, evicted or moved, never with the tokens
-already tracked.
+The paper's canonical table (section 3.2), in arrays: a scheduler step costs the tokens
+added, evicted or moved, never the tokens already tracked.
 
-State
------
-Per request (``_Req``): ``slot[i] = block * S + offset`` and ``live[i]`` for every logical
-token id ``i < n`` (ids are positions: token ``p`` is the ``p``-th token of the sequence),
-and the set of blocks the request references.
+State. Per request (``_Req``): ``slot[i] = block * S + offset`` and ``live[i]`` for every
+logical id ``i < n`` (ids are positions), and the set of blocks it references. Per block:
+``refs[b]`` (requests referencing ``b``) and ``n_b[b]`` (slots of ``b`` holding a live token
+of some request, a shared slot counted once). Per slot: ``claims[s]`` (requests with a live
+token at ``s``) and ``placed[s]`` (the id last placed at ``s`` while its block was
+referenced, else -1). A new token may land only on a slot unused since its block was taken
+or, in a block another request references, where that request placed the same id.
 
-Per block (global arrays over ``num_blocks``):
+The table never frees blocks: ``apply_moves``, ``release_empty_blocks`` and ``free_request``
+return the blocks it stopped referencing, for the caller to free (a move's sources only
+*after the copy out of them completed*).
 
-- ``refs[b]``: how many requests reference ``b`` (prefix sharing makes it > 1);
-- ``n_b[b]``: live-token count: slots of ``b`` that hold a live token of some request.
-  With sharing one slot may be live in several requests and still counts once.
+Read side: ``read_view`` (per-token slots and live mask on the device, O(changed) per
+update) and ``slot_mapping`` (Eq. 2, cached); every mutation updates or invalidates both
+before returning. The host never waits for the device here (host-computed sizes and
+indices; pinned, ``non_blocking`` uploads on CUDA; ``tests/test_read_path_no_sync.py``).
 
-Per slot: ``claims[s]`` (how many requests hold a live token at ``s``) and ``placed[s]``
-(the logical id last placed at ``s`` while its block was referenced, -1 otherwise). A new
-token may only land on a slot never used since its block was taken, or, in a block that
-another request references (a shared prefix), on the slot where that request placed the
-same logical id.
+Errors: :class:`~vtoken.errors.TableError` with a code of ``vtoken.errors.TABLE_CODES``, the
+state unchanged; of several problems the first in input order, checks in the order each
+method documents (as ``spec/``). Types are checked before values. An *integer* is an
+``int`` or numpy integer scalar, never a ``bool`` / ``numpy.bool_``, float, string or
+``None``. A *list of integers* is a list, tuple, range, other non-string iterable (where an
+iterable is taken), or a 1-D integer numpy array or torch tensor (``.cpu()`` is the caller's
+sync), every element an integer. Anything else is ``not_integer`` (``bad_move`` in
+``apply_moves``). Integers beyond int64 are clipped, then refused by the argument's range
+check. A request id must be hashable (``bad_request_id``).
 
-Ownership and freeing
----------------------
-The table never frees blocks; it tells the caller which blocks it stopped referencing:
-``apply_moves`` returns the source blocks the moves left without live tokens (the caller
-frees them *after the copy out of them has completed*), ``release_empty_blocks`` gives up
-blocks whose tokens were all evicted, and ``free_request`` returns every block the request
-referenced (the caller drops one reference on each).
-
-The read side
--------------
-Attention consumes, per request, a device-resident view: ``read_view`` gives per-token
-slots and a live mask (updated in place, O(changed) per operation), and ``slot_mapping``
-gives the live slots in logical order (Eq. 2), cached: appended on ordinary growth,
-recomputed on the device only after a structural change (eviction or move). Neither is
-ever stale: every mutation updates or invalidates them before returning.
-
-The host never waits for the device on this path: sizes and indices come from the host's
-own arrays (a recompute gathers the live ids the host lists, never a boolean mask), and
-uploads are pinned and ``non_blocking`` on CUDA. ``tests/test_read_path_no_sync.py``
-checks it (no data-dependent op is dispatched; the same work runs on the ``meta`` device).
-
-Errors
-------
-Bad input raises :class:`~vtoken.errors.TableError` with a ``code`` from
-``vtoken.errors.TABLE_CODES`` and changes nothing. Where several problems exist, the
-reported one is the first in input order, checks in the order the method documents; the
-reference model in ``spec/`` follows the same order so the fuzzers can compare codes.
-
-Input types are checked before any value is cast or compared. An *integer* is an ``int``
-or a numpy integer scalar; ``bool`` / ``numpy.bool_`` are not integers here (``True`` is
-not block 1), nor are floats (``3.0`` included), strings, ``None`` or other objects.
-A *list of integers* is a list, tuple, range, other non-string iterable (where the method
-takes an iterable), a 1-D numpy array of an integer dtype, or a 1-D integer torch tensor
-(converted to numpy: ``.cpu()`` is the caller's sync); its elements must be integers
-(an object array's elements are checked one by one; str, bytes and float / bool arrays
-are refused). Anything else is ``not_integer`` (``bad_move`` inside ``apply_moves``),
-raised before any value check. Integers beyond int64 (``2**70``) are integers: they are
-clipped to the int64 bounds, where every range check refuses them with the code of that
-argument's range (``block_out_of_range``, ``unknown_token``, ...) on every path. A request
-id must be hashable (``bad_request_id``).
-
-Limits: ``block_size`` in ``[1, MAX_BLOCK_SIZE]``, ``num_blocks`` in ``[2, MAX_BLOCKS]``
-(the snapshot schema's limits, so every table can be snapshotted) and
-``block_size * num_blocks <= MAX_SLOTS``.
+Limits: ``block_size`` in ``[1, MAX_BLOCK_SIZE]``, ``num_blocks`` in ``[2, MAX_BLOCKS]`` (the
+snapshot schema's) and ``block_size * num_blocks <= MAX_SLOTS``.
 
 Owns: per-request slot/live arrays and block sets, per-block ``refs``/``n_b``, per-slot
 ``claims``/``placed``, the device read views; never a block (the caller frees what it returns).
@@ -109,9 +75,8 @@ def _fmt(v: int) -> str:
 
 
 def _index(x, what: str, code: str = "not_integer") -> int:
-    """``x`` as a Python int without casting: an ``int`` or numpy integer, else ``TableError(code)``.
-
-    ``3.9``, ``3.0``, ``True``, ``"3"``, ``None`` and 0-d arrays are refused (O(1))."""
+    """``x`` as a Python int without casting (an ``int`` or numpy integer; ``3.0``, ``True``,
+    ``"3"``, ``None``, 0-d arrays: ``TableError(code)``). O(1)."""
     if type(x) is int:
         return x
     if _is_int_type(type(x)):
@@ -120,11 +85,9 @@ def _index(x, what: str, code: str = "not_integer") -> int:
 
 
 def _objects_to_int64(seq, what: str, code: str) -> np.ndarray:
-    """A list / tuple / object array of Python objects -> int64, if every element is an integer.
-
-    One C-speed pass over the element types (``set(map(type, ...))``), so bools cannot hide
-    in a list of ints (``np.asarray([1, True])`` is int64). Integers beyond int64 are
-    clipped to its bounds (they fail every range check there; see the module docstring)."""
+    """A list / tuple / object array of Python objects -> int64, if every element is an
+    integer: one C-speed pass over the element types, so a bool cannot hide among ints;
+    integers beyond int64 are clipped (module docstring)."""
     for tp in set(map(type, seq)):
         if not _is_int_type(tp):
             bad = next(x for x in seq if type(x) is tp)
@@ -254,18 +217,10 @@ class _Req:
 
 
 class _DevicePool:
-    """The read-side lookup cache: per-token slots and live bits of every request, on the device.
-
-    One flat pair of tensors holds all requests, each in a power-of-two segment, so the
-    updates of a whole scheduler step reach the device in one batched write (``flush``)
-    instead of several small ones per request. Mutations only queue updates; every read
-    flushes first, so no reader sees a stale entry.
-
-    The host never waits on the device here: every host-to-device transfer goes through
-    :meth:`h2d` (pinned memory, ``non_blocking=True`` on CUDA), and no operation has a
-    shape that depends on device data (no boolean-mask indexing, no ``nonzero``, no
-    ``.item()``): the host computes every index and size from its own arrays.
-    """
+    """The read-side lookup cache: per-token slots and live bits of every request, on the device,
+    one flat pair of tensors with each request in a power-of-two segment. Mutations queue
+    updates, sent in one batched write (``flush``) that every read runs first. Never waits on
+    the device (uploads through :meth:`h2d`, no shape from device data)."""
 
     def __init__(self, device: torch.device, pinned: bool | None = None):
         self.device = device
@@ -308,13 +263,9 @@ class _DevicePool:
         return np.concatenate(arrs)
 
     def h2d(self, a: np.ndarray) -> torch.Tensor:
-        """A host int64 array on the device, without blocking the host.
-
-        CPU: a zero-copy view (``a`` must not change while the view is used; callers pass
-        fresh arrays). CUDA: copied into pinned memory, then to the device with
-        ``non_blocking=True``; the caching host allocator keeps the pinned buffer until the
-        copy's stream has passed it, so dropping it at once is safe. Cost O(len(a)).
-        """
+        """A host int64 array on the device, without blocking the host: on CPU a zero-copy view
+        (``a`` must not change while it is used), on CUDA via pinned memory, ``non_blocking=True``
+        (the caching host allocator keeps the buffer until the copy passed it). O(len(a))."""
         t = torch.from_numpy(a)
         if self.device.type == "cpu":
             return t
@@ -348,11 +299,8 @@ class _DevicePool:
 
 
 class TokenTable:
-    """Per-request token table over ``num_blocks`` blocks of ``block_size`` slots.
-
-    ``device`` is where the read-side lookup cache lives (``cpu`` or ``cuda``); the
-    canonical table is always on the host.
-    """
+    """Per-request token table over ``num_blocks`` blocks of ``block_size`` slots; the
+    canonical table is on the host, the read-side lookup cache on ``device``."""
 
     def __init__(self, block_size: int, num_blocks: int, device: str | torch.device = "cpu"):
         """Checks, in order: ``not_integer`` (block_size, then num_blocks); ``bad_config``
@@ -511,20 +459,13 @@ class TokenTable:
     def sync_new_tokens(self, req_id, block_ids: Sequence[int], total_len: int) -> np.ndarray:
         """Register the tokens that grew ``req_id`` to ``total_len`` (creating the request).
 
-        ``block_ids`` is the request's whole positional block list as the scheduler holds
-        it: new token ``p`` lives at ``block_ids[p // S]``, offset ``p % S``. Only entries
-        that receive new tokens are read, so the cost is O(new tokens); earlier entries may
-        hold the null block (a freed position) and are ignored.
-
-        ``block_ids``: a list, tuple, range, 1-D integer numpy array or torch tensor; the
-        entries read must be integers (``int`` / numpy integers, not ``bool``).
-
-        Checks, in order: ``bad_request_id``; ``not_integer`` (``total_len``, then
-        ``block_ids`` not a sequence); ``length_decrease``; ``blocks_short``;
-        ``not_integer`` (an entry read is not an integer); then per new token in position
-        order: ``block_out_of_range``, ``null_block``, ``slot_conflict``.
-        Returns the new tokens' slots (int64, position order): where to write their K/V.
-        """
+        ``block_ids``: the request's positional block list (a list of integers): new token ``p``
+        lives at ``block_ids[p // S]``, offset ``p % S``; only entries receiving new tokens are read
+        (earlier ones may be null), so the cost is O(new tokens). Checks, in order:
+        ``bad_request_id``; ``not_integer`` (``total_len``, then ``block_ids`` not a sequence);
+        ``length_decrease``; ``blocks_short``; ``not_integer`` (an entry read); then per new token:
+        ``block_out_of_range``, ``null_block``, ``slot_conflict``. Returns the new tokens' slots
+        (int64, position order): where to write their K/V."""
         r = self._get(req_id)
         n = r.n if r is not None else 0
         if type(total_len) is not int:  # the common case costs one type test each
@@ -612,13 +553,9 @@ class TokenTable:
         self._evict_one(req_id, r, _index(token_id, f"request {req_id!r}: token id"))
 
     def evict_tokens(self, req_id, token_ids: Iterable[int]) -> None:
-        """Mark tokens dead (metadata only; no K/V is touched, no block is freed).
-
-        ``token_ids``: any list of integers (module docstring). Checks, in order:
-        ``bad_request_id``, ``unknown_request``; ``not_integer`` (not a list of integers:
-        the whole list is checked before any id); then per id in input order:
-        ``unknown_token``, ``dead_token``, ``duplicate_token``. O(ids).
-        """
+        """Mark tokens dead (metadata only; no K/V touched, no block freed). Checks, in order:
+        ``bad_request_id``, ``unknown_request``; ``not_integer`` (the whole list first); then per id
+        in order: ``unknown_token``, ``dead_token``, ``duplicate_token``. O(ids)."""
         r = self._req(req_id)
         if type(token_ids) in (list, tuple) and len(token_ids) == 1 and type(token_ids[0]) is int:
             return self._evict_one(req_id, r, token_ids[0])  # the decode step: scalar code
@@ -670,20 +607,14 @@ class TokenTable:
     def apply_moves(self, req_id, moves) -> list[int]:
         """Atomically move live tokens: moves are ``(token_id, src_block, src_offset, dst_block, dst_offset)``.
 
-        Called after the copy of the moves' K/V has completed. The whole list is validated
-        before anything changes. Checks per move in list order: ``unknown_token``,
-        ``dead_token``, ``duplicate_token``, ``wrong_source``, ``shared_block`` (source),
-        ``block_out_of_range``, ``bad_offset``, ``null_block``, ``shared_block`` /
-        ``foreign_block`` (destination), ``slot_occupied``, ``duplicate_destination``.
-        Before those, for the list as a whole: ``bad_request_id``, ``unknown_request``,
-        then ``bad_move``: ``moves`` is not a list of rows (a (k, 5) integer array, or a
-        list / tuple / iterable of lists, tuples or 1-D arrays), a row does not have five
-        entries, or an entry is not an integer (module docstring). O(moves).
-
-        A destination block the request did not reference becomes the request's. Returns
-        the source blocks left with no live token, sorted; the table stops referencing
-        them and the caller frees them, after the copy out of them has completed.
-        """
+        Call after the copy of the moves' K/V completed; the whole list is validated first. Checks:
+        ``bad_request_id``, ``unknown_request``, ``bad_move`` (not a (k, 5) integer array or an
+        iterable of five-integer rows); then per move in order: ``unknown_token``, ``dead_token``,
+        ``duplicate_token``, ``wrong_source``, ``shared_block`` (source), ``block_out_of_range``,
+        ``bad_offset``, ``null_block``, ``shared_block`` / ``foreign_block`` (destination),
+        ``slot_occupied``, ``duplicate_destination``. O(moves). A destination the request did not
+        reference becomes its. Returns the sources left with no live token, sorted, which the table
+        stops referencing and the caller frees."""
         r = self._req(req_id)
         m = _moves_array(moves, f"request {req_id!r}: moves")
         if len(m) == 0:
@@ -748,14 +679,11 @@ class TokenTable:
         return emptied
 
     def release_empty_blocks(self, req_id, block_ids: Iterable[int]) -> list[int]:
-        """Stop referencing blocks of ``req_id`` that hold no live token (all evicted).
-
-        Checks, in order: ``bad_request_id``, ``unknown_request``; ``not_integer`` (not a
-        list of integers, checked as a whole first); then per block in input order:
-        ``block_out_of_range``, ``foreign_block`` (not the request's), ``shared_block``,
-        ``block_not_empty``, ``duplicate_block`` (named twice). Returns the blocks, sorted;
-        the caller frees them. O(blocks given).
-        """
+        """Stop referencing blocks of ``req_id`` that hold no live token (all evicted). Checks:
+        ``bad_request_id``, ``unknown_request``; ``not_integer`` (the whole list first); then per
+        block in order: ``block_out_of_range``, ``foreign_block``, ``shared_block``,
+        ``block_not_empty``, ``duplicate_block``. Returns the blocks, sorted, for the caller to
+        free. O(blocks given)."""
         r = self._req(req_id)
         bl = _index_array(block_ids, f"request {req_id!r}: block ids").tolist()
         seen = set()
@@ -848,17 +776,14 @@ class TokenTable:
         return r.block_arr
 
     def take_changed(self) -> set:
-        """The requests whose blocks or liveness changed (created, a new block referenced,
-        tokens evicted, moved, blocks released, freed) since the previous call, and forget
-        them: for the one scheduler-side cache keyed by request (the vLLM adapter's), so its
-        per-step work grows with what changed, not with the requests decoding. O(changed)."""
+        """The requests whose blocks or liveness changed since the previous call, and forget them
+        (for the adapter's per-request cache: its work grows with what changed). O(changed)."""
         out, self._changed = self._changed, set()
         return out
 
     def take_emptied(self) -> set:
-        """The requests whose evictions left some block with no live token since the
-        previous call, and forget them (the candidates for :meth:`releasable_blocks`; a
-        request with no entry gained no releasable block by eviction). O(changed)."""
+        """The requests whose evictions left some block with no live token since the previous call
+        (the candidates for :meth:`releasable_blocks`), and forget them. O(changed)."""
         out, self._emptied = self._emptied, set()
         return out
 
@@ -870,9 +795,8 @@ class TokenTable:
         return out
 
     def releasable_blocks(self, req_id) -> np.ndarray:
-        """Blocks only this request references that hold no live token (every token in them
-        was evicted): what :meth:`release_empty_blocks` accepts. Unsorted int64, the tail
-        block included (the caller decides whether to keep it). O(blocks), no sort."""
+        """Blocks only this request references that hold no live token: what
+        :meth:`release_empty_blocks` accepts. Unsorted int64, the tail included. O(blocks)."""
         b = self.block_array(req_id)
         return b[(self.n_b[b] == 0) & (self.refs[b] == 1)]
 
@@ -893,9 +817,8 @@ class TokenTable:
         return self._reclaim_row(r, b)
 
     def reclaim_inputs_many(self, req_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`reclaim_inputs` with each request's own tail, for many requests at once: four
-        int64 arrays in ``req_ids`` order. Checks each id as :meth:`reclaim_inputs` (the first
-        bad one raises; nothing changes: a read). O(requests), one lookup each."""
+        """:meth:`reclaim_inputs` with each request's own tail, as four int64 arrays in ``req_ids``
+        order; the first bad id raises. O(requests)."""
         rows = [self._reclaim_row(r, self._tail_of(r)) for r in map(self._req, req_ids)]
         return tuple(np.array(col, dtype=np.int64) for col in zip(*rows)) if rows else \
             tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
@@ -915,10 +838,8 @@ class TokenTable:
         return self._block(block_id) in r.blocks
 
     def tail_block(self, req_id) -> int | None:
-        """The block of the request's last position, live or dead (None when empty).
-
-        It is the block being written: a planner never takes it as a source. O(1).
-        """
+        """The block of the request's last position, live or dead (None when empty): the block
+        being written, never a planner's source. O(1)."""
         return self._tail_of(self._req(req_id))
 
     def live_slots(self, req_id) -> tuple[np.ndarray, np.ndarray]:
@@ -929,11 +850,8 @@ class TokenTable:
         return ids, r.slot[ids]
 
     def are_live(self, req_id, token_ids) -> np.ndarray:
-        """Liveness of the given ids, in their order, as a new bool array.
-
-        ``token_ids``: any list of integers. Checks: ``not_integer``, then ``unknown_token``
-        (an id outside ``[0, length)``). O(ids).
-        """
+        """Liveness of the given ids, in their order, as a new bool array. Checks: ``not_integer``,
+        then ``unknown_token`` (outside ``[0, length)``). O(ids)."""
         r = self._req(req_id)
         ids = _index_array(token_ids, f"request {req_id!r}: token ids")
         if len(ids) and (ids.min() < 0 or ids.max() >= r.n):
@@ -978,11 +896,8 @@ class TokenTable:
 
     # ------------------------------------------------------------------ read side
     def flush(self) -> None:
-        """Push every queued update to the device lookup cache (one batched write).
-
-        Reads flush by themselves; an engine calls this once per step so the device work
-        of the step's bookkeeping is issued together. Never waits on the device.
-        """
+        """Push every queued update to the device lookup cache (one batched write; reads flush by
+        themselves, an engine calls it once per step). Never waits on the device."""
         self._pool.flush()
 
     def read_view(self, req_id) -> tuple[torch.Tensor, torch.Tensor]:
@@ -993,16 +908,10 @@ class TokenTable:
         return self._pool.slot[r.base:r.base + r.n], self._pool.live[r.base:r.base + r.n]
 
     def slot_mapping(self, req_id) -> torch.Tensor:
-        """Eq. 2 for every live token, logical order, as an int64 tensor on the table's device.
-
-        Cached: ordinary growth appends the new tokens' slots (a device copy, O(new
-        tokens)); an eviction or a move marks the cache dirty and the next call recomputes
-        it: the host lists the live ids from its own live array (``flatnonzero``, O(length))
-        and the device gathers their slots from the lookup cache with ``index_select``. The
-        host knows every size, so nothing here reads device data back (no mask indexing:
-        on CUDA that is a device-to-host sync). The result is a view valid until the next
-        mutation of the table.
-        """
+        """Eq. 2 for every live token, logical order, as an int64 tensor on the table's device: a
+        view valid until the table's next mutation. Cached: growth appends (O(new tokens)); after
+        an eviction or move the next call recomputes it (host-listed live ids, O(length), gathered
+        on the device), never reading device data back."""
         r = self._req(req_id)
         pool = self._pool
         pool.flush()
@@ -1026,11 +935,8 @@ class TokenTable:
 
     # ------------------------------------------------------------------ observation
     def export_state(self) -> dict:
-        """The observable state as plain data (O(total); for checkers and fuzzers, not hot paths).
-
-        ``requests[req] = {"length", "live": [ids], "loc": {id: [block, offset]} for live ids,
-        "blocks": sorted referenced blocks}``; ``blocks[b] = {"refs", "live"}`` for referenced blocks.
-        """
+        """The observable state as plain data, for checkers (O(total)): ``requests[req] = {"length",
+        "live": [ids], "loc": {id: [block, offset]}, "blocks": sorted}``; ``blocks[b] = {"refs", "live"}``."""
         reqs = {}
         for rid, r in self._reqs.items():
             ids = np.flatnonzero(r.live[: r.n])

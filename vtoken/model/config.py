@@ -1,10 +1,7 @@
-"""Decoder configuration and its ``config.json`` form.
-
-The JSON keys are the Hugging Face Llama names (``num_hidden_layers``,
-``num_attention_heads``, ``num_key_value_heads``, ...), so the config of a small real
-Llama-architecture checkpoint loads unchanged. Features this decoder does not implement
-(RoPE scaling, attention or MLP biases, an activation other than SiLU) are rejected on
-load instead of being silently ignored.
+"""Decoder configuration and its ``config.json`` form, with Hugging Face Llama keys
+(``num_hidden_layers``, ...), so a small real Llama checkpoint's config loads unchanged.
+Unimplemented features (RoPE scaling, biases, an activation other than SiLU) are rejected
+on load.
 
 Owns: nothing (a frozen config dataclass and its JSON form).
 May call: dataclasses, json, os, torch (dtypes); never spec/, invariants/, fuzz/ or reports/.
@@ -42,17 +39,10 @@ _HF_KEYS = {
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Geometry and numerics of the paged Llama-style decoder.
-
-    ``max_position_embeddings`` only sizes the initial RoPE table; positions beyond it
-    grow the table (deterministically) rather than fail. ``seed`` and ``init_std`` drive
-    the random init used when no weights are loaded. ``dtype`` is the weight and compute
-    dtype (the KV cache may store a different one).
-
-    ``tie_word_embeddings`` defaults to False: with random weights a tied head echoes its
-    input (``e_t . e_t`` dominates every other logit), so greedy decoding repeats one
-    token forever and "same greedy output" checks become vacuous. Tied heads load fine.
-    """
+    """Geometry and numerics of the paged Llama-style decoder. ``max_position_embeddings`` only
+    sizes the initial RoPE table (it grows beyond); ``seed``, ``init_std``: the random init;
+    ``dtype``: weights and compute (the KV cache may store another); ``tie_word_embeddings``
+    False by default (a tied random head echoes its input, making greedy checks vacuous)."""
 
     vocab_size: int = 512
     hidden_size: int = 128

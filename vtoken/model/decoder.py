@@ -1,31 +1,18 @@
 """A small Llama-style decoder that reads and writes a paged KV cache by slot.
 
-The decoder owns its weights and a RoPE table, nothing else. It does NOT own the token
-table, the block allocator or the KV cache: callers pass the ``KVCache`` and say, per
-token, which slot to write (``write_slot(s)``) and which slots to read (``read_slots``,
-the live tokens in logical order). Which slots those are, and whether they are still
-valid, is the caller's (the engine's / token table's) responsibility.
+Token embedding -> L x [RMSNorm -> GQA attention with RoPE -> residual, RMSNorm -> SwiGLU MLP
+-> residual] -> RMSNorm -> LM head (tied or not); parameter names are Hugging Face
+``LlamaForCausalLM``'s. Callers say, per token, which slot to write (``write_slot(s)``) and
+which to read (``read_slots``: the live tokens in logical order); their validity is theirs.
 
-Architecture: token embedding -> L x [RMSNorm -> GQA attention with RoPE -> residual,
-RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head (tied to the embedding or not).
-Parameter names follow Hugging Face ``LlamaForCausalLM`` (``model.layers.0.self_attn.
-q_proj.weight``, ...) so ``state_dict()`` is the safetensors naming scheme as well.
+Determinism, for a fixed torch thread count on one machine:
 
-Determinism contract
---------------------
-* Placement invariance (always): a request's logits and attention statistics depend only
-  on the bytes of the K/V it reads and their order, never on which physical slots hold
-  them. ``KVCache.gather`` copies bytes exactly and every later op sees a fresh tensor of
-  the same shape, so moving tokens between blocks gives bitwise-equal results.
-* Batch invariance (``batch_invariant=True``, the default): ``decode_step`` runs each
-  request's whole forward separately, with ``[1, hidden]`` activations, so no op ever
-  sees another request's rows. Measured on this CPU, a batched GEMM row differs bitwise
-  from the same row computed alone, and torch's SiLU/exp differ between their
-  vectorised body and scalar tail, so padding or batching would change a request's bits.
-  With ``batch_invariant=False`` projections and MLP are batched across requests (faster
-  at large batch) and attention is still per request: placement invariance holds,
-  batch invariance does not.
-* Both hold for a fixed torch thread count on one machine.
+* placement invariance (always): logits and attention statistics depend only on the bytes
+  of the K/V read and their order, never on which slots hold them;
+* batch invariance (``batch_invariant=True``, default): each request's forward runs alone
+  with ``[1, hidden]`` activations (batched GEMM rows and vectorised SiLU/exp are not
+  bitwise equal to the same row alone). ``False`` batches projections and MLP across
+  requests (attention stays per request): placement invariance only.
 
 Owns: its weights and its RoPE table; never the KV cache, the token table or the allocator (callers
 pass the cache and the slots).
@@ -54,12 +41,9 @@ __all__ = ["DecodeItem", "PagedDecoder", "greedy"]
 
 
 class DecodeItem(NamedTuple):
-    """One request's input to a decode step.
-
-    ``read_slots`` are the slots of the request's LIVE tokens in logical order, excluding
-    the new token; ``write_slot`` receives the new token's K/V (it must not be in
-    ``read_slots``). ``position`` is the new token's original position id.
-    """
+    """One request's input to a decode step: ``read_slots``, the slots of its LIVE tokens in
+    logical order without the new one; ``write_slot`` (not in ``read_slots``) for the new token's
+    K/V; ``position``, the new token's original position id."""
 
     token_id: int
     position: int
@@ -68,11 +52,8 @@ class DecodeItem(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``.
-
-    sqrt then divide (both correctly rounded) instead of ``rsqrt``, whose vectorised and
-    scalar kernels may round differently.
-    """
+    """``x / sqrt(mean(x^2) + eps) * weight`` (sqrt then divide, both correctly rounded, not
+    ``rsqrt``, whose kernels may round differently)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -133,11 +114,9 @@ class _Group:
 
 
 class PagedDecoder(nn.Module):
-    """Llama-style paged decoder. See the module docstring for the contracts.
-
-    Random init (when no weights are loaded) is fixed by ``config.seed``: linear weights
-    ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms = 1. Weights are frozen (inference only).
-    """
+    """Llama-style paged decoder (contracts: the module docstring). Random init, when no weights
+    are loaded, is fixed by ``config.seed``: linear ~ N(0, 1/fan_in), embeddings ~ N(0, 1),
+    norms 1. Weights are frozen (inference only)."""
 
     def __init__(self, config: DecoderConfig | None = None, batch_invariant: bool = True) -> None:
         super().__init__()
@@ -188,11 +167,9 @@ class PagedDecoder(nn.Module):
     # ------------------------------------------------------------------ core
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[m, Hq, D]`` over k, v ``[T, Hkv, D]`` -> (out ``[m, Hq*D]``, stat ``[T]``).
-
-        ``stat[j]`` = probability key j received, summed over the m queries, averaged over
-        the Hq query heads. Causal: query i is the i-th of the *last* m keys.
-        """
+        """q ``[m, Hq, D]`` over k, v ``[T, Hkv, D]`` -> (out ``[m, Hq*D]``, stat ``[T]``): ``stat[j]``
+        the probability key j received, summed over the m queries, averaged over the Hq heads.
+        Causal: query i is the i-th of the *last* m keys."""
         c = self.config
         m, t = q.shape[0], k.shape[0]
         hk, g, d = c.num_kv_heads, c.group_size, c.head_dim
@@ -211,12 +188,9 @@ class PagedDecoder(nn.Module):
     def _forward(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                  write_slots: torch.Tensor, groups: Sequence[_Group],
                  rows: slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run all layers for ``m`` new tokens; return (logits of ``rows``, stats per group).
-
-        Each layer writes the new tokens' K/V (RoPE'd at their positions) to
-        ``write_slots`` first, then every group gathers its keys from the cache, so the
-        new tokens are read back exactly as later steps will read them (cache dtype).
-        """
+        """Run all layers for ``m`` new tokens; return (logits of ``rows``, stats per group). Each
+        layer writes the new K/V to ``write_slots`` before any group gathers, so new tokens are read
+        back exactly as later steps read them (cache dtype)."""
         cos, sin = self.rope.lookup(positions)
         x = self.model.embed_tokens(token_ids.to(self.model.embed_tokens.weight.device))
         stats = [torch.zeros(g.key_slots.numel(), dtype=torch.float32) for g in groups]
@@ -244,14 +218,10 @@ class PagedDecoder(nn.Module):
     @torch.inference_mode()
     def prefill(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                 write_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Process one request's prompt: causal attention among its ``n`` tokens.
-
-        Writes every prompt token's K/V (all layers) to ``write_slots`` (caller-owned,
-        distinct). Returns ``(next_logits [vocab], attn_stats [n])`` where
-        ``attn_stats[j]`` = attention prompt token j received, summed over all n queries,
-        averaged over heads, summed over layers (H2O's accumulated score after prefill).
-        No previously cached tokens are attended (no chunked prefill / prefix reuse).
-        """
+        """Process one request's prompt: causal attention among its ``n`` tokens only, every K/V
+        written to ``write_slots`` (caller-owned, distinct). Returns ``(next_logits [vocab],
+        attn_stats [n])``: attention token j received, summed over queries and layers, averaged
+        over heads."""
         self._check_cache(kv)
         ids = torch.as_tensor(token_ids, dtype=torch.int64)
         pos = torch.as_tensor(positions, dtype=torch.int64)
@@ -267,15 +237,10 @@ class PagedDecoder(nn.Module):
     @torch.inference_mode()
     def decode_step(self, kv: KVCache, batch: Sequence[DecodeItem | tuple]
                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One decode step for a batch of requests.
-
-        For each item: compute q/k/v of the new token, write its K/V to ``write_slot``,
-        attend over K/V gathered from ``read_slots`` followed by the new token (last).
-        Returns ``(logits [B, vocab], stats)`` with ``stats[i]`` a float32 tensor
-        ``[len(read_slots_i) + 1]``: the attention each attended token received from the
-        new query, averaged over heads, summed over layers (so it sums to num_layers);
-        the last entry is the new token itself.
-        """
+        """One decode step for a batch: per item, write the new token's K/V to ``write_slot``, attend
+        over ``read_slots`` then the new token. Returns ``(logits [B, vocab], stats)``, ``stats[i]``
+        float32 ``[len(read_slots_i) + 1]``: attention each token received from the new query,
+        averaged over heads, summed over layers; the last entry is the new token."""
         self._check_cache(kv)
         items = [DecodeItem(*it) for it in batch]
         if not items:
@@ -305,11 +270,8 @@ class PagedDecoder(nn.Module):
 
     # ------------------------------------------------------------------ static shapes (CUDA graphs)
     def rope_tables(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows ``[0, n)`` of the RoPE table on ``device`` (a copy the caller owns).
-
-        ``decode_static`` reads RoPE through these: a captured graph must not touch the host
-        table (it grows by re-allocation) nor copy from pageable host memory.
-        """
+        """cos/sin rows ``[0, n)`` of the RoPE table on ``device`` (a copy the caller owns), so a
+        captured graph never touches the growing host table."""
         self.rope.ensure(n)
         cos, sin = self.rope.cos[:n], self.rope.sin[:n]
         if torch.device(device).type == "cuda":  # pinned and non-blocking: no host wait
@@ -318,12 +280,8 @@ class PagedDecoder(nn.Module):
 
     def _attend_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_attend`` for one query (``m = 1``) over ``T + 1`` keys of which ``mask`` keeps some.
-
-        Masked keys get a score of -inf, so their probability is exactly 0 and their stat is
-        0; what they hold never reaches the result (``decode_static`` points them at a slot
-        with finite bytes, since 0 * inf would be NaN in the value product).
-        """
+        """``_attend`` for one query (``m = 1``) over ``T + 1`` keys of which ``mask`` keeps some:
+        masked keys score -inf (probability and stat exactly 0; they must hold finite bytes)."""
         c = self.config
         t = k.shape[0]
         hk, g, d = c.num_kv_heads, c.group_size, c.head_dim
@@ -341,27 +299,14 @@ class PagedDecoder(nn.Module):
                       rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over fixed-shape device tensors: what a CUDA graph captures.
 
-        Inputs (all on ``kv.device``, int64): ``token_ids``, ``positions``, ``write_slots``,
-        ``num_read`` ``[B]`` and ``read_slots`` ``[B, T]``; row ``i`` attends over
-        ``read_slots[i, :num_read[i]]`` then its new token (written at ``write_slots[i]``
-        first, as in :meth:`decode_step`). Entries of ``read_slots`` past ``num_read`` are
-        ignored (they may hold anything, stale slots included). ``rope``: device cos/sin
-        tables (:meth:`rope_tables`) covering every position.
-
-        Returns ``(logits [B, vocab], stats [B, T + 1] float32)``: ``stats[i, j]`` for
-        ``j < num_read[i]`` is the attention read slot j received (summed over layers, as
-        in :meth:`decode_step`), ``stats[i, T]`` the new token's; the rest are 0.
-
-        Contract: no host synchronisation, no host-to-device copy, no shape that depends
-        on data, so the whole call can be captured once and replayed with the input
-        tensors rewritten in place. Nothing is validated here (that would read values on
-        the host): the caller checks slots on the host before staging them.
-
-        Numerics: the same ops as :meth:`decode_step` with ``T + 1`` keys instead of
-        ``num_read + 1``. Masked keys contribute exact zeros, but the reductions run over
-        a longer row, so logits may differ from :meth:`decode_step`'s in the last bits:
-        greedy tokens are what the two paths share (tested), not logits bit for bit.
-        Placement invariance holds exactly (same bytes in the same order, same result).
+        Inputs (on ``kv.device``, int64): ``token_ids``, ``positions``, ``write_slots``, ``num_read``
+        ``[B]`` and ``read_slots`` ``[B, T]``; row ``i`` attends over ``read_slots[i, :num_read[i]]``
+        (the rest ignored) then its new token (written first at ``write_slots[i]``); ``rope``:
+        :meth:`rope_tables` covering every position. Returns ``(logits [B, vocab], stats [B, T + 1]
+        float32)``: ``stats[i, j < num_read[i]]`` as in :meth:`decode_step`, ``stats[i, T]`` the new
+        token's, the rest 0. No host sync, no host-to-device copy, no data-dependent shape, nothing
+        validated (the caller checks slots on the host). Logits may differ from :meth:`decode_step`'s
+        in the last bits; greedy tokens agree, and placement invariance holds exactly.
         """
         c = self.config
         B, T = read_slots.shape
@@ -404,9 +349,6 @@ class PagedDecoder(nn.Module):
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the last dim as int64 (shape ``logits.shape[:-1]``); ties -> lowest id.
-
-    ``torch.argmax`` documents first-occurrence on ties; it is stated here as the contract
-    (and tested). Use ``.tolist()`` for Python ints.
-    """
+    """Argmax over the last dim as int64 (shape ``logits.shape[:-1]``); ties -> lowest id
+    (tested). Use ``.tolist()`` for Python ints."""
     return torch.argmax(logits, dim=-1)

@@ -1,16 +1,10 @@
 """Rotary position embedding with a bit-stable cos/sin table.
 
-RoPE is applied to K *once, at write time*, with the token's original position id. A
-token's position never changes when other tokens are evicted or when the token itself is
-relocated, so relocation moves bytes only and never needs to re-rotate anything.
-
-Why a table filled with scalar ``math.cos``/``math.sin``: torch's vectorised
-transcendental kernels may round differently from their scalar tail loop, so
-``torch.cos(angles)[i]`` can depend on where element ``i`` falls in the tensor. The table
-computes every entry independently (IEEE double product, libm, one rounding to the table
-dtype), so the cos/sin of a position are the same bytes however and whenever the table
-grew. Applying it uses only mul/add/sub, which are correctly rounded elementwise.
-Convention: Hugging Face Llama "rotate_half" (first half / second half of head_dim).
+RoPE is applied to K once, at write time, with the token's original position, so relocation
+moves bytes only. The table is filled entry by entry with scalar ``math.cos``/``math.sin``
+(one rounding to the table dtype): a position's cos/sin are the same bytes however the
+table grew (torch's vectorised kernels may round differently from their scalar tail).
+Applying it uses only mul/add/sub. Convention: Hugging Face Llama "rotate_half".
 
 Owns: its cos/sin tables, grown on demand.
 May call: math, torch; never spec/, invariants/, fuzz/ or reports/.
@@ -29,10 +23,8 @@ __all__ = ["RopeTable", "apply_rope"]
 
 
 class RopeTable:
-    """cos/sin of ``position * inv_freq`` for positions ``[0, capacity)``; grows on demand.
-
-    The table belongs to one decoder and is read-only to callers.
-    """
+    """cos/sin of ``position * inv_freq`` for positions ``[0, capacity)``, grown on demand;
+    one decoder's, read-only to callers."""
 
     _GROW = 1024  # grow in whole chunks so growth is rare
 
@@ -76,10 +68,8 @@ class RopeTable:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[n, heads, head_dim]`` by per-row ``cos``/``sin`` ``[n, head_dim/2]``.
-
-    Returns a new tensor; ``x`` is not modified.
-    """
+    """Rotate ``x`` ``[n, heads, head_dim]`` by per-row ``cos``/``sin`` ``[n, head_dim/2]``
+    into a new tensor (``x`` unchanged)."""
     half = x.shape[-1] // 2
     c = cos.to(device=x.device, dtype=x.dtype).unsqueeze(1)  # broadcast over heads
     s = sin.to(device=x.device, dtype=x.dtype).unsqueeze(1)

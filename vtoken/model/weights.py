@@ -1,25 +1,11 @@
 """Loading and saving decoder weights as ``config.json`` + ``model.safetensors``.
 
-Naming scheme (Hugging Face ``LlamaForCausalLM``; ``{i}`` = layer index, shapes as
-``[out, in]``, Hq = num_heads, Hkv = num_kv_heads, D = head_dim, I = intermediate_size)::
-
-    model.embed_tokens.weight                       [vocab, hidden]
-    model.layers.{i}.input_layernorm.weight         [hidden]
-    model.layers.{i}.self_attn.q_proj.weight        [Hq*D, hidden]
-    model.layers.{i}.self_attn.k_proj.weight        [Hkv*D, hidden]
-    model.layers.{i}.self_attn.v_proj.weight        [Hkv*D, hidden]
-    model.layers.{i}.self_attn.o_proj.weight        [hidden, Hq*D]
-    model.layers.{i}.post_attention_layernorm.weight [hidden]
-    model.layers.{i}.mlp.gate_proj.weight           [I, hidden]
-    model.layers.{i}.mlp.up_proj.weight             [I, hidden]
-    model.layers.{i}.mlp.down_proj.weight           [hidden, I]
-    model.norm.weight                               [hidden]
-    lm_head.weight                                  [vocab, hidden]  (absent when tied)
-
-RoPE uses HF's rotate-half convention, so a real small Llama checkpoint in one
-``model.safetensors`` file loads as is. Loading is strict: a missing, unexpected or
-misshapen tensor is an error (``lm_head.weight`` is tolerated and dropped when the config
-ties embeddings, as HF checkpoints sometimes carry it).
+Tensor names are Hugging Face ``LlamaForCausalLM``'s (``model.embed_tokens.weight``,
+``model.layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+mlp.{gate,up,down}_proj}.weight``, ``model.norm.weight``, ``lm_head.weight`` unless tied),
+linear shapes ``[out, in]``; RoPE is rotate-half, so a small real Llama checkpoint loads as
+is. Loading is strict: a missing, unexpected or misshapen tensor is an error
+(``lm_head.weight`` is dropped when the config ties embeddings).
 
 Owns: nothing (reads and writes the files named).
 May call: safetensors, torch, vtoken.model.config, vtoken.model.decoder; never spec/, invariants/,
@@ -57,11 +43,9 @@ def save_safetensors(model: PagedDecoder, folder: str | os.PathLike[str]) -> Pat
 
 def load_safetensors(folder: str | os.PathLike[str], dtype: torch.dtype | None = None,
                      batch_invariant: bool = True) -> PagedDecoder:
-    """Build a ``PagedDecoder`` from ``folder/config.json`` and ``folder/model.safetensors``.
-
-    ``dtype`` overrides the compute dtype (default float32, whatever the file stores).
-    The returned model owns copies of the weights; the files are not kept open.
-    """
+    """Build a ``PagedDecoder`` from ``folder/config.json`` and ``folder/model.safetensors``;
+    ``dtype`` overrides the compute dtype (default float32). The model owns copies of the
+    weights; the files are not kept open."""
     src = Path(folder)
     cfg = DecoderConfig.load_json(src / CONFIG_NAME, dtype=dtype or torch.float32)
     model = PagedDecoder(cfg, batch_invariant=batch_invariant)

@@ -1,26 +1,18 @@
 """The Policy API: the only surface an eviction policy sees.
 
-A policy works on logical token ids of one request at a time and never learns about
-blocks, slots or reclamation (paper section 3.1). The engine drives it:
+A policy works on logical token ids of one request at a time and never learns about blocks,
+slots or reclamation. The engine calls ``observe(req_id, token_ids, attn)`` after every step
+(live ids in logical order, the new token last; attention as ``PagedDecoder`` stats), then
+``select_victims(req_id, live_ids, budget)`` and evicts what comes back, and
+``forget(req_id)`` when the request finishes.
 
-1. after every step (prefill or decode) it calls ``observe(req_id, token_ids, attn)``
-   with the request's live token ids in logical order (the new token last) and the
-   attention each received that step (``PagedDecoder`` stats: averaged over heads,
-   summed over layers; after prefill, also summed over the prompt's queries);
-2. it calls ``select_victims(req_id, live_ids, budget)`` and evicts what comes back
-   (``TokenTable.evict``); the policy does not evict anything itself;
-3. it calls ``forget(req_id)`` when the request finishes, dropping the policy's state.
+``select_victims`` returns a sorted int64 array of distinct ids of ``live_ids`` leaving at
+most ``budget``, never the newest (``live_ids[-1]``), empty when ``len(live_ids) <= budget``;
+deterministic. ``budget < 1`` with tokens present is an error.
 
-Contract of ``select_victims``: returns a sorted int64 array of distinct ids drawn from
-``live_ids`` such that at most ``budget`` ids remain, never contains the newest token
-(``live_ids[-1]``), and is empty when ``len(live_ids) <= budget``. It is deterministic:
-the same calls in the same order give the same answers. ``budget < 1`` with tokens present
-is an error, since the newest token must survive.
-
-Writing a policy: subclass ``Policy`` and implement ``keep_scores`` (higher = keep longer;
-``inf`` = protected). ``select_victims`` evicts the lowest finite scores first, ties going
-to the older token; protected tokens go only when the budget cannot be met otherwise,
-oldest first. Policy state is kept per request and owned by the policy object.
+A subclass implements ``keep_scores`` (higher = keep longer; ``inf`` = protected): the
+lowest finite scores go first, ties to the older token; protected tokens only when the
+budget cannot be met otherwise, oldest first.
 
 Owns: nothing itself; a subclass owns its per-request state, dropped by ``forget``.
 May call: numpy, abc; never spec/, invariants/, fuzz/ or reports/.

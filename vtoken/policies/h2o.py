@@ -1,10 +1,8 @@
 """H2O (Heavy-Hitter Oracle): keep tokens with the largest accumulated attention.
 
-Each token's score is the running sum of the attention it received over all observed
-steps. The most recent window is protected (new tokens have had no time to accumulate);
-among older tokens the lowest accumulated score is evicted first. The window is
-``recent`` tokens, or ``recent_ratio * budget`` when ``recent`` is None (the H2O paper
-splits the budget evenly between heavy hitters and recent tokens).
+A token's score is the sum of the attention it received over all observed steps; the lowest
+goes first. The most recent ``recent`` tokens (or ``recent_ratio * budget`` when ``recent``
+is None) are protected.
 
 Owns: one accumulated-attention array per request, dropped by ``forget``.
 May call: numpy, vtoken.policies.base; never spec/, invariants/, fuzz/ or reports/.

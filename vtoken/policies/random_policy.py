@@ -1,10 +1,6 @@
-"""Random eviction: uniformly random victims among the non-recent tokens.
-
-The stress test for block reclamation (survivors are scattered across blocks). Each
-request draws from its own generator seeded by ``(seed, req_id)``, so its victims depend
-only on the seed and that request's own calls, not on which other requests share a
-batch (a Naive-Evict run and a vToken run with different concurrency evict the same
-tokens). The most recent ``recent`` tokens are protected.
+"""Random eviction: uniformly random victims among the non-recent tokens (the most recent
+``recent`` are protected). Each request draws from its own generator seeded by ``(seed,
+req_id)``, so its victims never depend on the other requests of a batch.
 
 Owns: one seeded generator per request, dropped by ``forget``.
 May call: numpy, zlib, vtoken.policies.base; never spec/, invariants/, fuzz/ or reports/.

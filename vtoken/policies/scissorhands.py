@@ -1,10 +1,9 @@
 """Scissorhands: evict tokens whose importance does not persist.
 
-Over the last ``history`` observed steps, a token is "important" at a step if its
-attention is at least ``1/t`` of that step's total, t = tokens attended (the rule's
-``>= 1/t`` with attention normalised to sum to 1, so it holds for layer-summed stats).
-A token's score is the fraction of the steps it was present in where it was important;
-the lowest score is evicted first, and the most recent ``recent`` tokens are protected.
+A token is important at a step if it got at least ``1/t`` of that step's attention (t =
+tokens attended); its score is the fraction of the last ``history`` observed steps it was
+present in where it was important. The lowest goes first; the most recent ``recent`` tokens
+are protected.
 
 Owns: per request a deque of the last ``history`` steps' ids and importance, dropped by ``forget``.
 May call: numpy, collections, vtoken.policies.base; never spec/, invariants/, fuzz/ or reports/.

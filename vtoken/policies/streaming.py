@@ -1,8 +1,5 @@
-"""StreamingLLM: keep the attention sinks and a recent window, evict the middle.
-
-The sinks are the first ``sink`` tokens of the sequence (logical ids ``< sink``). The
-rest are ranked by recency, so the oldest middle token goes first and the survivors are
-the sinks plus the most recent ``budget - sink`` tokens. Attention is not used.
+"""StreamingLLM: keep the first ``sink`` tokens and the most recent ``budget - sink``,
+evicting the oldest middle token first. Attention is not used.
 
 Owns: nothing per request (the ``sink`` count only).
 May call: numpy, vtoken.policies.base; never spec/, invariants/, fuzz/ or reports/.

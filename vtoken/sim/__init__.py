@@ -1,17 +1,10 @@
 """The paper's experiments through the real TokenTable, BlockAllocator and ReclamationManager
-(no K/V bytes), on generated request traces. Entry points return plain dicts and write
-``<name>.md``, ``<name>.json`` and ``<name>.png`` under ``out`` (default
-``reports/simulate-<timestamp>/``):
-
-- :func:`run_waste` (paper Fig. 1), :func:`run_retained` (Fig. 7b),
-- :func:`run_frontier` (Fig. 9/10), :func:`run_sweeps` (section 4.5),
-- :func:`run_scaling` (scheduler-side cost against concurrency),
-- :func:`run_robustness` (the defaults' frontier over copy latency x check interval; not
-  part of ``run_all``: it is the long one),
-- :func:`run_all`.
-
-Every one takes ``quick=True`` for a small, fast run (tests), ``seeds``, ``jobs`` and
-``progress`` (``progress(label, done, total)``, e.g. :class:`parallel.Progress`).
+(no K/V bytes), on generated traces. Each entry point returns a plain dict and writes
+``<name>.md``, ``.json`` and ``.png`` under ``out`` (default ``reports/simulate-<timestamp>/``):
+:func:`run_waste` (Fig. 1), :func:`run_retained` (Fig. 7b), :func:`run_frontier` (Fig.
+9/10), :func:`run_sweeps` (section 4.5), :func:`run_scaling`, :func:`run_robustness` (not in
+``run_all``: the long one), :func:`run_all`. Each takes ``quick``, ``seeds``, ``jobs`` and
+``progress(label, done, total)``.
 
 Owns: nothing (writes only the files of ``run_all`` under ``out``).
 May call: vtoken.sim.*, json, subprocess (``git`` for the commit stamp); never spec/, invariants/,
@@ -42,9 +35,8 @@ COMMANDS = dict(EXPERIMENTS, robustness=run_robustness)
 
 def run_all(quick: bool = False, seeds: int | None = None, out=None, jobs: int | None = None,
             progress=None) -> dict:
-    """Every experiment of :data:`EXPERIMENTS` into one folder, plus ``README.md`` /
-    ``all.json`` with the timings. Retained runs first: its Naive-Evict runs are the waste
-    figure's too (the same traces and decisions), so waste does not replay them."""
+    """Every experiment of :data:`EXPERIMENTS` into one folder, plus ``README.md`` / ``all.json``
+    with the timings (waste reuses the retained runs' Naive-Evict replays)."""
     need_run_args("run_all", quick, seeds, jobs)
     import json
     import time

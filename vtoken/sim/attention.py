@@ -1,29 +1,17 @@
-"""The synthetic attention model that drives H2O and Scissorhands in the simulator.
+"""The synthetic attention model that drives H2O and Scissorhands in the simulator: a stated,
+seeded model in place of Llama-3.1-8B's attention.
 
-No model weights can be downloaded here, so the attention each token receives is drawn
-from a stated, seeded model instead of being measured on Llama-3.1-8B:
+- Importance: token ``i`` has ``w_i = exp(sigma * z_i)`` (``sigma = 1.5``), ``z`` a
+  unit-variance Gaussian sequence smoothed with an exponential kernel (``rho = 0.3``); the
+  first ``n_sink = 4`` tokens are sinks (``w x 50``).
+- Recency: a query at ``q`` weights token ``i <= q`` by ``w_i * (1 + (q - i) / tau) ** -alpha``
+  (``tau = 32``, ``alpha = 1``).
+- Noise: each share, per window, times an independent lognormal factor (``noise = 0.5``).
+- Normalisation: each query spends one unit over the live tokens.
 
-- **Intrinsic importance.** Token ``i`` has ``w_i = exp(sigma * z_i)``: lognormal, i.e.
-  heavy-tailed (``sigma = 1.5``: the top 1% of tokens are ~30x the median). ``z`` is a
-  unit-variance Gaussian sequence smoothed with an exponential kernel (neighbour
-  correlation ``rho = 0.3``), so importance is mildly clustered the way phrases are.
-  The first ``n_sink = 4`` tokens are attention sinks (``w x 50``).
-- **Recency.** A query at position ``q`` gives token ``i <= q`` the weight
-  ``w_i * (1 + (q - i) / tau) ** -alpha`` (``tau = 32``, ``alpha = 1``): a power-law decay
-  with distance, so the latest tokens get most of the attention and old heavy hitters
-  keep receiving a slowly shrinking share.
-- **Noise.** Each token's share in each observation window is multiplied by an
-  independent lognormal factor (``noise = 0.5``).
-- **Normalisation.** Every query spends one unit of attention over the live tokens (a
-  softmax row), so a window of ``k`` queries hands out ``k`` units in total.
-
-Policies observe attention once per window of ``E`` decode steps (the simulator's
-``window``), summed over the window's queries -- exact for H2O (a running sum), an
-approximation for Scissorhands (its "important at a step" test is applied per window).
-The sum over a window uses the continuous approximation of
-``sum_q (1 + (q - i)/tau) ** -alpha`` and one normalisation per window. Everything is
-drawn from a ``numpy.random.Generator`` the caller seeds, so a run is a pure function of
-its seed.
+Policies observe attention once per window of ``E`` decode steps, summed over the window
+(the recency sum in its continuous approximation, one normalisation per window). A run is a
+pure function of the caller's seeded ``numpy.random.Generator``.
 
 Owns: nothing (a frozen model; the caller's generator holds the randomness).
 May call: numpy, dataclasses, vtoken.sim.config; never spec/, invariants/, fuzz/ or reports/.

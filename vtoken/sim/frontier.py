@@ -1,32 +1,18 @@
 """The capacity frontier (paper Fig. 9 and 10).
 
-Setting: Llama-3.1-8B geometry (32 layers, 8 KV heads, head dim 128, fp16: 128 KiB of K/V
-per token, 2 MiB per block of 16), block size 16, 12K (12,288-token) outputs, prompts of
-4,032 tokens so that a fully retained request needs exactly 1,020 blocks, H2O with a keep
-budget of 8,192 tokens (ideal packed footprint 512 blocks; recent window 4,096). All C
-requests are admitted at step 0 and decode in lockstep (the worst case for a shared peak).
-A budget of N blocks has N - 1 usable ones (block 0 is the null block, as in vLLM). The
-Qwen2.5-14B row is the same trace in blocks on that model's budget (:func:`kv_budget`:
-48 layers, 192 KiB per token, 3 MiB per block).
+Setting: Llama-3.1-8B geometry (128 KiB of K/V per token, 2 MiB per block of 16), 12,288-token
+outputs, 4,032-token prompts (1,020 blocks fully retained), H2O keeping 8,192 tokens (ideal
+footprint 512 blocks; recent window 4,096); all C requests admitted at step 0. A budget of
+N blocks has N - 1 usable (block 0 is null). The Qwen2.5-14B row: the same trace on that
+model's budget (:func:`kv_budget`).
 
-A concurrency C is **feasible** when every request completes without preemption: a
-request that needs a block when none is free is preempted and the run is infeasible.
-The frontier is the largest feasible C. No C above the ideal packing ``floor((N - 1) /
-512)`` can be feasible (the live tokens alone need more blocks), so it is never run.
-
-- **Native** and **Naive-Evict** requests do not interact, so one unconstrained run of
-  C_max requests gives every C's peak demand (prefix sums of per-request block counts);
-  the predicted frontier is then confirmed by budget-constrained runs at C and C + 1.
-- **vToken** requests interact (shared headroom, planner order), so every point is a
-  budget-constrained run (from the ideal down: bisection when the ideal fails). Headroom
-  is reserved out of the same budget. ``vtoken_default`` is ``PlannerConfig()`` as shipped;
-  ``vtoken`` the earlier hand-tuned point (kept as the comparison column).
-
-Copy traffic (``traffic``): per plan, tokens moved and the blocks it frees (sources -
-destinations), against the lower bound of that work: the live tokens of that many of its
-emptiest sources (freeing k blocks moves at least k blocks' live tokens).
-
-Normalised demand = peak (used + reserved) blocks / usable blocks.
+C is **feasible** when every request completes without preemption; the frontier is the
+largest feasible C, at most the ideal ``floor((N - 1) / 512)``. Native and Naive-Evict: one
+unconstrained run gives every C's peak demand, confirmed by constrained runs at C and C + 1.
+vToken: constrained runs from the ideal down (bisection when it fails); ``vtoken_default``
+is ``PlannerConfig()``, ``vtoken`` the hand-tuned comparison point. ``traffic``: per plan,
+tokens moved and blocks freed against the lower bound (the live tokens of that many of its
+emptiest sources). Normalised demand = peak (used + reserved) / usable blocks.
 
 Owns: nothing (each run's Replay lives in its task; writes only the result files).
 May call: vtoken.sim (replay, schedule, parallel, stats, traces, workloads, report, config), vtoken.planner,
@@ -68,16 +54,10 @@ PAPER = {"5427": {"native": 5, "naive-evict": 5, "vtoken": 8}, "11519": {"native
 
 
 def kv_budget(model: str, gpu_mem_util: float, block_size: int = 16) -> int:
-    """KV blocks vLLM gives ``model`` on the paper's H100 at ``gpu_mem_util``.
-
-    vLLM's budget is ``util x M - weights - other``; M (the memory vLLM sees) and ``other``
-    (activations, CUDA graphs, allocator slack) are solved from the paper's two Llama-3.1-8B
-    budgets (5,427 blocks at 0.35, 11,519 at 0.50: M = 79.3 GiB, other = 2.2 GiB), and
-    ``other`` is assumed the same for the other model (an estimate: a bigger model's
-    activations are somewhat larger). Qwen2.5-14B at 0.50: 3,438 blocks of 3 MiB (at 0.35 its
-    29.4 GB of weights leave no KV memory). The ideal packing there is 6 requests, Native
-    and Naive-Evict hold 3: the paper's "fail at C = 4, vToken through C = 6".
-    """
+    """KV blocks vLLM gives ``model`` on the paper's H100 at ``gpu_mem_util``:
+    ``util x M - weights - other``, with M = 79.3 GiB and other = 2.2 GiB solved from the
+    paper's two Llama-3.1-8B budgets (5,427 blocks at 0.35, 11,519 at 0.50) and ``other``
+    assumed the same for every model (Qwen2.5-14B at 0.50: 3,438 blocks of 3 MiB)."""
     llama = GEOMETRIES["Llama-3.1-8B"]
     blk_l = llama["kv_bytes_per_token"] * block_size
     M = (11519 - 5427) * blk_l / 0.15
@@ -86,10 +66,9 @@ def kv_budget(model: str, gpu_mem_util: float, block_size: int = 16) -> int:
     return int((gpu_mem_util * M - 2 * g["params"] - other) // (g["kv_bytes_per_token"] * block_size))
 
 
-# The earlier hand-tuned point (issue 14's "vToken tuned" column), out of place as it was (the
-# paper's compaction into fresh headroom blocks): reclaim only when free blocks fall to 48
-# (theta_F = 1.0: the F gate never opens on its own), big plans, 48 headroom, 2 plans per
-# round. It reaches the ideal at copy latency 1 / check interval 1 and breaks off it.
+# The hand-tuned comparison point (the "vtoken" column), out of place: reclaim only when free
+# blocks fall to 48 (theta_F = 1.0: the F gate never opens on its own), big plans, 48 headroom,
+# 2 plans per round.
 TUNED = dict(theta_f=1.0, check_every=1, max_sources=128, headroom=48, low_watermark=48, max_plans_per_round=2,
              in_place=False)
 # The shipped defaults: PlannerConfig() as it is.
@@ -243,9 +222,8 @@ def _dispatch(kind, a):
 
 def traffic_summary(runs: list) -> dict:
     """Copy traffic over runs (one per seed): tokens moved per block freed against the lower
-    bound (the live tokens of the freed-count emptiest sources of each plan), and against the
-    live tokens of all of each plan's sources (every one of them is freed: 1.0 unless a moved
-    token died in flight)."""
+    bound, and against the live tokens of all of each plan's sources (1.0 unless a moved token
+    died in flight)."""
     trs = [r["traffic"] for r in runs if r.get("traffic") and r["traffic"].get("freed")]
     if not trs:
         return {}

@@ -1,33 +1,18 @@
 """The replay engine: eviction schedules through the real TokenTable, BlockAllocator and
 ReclamationManager, with no K/V bytes.
 
-One scheduler step, for every running request in admission order:
+One scheduler step, per running request in admission order: (1) growth: a new block when
+the last one is full (none free = **preemption**: the run is infeasible), then
+``sync_new_tokens``; (2) the step's victims evicted, a block left with no live token
+released at once; (3) a finished request frees what it holds (blocks of an in-flight copy
+when it ends; ``run`` drains the manager, so a completed run holds no block). Then, for
+vToken, ``ReclamationManager.step()`` with ``NullCopyEngine(latency)`` (``latency = 1``: a
+plan launched at step ``t`` applies at ``t + 2``).
 
-1. growth: a new block from the allocator when the request's last block is full (no
-   free block = **preemption**: the run is infeasible), then ``sync_new_tokens`` (the
-   prefill registers the prompt, in doubling chunks);
-2. eviction: the schedule's victims for the step, through ``evict_tokens``; a block left
-   with no live token is released at once (``release_empty_blocks`` + ``free``) in every
-   system -- Naive-Evict only lacks *compaction* of partially live blocks;
-3. a finished request frees everything it holds (blocks an in-flight copy still uses are
-   freed when that copy ends; once every request finished ``run`` drains the manager, so
-   a completed run holds no block);
-
-then, for vToken, ``ReclamationManager.step()`` (poll copies -> apply -> free sources,
-refill the headroom, plan when eligible). The copy engine is ``NullCopyEngine(latency)``:
-with ``latency = 1`` a plan launched at step ``t`` is still pending at step ``t + 1`` and is
-applied (sources freed) at step ``t + 2``; sources are never freed before that.
-
-A victim whose block is a source of an in-flight plan is *deferred*: the table learns of
-it right after the plan applies (the policy's decision and the logical state are
-unchanged; the table is told one or two steps late). Reason: ``apply_moves`` rejects a
-move of a token that died after planning (``dead_token``), and whether
-``ReclamationManager.apply`` drops such moves first has changed back and forth in the
-tree; deferring keeps the simulation valid either way. ``defer_inflight_victims=False``
-evicts at once (only safe with a planner that filters dead moves). Blocks of in-flight
-plans are never released by the engine: the plan frees them.
-
-Demand is ``used + reserved`` blocks (headroom is carved out of the same budget).
+A victim in a source of an in-flight plan is *deferred*: the table learns of it right after
+the plan applies (``defer_inflight_victims=False`` evicts at once, safe only with a planner
+that drops dead moves). Blocks of in-flight plans are freed only by their plan. Demand is
+``used + reserved`` blocks.
 
 Owns: a run's TokenTable, BlockAllocator, ReclamationManager and per-request held blocks and
 timelines.
@@ -74,9 +59,7 @@ class Preempted(Exception):
 
 
 def _chunks(P: int):
-    """Prefill sync lengths that double from 64. (A single large sync leaves the table's
-    host arrays exactly full while its device segment is a power of two; the next
-    one-token sync then writes past the host array -- see the report.)"""
+    """Prefill sync lengths that double from 64."""
     n = 0
     while n < P:
         n = min(P, max(64, 2 * n))
@@ -84,18 +67,13 @@ def _chunks(P: int):
 
 
 class Replay:
-    """One replay of ``schedules`` (each a :class:`Schedule`, in admission order) in ``mode``
-    (``native`` | ``naive-evict`` | ``vtoken``) over a pool of ``num_blocks`` blocks of
-    ``block_size`` slots (the null block included).
-
-    ``planner``: the vToken planner's settings (default ``PlannerConfig()``); ``latency``: copy
-    polls before a plan completes (``NullCopyEngine``); ``max_batch``: running requests at most
-    (default all); ``sample_every`` / ``flush_every``: steps between block samples / table
-    flushes (0: never; a flush also runs every step with ``slot_mapping``); ``timeline_every``:
-    steps between timeline points (>= 1); the rest are switches. Every argument is checked
-    before anything is built (:class:`~vtoken.errors.ConfigError` naming ``Replay.<field>``
-    and the value): the owner builds the run's table, allocator and manager only then.
-    """
+    """One replay of ``schedules`` (:class:`Schedule`, admission order) in ``mode`` (``native`` |
+    ``naive-evict`` | ``vtoken``) over ``num_blocks`` blocks of ``block_size`` slots (null block
+    included). ``planner``: default ``PlannerConfig()``; ``latency``: copy polls before a plan
+    completes; ``max_batch``: running requests at most; ``sample_every`` / ``flush_every``: steps
+    between block samples / table flushes (0: never); ``timeline_every`` >= 1; the rest are
+    switches. Every argument is checked (ConfigError naming ``Replay.<field>``) before the
+    table, allocator and manager are built."""
 
     def __init__(self, schedules: list[Schedule], mode: str, block_size: int, num_blocks: int,
                  planner: PlannerConfig | None = None, latency: int = 1, max_batch: int | None = None,
@@ -172,9 +150,8 @@ class Replay:
 
     # -------------------------------------------------------------- planner hooks
     def _count_plan(self, p) -> None:
-        """Copy traffic of a plan at launch: tokens moved, blocks it frees (sources - dests),
-        and its lower bound: the live tokens of that many of its emptiest sources (freeing k
-        blocks moves at least the live tokens of k blocks, in place or out of place)."""
+        """Copy traffic of a plan at launch: tokens moved, blocks it frees (sources - dests), and
+        its lower bound (the live tokens of that many of its emptiest sources)."""
         freed = len(p.sources) - len(p.dests)
         nb = np.sort(self.table.n_b[np.asarray(p.sources, dtype=np.int64)])
         tr = self.traffic

@@ -1,19 +1,10 @@
 """Robustness of the shipped planner defaults: the capacity frontier over copy latency x
 check interval, at both Llama-3.1-8B budgets and on the Qwen2.5-14B geometry.
 
-Setting: the frontier trace (:mod:`vtoken.sim.frontier`: 4,032-token prompts, 12K outputs,
-H2O keeping 8,192 tokens, all requests admitted at step 0), ``PlannerConfig()`` with only
-``check_every`` changed, and ``NullCopyEngine(latency)``: a plan launched at step ``t`` is
-applied (its sources freed) at step ``t + latency + 1`` -- copy latency is not the user's
-to choose (on a busy GPU a copy can take several steps), the check interval is.
-
-Per cell and seed one run at C = ideal. Feasible there means the frontier is the ideal:
-``ideal + 1`` requests need more blocks than the budget for their live tokens alone, so it
-is infeasible by arithmetic and not run. Where C = ideal fails, the frontier is searched
-below it (bisection from the Naive-Evict frontier) and the cell says how far it fell and
-what was in flight (bytes held by copies: sources still held, destinations reserved).
-
-``min_over_ideal`` = the smallest frontier over every cell and seed divided by the ideal.
+The frontier trace (:mod:`vtoken.sim.frontier`), ``PlannerConfig()`` but ``check_every``, and
+``NullCopyEngine(latency)``. Per cell and seed one run at C = ideal; where it fails, the
+frontier is bisected below it and the cell says how far it fell and what was in flight.
+``min_over_ideal``: the smallest frontier over cells and seeds / the ideal.
 
 Owns: nothing (each cell's Replay lives in its task; writes only the result files).
 May call: vtoken.sim (frontier, parallel, stats, report, config), vtoken.planner, numpy; never spec/,

@@ -1,21 +1,14 @@
 """Eviction schedules: which tokens a real policy evicts at which step of a request.
 
-A request's eviction decisions depend only on its own attention and its own policy
-state, never on memory or on the other requests, so they are computed once per
-request (with the real ``vtoken.policies`` classes fed by the synthetic attention model)
-and then replayed by every system variant -- Naive-Evict and vToken see *identical*
-eviction decisions by construction, which is exactly the paper's paired ablation.
+A request's evictions depend only on its own attention and policy state, so they are
+computed once (real ``vtoken.policies`` fed by the synthetic attention model) and replayed by
+every system: Naive-Evict and vToken see identical evictions.
 
-Step numbering of one request: step 0 is the prefill (``prompt`` tokens appear), step
-``s >= 1`` appends token ``prompt + s - 1``; the request is done after step ``output``
-(length ``prompt + output``). ``victims[offsets[s]:offsets[s + 1]]`` are evicted at step
-``s`` right after its tokens are registered.
-
-Policies run once per window of ``window`` decode steps (default 16): they observe the
-window's attention (summed over its queries), then ``select_victims`` picks every token
-the window will need to evict, and those are evicted step by step as the budget
-requires -- so the live count never exceeds the budget, and the policy's scores are at
-most ``window`` steps stale. The victim order within a window is logical order.
+Step 0 is the prefill (``prompt`` tokens); step ``s >= 1`` appends token ``prompt + s - 1``;
+done after step ``output``. ``victims[offsets[s]:offsets[s + 1]]`` are evicted at step ``s``
+after its tokens are registered. Policies run once per ``window`` decode steps (default 16)
+on the window's summed attention and pick its victims, evicted in logical order as the
+budget requires (the live count never exceeds the budget).
 
 Owns: the on-disk schedule cache (``cache_dir()``; keyed by the arguments and the code's hash).
 May call: vtoken.policies, .errors, vtoken.sim.attention, .config, numpy, hashlib; never spec/, invariants/,
@@ -43,14 +36,11 @@ from .config import need_choice, need_int, need_number
 
 @dataclass
 class Schedule:
-    """One request's evictions: ``victims[offsets[s]:offsets[s + 1]]`` at step ``s``.
-
-    Checked at construction (:class:`~vtoken.errors.ConfigError` naming ``Schedule.<field>``
-    and the value): ``prompt`` an integer >= 1, ``output`` >= 0; ``victims`` and ``offsets``
-    1-D integer arrays (kept as int64), ``offsets`` of ``output + 2`` entries rising from 0
-    to ``len(victims)``; every victim a token that exists at its step (``< prompt + s``),
-    none twice. O(victims log victims).
-    """
+    """One request's evictions: ``victims[offsets[s]:offsets[s + 1]]`` at step ``s``. Checked at
+    construction (ConfigError naming ``Schedule.<field>``): ``prompt`` >= 1, ``output`` >= 0;
+    ``victims``, ``offsets`` 1-D integer arrays (int64), ``offsets`` of ``output + 2`` entries
+    rising from 0 to ``len(victims)``; each victim exists at its step (``< prompt + s``), none
+    twice. O(victims log victims)."""
 
     prompt: int
     output: int

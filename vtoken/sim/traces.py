@@ -1,18 +1,10 @@
-"""Request traces: lengths only (the simulator never needs token values).
+"""Request traces: lengths only, drawn (seeded) from stated distributions.
 
-ShareGPT and LongBench cannot be downloaded here, so traces are drawn from stated
-length distributions (seeded):
-
-- **ShareGPT-like** (chat): input ~ lognormal(median 1,500, sigma 1.0) clipped to
-  [64, 16,384] tokens (the paper's "16K-token subset"); output ~ lognormal(median 350,
-  sigma 0.8) clipped to [16, 2,048].
-- **LongBench-like** (long-context tasks): input ~ lognormal(median 8,000, sigma 0.45)
-  clipped to [1,024, 16,384]; output ~ lognormal(median 128, sigma 0.7) clipped to
-  [16, 512] (QA / summarisation answers are short).
-
-The capacity-frontier trace is the paper's fixed setting instead: every request has the
-prompt that makes a fully retained request exactly 1,020 blocks of 16 with a 12K
-(12,288-token) output, i.e. ``1020 * 16 - 12288 = 4,032`` prompt tokens.
+- ShareGPT-like: input ~ lognormal(median 1,500, sigma 1.0) clipped to [64, 16,384]; output
+  ~ lognormal(median 350, sigma 0.8) clipped to [16, 2,048].
+- LongBench-like: input ~ lognormal(median 8,000, sigma 0.45) clipped to [1,024, 16,384];
+  output ~ lognormal(median 128, sigma 0.7) clipped to [16, 512].
+- Capacity frontier: every request 4,032 prompt and 12,288 output tokens.
 
 Owns: nothing (pure functions of a seed).
 May call: numpy, dataclasses, vtoken.sim.config; never spec/, invariants/, fuzz/ or reports/.

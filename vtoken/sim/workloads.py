@@ -1,11 +1,8 @@
 """Experiments on the ShareGPT-like and LongBench-like traces: waste (Fig. 1), retained
-blocks (Fig. 7b) and the parameter sweeps (section 4.5).
-
-Setting: a trace of ``n_requests`` requests served with continuous batching, at most 16
-running at once (the paper's batch 16), memory unconstrained (so no system variant is
-ever preempted and the three see the same admission times); every policy evicts to a
-ratio budget ``ceil(keep * length)`` (default keep 0.5, i.e. eviction ratio 0.5) from the
-prefill on. Block statistics are sampled every ``sample_every`` steps and time-averaged.
+blocks (Fig. 7b) and the parameter sweeps (section 4.5): continuous batching of at most 16
+running requests, memory unconstrained (same admissions in every system), every policy
+evicting to ``ceil(keep * length)`` (default keep 0.5) from the prefill on; block statistics
+sampled every ``sample_every`` steps and time-averaged.
 
 Owns: nothing (each run's Replay lives in its task; writes only the result files).
 May call: vtoken.sim (replay, schedule, attention, traces, parallel, stats, report, config), vtoken.planner,

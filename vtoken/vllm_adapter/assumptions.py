@@ -51,12 +51,10 @@ class AdapterAssumptionError(AssertionError):
 
 
 def check_supported_kv_config(kv_cache_config) -> None:
-    """Refuse, at start, a KV layout the adapter does not support (``single_full_attention_pool``):
-    exactly one KV cache group whose spec is vLLM's ``FullAttentionSpec`` or a subclass (MLA;
-    a full-attention spec recording a sliding window still allocates blocks for every token,
-    so it is accepted); ``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec``, Mamba and hybrid
-    (several groups) layouts are refused. Raises
-    :class:`AdapterAssumptionError` naming the group, before any state is built."""
+    """Refuse at start a KV layout the adapter does not support (``single_full_attention_pool``):
+    exactly one KV cache group whose spec is a ``FullAttentionSpec`` (subclasses, MLA, and a
+    recorded sliding window included); sliding-window, chunked-local, Mamba and hybrid layouts
+    raise :class:`AdapterAssumptionError` naming the group, before any state is built."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])

@@ -1,10 +1,8 @@
 """The engine-core loop around an adapter and its worker (tests, audits, benchmarks).
 
-``AdapterDriver`` runs an adapter and its worker the way vLLM's engine core does: with
-async scheduling a second step is scheduled before the first step's output is processed
-(two in flight); outputs are applied in FIFO order; the worker executes a step when its
-output is needed, so the scheduler always plans from a table one step stale (the
-adversarial interleaving for the fence).
+``AdapterDriver`` runs them as vLLM's engine core does: with async scheduling a second step
+is scheduled before the first's output is processed; outputs apply in FIFO order; the worker
+executes a step when its output is needed, so the scheduler plans from a table one step stale.
 Owns: the queue of outputs in flight (at most two with async scheduling).
 May call: the adapter's ``schedule`` / ``update_from_output`` / ``drain_idle`` and the
 worker's ``execute``.

@@ -1,8 +1,7 @@
 """The fence ledger: no plan source goes back to the pool before its fence.
 
-A plan rides on step ``seq``: that step's forward still reads its sources and the copy out
-of them runs after it, so a source may return to the pool only when BOTH hold: step ``seq``
-has been processed (``processed_step_seq >= seq``) and the worker reported the copy done.
+A plan rides on step ``seq``: a source may return to the pool only when step ``seq`` has been
+processed (``processed_step_seq >= seq``) AND the worker reported the copy done.
 :meth:`FenceLedger.check` verifies every closed entry once.
 Owns: one entry per plan whose sources are pending (opened at launch, closed with the copy's
 state when the adapter hands the sources back), and the closed entries not yet checked.

@@ -1,29 +1,14 @@
 """A real vLLM scheduler on CPU, for contract tests and adapter experiments.
 
-``VllmHarness`` builds vLLM's own ``Scheduler`` (``vllm/v1/core/sched/scheduler.py``), or
-its ``AsyncScheduler`` subclass when async scheduling is asked for, with a real
-``KVCacheManager`` / ``BlockPool`` behind it. Nothing of vLLM is mocked: the model is a
-folder holding only a ``config.json`` (``tiny_model/``, a 2-layer OPT shape), the tokenizer
-is skipped, and the worker is replaced by fake ``ModelRunnerOutput``s that sample one token
-per request whose scheduled chunk reached the end of its prompt. That is exactly what the
-scheduler sees from a real worker, minus the token values.
+``VllmHarness`` builds vLLM's own ``Scheduler`` (or ``AsyncScheduler``) with a real
+``KVCacheManager`` / ``BlockPool``; nothing is mocked. The model is a folder with only a
+``config.json`` (``tiny_model/``), the tokenizer is skipped, and the worker is replaced by
+fake ``ModelRunnerOutput``s sampling one token per request whose chunk reached the end of
+its prompt. Import it before vLLM (:func:`ensure_cpu_env`). Written against vLLM 0.33.0.
+``h.step()`` schedules, fakes the output and applies it; ``h.drain()`` runs every request
+to its end; with ``async_scheduling=True``, ``h.schedule()`` / ``h.finish(so)`` keep steps
+in flight (outputs applied in FIFO order).
 
-It runs without a GPU: importing this module sets ``HF_HUB_OFFLINE=1`` and, when torch sees
-no CUDA device, ``VLLM_TARGET_DEVICE=cpu`` (neither overrides a value already set), so it
-must be imported before vLLM is (see ``ensure_cpu_env``). vLLM 0.33.0 is the version
-this was written against (``scripts/install_vllm.sh``).
-
-Typical use::
-
-    h = VllmHarness(block_size=16, num_blocks=64, prefix_caching=True)
-    h.add_request("A", list(range(40)), max_tokens=8)
-    sched_out = h.step()                      # schedule + fake worker output + update_from_output
-    h.block_ids("A"), h.pool.get_num_free_blocks()
-    h.drain()                          # run until every request finished
-
-With ``async_scheduling=True`` the caller may keep steps in flight: ``so1 = h.schedule();
-so2 = h.schedule(); h.finish(so1); h.finish(so2)`` (outputs are applied in FIFO order, as
-the engine does).
 Owns: the vLLM configuration objects and the scheduler it builds (the adapter replaces
 the scheduler with its own subclass), the fake worker's queue of outputs in flight.
 May call: vLLM (``Scheduler``, ``AsyncScheduler``, ``KVCacheManager``), torch (CUDA probe),
@@ -48,14 +33,10 @@ from ..errors import OrderError  # noqa: E402
 
 
 def ensure_cpu_env() -> None:
-    """Set the environment the harness needs, without overriding a caller's choice.
-
-    ``HF_HUB_OFFLINE=1`` always (the model folder is local). ``VLLM_TARGET_DEVICE=cpu`` only
-    when torch sees no CUDA device: without it vLLM cannot infer a platform on a CPU-only
-    machine, and on a GPU machine the CUDA platform must stay the process's platform for
-    whatever else runs there. vLLM resolves its platform once per process, so this must
-    run before vLLM is first imported; importing this module does it.
-    """
+    """Set the environment the harness needs, never overriding a caller's value:
+    ``HF_HUB_OFFLINE=1``, and ``VLLM_TARGET_DEVICE=cpu`` only when torch sees no CUDA device.
+    vLLM resolves its platform once per process, so this runs (at this module's import) before
+    vLLM is first imported."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "VLLM_TARGET_DEVICE" not in os.environ:
         try:
@@ -235,9 +216,8 @@ class VllmHarness:
 
     @classmethod
     def around(cls, scheduler) -> "VllmHarness":
-        """A harness over a scheduler built elsewhere (vLLM's engine core, vLLM's own test
-        helpers): the same accessors and ``make_request``, nothing rebuilt. The geometry is
-        read off the scheduler (block size, pool size, prefix caching, async class)."""
+        """A harness over a scheduler built elsewhere (vLLM's engine core or test helpers): the same
+        accessors and ``make_request``, the geometry read off the scheduler, nothing rebuilt."""
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
         h = cls.__new__(cls)

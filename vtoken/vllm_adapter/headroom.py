@@ -1,12 +1,10 @@
 """The headroom: the blocks the adapter reserves as compaction destinations.
 
-Owns: ``blocks`` (``KVCacheBlock``, ref_cnt 1, one reference each held by the adapter alone:
-in no request's list, so ``allocate_slots`` never sees them and vLLM never hashes them), and
-the admission back-pressure while the reservation is short (the fresh requests withheld
-from one ``schedule()`` call). Plans take destinations out (``take``) and give unwritten ones
-back (``put``); every other block leaves only through :meth:`give_back` or the yield to
-growth, both straight to vLLM's free queue (headroom blocks were never read by a step, so
-they need no fence).
+Owns: ``blocks`` (``KVCacheBlock``, ref_cnt 1, held by the adapter alone: in no request's list,
+never hashed) and the admission back-pressure while the reservation is short. Plans ``take``
+destinations and ``put`` unwritten ones back; other blocks leave only through
+:meth:`give_back` or the yield to growth, straight to vLLM's free queue (never read by a
+step, so no fence).
 May call: vLLM's ``BlockPool`` (``get_new_blocks``, ``free_blocks``, the free count) and the
 scheduler's waiting queue, both read through the harness each time (vLLM's tests swap the
 manager after construction).
@@ -17,16 +15,10 @@ from __future__ import annotations
 
 
 class Headroom:
-    """The reservation of one adapter (see the module docstring).
-
-    Args:
-        harness: the ``VllmHarness`` whose ``scheduler`` and ``pool`` are the adapter's.
-        size: the reservation wanted (``PlannerConfig.headroom``; 0 with reclamation off:
-            then nothing is ever taken or withheld).
-        pool_fraction: the reservation is at most 1/this of the live pool.
-        block_size: tokens per block (a waiting prompt's blocks are reserved for it).
-        stats: the adapter's counters (``headroom_yielded``, ``backpressure_steps``, ...).
-    """
+    """The reservation of one adapter: ``harness`` (whose ``scheduler`` and ``pool`` are the
+    adapter's), ``size`` (``PlannerConfig.headroom``; 0: nothing taken or withheld), at most
+    1/``pool_fraction`` of the live pool; ``block_size`` (a waiting prompt's blocks are kept
+    for it); ``stats``, the adapter's counters."""
 
     def __init__(self, harness, size: int, pool_fraction: int, block_size: int, stats: dict):
         assert int(pool_fraction) >= 1, "the adapter refuses headroom_pool_fraction < 1 before building"
@@ -47,9 +39,8 @@ class Headroom:
         return bool(self.blocks)
 
     def take_fresh(self) -> list:
-        """The blocks that entered the headroom since the last call (for the incremental
-        checks: a block that stays in the headroom changes state only through a bug, which
-        the periodic full scan sees)."""
+        """The blocks that entered the headroom since the last call (for the incremental checks;
+        the periodic full scan sees the rest)."""
         out, self.fresh = list(self.fresh.values()), {}
         return out
 
@@ -60,9 +51,8 @@ class Headroom:
         return [b.block_id for b in self.blocks]
 
     def target(self) -> int:
-        """The reservation's size now: ``size``, capped at 1/``pool_fraction`` of the live pool
-        (on a tight pool a full headroom would starve vLLM's own schedule: 21 of vLLM's tests
-        run pools of 5-10 blocks). O(1)."""
+        """The reservation's size now: ``size``, capped at 1/``pool_fraction`` of the live pool (so
+        a tight pool is never starved by a full headroom). O(1)."""
         return min(self.size, (self.harness.pool.num_gpu_blocks - 1) // self.pool_fraction)
 
     def short(self) -> bool:
@@ -95,10 +85,9 @@ class Headroom:
         return n
 
     def before_schedule(self) -> None:
-        """Top the reservation up, yielding to growth first: one free block is kept per
-        running request (a decode step needs at most one each) and, when idle, the next
-        admission's prompt, so vLLM never preempts or stalls a request for want of a block
-        the headroom holds. Then withhold fresh admissions while still short. O(1)."""
+        """Top the reservation up, yielding to growth first (one free block kept per running
+        request and, when idle, the next admission's prompt: vLLM never preempts or stalls for a
+        block the headroom holds); then withhold fresh admissions while short. O(1)."""
         sched, pool = self.harness.scheduler, self.harness.pool
         if self.size:
             free, reserve = pool.get_num_free_blocks(), len(sched.running)
@@ -145,9 +134,8 @@ class Headroom:
             self.withheld = []
 
     def after_empty_step(self) -> None:
-        """Nothing was scheduled: if nothing runs and a request waits, the reservation must
-        not block progress (the pool is too small for a request plus the headroom): give it
-        back until a step runs again."""
+        """Nothing was scheduled: if nothing runs and a request waits, give the reservation back
+        until a step runs again (it must not block progress)."""
         sched = self.harness.scheduler
         if self.blocks and not sched.running and len(sched.waiting) and not sched.deferred_frees:
             self.give_back()
@@ -155,9 +143,8 @@ class Headroom:
             self.stats["headroom_yielded"] += 1
 
     def after_update(self, plans_in_flight: bool) -> None:
-        """Nothing runs: nothing to reclaim for, so nothing reserved (vLLM's leak checks and
-        free counts see the whole pool once its own deferred frees drained); retaken at the
-        next ``schedule()`` with work."""
+        """Nothing runs: nothing is reserved (vLLM's leak checks and free counts see the whole
+        pool); retaken at the next ``schedule()`` with work."""
         sched = self.harness.scheduler
         if self.blocks and not plans_in_flight and not sched.running and not sched.deferred_frees:
             self.give_back()

@@ -1,8 +1,6 @@
-"""Where vtoken sits in vLLM's scheduler: a subclass of vLLM's own class with three hooks.
-
-``scheduler_class(base)`` returns ``VToken<Base>``: ``schedule()`` calls the adapter before
-and after vLLM's own code, ``update_from_output()`` after it, ``_free_request_blocks()``
-(preemption and finish) and ``reset_prefix_cache()`` (the headroom goes back first)
+"""Where vtoken sits in vLLM's scheduler: ``scheduler_class(base)`` returns ``VToken<Base>``,
+whose ``schedule()`` calls the adapter before and after vLLM's own code,
+``update_from_output()`` after it, ``_free_request_blocks()`` and ``reset_prefix_cache()``
 before it. The hooks only call out; everything else is vLLM's.
 Owns: nothing (the subclass holds only the attached adapter).
 May call: the adapter's hook methods and vLLM's base class.

@@ -1,10 +1,8 @@
-"""What the scheduler side and the worker tell each other, step by step.
-
-:class:`StepMeta` rides on a ``SchedulerOutput`` as
-``sched_out.vtoken`` (the step's plans, :class:`vtoken.lifecycle.Plan` records with block
-ids, and its releases, to execute after its forward); the worker answers with
-a :class:`WorkerReport` on ``ModelRunnerOutput.vtoken_report`` (per finished plan a
-:class:`PlanResult`, and each request's full-context length). No behaviour.
+"""What the scheduler side and the worker tell each other, step by step: :class:`StepMeta`
+on ``sched_out.vtoken`` (the step's plans, :class:`vtoken.lifecycle.Plan` records, and its
+releases, to execute after its forward); the worker's :class:`WorkerReport` on
+``ModelRunnerOutput.vtoken_report`` (a :class:`PlanResult` per finished plan, each request's
+full-context length). No behaviour.
 Owns: the plain records only (plan blocks belong to the adapter, see ``plans``).
 May call: nothing.
 Costs: none beyond building the records.

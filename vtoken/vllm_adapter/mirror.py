@@ -1,16 +1,11 @@
 """The block-list mirror: each request's positional block ids exactly as vLLM's outputs sent
 them, and null substitution.
 
-Owns: per request ``ids`` (the positional block ids: ``scheduled_new_reqs.block_ids``,
-``scheduled_cached_reqs.new_block_ids`` appended, replaced for ``resumed_req_ids``), ``pos``
-(block id -> index, for the entries not substituted), ``subst`` (index -> block id the
-adapter replaced by ``null_block``), ``incarnation`` (the step that (re)started the list), and
-the reverse index ``where`` (block id -> requests whose list holds it), so a check can count
-a block's holders without scanning every list, and ``expect`` (the KVCacheBlock objects the
-list must hold, the null block where substituted), so a list is checked by identity in C.
-It never frees a block. ``detach`` is the one place a request's list changes under vLLM:
-the entry becomes ``null_block``, the list keeps its length (vLLM's allocator grows lists
-positionally; popping would break that).
+Owns: per request ``ids`` (the positional block ids), ``pos`` (block id -> index), ``subst``
+(index -> block id replaced by ``null_block``), ``incarnation`` (the step that (re)started the
+list), ``where`` (block id -> requests whose list holds it) and ``expect`` (the KVCacheBlock
+objects the list must hold, checked by identity). It never frees a block. ``detach`` is the
+one place a list changes under vLLM: the entry becomes ``null_block``, the length stays.
 May call: nothing but ``assumptions``; it writes only ``null_block`` into vLLM's lists.
 Costs: O(new block ids) per output, O(1) per detach, O(list) per :meth:`check_lists`.
 """

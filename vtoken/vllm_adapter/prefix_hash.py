@@ -1,19 +1,12 @@
 """Prefix-hash hygiene: a block keeps its prefix-cache hash only while its bytes are what its
 token ids promise.
 
-vLLM hashes every full block of a request's list by its token ids. Three rules keep the
-prefix cache honest under token eviction and relocation:
-
-- a plan's sources and fills lose their hash at launch (:meth:`PrefixHashRules.drop_sources`):
-  a block in flight must never be handed out as a prefix hit (a hit makes it shared, and
-  shared blocks never move; a fill's bytes change); destinations and fills are never hashed
-  again (they never enter a request's list again);
-- a released block (all tokens evicted, no copy) keeps its hash only if it was computed
-  with full context (:meth:`on_release`): a token computed after an eviction attended to
-  fewer tokens than a fresh prefill would, so its K/V is not what the token ids promise;
-- any block hashed after the request's first eviction is unfaithful for the same reason:
-  :meth:`evict_unfaithful` drops those hashes once the worker reports the request's
-  full-context length, and when the request is preempted or finishes.
+- a plan's sources and fills lose their hash at launch and are never hashed again
+  (:meth:`PrefixHashRules.drop_sources`): a block in flight must never become a prefix hit;
+- a released block keeps its hash only if computed with full context (:meth:`on_release`);
+- any block hashed after the request's first eviction is unfaithful (its tokens attended to
+  fewer tokens than a fresh prefill): :meth:`evict_unfaithful` drops those once the worker
+  reports the full-context length, and at preemption or finish.
 
 Owns: per request the full-context length (``faithful``) and how far its list was scanned
 (``scanned``); the record of kept hashes (``kept``). The hashes themselves are vLLM's.

@@ -1,40 +1,26 @@
 """The worker side of the vLLM adapter: this project's decoder fed by vLLM's scheduler outputs.
 
-``VTokenWorker.execute(scheduler_output)`` plays the part of vLLM's model runner for the
-adapter (``adapter.VTokenAdapter``). It owns the K/V (a :class:`~vtoken.kvcache.KVCache` of
-real tensors) and runs :class:`~vtoken.model.PagedDecoder`; the token table it writes is the
-adapter's (the scheduler side only reads it to plan). Per output, in order:
+``VTokenWorker.execute(scheduler_output)`` plays vLLM's model runner for
+``adapter.VTokenAdapter``, running :class:`~vtoken.model.PagedDecoder` over a real
+:class:`~vtoken.kvcache.KVCache`. Per output, in order:
 
-1. ``finished_req_ids`` / ``preempted_req_ids``: the request's token table is reset
-   (``TokenTable.free_request``; a preempted request is recomputed from its token ids);
-2. the pre-attention hook: ``KVCopyEngine.wait_before_attention()`` and copies launched in
-   earlier steps that have completed are applied (``poll``);
-3. releases decided by the scheduler side (blocks whose tokens were all evicted) leave the
-   table (``release_empty_blocks``);
-4. block ids: ``scheduled_new_reqs.block_ids``, then ``scheduled_cached_reqs.new_block_ids``
-   appended (append-only), replaced for ``resumed_req_ids``: the positional list the new
-   tokens' slots come from (``TokenTable.sync_new_tokens``); a prefix-cache hit
-   (``num_computed_tokens > 0`` on a new or resumed request) is synced without compute;
-5. compute, in the output's request order (a prefix hit on a block written this step is
-   read after it is written): a decode step evicts first (``policy.select_victims`` keeps
-   ``ceil((1 - evict_ratio) * n)`` tokens, never the newest), reads the live tokens through
-   ``TokenTable.slot_mapping`` (Eq. 2) and writes the new token's K/V at its slot; a
-   prefill chunk attends causally over the live tokens before it plus itself. A request
-   whose chunk reaches its last known token samples one token (greedy);
-6. stage 4: the step's plans (``sched_out.vtoken.plans``) are copied after the forward
-   (``KVCopyEngine``, wrapped by ``RelocationChecker`` for hash-and-compare of every
-   relocation) and applied once the copy is observed done (``planner.apply_completed``, the
-   function every path applies plans with); tokens evicted meanwhile stay dead where they
-   were (their moves are dropped).
+1. finished / preempted requests: their table entry is reset (``free_request``);
+2. pre-attention: ``KVCopyEngine.wait_before_attention()``, completed earlier copies applied;
+3. the scheduler side's releases leave the table (``release_empty_blocks``);
+4. block lists (new, appended, replaced on resume) give the new tokens' slots
+   (``sync_new_tokens``); a prefix-cache hit is synced without compute;
+5. compute, in the output's request order: a decode step evicts first (keeping ``ceil((1 -
+   evict_ratio) * n)`` tokens, never the newest), reads the live tokens through
+   ``slot_mapping`` and writes the new token's K/V; a prefill chunk attends causally over the
+   live tokens before it plus itself; a request whose chunk reaches its last known token
+   samples one token (greedy);
+6. stage 4: the step's plans (``sched_out.vtoken.plans``) are copied after the forward and
+   applied once seen done (``planner.apply_completed``); tokens evicted meanwhile stay dead.
 
-It returns a ``vllm.v1.outputs.ModelRunnerOutput`` with the sampled tokens, carrying a
-:class:`WorkerReport` as ``vtoken_report``: per plan finished in this step, its status, the
-destinations used, whether the copy completed, and, per request, how many leading tokens
-were computed with full context.
+It returns a ``ModelRunnerOutput`` with the sampled tokens and a :class:`WorkerReport` as
+``vtoken_report``. With the same evictions, runs with and without reclamation give the same
+tokens.
 
-Determinism: ``PagedDecoder(batch_invariant=True)`` runs each request's forward alone, and
-attention reads only bytes in logical order, so with the same eviction decisions a run with
-reclamation and one without give the same tokens (for the same prefill chunking).
 Owns: the K/V cache (``KVCache``), the copy engine and its in-flight copies, the plans
 received and not yet reported, per request the full-context length; it writes the token
 table the adapter reads.
@@ -70,14 +56,11 @@ __all__ = ["PlanResult", "VTokenWorker", "WorkerReport", "check_worker_config"]
 def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_kwargs, evict_ratio, seed,
                         check_relocations, snapshot_dir, copy_lag, device, copy_engine_factory) -> dict:
     """Every field of ``VTokenWorker``'s configuration, checked before anything is built
-    (:mod:`vtoken.fields`: :class:`~vtoken.errors.ConfigError` naming the field and the
-    value): ``model`` a ``PagedDecoder``, ``table`` a ``TokenTable`` whose block size and
-    block count are ``block_size`` and ``num_blocks``; ``policy`` a registered policy name,
-    ``policy_kwargs`` a dict or None; ``evict_ratio`` in [0, 1); ``seed`` and ``copy_lag``
-    integers >= 0; ``device`` a device torch knows; ``snapshot_dir`` a path or None;
-    ``copy_engine_factory`` a callable or None; ``check_relocations`` None / False or the
-    checker's factory (``copy_engine.checker_factory``: ``ValueError`` otherwise). Returns
-    the numbers as plain Python ones."""
+    (ConfigError naming the field and value): ``model`` a ``PagedDecoder``; ``table`` a
+    ``TokenTable`` of ``block_size`` x ``num_blocks``; ``policy`` a registered name,
+    ``policy_kwargs`` a dict or None; ``evict_ratio`` in [0, 1); ``seed``, ``copy_lag`` >= 0;
+    ``device`` a torch device; ``snapshot_dir`` a path or None; ``copy_engine_factory`` callable
+    or None; ``check_relocations`` per ``copy_engine.checker_factory``. Returns plain numbers."""
     import os
 
     from ..policies import POLICIES
@@ -125,16 +108,11 @@ class VTokenWorker:
         num_blocks, block_size: vLLM's pool geometry (block ids index the cache directly).
         policy, policy_kwargs, evict_ratio, seed: eviction (``vtoken.policies``).
         check_relocations: None, or the relocation checker's factory ``(kv, table, out_dir=)
-            -> checker`` (the toolkit's ``RelocationChecker``): hash-and-compare every
-            relocation. The worker owns the checker it builds.
+            -> checker``; the worker owns the checker it builds.
         snapshot_dir: where a failing relocation's snapshot goes.
-        copy_lag: CPU stand-in for a late relocation stream (``KVCopyEngine(lag=...)``):
-            a copy completes on its ``copy_lag``-th poll, i.e. steps later.
-        copy_engine_factory: builds the copy engine, ``(kv, block_size, lag=...) -> engine``
-            (default :class:`KVCopyEngine`); the checks pass faulty engines here.
-
-    Every argument is checked before anything is built (:func:`check_worker_config`): a bad
-    one raises :class:`~vtoken.errors.ConfigError` naming the field and the value.
+        copy_lag: a copy completes on its ``copy_lag``-th poll (``KVCopyEngine(lag=...)``).
+        copy_engine_factory: ``(kv, block_size, lag=...) -> engine`` (default :class:`KVCopyEngine`).
+    Arguments are checked first (:func:`check_worker_config`).
     """
 
     def __init__(self, model: PagedDecoder, table: TokenTable, num_blocks: int, block_size: int, *,
@@ -313,13 +291,9 @@ class VTokenWorker:
         self.evict_tokens(r, victims)
 
     def evict_tokens(self, r: str, token_ids) -> None:
-        """Evict tokens of ``r`` (a policy's decision: metadata only, between or inside steps).
-
-        The one way tokens die in the worker's table: it records the request's full-context
-        length (the tokens computed before its first eviction, reported to the adapter for
-        prefix-hash hygiene) and tells the relocation checker. ``TableError`` (unchanged
-        table) for ids that are not live tokens of ``r``.
-        """
+        """Evict tokens of ``r`` (metadata only, between or inside steps): the one way tokens die
+        in the worker's table. Records the request's full-context length and tells the relocation
+        checker. ``TableError`` (table unchanged) for ids not live in ``r``."""
         t = self.table
         ids = np.asarray(token_ids, dtype=np.int64) if not isinstance(token_ids, np.ndarray) else token_ids
         n = t.length(r)
