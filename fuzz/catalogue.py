@@ -169,7 +169,7 @@ CATALOGUE: list[Fault] = [
     Fault("decode_release_busy_all_dead", "8 source released while its copy reads it",
           "a source whose every live token was evicted while its copy flies is released at once like any "
           "all-dead block (the plan still names it)", "decode",
-          (_p(E, "DecodeEngine._release_empty", " and not (mgr is not None and mgr.is_busy(b))", ""),)),
+          (_p(E, "DecodeEngine._release_empty", "busy=mgr.busy_mask if mgr is not None else None", "busy=None"),)),
     Fault("apply_keeps_dead_source", "4 leak: a source that died in flight is never freed",
           "apply frees only the sources its surviving moves emptied: one whose every token was evicted while "
           "the copy flew is released by the table but stays allocated", "decode",

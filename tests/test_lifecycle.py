@@ -172,3 +172,20 @@ def test_the_release_rule_finds_planted_frees(tmp_path, source, expect):
     f = tmp_path / "x.py"
     f.write_text(source)
     assert pool_frees([f]) == expect
+
+
+# ------------------------------------------------------------------------------ the all-dead rule
+def test_all_dead_keeps_only_private_empty_blocks_off_the_tail_and_out_of_flight():
+    from vtoken.lifecycle import all_dead
+    from vtoken.table import TokenTable
+
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("a", [1, 2, 3, 4, 5], 20)
+    t.sync_new_tokens("b", [1], 4)  # block 1 shared with b
+    t.evict_tokens("a", list(range(0, 16)))  # blocks 1-4 of a lose every token; block 5 (its tail) keeps 4
+    assert all_dead(t, "a", [4, 3, 2, 1, 5]) == [4, 3, 2]  # order kept; shared 1 and live 5 never
+    assert all_dead(t, "a", [4, 3, 2], tail=3) == [4, 2]
+    busy = np.zeros(16, dtype=bool)
+    busy[2] = True
+    assert all_dead(t, "a", [2, 3, 4], busy=busy) == [3, 4]
+    assert all_dead(t, "a", []) == []

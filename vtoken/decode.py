@@ -85,7 +85,7 @@ from .allocator import NULL_BLOCK, BlockAllocator
 from .decode_config import CHECK_METHODS, DecodeConfig, _bad, default_planner_config  # noqa: F401 - re-exported
 from .errors import CallError, CallIndexError, OrderError, RelocationCheckError
 from .model.decoder import DecodeItem, PagedDecoder, greedy
-from .lifecycle import PlanLedger, allocator_release
+from .lifecycle import PlanLedger, all_dead, allocator_release
 from .planner import MODES, ReclamationManager
 from .policies import make_policy
 from .table import TokenTable
@@ -396,9 +396,9 @@ class DecodeEngine:
     def _release_empty(self, r: _Req, victims: np.ndarray) -> None:
         """Give back blocks the eviction left without a live token (never one a copy uses)."""
         t = self.table
-        cand = np.unique(t.slots(r.id)[victims] // self.S)
         mgr = self.manager
-        cand = [int(b) for b in cand if t.n_b[b] == 0 and t.refs[b] == 1 and not (mgr is not None and mgr.is_busy(b))]
+        cand = all_dead(t, r.id, np.unique(t.slots(r.id)[victims] // self.S), tail=t.tail_block(r.id),
+                        busy=mgr.busy_mask if mgr is not None else None)
         if cand:
             freed = t.release_empty_blocks(r.id, cand)
             self.ledger.release(freed)

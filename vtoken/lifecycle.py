@@ -74,6 +74,24 @@ class Plan:
             self.snapshot["schedule"].append({"t": self.clock(), "kind": kind, **fields})
 
 
+def all_dead(table, req_id, candidates, *, tail=None, busy=None) -> list[int]:
+    """Of ``candidates`` (blocks of ``req_id``, in the order they would be freed), those
+    reclamation may release now: no live token left (``n_b == 0``), referenced by ``req_id``
+    alone (``refs == 1``: a shared block is never released, I4), not ``tail`` (the block being
+    written), not ``busy`` (a bool mask over blocks: a source, fill or destination of a plan in
+    flight, I3). The one rule of every path (decode engine, simulator, vLLM adapter); a path
+    then keeps only the blocks it holds for the request. Order kept. O(len(candidates))."""
+    b = np.asarray(candidates, dtype=np.int64).reshape(-1)
+    if not len(b):
+        return []
+    ok = (table.n_b[b] == 0) & (table.refs[b] == 1)
+    if tail is not None:
+        ok &= b != int(tail)
+    if busy is not None:
+        ok &= ~busy[b]
+    return b[ok].tolist()
+
+
 def allocator_release(alloc) -> Callable:
     """The ledger's free over vtoken's ``BlockAllocator``: the fence is ignored (on these
     paths a plan ends only after its copy was host-observed complete)."""

@@ -424,6 +424,11 @@ class ReclamationManager:
         """Should this step plan? :func:`should_reclaim` over the table and the free blocks."""
         return should_reclaim(self.cfg, **trigger_inputs(self.table, self.alloc.num_free))
 
+    @property
+    def busy_mask(self) -> np.ndarray:
+        """Blocks of in-flight plans, as a bool mask over all blocks (read only: the manager's)."""
+        return self._busy_mask
+
     def is_busy(self, block_id: int) -> bool:
         """Is the block a source or destination of an in-flight plan? (O(1))"""
         return bool(self._busy_mask[int(block_id)])

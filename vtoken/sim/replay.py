@@ -32,7 +32,7 @@ import numpy as np
 
 from vtoken.allocator import BlockAllocator
 from vtoken.errors import ConfigError
-from vtoken.lifecycle import PlanLedger, allocator_release
+from vtoken.lifecycle import PlanLedger, all_dead, allocator_release
 from vtoken.planner import MODES, NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.table import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_SLOTS, TokenTable
 
@@ -186,9 +186,9 @@ class Replay:
 
     def _release_if_empty(self, r: _R, blocks) -> None:
         t = self.table
-        tail = r.pos[-1] if r.pos else -1
-        for b in blocks:
-            if t.n_b[b] == 0 and b != tail and b in r.held and b not in self.busy and t.refs[b] == 1:
+        tail = r.pos[-1] if r.pos else None
+        for b in all_dead(t, r.id, blocks, tail=tail, busy=self.busy_mask if self.busy else None):
+            if b in r.held:
                 t.release_empty_blocks(r.id, [b])
                 self.ledger.release([b])
                 r.held.discard(b)

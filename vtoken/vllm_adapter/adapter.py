@@ -100,7 +100,7 @@ from .hooks import scheduler_class
 from .messages import StepMeta
 from .mirror import BlockMirror
 from .plans import PlanBook
-from ..lifecycle import PlanLedger
+from ..lifecycle import PlanLedger, all_dead
 from .prefix_hash import PrefixHashRules
 from ..planner import PlannerConfig
 from ..table import TokenTable
@@ -481,11 +481,11 @@ class VTokenAdapter:
             self.release_todo.discard(r)
             tail = t.tail_block(r)
             out = []
-            for b in sorted(t.releasable_blocks(r).tolist()):  # block order: a deterministic free order
+            dead = all_dead(t, r, sorted(set(t.block_array(r).tolist())))  # block order: a deterministic free order
+            if tail in dead:
+                self.tail_wait[r] = tail  # still written: looked at again when the tail moves
+            for b in (b for b in dead if b != tail):
                 blk = self.block(b)
-                if b == tail:
-                    self.tail_wait[r] = b  # still written: looked at again when the tail moves
-                    continue
                 if self.accounted(r, b) is None:
                     continue  # not ours (in flight or released already)
                 if blk.ref_cnt != 1:  # shared in vLLM (a prefix hit not synced yet): look again next step
