@@ -283,8 +283,6 @@ def _handle_msg(msg, summary: dict, hard: Counter, t_start: float, progress: boo
         summary["ops_by_machine"][name] = summary["ops_by_machine"].get(name, 0) + ops
         secs_by = summary.setdefault("seconds_by_machine", {})
         secs_by[name] = secs_by.get(name, 0.0) + secs
-        # a worker runs one batch at a time: a machine's ops over the seconds workers spent in it
-        summary["ops_per_s_by_machine"] = {m: summary["ops_by_machine"][m] / max(t, 1e-9) for m, t in secs_by.items()}
         hard.update(h)
     elif msg[0] == "failure":
         _, k, name, stem, nsteps, last, files = msg
@@ -462,6 +460,9 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     def write():
         summary["seconds"] = time.time() - t_start
         summary["ops_per_s_per_worker"] = summary["ops"] / max(summary["seconds"], 1e-9) / workers
+        # a worker runs one batch at a time: a machine's ops over the seconds workers spent in it
+        summary["ops_per_s_by_machine"] = {m: summary["ops_by_machine"][m] / max(t, 1e-9)
+                                           for m, t in summary.get("seconds_by_machine", {}).items()}
         from .hard_states import states_of
 
         summary["hard_states"] = {h: hard.get(h, 0) for h in states_of(names)}

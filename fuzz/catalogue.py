@@ -213,7 +213,7 @@ CATALOGUE: list[Fault] = [
                          "                    pool.free_blocks(got)"),)),
     Fault("adapter_dests_unfenced", "8 block freed before its fence (preemption / finish)",
           "a finished or preempted request's destinations are freed at once, not at vLLM's fence", "adapter",
-          (_p(AD, "VTokenAdapter._on_request_free", "self.free_blocks(dests, fence)", "self.free_blocks(dests, 0)"),)),
+          (_p(AD, "VTokenAdapter._on_request_free", "for b in dests], fence)", "for b in dests], 0)"),)),
     Fault("worker_preempt_no_reset", "preemption reset missed", "the worker keeps a preempted request's token table",
           "adapter", (_p(W, "VTokenWorker.execute", "        for r in sched_out.preempted_req_ids or ():\n            self._drop(r, forget=False)\n", ""),
                       _p(W, "VTokenWorker.execute", "                if r in t:\n                    self._drop(r, forget=False)\n", ""))),

@@ -337,11 +337,17 @@ def _finish_fault(n: str, sh: Path, log, runs: int, progress: bool) -> dict:
     """The summarized result of fault ``n``'s finished run; closes ``log`` and removes the shadow ``sh``."""
     import shutil
 
+    out = _read_log(log)
+    shutil.rmtree(sh, ignore_errors=True)
+    return _result_of(n, out, runs, progress)
+
+
+def _read_log(log) -> str:
+    """A finished detection run's whole output; closes ``log``."""
     log.seek(0)
     out = log.read()
     log.close()
-    shutil.rmtree(sh, ignore_errors=True)
-    return _result_of(n, out, runs, progress)
+    return out
 
 
 def _result_of(n: str, out: str, runs: int, progress: bool) -> dict:
@@ -376,12 +382,9 @@ def _fault_on_ray(n: str, snap_tar: bytes, seeds: str, budget_s: float):
         job = _start_fault(n, work, snap, seeds, budget_s, rows, progress=False)
         if job is None:
             return None, rows[0]
-        p, sh, log = job
+        p, _, log = job
         p.wait()
-        log.seek(0)
-        out = log.read()
-        log.close()
-        return out, None
+        return _read_log(log), None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

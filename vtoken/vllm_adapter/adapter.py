@@ -273,12 +273,12 @@ class VTokenAdapter:
 
     @property
     def plans(self) -> dict:
-        """The plans in flight (``book.plans``)."""
-        return self.book.plans
+        """The plans in flight (the lifecycle ledger's)."""
+        return self.ledger.in_flight
 
     @property
     def busy(self) -> dict:
-        return self.book.busy
+        return self.ledger.busy
 
     @property
     def history(self) -> list:
@@ -388,10 +388,6 @@ class VTokenAdapter:
             self.held.take(r, set(ids).difference(at))
         return [at.get(b, -1) for b in ids]
 
-    def free_blocks(self, blocks: list, fence: int) -> None:
-        """Return blocks the adapter holds (vLLM objects) through the lifecycle's one release."""
-        self.ledger.release([b.block_id for b in blocks], fence)
-
     def free_ids(self, block_ids: list, fence: int) -> None:
         """The lifecycle's free on this path: vLLM's own fenced free, ``_free_cow_retained_blocks``
         (at once when step ``fence`` was processed, else deferred to it). Only
@@ -481,7 +477,7 @@ class VTokenAdapter:
             self.release_todo.discard(r)
             tail = t.tail_block(r)
             out = []
-            dead = all_dead(t, r, sorted(set(t.block_array(r).tolist())))  # block order: a deterministic free order
+            dead = sorted(all_dead(t, r, t.block_array(r)))  # block order: a deterministic free order
             if tail in dead:
                 self.tail_wait[r] = tail  # still written: looked at again when the tail moves
             for b in (b for b in dead if b != tail):
@@ -512,7 +508,7 @@ class VTokenAdapter:
         self.tail_wait.pop(r, None)
         self.checker.touch([r])
         if dests:
-            self.free_blocks(dests, fence)
+            self.ledger.release([b.block_id for b in dests], fence)
         self.book.orphan(r)
         self.gone_fence[r] = fence
         self.mirror.forget(r)
