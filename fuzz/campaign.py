@@ -186,10 +186,13 @@ def _write_files(out, files: dict) -> None:
         f.write_text(text)
 
 
-def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=None):
+def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=None, paths=()):
     """One campaign worker: the machines in rotation until ``deadline`` (or ``examples`` each).
     ``out`` None (a Ray task): failure files travel in the "failure" message for the campaign
-    to write; else they are written at once, before the message."""
+    to write; else they are written at once, before the message. ``paths``: the campaign's
+    import path entries this process lacks go in front (a Ray worker starts with its own
+    path, so an ``impl:`` module the campaign imports from a folder it added would not load)."""
+    sys.path[:0] = [p for p in paths if p not in sys.path and os.path.isdir(p)]
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     except ValueError:  # not the main thread (a Ray worker may run tasks elsewhere)
@@ -391,7 +394,8 @@ class _RayWorkers:
 
         self.ray, self.empty = ray, (Empty, queue_mod.Empty)
         self.q = Queue()
-        self.args = [args_of(k, self.q, write=False) for k in range(workers)]
+        # the campaign's own import path travels with each task (see _worker's ``paths``)
+        self.args = [args_of(k, self.q, write=False) + (list(sys.path),) for k in range(workers)]
         self.task = ray.remote(num_cpus=1, max_retries=0)(_worker)
         self.refs: list = []
 

@@ -322,3 +322,16 @@ class LeakyAltTable(AltTable):
             self._unref(r, b)
         del self.reqs[req]
         return blocks
+
+
+class ForgetfulAltTable(AltTable):
+    """Planted bug found on the first eviction: an evicted token's slot keeps its claim (the
+    table reports it dead but never frees the slot, so the waste ratio and the slots disagree
+    with the model at once). For tests about what happens to a failure once found, not about
+    how hard it is to find."""
+
+    def evict_tokens(self, req, ids):
+        r = self._get(req)
+        super().evict_tokens(req, ids)
+        for t in _int_list(ids):
+            self.claims[r.blk[t] * self.S + r.off[t]] += 1  # the bug: the claim stays
