@@ -232,7 +232,7 @@ class _Run:
                     now[b.block_id] = r
                     pos[(r, b.block_id)] = i
         for r, v in ad.held.items():
-            for b in v:  # v: {block id: block}
+            for b in v:  # v: {block id: None}
                 now[b] = r
         for b, r in self.holder_of.items():
             if b not in now and ad.pool.blocks[b].ref_cnt > 0:
@@ -392,7 +392,7 @@ class _Run:
         for b in ad.headroom:
             assert b.block_hash is None, f"headroom block {b.block_id} carries a prefix-cache hash"
         for v in ad.held.values():
-            for b in v.values():
+            for b in map(ad.block, v):
                 assert b.block_hash is None, f"destination block {b.block_id} carries a prefix-cache hash"
         for p in ad.plans.values():
             for b in p.blocks:
@@ -684,8 +684,8 @@ class AdapterMachine(RuleBasedStateMachine):
         ad = self.vt.ad
         p, fill, i = self._fill_out_of_its_list()
         chk, lst = ad.checker, ad.req_to_blocks[p.req_id]
-        saved = chk.touched_requests, chk.touched_lists, chk.new_entries, ad.reserve.fresh
-        chk.touched_requests, chk.touched_lists, chk.new_entries, ad.reserve.fresh = set(), set(), [], {}
+        saved = chk.touched_requests, chk.touched_lists, chk.new_entries, ad.lifecycle.fresh
+        chk.touched_requests, chk.touched_lists, chk.new_entries, ad.lifecycle.fresh = set(), set(), [], set()
         lst[i] = fill
         err = None
         try:
@@ -694,7 +694,7 @@ class AdapterMachine(RuleBasedStateMachine):
             err = e
         finally:
             lst[i] = ad.pool.null_block
-            chk.touched_requests, chk.touched_lists, chk.new_entries, ad.reserve.fresh = saved
+            chk.touched_requests, chk.touched_lists, chk.new_entries, ad.lifecycle.fresh = saved
         assert err is not None and err.check == "null_substitution" and \
             f"block {fill.block_id} (a source or fill) of plan {p.id} is still in" in err.detail, \
             f"fill {fill.block_id} of plan {p.id} put back at index {i} of {p.req_id!r}'s list: {err or 'not caught'}"

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from .patches import Patch
 
 T, A, P, L = "vtoken/table.py", "vtoken/allocator.py", "vtoken/planner.py", "vtoken/placement.py"
+LC = "vtoken/lifecycle.py"  # the lifecycle every path runs: a fault here is in each of them
 E = "vtoken/decode.py"
 AD, W = "vtoken/vllm_adapter/adapter.py", "vtoken/vllm_adapter/worker.py"
 MI, PH = "vtoken/vllm_adapter/mirror.py", "vtoken/vllm_adapter/prefix_hash.py"
@@ -105,42 +106,43 @@ CATALOGUE: list[Fault] = [
            _p(P, "_moves_of", "        moves[:, 4] = hole_offset[:len(toks)]\n",
               "        moves[:, 4] = hole_offset[:len(toks)]\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"))),
     Fault("plan_overlaps_inflight", "I4 overlap with an in-flight plan", "blocks of an in-flight plan are planned again",
-          "planner", (_p(P, "ReclamationManager.plan_request", "excluded=self._busy_mask if self.in_flight else None",
+          "planner", (_p(P, "ReclamationManager.plan_request", "excluded=self.busy_mask if self.in_flight else None",
                          "excluded=None"),
                       _p(P, "ReclamationManager.plan_round", "            if rid in busy:\n                continue\n", ""))),
-    Fault("free_sources_at_plan", "8 source freed before its copy completed", "sources return to the allocator at launch",
-          "planner", (_p(P, "ReclamationManager.launch", "        plan.handle = self.engine.launch(plan)\n",
-                         "        plan.handle = self.engine.launch(plan)\n"
-                         "        self.ledger.release(plan.sources, plan=plan)\n        plan.freed_early = True\n"),
-                      _p(P, "ReclamationManager.apply", "        self.ledger.release(plan.sources, plan=plan)\n",
-                         "        if not getattr(plan, 'freed_early', False):\n"
-                         "            self.ledger.release(plan.sources, plan=plan)\n"))),
+    Fault("free_sources_at_plan", "8 source freed before its copy completed", "sources return to the pool at launch",
+          "planner", (_p(LC, "Lifecycle.launch", "        self.held.take(r, from_held)\n",
+                         "        self.held.take(r, from_held)\n        self.port.free(plan.sources, 0)\n"),
+                      _p(LC, "Lifecycle.end", "            self.release(plan.sources, plan.seq, plan=plan)\n", ""))),
     Fault("apply_before_complete", "8/I3 read before the copy completes",
           "a pending copy is applied (slot mapping switched) without its fence", "planner",
-          (_p(P, "ReclamationManager.poll", '            if status == "pending":\n                continue\n',
+          (_p(LC, "Copies.poll", '            if status == "pending":\n                continue\n',
               '            if status == "pending":\n                status = "done"\n'),)),
     Fault("abort_leaks_dests", "4 leak on a copy aborted part-way", "an aborted plan's destinations never return", "planner",
-          (_p(P, "ReclamationManager.abort", "            return\n        self.headroom += plan.dests", "            return"),)),
+          (_p(LC, "Lifecycle.end", "            self._to_headroom(plan.dests)\n            back = plan.sources + plan.fills\n",
+              "            back = plan.sources + plan.fills\n"),)),
     Fault("finish_frees_inflight_sources", "8 source reused before its copy completes",
-          "finishing a request frees blocks an in-flight copy reads", "planner",
-          (_p(P, "ReclamationManager.finish_request", "if plan.req_id == req_id and not plan.orphaned:", "if False:"),)),
-    Fault("finish_twice_overwrites_deferred", "4 ref-count leak (a resumed request finishes again mid-copy)",
-          "a second finish of one request id while its copy flies overwrites the first incarnation's deferred frees",
-          "planner", (_p(P, "ReclamationManager.finish_request", "if plan.req_id == req_id and not plan.orphaned:",
-                         "if plan.req_id == req_id:"),
-                      _p(P, "ReclamationManager.finish_request", "self._deferred.setdefault(plan.id, []).extend(mine)",
-                         "self._deferred[plan.id] = mine"))),
+          "finishing a request frees the blocks its in-flight copy reads and writes (sources and fills)", "planner",
+          (_p(LC, "Lifecycle.finish", "                p.gone_fence = int(fence)\n",
+              "                p.gone_fence = int(fence)\n                self.port.free(p.sources + p.fills, fence)\n"),
+           _p(LC, "Lifecycle.end", "            else:\n                self.release(back, gone)\n",
+              "            elif alive:\n                self.release(back, gone)\n"))),
+    Fault("resumed_applies_old_plan", "8 a plan applied to another incarnation (copy across preempt and resume)",
+          "a request preempted while its copy flies is not forgotten by the copy side: once the id resumes, the "
+          "old incarnation's plan is applied to the new one's table", "planner",
+          (_p(P, "ReclamationManager.finish_request", "        self.copies.forget(req_id)\n", ""),)),
     Fault("skip_apply", "6 table not updated after the copy", "a completed plan frees sources without updating the table",
-          "planner", (_p(P, "ReclamationManager.apply",
-                         "res = apply_completed(t, plan.req_id, plan.sources, plan.moves, fills=plan.fills)",
-                         "mv = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)\n"
-                         "        res = Applied(mv, [], sorted({int(b) for b in mv[:, 3]} - set(plan.fills)), list(plan.sources))"),)),
-    Fault("drain_drops_orphans", "4 leak: deferred frees dropped at the end of a batch",
+          "planner", (_p(LC, "Copies._finished",
+                         "            res = apply_completed(t, r, plan.sources, plan.moves, fills=plan.fills)\n",
+                         "            mv = np.asarray(plan.moves, dtype=np.int64).reshape(-1, 5)\n"
+                         "            res = Applied(mv, [], sorted({int(b) for b in mv[:, 3]} - set(plan.fills)), "
+                         "list(plan.sources))\n"),)),
+    Fault("drain_drops_orphans", "4 leak: an orphan's frees dropped at the end of a batch",
           "drain ends a plan whose request is gone without waiting for its copy: counted orphaned, out of flight, "
-          "but its deferred sources and fills are never freed and its destinations stay reserved", "planner",
+          "but its sources and fills are never freed and its destinations stay reserved", "planner",
           (_p(P, "ReclamationManager.drain", "        done = self.poll(force_sync=True)\n",
               "        for p in [p for p in self.in_flight.values() if p.orphaned]:\n"
-              "            self._end(p, 'aborted')\n            self._deferred.pop(p.id, None)\n"
+              "            self.copies.pending.pop(p.id, None)\n            del self.in_flight[p.id]\n"
+              "            self.busy_mask[p.blocks] = False\n            self.stats['orphaned'] += 1\n"
               "        done = self.poll(force_sync=True)\n"),)),
     # ---------------------------------------------------------------- placement
     Fault("placement_off_by_one", "5 wrong-slot placement", "the k-th moved token goes to slot k+1", "placement",
@@ -173,10 +175,11 @@ CATALOGUE: list[Fault] = [
     Fault("apply_keeps_dead_source", "4 leak: a source that died in flight is never freed",
           "apply frees only the sources its surviving moves emptied: one whose every token was evicted while "
           "the copy flew is released by the table but stays allocated", "decode",
-          (_p(P, "ReclamationManager.apply",
-              "        self.ledger.release(plan.sources, plan=plan)\n",
-              "        kept = sorted({int(b) for b in res.moves[:, 1]}) if len(res.moves) else []\n"
-              "        self.ledger.release(kept, plan=plan)\n"),)),
+          (_p(LC, "Lifecycle.end",
+              "            self.release(plan.sources, plan.seq, plan=plan)\n",
+              "            dead = set(plan.evicted_in_flight)\n"
+              "            kept = sorted({int(m[1]) for m in plan.moves.tolist() if m[0] not in dead})\n"
+              "            self.release(kept, plan.seq, plan=plan)\n"),)),
     # ---------------------------------------------------------------- the graph path (CUDA graphs)
     Fault("graph_replay_on_capture_stream", "10 a replay that skips a host-side hook (the event wait before replay)",
           "the decode graph is replayed on its capture stream, which never waited on pending copies nor on the "
@@ -188,9 +191,11 @@ CATALOGUE: list[Fault] = [
     Fault("adapter_free_before_fence", "8 source freed before its fence (vLLM async scheduling)",
           "the adapter hands a plan's sources back to the pool at launch, before the step that copies them",
           "adapter", (_p(PL, "PlanBook.launch", "        meta.plans.append(plan)\n",
-                         "        meta.plans.append(plan)\n        self.harness.pool.free_blocks(list(sources))\n"),
-                      _p(PL, "PlanBook.free_sources",
-                         "        self.ledger.release(plan.sources, plan.seq, plan=plan)\n", ""))),
+                         "        meta.plans.append(plan)\n        self.harness.pool.free_blocks(list(sources))\n"
+                         "        plan.freed_early = True\n"),
+                      _p(LC, "Lifecycle.end", "            self.release(plan.sources, plan.seq, plan=plan)\n",
+                         "            if not getattr(plan, 'freed_early', False):\n"
+                         "                self.release(plan.sources, plan.seq, plan=plan)\n"))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
           "a source's prefix-cache hash moves to the destination (or first fill) at launch (the tokens moved, the hash follows)",
           "adapter", (_p(PL, "PlanBook.launch", "        self.hashes.drop_sources(sources + fills)\n",
@@ -208,12 +213,12 @@ CATALOGUE: list[Fault] = [
           "a source is popped from vLLM's block list instead of null-substituted", "adapter",
           (_p(MI, "BlockMirror.detach_many", "lst[i] = self.null", "lst.pop(i)"),)),
     Fault("adapter_headroom_to_allocate", "3 reservation leak", "headroom blocks are handed back to vLLM's allocate_slots",
-          "adapter", (_p(HR, "Headroom.before_schedule", "self.put(pool.get_new_blocks(take))",
-                         "got = pool.get_new_blocks(take)\n                    self.put(got)\n"
-                         "                    pool.free_blocks(got)"),)),
+          "adapter", (_p(HR, "Headroom.before_schedule", "lc.refill(len(lc.headroom) + take)",
+                         "lc.refill(len(lc.headroom) + take)\n"
+                         "                    pool.free_blocks([pool.blocks[b] for b in lc.headroom[-take:]])"),)),
     Fault("adapter_dests_unfenced", "8 block freed before its fence (preemption / finish)",
           "a finished or preempted request's destinations are freed at once, not at vLLM's fence", "adapter",
-          (_p(AD, "VTokenAdapter._on_request_free", "for b in dests], fence)", "for b in dests], 0)"),)),
+          (_p(AD, "VTokenAdapter._on_request_free", "self.lifecycle.finish(r, fence)", "self.lifecycle.finish(r, 0)"),)),
     Fault("worker_preempt_no_reset", "preemption reset missed", "the worker keeps a preempted request's token table",
           "adapter", (_p(W, "VTokenWorker.execute", "        for r in sched_out.preempted_req_ids or ():\n            self._drop(r, forget=False)\n", ""),
                       _p(W, "VTokenWorker.execute", "                if r in t:\n                    self._drop(r, forget=False)\n", ""))),
@@ -231,30 +236,33 @@ CATALOGUE: list[Fault] = [
               "        if True:\n"),)),
     Fault("adapter_release_unfenced", "8 released block freed before its fence (async step offsets)",
           "blocks whose tokens all died are freed with the previous step's fence", "adapter",
-          (_p(AD, "VTokenAdapter._release_empty", "self.ledger.release([b], meta.seq)",
-              "self.ledger.release([b], meta.seq - 2)"),)),
+          (_p(AD, "VTokenAdapter._release_empty", "self.lifecycle.release([b], meta.seq)",
+              "self.lifecycle.release([b], meta.seq - 2)"),)),
     Fault("adapter_fill_index_dropped", "positional block list broken (a check blind to fills)",
           "a plan records the list indices of its sources only, so the incremental check never compares a fill "
           "with vLLM's list", "adapter",
-          (_p(PL, "PlanBook.launch", "dict(zip(p.sources + p.fills, ", "dict(zip(p.sources, "),)),
+          (_p(LC, "Lifecycle.launch", "        plan.list_index = {**dict.fromkeys(from_held, -1), **dict(zip(rest, index))}\n",
+              "        plan.list_index = {b: i for b, i in {**dict.fromkeys(from_held, -1), **dict(zip(rest, index))}.items()\n"
+              "                           if b not in plan.fills}\n"),)),
     Fault("worker_shared_fill_by_refs", "7 a shared block moved (named by its count only)",
           "after apply refuses a fill, the worker names shared blocks by reference count alone: a fill held by "
           "another request alone takes the quiet 'aborted, table kept' path", "adapter",
-          (_p(W, "VTokenWorker._poll_one", "if t.block_refs(b) != 1 or not t.references(r, b)]",
-              "if t.block_refs(b) != 1]"),)),
+          (_p(LC, "shared_blocks", "if table.block_refs(b) != 1 or not table.references(req_id, b)]",
+              "if table.block_refs(b) != 1]"),)),
     Fault("adapter_used_dests_to_headroom", "3 reservation leak (out of place)",
           "an applied out-of-place plan gives its written destinations back to the headroom (the unwritten ones "
           "are lost)", "adapter",
-          (_p(PL, "PlanBook.absorb", "self.reserve.put(unused)", "self.reserve.put(used)"),)),
+          (_p(LC, "Lifecycle.end", "self._to_headroom([d for d in plan.dests if d not in used])",
+              "self._to_headroom(used)"),)),
     Fault("worker_resumed_applies_old_plan", "8 a plan applied to another incarnation (copy across preempt and resume)",
           "a plan whose copy outlived its request's preemption is applied once the request resumed (the "
           "incarnation check dropped)", "adapter",
-          (_p(W, "VTokenWorker._poll_one", "if w is None or w.gen != gen or r not in t:",
-              "if w is None or r not in t:"),)),
+          (_p(W, "VTokenWorker._drop", "        self.copies.forget(r)  # its copies in flight end aborted (a resumed "
+                                         "incarnation is another request)\n", ""),)),
     Fault("worker_failed_copy_frees_table", "8 blocks freed while still read (a failed copy)",
           "a failed copy is reported without the table kept: the adapter frees the sources and fills the "
           "request still reads", "adapter",
-          (_p(W, "VTokenWorker._poll_one", 'table_kept=True, reason="copy failed")',
+          (_p(LC, "Copies._finished", 'table_kept=True, reason="copy failed")',
               'table_kept=False, reason="copy failed")'),)),
     Fault("worker_copies_unchecked", "I1 corruption in flight unnoticed (hash-and-compare not wired)",
           "the worker builds the relocation checker but never wraps its copy engine with it: a fill or moved "

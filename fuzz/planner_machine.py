@@ -3,8 +3,10 @@ driven through a plan's whole lifecycle, every plan checked against ``vtoken.spe
 
 The machine plays the scheduler. It keeps, per request, the positional block list
 (``pos``: token ``p`` was written to ``pos[p // S]``; a freed position holds the null
-block) and the blocks it holds a reference on (``held``). ``on_applied`` tells it which
-sources became null positions and which destinations became the request's. A
+block) and its own model of the references the request holds (``held``): every block it
+allocates for the request is handed to the manager (``hold``); a launched plan takes its
+sources and fills over; an applied one gives its fills and used destinations back (sources
+freed), an aborted one its sources and fills (``on_applied`` and the plan's end tell it). A
 ``SpecTokenTable`` is kept in step as an independent model of every token's location, so
 each applied plan is also checked for conservation (I1) and unique mapping (I2).
 
@@ -22,14 +24,13 @@ Checks:
   destinations back in the headroom; so does a plan one of whose sources became shared
   (a prefix-cache hit) while its copy was in flight; tokens evicted while their copy was
   in flight stay dead where they were, and the rest of the plan applies;
-- a request finishing while its copy is in flight: its other blocks are freed at once, the
-  sources and fills only once the copy has completed;
+- a request finishing while its copy is in flight: what it holds is freed at once (exactly
+  the machine's model of it), the plan's sources and fills only once the copy has ended;
 - after every step: implementation and reference tables agree; I2 and block accounting
   (``invariants.table_checks``); headroom blocks RESERVED and owned by nobody; in-flight
   sources and fills still allocated and in-flight destinations still reserved (nothing freed or
-  reused under a copy); allocator references equal exactly what the scheduler holds plus
-  what finished requests' in-flight copies still read (nothing leaked); the tail never
-  moved;
+  reused under a copy); allocator references equal exactly what the requests hold plus what
+  the plans in flight took over (nothing leaked); the tail never moved;
 - ``drain`` (the end of a batch, with requests still running or, at the end of every
   example, after every request finished): nothing in flight or deferred, the headroom
   given back, nothing reserved; at the end of the example also every block but the null
@@ -132,11 +133,8 @@ class PlannerMachine(RuleBasedStateMachine):
         self.mgr.plan_request = self._checked_plan_request
         self.mgr.launch = self._recorded_launch
         self.pos: dict[int, list[int]] = {}
-        self.held: dict[int, list[int]] = {}
+        self.held: dict[int, list[int]] = {}  # the machine's model of what each request holds
         self.flying: dict[int, _Flight] = {}  # plan id -> record, until the plan is applied or aborted
-        # plan id -> blocks of finished requests it still reads: every finished incarnation's
-        # references accumulate (a request id can finish, resume and finish again mid-copy)
-        self.deferred: dict[int, list[int]] = {}
         # blocks some plan wrote moved tokens into (fills): their bytes no longer match their
         # positions, so no prefix hit may land on them (vLLM drops their hash at launch) until
         # they are allocated afresh
@@ -161,6 +159,11 @@ class PlannerMachine(RuleBasedStateMachine):
         if got:
             self.rewritten.difference_update(got)  # fresh blocks: whatever was written there is gone
         return got
+
+    def _give(self, rid, blocks):
+        """``rid`` holds ``blocks`` (one reference each): in the manager and in the model."""
+        self.mgr.hold(rid, blocks)
+        self.held[rid] = self.held.get(rid, []) + list(blocks)
 
     def _sync(self, rid, total):
         PlannerMachine.ops += 1
@@ -237,10 +240,17 @@ class PlannerMachine(RuleBasedStateMachine):
         return plan
 
     def _recorded_launch(self, plan):
-        self.flying[plan.id] = _Flight(plan)
+        f = self.flying[plan.id] = _Flight(plan)
         self.launched += 1
         self.rewritten.update(plan.fills)
         self._launch(plan)
+        taken = f.sources + f.fills  # the plan holds them now
+        left = list(self.held[f.rid])
+        for b in taken:
+            assert b in left, f"plan {plan.id} took block {b}, which request {f.rid} does not hold ({self.held[f.rid]})"
+            left.remove(b)
+        self.held[f.rid] = left
+        self._reconcile()  # a copy refused at launch ends the plan at once
 
     def _on_applied(self, plan):
         """The scheduler's side of an applied plan, and the reference table kept in step."""
@@ -260,7 +270,7 @@ class PlannerMachine(RuleBasedStateMachine):
         assert set(used) == into, f"plan {plan.id}: destinations {used} but moves into {sorted(into)} (fills {f.fills})"
         src = set(f.sources)
         self.pos[rid] = [0 if b in src else b for b in self.pos[rid]]
-        self.held[rid] = [b for b in self.held[rid] if b not in src] + used
+        self.held[rid] = self.held[rid] + f.fills + used  # the sources were freed
 
     def _reconcile(self, drained: bool = False):
         """Forget plans that finished (applied or aborted), whoever polled them, counting
@@ -269,11 +279,13 @@ class PlannerMachine(RuleBasedStateMachine):
         for pid, f in list(self.flying.items()):
             if f.plan.state in (APPLIED, ABORTED):
                 del self.flying[pid]
-                self.deferred.pop(pid, None)
-                self.ended["applied" if f.plan.state == APPLIED else "orphaned" if f.plan.orphaned else "aborted"] += 1
-                # an orphaned plan's request finished or was preempted while it flew: its
-                # destinations go back to the pool (unreserved), not to the headroom
-                if f.plan.state == ABORTED and f.rid in self.pos and not f.plan.orphaned:
+                orphan = getattr(f, "orphaned", False)  # the machine's own knowledge: its request left
+                assert f.plan.orphaned == orphan, f"plan {pid}: orphaned {f.plan.orphaned}, but its request " \
+                                                  f"{'left' if orphan else 'is still here'}"
+                self.ended["applied" if f.plan.state == APPLIED else "orphaned" if orphan else "aborted"] += 1
+                if f.plan.state == ABORTED and not orphan:  # the table kept: the request holds them again
+                    self.held[f.rid] = self.held[f.rid] + f.sources + f.fills
+                if f.plan.state == ABORTED:  # orphaned or not, unwritten destinations return to the headroom
                     # back in the headroom, unless a plan launched since (in flight, or applied at
                     # once under force_sync, not reconciled yet) took it again
                     taken = {b for g in self.flying.values() if g.plan is not f.plan for b in g.dests}
@@ -296,7 +308,8 @@ class PlannerMachine(RuleBasedStateMachine):
             return
         rid = self.next_id
         self.next_id += 1
-        self.pos[rid], self.held[rid] = list(blocks), list(blocks)
+        self.pos[rid] = list(blocks)
+        self._give(rid, blocks)
         cap = nblocks * self.S
         total = data.draw(st.one_of(st.just(cap), st.integers(max(0, cap - self.S), cap), st.integers(0, cap)),
                           label="total_len")
@@ -327,7 +340,8 @@ class PlannerMachine(RuleBasedStateMachine):
         self.alloc.incref(prefix)
         rid = self.next_id
         self.next_id += 1
-        self.pos[rid], self.held[rid] = prefix + extra, prefix + extra
+        self.pos[rid] = prefix + extra
+        self._give(rid, prefix + extra)
         # a prefix hit covers the shared blocks whole (only full blocks are cached)
         total = data.draw(st.integers(k * self.S, (k + len(extra)) * self.S), label="total_len")
         err = self._sync(rid, total)
@@ -347,7 +361,7 @@ class PlannerMachine(RuleBasedStateMachine):
             if blocks is None:
                 return
             self.pos[rid] += blocks
-            self.held[rid] += blocks
+            self._give(rid, blocks)
         if n and n % self.S == 0:
             hard("token at a block boundary")  # the first new token opens a new block
         err = self._sync(rid, n + k)
@@ -439,12 +453,14 @@ class PlannerMachine(RuleBasedStateMachine):
         held = list(self.held[rid])
         PlannerMachine.ops += 1
         self.spec.free_request(rid)
-        freed = self.mgr.finish_request(rid, held)
+        freed = self.mgr.finish_request(rid)
         for f in mine:  # the copy reads its sources and writes its fills: both freed at its end
             early = set(freed) & set(f.sources + f.fills)
             assert not early, f"finish freed {sorted(early)}, sources of plan {f.plan.id} still copying (or its fills)"
-            self.deferred.setdefault(f.plan.id, []).extend(b for b in held if b in f.sources or b in f.fills)
-        assert sorted(freed) == sorted(b for b in held if not any(b in f.sources or b in f.fills for f in mine))
+        assert sorted(freed) == sorted(held), f"finish of request {rid} freed {sorted(freed)}, it held {sorted(held)}"
+        self.held[rid] = []
+        for f in mine:
+            f.orphaned = True
 
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
@@ -469,7 +485,8 @@ class PlannerMachine(RuleBasedStateMachine):
         if blocks is None:  # no room to resume now: the request stays out
             del self.pos[rid], self.held[rid]
             return
-        self.pos[rid], self.held[rid] = list(blocks), list(blocks)
+        self.pos[rid] = list(blocks)
+        self._give(rid, blocks)
         err = self._sync(rid, n)
         assert err is None, f"resume refused: {err}"
 
@@ -525,8 +542,6 @@ class PlannerMachine(RuleBasedStateMachine):
         self._reconcile(drained=True)
         assert not self.flying, f"after drain, plans {sorted(self.flying)} still in flight (drain ended {sorted(ids)})"
         assert not self.mgr.in_flight, f"after drain, the manager has plans {sorted(self.mgr.in_flight)} in flight"
-        deferred = getattr(self.mgr, "_deferred", {})
-        assert not deferred, f"after drain, frees still deferred: {deferred}"
         assert not self.mgr.headroom and self.alloc.num_reserved == 0, \
             f"after drain, headroom {self.mgr.headroom} and reserved {self.alloc.export_state()['reserved']} " \
             f"not given back"
@@ -606,9 +621,9 @@ class PlannerMachine(RuleBasedStateMachine):
         assert set(a["reserved"]) == set(head) | fly_dst, \
             f"reserved {a['reserved']} != headroom {head} + in-flight destinations {sorted(fly_dst)}"
         owners = {f"request {r}": bl for r, bl in self.held.items()}
-        owners.update({f"plan {pid} (finished requests' sources and fills)": bl for pid, bl in self.deferred.items()})
         owners["headroom"] = head
         for f in self.flying.values():
+            owners[f"plan {f.plan.id} sources and fills"] = f.sources + f.fills
             owners[f"plan {f.plan.id} destinations"] = f.dests
         check_ownership(self.table.num_blocks, a["free_queue"], a["ref"], owners, reserved=a["reserved"],
                         reserving=["headroom"] + [f"plan {f.plan.id} destinations" for f in self.flying.values()])

@@ -127,6 +127,7 @@ def collect_planner(seed: int = 0, runs: int = 4, steps: int = 14) -> list[dict]
                 first = blocks[0]
             pos[rid] = list(blocks)
             t.sync_new_tokens(rid, pos[rid], L)
+            m.hold(rid, blocks)  # the manager holds every reference allocated for a request
             live = t.live_tokens(rid).tolist()[:-1]
             t.evict_tokens(rid, sorted(rng.sample(live, k=len(live) // 2)))
         seen: set = set()
@@ -134,9 +135,10 @@ def collect_planner(seed: int = 0, runs: int = 4, steps: int = 14) -> list[dict]
             for rid in list(pos):
                 if rng.random() < 0.4:  # grow by a token or two (a block when the list is full)
                     n = t.length(rid) + rng.randint(1, 2)
-                    while -(-n // S) > len(pos[rid]):
-                        pos[rid].append(a.allocate(1)[0])
+                    grown = a.allocate(max(0, -(-n // S) - len(pos[rid])))  # a block when the list is full
+                    pos[rid] += grown
                     t.sync_new_tokens(rid, pos[rid], n)
+                    m.hold(rid, grown)
                 live = t.live_tokens(rid).tolist()[:-1]
                 if live and rng.random() < 0.5:  # evict, in-flight moves included
                     t.evict_tokens(rid, sorted(rng.sample(live, k=max(1, len(live) // 4))))

@@ -10,8 +10,9 @@ they are in flight, completes and applies them, then plans and applies a third r
 the compacted state. Each plan's snapshot is checked with :func:`check_snapshot` right
 after launch (``post`` null, with an attention read through the table's slot mapping
 recorded while the copy is in flight) and again after apply (``post`` filled, with a read
-after apply). The table and allocator are also checked with the plain-Python checkers
-(``table_checks``) after each apply.
+after apply); a plan the lifecycle refuses at launch is checked too. The table and allocator
+are also checked with the plain-Python checkers (``table_checks``) while the copies are in
+flight (after each planning round) and after each apply.
 
 Symmetry reductions (each obviously sound):
 
@@ -28,7 +29,7 @@ Symmetry reductions (each obviously sound):
 Nothing else is reduced: every liveness pattern of every token is enumerated.
 
 Owns: nothing beyond each enumerated state's table, allocator and manager.
-May call: vtoken.table, .allocator, .planner, invariants.z3_checks, invariants.table_checks; vtoken.argtypes
+May call: vtoken.table, .allocator, .planner, .errors, invariants.z3_checks, invariants.table_checks; vtoken.argtypes
 (the command line's argument checks).
 Costs: every state up to the bound (exponential in it: all liveness patterns), a Z3 check per
 snapshot.
@@ -41,6 +42,7 @@ import time
 from typing import Iterator
 
 from vtoken.allocator import BlockAllocator
+from vtoken.errors import PlanError
 from vtoken.planner import NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.table import TokenTable
 
@@ -118,21 +120,26 @@ def build_state(S: int, specs: list, max_blocks: int, in_place: bool = True):
             table.evict_tokens(r, dead)
     cfg = PlannerConfig(theta_f=-1.0, headroom=headroom, record_snapshots=True, in_place=in_place)
     mgr = ReclamationManager(table, alloc, engine=NullCopyEngine(0), config=cfg)
+    for r, blocks in positions.items():  # the manager holds each request's references (a sharer's prefix too)
+        mgr.hold(r, blocks)
     return table, alloc, mgr, positions
 
 
-def _churn(table, alloc, positions, plans) -> None:
+def _churn(mgr, positions, plans) -> None:
     """While the copies are in flight: a policy evicts the last token each plan moves, and
-    each request with a plan in flight grows by one token (into its tail block, or a new one)."""
+    each request with a plan in flight grows by one token (into its tail block, or a new one,
+    handed to the manager to hold)."""
+    table, alloc = mgr.table, mgr.alloc
     for p in plans:
         rid = p.req_id
         if len(p.moves):
             table.evict_tokens(rid, [int(p.moves[-1][0])])
         n = table.length(rid)
         pos = positions[rid]
-        if n // table.S >= len(pos):
-            pos.append(alloc.allocate(1)[0])
+        grown = alloc.allocate(1) if n // table.S >= len(pos) else []
+        pos += grown
         table.sync_new_tokens(rid, pos, n + 1)
+        mgr.hold(rid, grown)
 
 
 def _read(mgr, plan) -> None:
@@ -161,6 +168,18 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
         return 0, [f"build: {type(e).__name__}: {e}"]
     mgr.engine.latency = 1
     everything = []
+    launch = mgr.launch
+
+    def checked_launch(p):  # a plan the lifecycle refuses never flies: its snapshot is checked here
+        nonlocal checked
+        try:
+            launch(p)
+        except PlanError:
+            checked += 1
+            found.extend(f"plan {p.id} (refused at launch): {v}" for v in check_snapshot(p.snapshot))
+            raise
+
+    mgr.launch = checked_launch  # plan_round launches through it
 
     def plan(tag):
         nonlocal checked
@@ -170,6 +189,8 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
             checked += 1
             found.extend(f"plan {p.id} ({tag}, in flight): {v}" for v in check_snapshot(p.snapshot))
         everything.extend(launched)
+        # while the copies fly: every block the table references is still allocated (no early free)
+        check_block_accounting(table.export_state(), alloc.export_state())
         return launched
 
     def complete(plans, tag):
@@ -191,7 +212,7 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
         if first:
             if churn:
                 step = "eviction and growth while in flight"
-                _churn(table, alloc, positions, first)
+                _churn(mgr, positions, first)
             step = "plan_round while in flight"
             second = plan("round 2")
             step = "apply"

@@ -129,18 +129,17 @@ def _planner_setup(R, L, S, evict, headroom, theta_f, seed, max_sources=None):
     headroom = PlannerConfig().headroom if headroom is None else headroom
     nb = R * (-(-L // S)) + headroom + 2
     table, alloc = TokenTable(S, nb), BlockAllocator(nb)
-    held = {}
+    blocks = {}
     for r in range(R):
-        held[r] = alloc.allocate(-(-L // S))
-        table.sync_new_tokens(r, held[r], L)
+        blocks[r] = alloc.allocate(-(-L // S))
+        table.sync_new_tokens(r, blocks[r], L)
         table.evict_tokens(r, rng.choice(L - 1, size=int(L * evict), replace=False))
-
-    def on_applied(plan):
-        held[plan.req_id] = [b for b in held[plan.req_id] if b not in plan.sources] + list(plan.dests)
-
     over = dict(theta_f=theta_f, headroom=headroom, max_sources=max_sources)
     cfg = replace(PlannerConfig(), **{k: v for k, v in over.items() if v is not None})
-    return table, alloc, ReclamationManager(table, alloc, config=cfg, on_applied=on_applied)
+    mgr = ReclamationManager(table, alloc, config=cfg)
+    for r, b in blocks.items():  # the manager holds each request's blocks (and keeps them across plans)
+        mgr.hold(r, b)
+    return table, alloc, mgr
 
 
 def bench_planner(seed=0, quick=False, rounds=3) -> dict:

@@ -53,8 +53,10 @@ def leftovers(alloc, mgr, engine=None, checker=None) -> list[str]:
                    f"+ orphaned {st.get('orphaned', 0)}")
     if mgr.in_flight:
         out.append(f"plans still in flight: {sorted(mgr.in_flight)}")
-    if mgr._deferred:
-        out.append(f"deferred frees left: {mgr._deferred}")
+    if mgr.lifecycle.held:
+        out.append(f"blocks still held for requests: {dict(mgr.lifecycle.held)}")
+    if mgr.copies.pending:
+        out.append(f"copies still pending on the copy side: {sorted(mgr.copies.pending)}")
     if engine is not None and getattr(engine, "pending", 0):
         out.append(f"{engine.pending} copies still pending in the copy engine")
     if checker is not None and checker.in_flight:
@@ -89,11 +91,11 @@ def test_a_request_finishing_while_its_fills_fly_gets_them_freed_after_the_copy(
     seen = []
     finish = eng.manager.finish_request
 
-    def spy(req_id, held):
+    def spy(req_id):
         for p in eng.manager.in_flight.values():
             if p.req_id == req_id and p.fills:
-                seen.append((p, [b for b in held if b in p.fills]))
-        freed = finish(req_id, held)
+                seen.append((p, list(p.fills)))
+        freed = finish(req_id)
         for p, fills in seen:
             assert not set(fills) & set(freed), "a fill freed while its copy flies"
         return freed
@@ -133,18 +135,18 @@ def test_a_busy_source_that_dies_in_flight_stays_until_the_plan_ends(model, prom
     eng.setup(200)
     hits = _all_dead_busy_sources(eng)
     ends = {}
-    apply = eng.manager.apply
+    end = eng.manager.lifecycle.end
 
-    def at_apply(plan):
+    def at_end(plan, outcome):
         for p, b in hits:
-            if p is plan:  # still allocated, and (unless its request finished) still the request's
+            if p is plan:  # still allocated, and still the plan's (busy) until it ends
                 assert eng.alloc.state[b] == USED, f"source {b} of plan {plan.id} freed before the plan ended"
-                assert plan.orphaned or eng.table.references(plan.req_id, b), \
-                    f"source {b} of plan {plan.id} released from its request before the plan ended"
-        apply(plan)
+                assert eng.manager.is_busy(b), f"source {b} of plan {plan.id} let go before the plan ended"
+        counted = end(plan, outcome)
         ends[plan.id] = plan.state
+        return counted
 
-    eng.manager.apply = at_apply
+    eng.manager.lifecycle.end = at_end
     res = eng.run(prompts, NEWS)
     applied = [(p, b) for p, b in hits if ends.get(p.id) == APPLIED]
     assert applied, "no all-dead busy source in an applied plan (the case this test is for)"
@@ -187,6 +189,7 @@ def _manager(latency: int, headroom: int = 0, in_place: bool = True):
     applied = []
     cfg = PlannerConfig(theta_f=0.05, headroom=headroom, in_place=in_place)
     mgr = ReclamationManager(table, alloc, NullCopyEngine(latency), cfg, on_applied=applied.append)
+    mgr.hold("a", blocks)
     return table, alloc, mgr, blocks, applied
 
 
@@ -208,12 +211,12 @@ def test_drain_ends_an_orphan_and_frees_its_sources_and_fills(fail):
     mgr.engine.fail_next = fail
     (plan,) = mgr.plan_round()
     assert plan.fills, "an in-place plan"
-    freed = mgr.finish_request("a", blocks)
+    freed = mgr.finish_request("a")
     assert not set(freed) & set(plan.sources + plan.fills)  # the copy still uses them
     mgr.drain()
     assert plan.state == ABORTED and applied == []
     assert mgr.stats["orphaned"] == 1 and mgr.stats["aborted"] == 0 and mgr.stats["applied"] == 0
-    assert alloc.num_free == alloc.num_blocks - 1 and not mgr._deferred
+    assert alloc.num_free == alloc.num_blocks - 1 and not mgr.lifecycle.held and not mgr.copies.pending
 
 
 # ---------------------------------------------------------------------------- the simulator
@@ -242,5 +245,5 @@ def test_replay_run_frees_every_block_and_ends_every_plan(latency, config):
     out = rp.run()
     assert out["feasible"] and out["finished"] == len(scheds)
     assert leftovers(rp.alloc, rp.mgr) == []
-    assert out["planner"]["plans"] > 0 and not rp.busy and not rp.plan_req
+    assert out["planner"]["plans"] > 0 and not rp.busy_mask.any() and not rp.lifecycle.in_flight
     assert rp.alloc.state[NULL_BLOCK] == USED  # the null block stays out of the pool

@@ -2,7 +2,8 @@
 
 Every error ``vtoken/`` raises for a caller is a :class:`vtoken.errors.VTokenError` with a
 named ``code`` from its class's list in ``vtoken/errors.py`` (``TABLE_CODES``,
-``ALLOCATOR_CODES``, ``SNAPSHOT_CODES``, ``CONFIG_CODES``, ``CALL_CODES``, ``ORDER_CODES``);
+``ALLOCATOR_CODES``, ``SNAPSHOT_CODES``, ``CONFIG_CODES``, ``CALL_CODES``, ``ORDER_CODES``,
+``PLAN_CODES``);
 a bare builtin exception (``raise ValueError(...)``) is a breach. Internal invariants are
 ``assert``s. The classes that replaced builtins subclass them too (``CallError`` is a
 ``ValueError``, ``OrderError`` a ``RuntimeError``), so a caller's old ``except`` still holds.
@@ -22,7 +23,7 @@ BUILTINS = {"ValueError", "RuntimeError", "TypeError", "KeyError", "IndexError",
 CODES = {"TableError": errors.TABLE_CODES, "AllocatorError": errors.ALLOCATOR_CODES,
          "SnapshotError": errors.SNAPSHOT_CODES, "ConfigError": errors.CONFIG_CODES,
          "CallError": errors.CALL_CODES, "CallTypeError": errors.CALL_CODES, "CallIndexError": errors.CALL_CODES,
-         "OrderError": errors.ORDER_CODES}
+         "OrderError": errors.ORDER_CODES, "PlanError": errors.PLAN_CODES}
 
 
 def raise_breaches(path: Path) -> list[str]:
@@ -57,6 +58,8 @@ def test_the_system_raises_only_named_codes():
     ("import builtins\ndef f():\n    raise builtins.TypeError('x')\n", True),
     ("from vtoken.errors import CallError\ndef f():\n    raise CallError('no_such_code', 'x')\n", True),
     ("from vtoken.errors import OrderError\ndef f():\n    raise OrderError('not_set_up', 'x')\n", False),
+    ("from vtoken.errors import PlanError\ndef f():\n    raise PlanError('leaked', 'x')\n", True),
+    ("from vtoken.errors import PlanError\ndef f():\n    raise PlanError('ownership', 'x')\n", False),
     ("def f():\n    try:\n        pass\n    except KeyError:\n        raise\n", False),  # a re-raise
     ("def f(x):\n    assert x, 'internal'\n", False),
 ])

@@ -343,7 +343,9 @@ def _cuda_rig(method, sample=0):
     mgr = ReclamationManager(t, a, chk.wrap(KVCopyEngine(kv, 4)), cfg, on_applied=chk.after_apply)
     rng = np.random.default_rng(0)
     for r in range(2):
-        t.sync_new_tokens(r, a.allocate(8), 30)
+        blocks = a.allocate(8)
+        t.sync_new_tokens(r, blocks, 30)
+        mgr.hold(r, blocks)  # the manager holds every block allocated for a request
         t.evict_tokens(r, np.sort(rng.choice(29, size=17, replace=False)))
     t.flush()
     return kv, chk, mgr

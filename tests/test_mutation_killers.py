@@ -133,16 +133,18 @@ def make(nb=32, headroom=2, latency=0, **cfg):
     return table, alloc, mgr
 
 
-def add(table, alloc, rid, nblocks):
-    blocks = alloc.allocate(nblocks)
-    table.sync_new_tokens(rid, blocks, nblocks * S)
+def add(mgr, rid, nblocks):
+    """A request of ``nblocks`` full fresh blocks, held by the manager's lifecycle."""
+    blocks = mgr.alloc.allocate(nblocks)
+    mgr.table.sync_new_tokens(rid, blocks, nblocks * S)
+    mgr.hold(rid, blocks)
     return blocks
 
 
-def sparse(table, alloc, rid, nblocks, keep):
+def sparse(mgr, rid, nblocks, keep):
     """``nblocks`` blocks, the last one (the tail) full, ``keep`` live tokens in each other block."""
-    blocks = add(table, alloc, rid, nblocks)
-    table.evict_tokens(rid, [b * S + o for b in range(nblocks - 1) for o in range(keep, S)])
+    blocks = add(mgr, rid, nblocks)
+    mgr.table.evict_tokens(rid, [b * S + o for b in range(nblocks - 1) for o in range(keep, S)])
     return blocks
 
 
@@ -151,7 +153,7 @@ def test_the_headroom_is_topped_up_to_exactly_its_size():
     Kills: planner.py `want = headroom - len(self.headroom)` -> `+`."""
     table, alloc, mgr = make(nb=32, headroom=3)
     assert len(mgr.headroom) == 3 and alloc.num_reserved == 3 and alloc.num_free == 31 - 3
-    sparse(table, alloc, "a", 5, keep=1)
+    sparse(mgr, "a", 5, keep=1)
     (plan,) = mgr.step(force_sync=True)
     assert plan.state == APPLIED
     mgr.refill_headroom()
@@ -173,7 +175,7 @@ def test_default_config_plans_in_place_without_headroom_and_at_most_b_sources():
     table, alloc = TokenTable(S, 128), BlockAllocator(128)
     mgr = ReclamationManager(table, alloc)
     assert mgr.headroom == [] and alloc.num_reserved == 0 and not mgr.backpressure
-    sparse(table, alloc, "a", 61, keep=1)  # 60 one-live blocks (S = 4) and a full tail: F > 0.25
+    sparse(mgr, "a", 61, keep=1)  # 60 one-live blocks (S = 4) and a full tail: F > 0.25
     assert mgr.eligible()
     (plan,) = mgr.step(force_sync=True)
     # 180 holes could free 45 blocks: B caps it at 32; their 32 live tokens fill the 3 holes
@@ -190,13 +192,13 @@ def test_stats_count_every_event():
     table, alloc, mgr = make(nb=32, headroom=2)
     zero = dict(plans=0, applied=0, aborted=0, orphaned=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
     assert mgr.stats == zero
-    sparse(table, alloc, "a", 5, keep=1)  # four one-live blocks and a full tail
+    sparse(mgr, "a", 5, keep=1)  # four one-live blocks and a full tail
     (p1,) = mgr.step()  # a round: planned and launched
     assert mgr.stats == dict(zero, plans=1, rounds=1)
     assert mgr.step() == []  # the copy is observed and applied; "a" is packed now: no round
     assert p1.state == APPLIED and len(p1.moves) == 4 and len(p1.sources) == 4 and len(p1.dests) == 1
     assert mgr.stats == dict(zero, plans=1, applied=1, moves=4, blocks_freed=3, rounds=1)
-    sparse(table, alloc, "b", 3, keep=2)  # two half-live blocks and a tail
+    sparse(mgr, "b", 3, keep=2)  # two half-live blocks and a tail
     mgr.engine.fail_next = True
     (p2,) = mgr.step()
     assert mgr.stats == dict(zero, plans=2, applied=1, moves=4, blocks_freed=3, rounds=2)
@@ -208,14 +210,14 @@ def test_stats_count_every_event():
     assert mgr.stats == dict(zero, plans=3, applied=2, aborted=1, moves=8, blocks_freed=4, rounds=3)
     # worth doing but no headroom: a deferral
     table2, alloc2, mgr2 = make(nb=32, headroom=0)
-    sparse(table2, alloc2, "c", 4, keep=1)
+    sparse(mgr2, "c", 4, keep=1)
     assert mgr2.plan_request("c") is None
     assert mgr2.stats == dict(zero, deferred=1)
     # the request finishes while its copy flies: the plan ends orphaned, neither applied nor aborted
     table3, alloc3, mgr3 = make(nb=32, headroom=2, latency=2)
-    blocks = sparse(table3, alloc3, "d", 5, keep=1)
+    blocks = sparse(mgr3, "d", 5, keep=1)
     (p4,) = mgr3.step()
-    mgr3.finish_request("d", blocks)
+    mgr3.finish_request("d")
     mgr3.drain()
     assert mgr3.stats == dict(zero, plans=1, orphaned=1, rounds=1)
     assert p4.state == "aborted" and alloc3.num_free == 31 and mgr3.in_flight == {}
@@ -227,10 +229,11 @@ def test_snapshots_record_the_shared_blocks_and_the_whole_schedule():
     `shared = sorted(...)` and `t.refs[b] > 1` -> `> 0` in _snapshot, deletion of
     `self.record(plan, "launch", ...)` in launch."""
     table, alloc, mgr = make(nb=32, headroom=2, record_snapshots=True)
-    p = add(table, alloc, "p", 2)
+    p = add(mgr, "p", 2)
     alloc.incref(p[:1])  # "a" is a prefix-cache hit on p's first block
     own = alloc.allocate(4)
     table.sync_new_tokens("a", p[:1] + own, 5 * S)
+    mgr.hold("a", p[:1] + own)
     table.evict_tokens("a", [t for t in range(S, 4 * S) if t % S])  # blocks own[0..2]: one live each
     plan = mgr.plan_request("a")
     assert plan.sources == sorted(own[:3])
@@ -251,8 +254,8 @@ def test_a_plan_launched_after_the_headroom_changed_takes_only_its_destinations(
     Kills: planner.py `b not in taken` -> `b in taken` in launch."""
     table, alloc, mgr = make(nb=32, headroom=3, latency=1)
     h0, h1, h2 = mgr.headroom
-    sparse(table, alloc, "a", 3, keep=1)  # two one-live blocks and a tail
-    sparse(table, alloc, "b", 3, keep=1)
+    sparse(mgr, "a", 3, keep=1)  # two one-live blocks and a tail
+    sparse(mgr, "b", 3, keep=1)
     plan_a = mgr.plan_request("a")
     plan_b = mgr.plan_request("b")
     assert plan_a.dests == plan_b.dests == [h0]
@@ -274,8 +277,8 @@ def test_a_round_serves_the_request_with_the_most_reclaimable_blocks_first():
     deletion of `scored.sort()` and `- -(-max(...) // S)` -> `+ -(...)` in plan_round (the
     gain bound with the packed blocks added instead of subtracted)."""
     table, alloc, mgr = make(nb=64, headroom=8, max_plans_per_round=1)
-    sparse(table, alloc, "dense", 7, keep=3)  # 6 blocks of 3 live + tail: 18 live -> 5 blocks, gain 1
-    sparse(table, alloc, "thin", 4, keep=1)  # 3 blocks of 1 live + tail: 3 live -> 1 block, gain 2
+    sparse(mgr, "dense", 7, keep=3)  # 6 blocks of 3 live + tail: 18 live -> 5 blocks, gain 1
+    sparse(mgr, "thin", 4, keep=1)  # 3 blocks of 1 live + tail: 3 live -> 1 block, gain 2
     (plan,) = mgr.plan_round()
     assert plan.req_id == "thin" and plan.reduction == 2
     (plan2,) = mgr.plan_round()  # "thin" is busy now: "dense" next

@@ -28,9 +28,11 @@ def make(nb=16, headroom=2, latency=0, **cfg):
     return table, alloc, mgr, applied
 
 
-def add(table, alloc, rid, nblocks, total=None):
-    blocks = alloc.allocate(nblocks)
-    table.sync_new_tokens(rid, blocks, nblocks * S if total is None else total)
+def add(mgr, rid, nblocks, total=None):
+    """A request of ``nblocks`` fresh blocks (held by the manager's lifecycle), ``total`` tokens."""
+    blocks = mgr.alloc.allocate(nblocks)
+    mgr.table.sync_new_tokens(rid, blocks, nblocks * S if total is None else total)
+    mgr.hold(rid, blocks)
     return blocks
 
 
@@ -66,10 +68,10 @@ def plan_checked(table, mgr, rid, max_dests=None):
     return plan
 
 
-def half_empty(table, alloc):
+def half_empty(mgr):
     """Request "a": five blocks; the first four keep offsets 1 and 3 live; the fifth (the tail) is full."""
-    blocks = add(table, alloc, "a", 5)
-    table.evict_tokens("a", [0, 2, 4, 6, 8, 10, 12, 14])
+    blocks = add(mgr, "a", 5)
+    mgr.table.evict_tokens("a", [0, 2, 4, 6, 8, 10, 12, 14])
     return blocks
 
 
@@ -77,7 +79,7 @@ def half_empty(table, alloc):
 def test_four_half_empty_blocks_compact_into_two_fresh_blocks_in_logical_order():
     table, alloc, mgr, applied = make(headroom=2)
     assert mgr.headroom == [1, 2]
-    assert half_empty(table, alloc) == [3, 4, 5, 6, 7]
+    assert half_empty(mgr) == [3, 4, 5, 6, 7]
     plan = plan_checked(table, mgr, "a")
     assert plan.sources == [3, 4, 5, 6] and plan.dests == [1, 2] and plan.reduction == 2
     assert plan.moves.tolist() == [
@@ -95,7 +97,7 @@ def test_four_half_empty_blocks_compact_into_two_fresh_blocks_in_logical_order()
 
 def test_shared_and_tail_blocks_are_never_sources():
     table, alloc, mgr, _ = make(headroom=2)
-    p = add(table, alloc, "p", 3)  # [3, 4, 5]
+    p = add(mgr, "p", 3)  # [3, 4, 5]
     alloc.incref(p[:2])  # "c" is a prefix-cache hit on the first two blocks
     c = p[:2] + alloc.allocate(1)
     table.sync_new_tokens("c", c, 12)
@@ -111,7 +113,7 @@ def test_shared_and_tail_blocks_are_never_sources():
 
 def test_no_plan_when_the_reduction_would_not_be_positive():
     table, alloc, mgr, _ = make(headroom=2)
-    add(table, alloc, "a", 3)  # [3, 4, 5]
+    add(mgr, "a", 3)  # [3, 4, 5]
     table.evict_tokens("a", [0, 4])  # 3 + 3 live: packing them still needs two blocks
     assert plan_checked(table, mgr, "a") is None
     assert mgr.stats["deferred"] == 0  # not worth doing at all, so not a deferral
@@ -122,7 +124,7 @@ def test_no_plan_when_the_reduction_would_not_be_positive():
 
 def test_plans_shrink_to_the_headroom():
     table, alloc, mgr, _ = make(headroom=1)
-    half_empty(table, alloc)  # first blocks are [2, 3, 4, 5] here: the headroom is block 1
+    half_empty(mgr)  # first blocks are [2, 3, 4, 5] here: the headroom is block 1
     plan = plan_checked(table, mgr, "a")  # two destinations would free two blocks; one frees one
     assert len(plan.sources) == 2 and plan.dests == [1] and plan.reduction == 1
     assert plan_checked(table, mgr, "a", max_dests=5).reduction == 1  # never more than the headroom
@@ -132,14 +134,14 @@ def test_plans_shrink_to_the_headroom():
 
 def test_max_sources_bounds_a_plan():
     table, alloc, mgr, _ = make(headroom=2, max_sources=2)
-    half_empty(table, alloc)
+    half_empty(mgr)
     plan = plan_checked(table, mgr, "a")
     assert plan.sources == [3, 4] and plan.dests == [1] and plan.reduction == 1
 
 
 def test_a_request_with_a_copy_in_flight_plans_only_around_it():
     table, alloc, mgr, _ = make(headroom=3, latency=1, max_sources=2)
-    half_empty(table, alloc)
+    half_empty(mgr)
     first = plan_checked(table, mgr, "a")
     mgr.launch(first)
     second = plan_checked(table, mgr, "a")  # disjoint from the in-flight plan's blocks
@@ -150,7 +152,7 @@ def test_a_request_with_a_copy_in_flight_plans_only_around_it():
 # ---------------------------------------------------------------------- lifecycle
 def test_sources_are_freed_only_after_the_copy_completes():
     table, alloc, mgr, applied = make(headroom=2, latency=2)
-    half_empty(table, alloc)
+    half_empty(mgr)
     before = table.export_state()
     plan = plan_checked(table, mgr, "a")
     mgr.launch(plan)
@@ -168,7 +170,7 @@ def test_sources_are_freed_only_after_the_copy_completes():
 
 def test_copy_failure_aborts_cleanly():
     table, alloc, mgr, applied = make(headroom=2, latency=1)
-    half_empty(table, alloc)
+    half_empty(mgr)
     before = table.export_state(), alloc.export_state(), sorted(mgr.headroom)
     plan = plan_checked(table, mgr, "a")
     mgr.engine.fail_next = True
@@ -184,25 +186,28 @@ def test_copy_failure_aborts_cleanly():
 
 def test_finish_during_copy_defers_the_frees():
     table, alloc, mgr, applied = make(headroom=2, latency=1)
-    blocks = half_empty(table, alloc)
+    blocks = half_empty(mgr)
     plan = plan_checked(table, mgr, "a")
     mgr.launch(plan)
-    freed = mgr.finish_request("a", blocks)
+    freed = mgr.finish_request("a")
     assert freed == [7]  # only the block no copy reads
     assert "a" not in table
     assert all(alloc.state[b] == USED for b in plan.sources)  # still being read
     assert all(alloc.state[b] == RESERVED for b in plan.dests)
     assert mgr.poll() == []
-    assert mgr.poll() == [plan] and plan.state == ABORTED and applied == []
-    assert all(alloc.state[b] == FREE for b in plan.sources + plan.dests)
-    assert alloc.num_used == 0 and alloc.num_reserved == 0
+    assert mgr.poll() == [plan] and plan.state == ABORTED and plan.orphaned and applied == []
+    assert all(alloc.state[b] == FREE for b in plan.sources)
+    assert sorted(mgr.headroom) == sorted(plan.dests)  # unwritten: back to the headroom
+    assert alloc.num_used == 0 and mgr.stats["orphaned"] == 1
+    mgr.drain()
+    assert alloc.num_reserved == 0 and all(alloc.state[b] == FREE for b in plan.dests)
     mgr.refill_headroom()
     assert len(mgr.headroom) == 2
 
 
 def test_a_source_shared_during_the_copy_aborts_the_plan():
     table, alloc, mgr, applied = make(headroom=2, latency=1)
-    blocks = half_empty(table, alloc)
+    blocks = half_empty(mgr)
     plan = plan_checked(table, mgr, "a")
     mgr.launch(plan)
     before = table.export_state()["requests"]["a"]
@@ -217,7 +222,7 @@ def test_a_source_shared_during_the_copy_aborts_the_plan():
 
 def test_eviction_during_the_copy_is_applied_cleanly():
     table, alloc, mgr, applied = make(headroom=2, latency=1)
-    half_empty(table, alloc)
+    half_empty(mgr)
     plan = plan_checked(table, mgr, "a")
     mgr.launch(plan)
     table.evict_tokens("a", [1, 9, 11, 13, 15])  # one token bound for block 1, all bound for block 2
@@ -232,7 +237,7 @@ def test_eviction_during_the_copy_is_applied_cleanly():
 def test_backpressure_while_the_headroom_is_short():
     table, alloc, mgr, _ = make(nb=8, headroom=3, latency=1)
     assert not mgr.backpressure and mgr.headroom == [1, 2, 3]
-    add(table, alloc, "a", 4)  # the rest of the pool: [4, 5, 6, 7]
+    add(mgr, "a", 4)  # the rest of the pool: [4, 5, 6, 7]
     assert alloc.num_free == 0
     table.evict_tokens("a", [0, 1, 2, 4, 5, 6])
     plan = plan_checked(table, mgr, "a")
@@ -249,7 +254,7 @@ def test_backpressure_while_the_headroom_is_short():
 # ---------------------------------------------------------------------- stages 1 and 2: when to plan
 def test_waste_ratio_threshold():
     table, alloc, mgr, _ = make(headroom=2, theta_f=0.5)
-    add(table, alloc, "a", 3)
+    add(mgr, "a", 3)
     table.evict_tokens("a", [0, 1, 2])  # F = 3/12
     assert not mgr.eligible() and mgr.step() == []
     table.evict_tokens("a", [4, 5, 6, 8])  # F = 7/12
@@ -260,10 +265,10 @@ def test_waste_ratio_threshold():
 def test_low_watermark():
     # theta_f = 1.0: the F gate never opens, only pressure plans
     table, alloc, mgr, _ = make(nb=8, headroom=1, theta_f=1.0, low_watermark=0)
-    add(table, alloc, "a", 3)
+    add(mgr, "a", 3)
     table.evict_tokens("a", [0, 1, 2, 3])
     assert alloc.num_free == 3 and not mgr.eligible()  # F is high, but memory is not short
-    add(table, alloc, "b", 3)
+    add(mgr, "b", 3)
     assert alloc.num_free == 0 and mgr.eligible()
 
 
@@ -271,11 +276,11 @@ def test_pressure_plans_below_theta_and_the_gate_plans_without_pressure():
     """The shipped trigger: under pressure any waste is reclaimed (F far below theta_f);
     with plenty of memory only F > theta_f plans."""
     table, alloc, mgr, _ = make(nb=16, headroom=1, theta_f=0.25)  # derived watermark
-    add(table, alloc, "a", 12)
+    add(mgr, "a", 12)
     table.evict_tokens("a", [0])  # F = 1/48: tiny, but 2 free blocks < the footprint of "a"
     assert alloc.num_free == 2 and table.waste_ratio() < 0.25 and mgr.eligible()
     table2, alloc2, mgr2, _ = make(nb=64, headroom=1, theta_f=0.25)
-    add(table2, alloc2, "a", 4)
+    add(mgr2, "a", 4)
     table2.evict_tokens("a", [0])  # F = 1/16 and 58 free blocks: not short, under the gate
     assert not mgr2.eligible()
     table2.evict_tokens("a", [1, 2, 3, 4])  # F = 5/16 > theta_f: the gate plans without pressure
@@ -351,6 +356,7 @@ def test_manager_eligible_is_should_reclaim(monkeypatch):
     mgr = ReclamationManager(t, a, NullCopyEngine(0), PlannerConfig(headroom=2))
     b = a.allocate(3)
     t.sync_new_tokens("a", b, 12)
+    mgr.hold("a", b)
     t.evict_tokens("a", [0, 1, 2, 4, 5, 6])
     assert mgr.eligible()  # F = 0.5 > 0.25
     assert seen[-1] == trigger_inputs(t, a.num_free)
@@ -360,7 +366,7 @@ def test_manager_eligible_is_should_reclaim(monkeypatch):
 
 def test_check_every_amortises_the_checks():
     table, alloc, mgr, _ = make(headroom=2, check_every=3)
-    add(table, alloc, "a", 3)
+    add(mgr, "a", 3)
     table.evict_tokens("a", [0, 1, 2, 3])
     assert mgr.step() == [] and mgr.step() == []
     assert [p.sources for p in mgr.step()] == [[3]]
@@ -369,7 +375,7 @@ def test_check_every_amortises_the_checks():
 # ---------------------------------------------------------------------- planning rounds
 def test_round_with_empty_headroom_still_frees_all_dead_blocks():
     table, alloc, mgr, _ = make(headroom=0)
-    add(table, alloc, "a", 3)  # [1, 2, 3]
+    add(mgr, "a", 3)  # [1, 2, 3]
     table.evict_tokens("a", [0, 1, 2, 3, 4])
     (plan,) = mgr.step(force_sync=True)
     assert plan.sources == [1] and plan.dests == [] and plan.state == APPLIED
@@ -380,7 +386,7 @@ def test_round_does_not_skip_a_request_whose_full_blocks_hide_the_gain():
     # 1 + 1 live in two blocks, then a full block and a full tail: 10 live tokens in four
     # blocks looks packed (ceil(10 / 4) = 3, minus the tail), but the two sparse blocks fit in one.
     table, alloc, mgr, _ = make(headroom=2)
-    add(table, alloc, "a", 4)  # [3, 4, 5, 6]
+    add(mgr, "a", 4)  # [3, 4, 5, 6]
     table.evict_tokens("a", [0, 1, 2, 4, 5, 6])
     (plan,) = mgr.step(force_sync=True)
     assert plan.sources == [3, 4] and len(plan.dests) == 1 and plan.state == APPLIED
@@ -470,7 +476,7 @@ def test_in_place_plan_fills_holes_without_headroom_and_checks_against_the_contr
     In place the two emptiest blocks' tokens go into the holes of the next two: nothing is
     taken from the headroom, and the plan is what the reference contract calls best."""
     table, alloc, mgr, applied = make(headroom=0, in_place=True)
-    blocks = half_empty(table, alloc)
+    blocks = half_empty(mgr)
     plan = plan_checked(table, mgr, "a")
     assert plan.sources == blocks[:2] and plan.fills == blocks[2:4] and plan.dests == []
     assert plan.moves[:, 3:].tolist() == [[blocks[2], 0], [blocks[2], 2], [blocks[3], 0], [blocks[3], 2]]
@@ -485,10 +491,10 @@ def test_in_place_request_finishing_mid_copy_frees_its_fills_only_after_the_copy
     """The copy writes into the fills' holes: a request that finishes while it flies hands
     its references on fills and sources to the manager, which frees them when it completes."""
     table, alloc, mgr, applied = make(headroom=0, in_place=True, latency=2)
-    blocks = half_empty(table, alloc)
+    blocks = half_empty(mgr)
     (plan,) = mgr.plan_round()
     assert plan.fills and mgr.is_busy(plan.fills[0])
-    freed_now = mgr.finish_request("a", blocks)
+    freed_now = mgr.finish_request("a")
     assert freed_now == [blocks[4]]  # only the tail: the copy still reads the sources and writes the fills
     assert all(alloc.state[b] == USED for b in plan.sources + plan.fills)
     mgr.poll()

@@ -148,6 +148,7 @@ class Rig:
             n = 30
             self.blocks[r] = self.alloc.allocate(-(-n // S))
             self.table.sync_new_tokens(r, self.blocks[r], n)
+            self.mgr.hold(r, self.blocks[r])  # the manager holds every block allocated for a request
             victims = np.sort(rng.choice(n - 1, size=17, replace=False))
             self.table.evict_tokens(r, victims)
 
@@ -209,13 +210,13 @@ def test_eviction_during_copy_is_legitimate_but_an_untold_loss_is_not():
     assert plans
     p = plans[0]
     # a moved token dies while its copy flies (the engine tells the checker): fine,
-    # provided the manager drops its move (the engine's manager does; here by hand)
+    # provided the manager drops its move (it does, at apply)
     victim = int(p.moves[0, 0])
     rig.evict(p.req_id, [victim])
-    p.moves = p.moves[1:]
     rig.mgr.step()
     rig.mgr.step()
     assert rig.chk.failed == 0 and rig.chk.passed >= 2
+    assert p.state == "applied" and p.evicted_in_flight == [victim]
 
     rig = Rig(lag=2)
     plans = rig.mgr.step()
@@ -290,6 +291,8 @@ def layout(live_in_sources=8, engine=KVCopyEngine, foreign_in_dest=False, raise_
     mgr = ReclamationManager(t, a, chk.wrap(copy), cfg, on_applied=chk.after_apply)
     blocks_b = a.allocate(2)
     t.sync_new_tokens("b", blocks_b, 6)
+    mgr.hold("a", blocks_a)
+    mgr.hold("b", blocks_b)
     assert blocks_a == [1, 2, 3, 4, 5] and mgr.headroom == [6, 7] and blocks_b == [8, 9], \
         (blocks_a, mgr.headroom, blocks_b)  # the layout the scenario relies on
     if foreign_in_dest:
@@ -547,11 +550,14 @@ def flip_sweep(dtype, method) -> dict:
     kv = KVCache(SWEEP_L, 32, 4, SWEEP_H, SWEEP_D, dtype=dtype)
     kv.kv.copy_(torch.randn(kv.kv.shape, generator=torch.Generator().manual_seed(17)).to(dtype))
     t, a = TokenTable(4, 32), BlockAllocator(32)
-    t.sync_new_tokens("r", a.allocate(5), 20)
+    blocks = a.allocate(5)
+    t.sync_new_tokens("r", blocks, 20)
     t.evict_tokens("r", [0, 1, 5, 6, 9, 10, 11, 14])
     cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=4, record_snapshots=False, in_place=False)
     base = kv.kv.clone()
-    (plan,) = ReclamationManager(t, a, KVCopyEngine(kv, 4), cfg).plan_round()  # a real plan (its copy is redone)
+    mgr = ReclamationManager(t, a, KVCopyEngine(kv, 4), cfg)
+    mgr.hold("r", blocks)
+    (plan,) = mgr.plan_round()  # a real plan (its copy is redone)
     n_moves = len(plan.moves)
     assert n_moves >= 4
 
@@ -717,6 +723,7 @@ def inplace_layout(engine=KVCopyEngine, raise_on_failure=True):
     chk = RelocationChecker(kv, t, raise_on_failure=raise_on_failure)
     cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=0, record_snapshots=True)
     mgr = ReclamationManager(t, a, chk.wrap(engine(kv, S)), cfg, on_applied=chk.after_apply)
+    mgr.hold("a", blocks)
     return kv, t, chk, mgr
 
 
@@ -770,6 +777,8 @@ def bystander_layout(guard="live", raise_on_failure=True):
     cfg = PlannerConfig(theta_f=0.05, check_every=1, max_sources=8, headroom=0, record_snapshots=True)
     eng = BystanderWriteEngine(kv, S)
     mgr = ReclamationManager(t, a, chk.wrap(eng), cfg, on_applied=chk.after_apply)
+    mgr.hold("a", blocks_a)
+    mgr.hold("b", blocks_b)
     pb = mgr.plan_request("b")
     mgr.launch(pb)
     mgr.poll(force_sync=True)

@@ -48,21 +48,29 @@ def _manager(t, a, latency=0, headroom=4, in_place=False):
 def fragmented(latency=0, headroom=4, in_place=False):
     """Request 'a': blocks 1..4 (4 = tail); live counts 1, 2, 2, 2 after eviction."""
     t, a = TokenTable(S, 32), BlockAllocator(32)
-    t.sync_new_tokens("a", a.allocate(4), 14)
+    blocks = a.allocate(4)
+    t.sync_new_tokens("a", blocks, 14)
     t.evict_tokens("a", [0, 1, 2, 4, 5, 8, 9])
-    return t, a, _manager(t, a, latency, headroom, in_place)
+    m = _manager(t, a, latency, headroom, in_place)
+    m.hold("a", blocks)  # the manager holds every block allocated for a request
+    return t, a, m
 
 
 def shared_prefix():
     """'a' and 'b' share block 1 (a full prefix, mostly evicted in both); 'a' owns 2..4."""
     t, a = TokenTable(S, 32), BlockAllocator(32)
     pre = a.allocate(1)
-    t.sync_new_tokens("a", pre + a.allocate(3), 14)
+    blocks_a = pre + a.allocate(3)
+    t.sync_new_tokens("a", blocks_a, 14)
     a.incref(pre)
-    t.sync_new_tokens("b", pre + a.allocate(1), 6)
+    blocks_b = pre + a.allocate(1)
+    t.sync_new_tokens("b", blocks_b, 6)
     t.evict_tokens("a", [0, 1, 2, 5, 6, 9, 10])
     t.evict_tokens("b", [0, 1, 2])
-    return t, a, _manager(t, a)
+    m = _manager(t, a)
+    m.hold("a", blocks_a)  # each holder holds its reference on the shared prefix block
+    m.hold("b", blocks_b)
+    return t, a, m
 
 
 def reads(mgr, plan):
@@ -131,10 +139,14 @@ def test_real_planner_settling_many_requests_passes():
     import numpy as np
 
     rng = np.random.default_rng(0)
+    blocks = {}
     for r in range(6):
-        t.sync_new_tokens(r, a.allocate(5), 19)
+        blocks[r] = a.allocate(5)
+        t.sync_new_tokens(r, blocks[r], 19)
         t.evict_tokens(r, sorted(rng.choice(18, size=9, replace=False).tolist()))
     m = _manager(t, a, latency=1, headroom=8)
+    for r, b in blocks.items():
+        m.hold(r, b)
     checked = 0
     for _ in range(8):
         for p in m.step():
@@ -153,9 +165,13 @@ def test_eviction_and_growth_while_the_copy_is_in_flight_pass():
     moved = [mv[0] for mv in p.snapshot["plan"]["moves"]]
     t.evict_tokens("a", [moved[-1], 13])  # a token being moved, and one in the tail
     tail = sorted(t.blocks_of("a"))[-1]
-    t.sync_new_tokens("a", [1, 2, 3, tail, a.allocate(1)[0]], 17)  # the request grows meanwhile
+    grown = a.allocate(1)
+    t.sync_new_tokens("a", [1, 2, 3, tail] + grown, 17)  # the request grows meanwhile
+    m.hold("a", grown)
     m.poll(force_sync=True)
-    assert p.state == "applied" and len(p.moves) == len(moved) - 1
+    # plan.moves keeps the planned moves; the one whose token died in flight is not applied
+    assert p.state == "applied" and len(p.moves) == len(moved) and m.stats["moves"] == len(moved) - 1
+    assert p.evicted_in_flight == [moved[-1]]
     post = p.snapshot["post"]["requests"]["a"]
     assert post["length"] == 17 > p.snapshot["pre"]["requests"]["a"]["length"]
     reads(m, p)
@@ -449,7 +465,10 @@ def _plan_with(fault):
         p = m.plan_request("a")
         assert p is not None, f"{fault}: the faulty planner made no plan"
         at_plan = check_snapshot(p.snapshot)  # post is null: before launch, before apply
-        m.launch(p)
+        try:
+            m.launch(p)
+        except PlanError as e:  # the lifecycle refuses, at launch, a plan overlapping one in flight
+            assert fault == "plan_overlaps_inflight" and e.code == "overlap", e
         at_launch = check_snapshot(p.snapshot)  # still before apply
         try:
             m.poll(force_sync=True)

@@ -62,8 +62,9 @@ graph path equal the plain path's token for token (masked padding changes reduct
 the last bits, see ``decode_static``); ``naive-evict`` and ``vtoken`` on the same path stay
 bitwise comparable.
 
-Owns: its KVCache, TokenTable, BlockAllocator, manager, copy engine and StepGraphs; a reference
-on every non-null positional block and held destination (the manager frees applied sources).
+Owns: its KVCache, TokenTable, BlockAllocator, manager, copy engine and StepGraphs. Every block
+it allocates for a request is held by the lifecycle (``vtoken.lifecycle``; the manager's, or a
+plan-less one without reclamation), which frees it; the positional lists only feed the table.
 May call: vtoken.table, .allocator, .planner, .copy_engine, .model, .policies, .errors, torch,
 numpy; never spec/, invariants/, fuzz/ or reports/ (a checker comes in as ``check_relocations``).
 Costs: per step the model's forward plus O(active requests x read slots) host work (read slots,
@@ -85,7 +86,7 @@ from .allocator import NULL_BLOCK, BlockAllocator
 from .decode_config import CHECK_METHODS, DecodeConfig, _bad, default_planner_config  # noqa: F401 - re-exported
 from .errors import CallError, CallIndexError, OrderError, RelocationCheckError
 from .model.decoder import DecodeItem, PagedDecoder, greedy
-from .lifecycle import PlanLedger, all_dead, allocator_release
+from .lifecycle import AllocatorPort, Lifecycle, all_dead
 from .planner import MODES, ReclamationManager
 from .policies import make_policy
 from .table import TokenTable
@@ -113,7 +114,6 @@ class _Req:
     prompt_len: int
     max_new: int
     blocks: list  # positional block list (null where a source was reclaimed)
-    held: list = field(default_factory=list)  # applied destination blocks
     out: list = field(default_factory=list)
     slots: Optional[torch.Tensor] = None  # native: slots by position
     n: int = 0  # tokens written (native)
@@ -326,9 +326,11 @@ class DecodeEngine:
                 self.checker = self.check_relocations(self.kv, self.table, out_dir=self.snapshot_dir,
                                                       method=self.check_method, full_bytes=self.full_bytes)
                 eng = self.checker.wrap(self.copy_engine)
-            self.manager = ReclamationManager(self.table, self.alloc, eng, self.cfg, on_applied=self._on_applied)
-        # the lifecycle's one release of emptied blocks (without reclamation, a ledger with no plans)
-        self.ledger = self.manager.ledger if self.manager else PlanLedger(allocator_release(self.alloc))
+            self.manager = ReclamationManager(self.table, self.alloc, eng, self.cfg, on_applied=self._on_applied,
+                                              after_apply=self.checker.after_apply if self.checker else None)
+        # the lifecycle holds every block of every request (without reclamation, one with no plans)
+        self.lifecycle = self.manager.lifecycle if self.manager else Lifecycle(AllocatorPort(self.alloc),
+                                                                              self.num_blocks)
         self._reqs: dict[object, _Req] = {}
         self._order: list = []
         self._recent: list = []  # plans finished by the last manager step (watched one more step)
@@ -350,27 +352,22 @@ class DecodeEngine:
     def _allocate(self, n: int, req_id) -> list[int]:
         if self.alloc.num_free < n and self.manager is not None:
             # out of free blocks: give back headroom rather than fail (the refill takes it again)
-            give = min(n - self.alloc.num_free, len(self.manager.headroom))
-            if give:
-                back = [self.manager.headroom.pop() for _ in range(give)]
-                self.alloc.unreserve(back)
+            self.manager.yield_headroom(n - self.alloc.num_free)
         blocks = self.alloc.allocate(n)
+        self.lifecycle.hold(req_id, blocks)
         self._watch_alloc(req_id, blocks)
         return blocks
 
     def _drop_blocks(self, r: _Req, gone) -> None:
-        """The request no longer holds ``gone`` (reclaimed sources / released empty blocks)."""
+        """``gone`` (reclaimed sources / released empty blocks) leave the positional list (the
+        table's sync reads only its tail; the lifecycle holds the references)."""
         gone = set(gone)
         r.blocks = [NULL_BLOCK if b in gone else b for b in r.blocks]
-        r.held = [b for b in r.held if b not in gone]
 
     def _on_applied(self, plan) -> None:
         r = self._reqs.get(plan.req_id)
         if r is not None:
             self._drop_blocks(r, plan.sources)
-            r.held += [int(b) for b in plan.dests]
-        if self.checker is not None:
-            self.checker.after_apply(plan)
         self._poison(plan.sources)
 
     def _poison(self, blocks) -> None:
@@ -401,7 +398,7 @@ class DecodeEngine:
                         busy=mgr.busy_mask if mgr is not None else None)
         if cand:
             freed = t.release_empty_blocks(r.id, cand)
-            self.ledger.release(freed)
+            self.lifecycle.release_held(r.id, freed)
             self._drop_blocks(r, freed)
             self.empty_released += len(freed)
             self._poison(freed)
@@ -446,7 +443,11 @@ class DecodeEngine:
         if P == 0 or max_new_tokens < 1:
             raise CallError("bad_value", "need a non-empty prompt and max_new_tokens >= 1")
         S = self.S
-        blocks = list(blocks) if blocks is not None else self._allocate(-(-P // S), req_id)
+        if blocks is not None:  # allocated by the caller: held from now on
+            blocks = list(blocks)
+            self.lifecycle.hold(req_id, blocks)
+        else:
+            blocks = self._allocate(-(-P // S), req_id)
         r = _Req(req_id, P, int(max_new_tokens), blocks)
         self._reqs[req_id] = r
         self._order.append(req_id)
@@ -498,16 +499,14 @@ class DecodeEngine:
         if r.done:
             return
         r.done = True
-        held = [b for b in r.blocks if b != NULL_BLOCK] + list(r.held)
-        if self.mode == "native":
-            self.ledger.release(held)
-        elif self.mode == "naive-evict":
-            self.table.free_request(req_id)
-            self.ledger.release(held)
+        if self.manager is None:
+            if self.table is not None:
+                self.table.free_request(req_id)
+            self.lifecycle.finish(req_id)
         else:
             if self.checker is not None:
                 self.checker.forget_request(req_id)
-            self.manager.finish_request(req_id, held)
+            self.manager.finish_request(req_id)
         if self.policy is not None:
             self.policy.forget(req_id)
 

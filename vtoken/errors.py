@@ -141,6 +141,16 @@ CALL_CODES = (
     "out_of_range",    # a slot or layer index outside its range (CallIndexError)
 )
 
+# The codes a plan's lifecycle raises (PlanError): a plan refused, or a block used out of its owner's hands.
+PLAN_CODES = (
+    "bad_state",       # launch of a plan not planned (launched already, or ended)
+    "stale_plan",      # a destination no longer in the headroom at launch
+    "overlap",         # a plan naming a block twice, or a block of a plan in flight
+    "ownership",       # a block taken, released or handed on by someone who does not hold it
+    "shared_source",   # a source another request references at apply (shared blocks never move)
+    "shared_fill",     # a fill not the request's alone at apply (the copy already wrote it)
+    "not_emptied",     # a source that would keep a live token, or a move out of a block not a source
+)
 # The codes an operation out of its order raises (OrderError).
 ORDER_CODES = (
     "not_set_up",      # used before its setup

@@ -1,4 +1,5 @@
-"""The reclamation manager: stages 1-3 of the paper's backend (section 3.3) and the plan lifecycle.
+"""The planner: stages 1-3 of the paper's backend (section 3.3), and the manager that drives
+the plan lifecycle in one process.
 
 Stage 1 (eligibility): :func:`should_reclaim` every ``check_every`` scheduler steps, over the
 table's waste ratio F (O(1)) and the free blocks (:class:`PlannerConfig`). Stage 2
@@ -6,21 +7,19 @@ table's waste ratio F (O(1)) and the free blocks (:class:`PlannerConfig`). Stage
 same budget; ``backpressure`` stops admissions while it is short. Stage 3 (planning), per
 request: :func:`propose` (in place by default, so the headroom is 0 by default).
 
-Lifecycle: ``planned -> copying -> completed -> applied`` (or ``aborted``): destinations go to
-the request, the table is updated and the sources freed only once the copy's completion is
-observed (:class:`ReclamationManager`, :func:`apply_completed`).
-
-Owns: the headroom reservation and the plans in flight (snapshots, history); it frees an applied
-plan's sources; the scheduler owns the other blocks and learns of each plan via ``on_applied``.
-May call: vtoken.table, .allocator, .placement, .snapshot, .errors, numpy; never spec/, invariants/,
-fuzz/ or reports/.
+A plan's life after that is :mod:`vtoken.lifecycle`'s on every path;
+:class:`ReclamationManager` runs its block side and copy side together (decode engine,
+simulator, planner machine), the vLLM adapter the same two split between scheduler and worker.
+Owns: the pure functions own nothing; the manager owns its lifecycle (headroom, holdings, plans
+in flight) and its copies.
+May call: vtoken.table, .allocator, .placement, .snapshot, .lifecycle, .errors, numpy; never spec/,
+invariants/, fuzz/ or reports/.
 Costs: trigger O(1); ``step`` polls O(plans in flight), a round scores O(requests), a plan O(blocks
 + length of its request), an apply O(moves); ``record_snapshots`` adds O(length) per plan.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -29,8 +28,8 @@ import numpy as np
 from .allocator import BlockAllocator
 from .errors import PlanError
 from .fields import need_bool, need_int, need_number
-# the lifecycle states and record, re-exported for the paths that drive the manager
-from .lifecycle import ABORTED, APPLIED, COMPLETED, COPYING, PLANNED, Plan, PlanLedger, allocator_release  # noqa: F401
+# the lifecycle's states, re-exported for the paths that drive the manager
+from .lifecycle import ABORTED, APPLIED, COMPLETED, COPYING, PLANNED, AllocatorPort, Copies, Lifecycle, Outcome, Plan  # noqa: F401
 from .placement import holes, place
 from .snapshot import SCHEMA, request_state
 from .table import OWN_TAIL, TokenTable
@@ -162,62 +161,6 @@ def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests
     return moves
 
 
-@dataclass
-class Applied:
-    """What :func:`apply_completed` did."""
-
-    moves: np.ndarray  # the moves applied (their tokens were still live)
-    evicted_in_flight: list  # moved tokens evicted while the copy flew: left dead where they were
-    used_dests: list  # fresh destination blocks that received a token, sorted (the rest are unused; fills not listed)
-    emptied: list  # the plan's sources, all now unreferenced by the request, sorted
-
-
-def apply_completed(table: TokenTable, req_id, sources: Sequence[int], moves: np.ndarray,
-                    fills: Sequence[int] = ()) -> Applied:
-    """Apply a plan whose copy has completed: the table's part of ``completed -> applied``.
-
-    Moves of tokens evicted in flight are dropped (they stay dead at their source), the rest go
-    through ``TokenTable.apply_moves``, all-dead sources are released; the caller then frees the
-    sources (one reference each) and hands ``used_dests`` to the request. Validated first,
-    raising :class:`PlanError` with the table untouched: a source another request references
-    (``shared_source``), one that would keep a live token (``not_emptied``), a fill no longer the
-    request's alone (``shared_fill``: corruption, the copy already wrote it). O(moves + sources
-    + fills).
-    """
-    m = np.asarray(moves, dtype=np.int64).reshape(-1, 5)
-    srcs = sorted(int(b) for b in sources)
-    evicted: list = []
-    if len(m):
-        still = table.are_live(req_id, m[:, 0])
-        if not still.all():
-            evicted = m[~still, 0].tolist()
-            m = m[still]
-    moved_from = Counter(m[:, 1].tolist()) if len(m) else Counter()
-    for b in srcs:
-        if table.block_refs(b) != 1 or not table.references(req_id, b):
-            raise PlanError("shared_source", f"request {req_id!r}: source block {b} has {table.block_refs(b)} "
-                                             f"referencing request(s); shared blocks never move")
-        if table.block_live_count(b) != moved_from.get(b, 0):
-            raise PlanError("not_emptied", f"request {req_id!r}: source block {b} holds {table.block_live_count(b)} "
-                                           f"live token(s), the plan moves {moved_from.get(b, 0)} out of it")
-    for b in fills:
-        if table.block_refs(b) != 1 or not table.references(req_id, b):
-            raise PlanError("shared_fill", f"request {req_id!r}: fill block {b} has {table.block_refs(b)} referencing "
-                                           f"request(s) at apply (the request's: {table.references(req_id, b)}); a "
-                                           f"block in flight is never shared or released")
-    stray = set(moved_from) - set(srcs)
-    if stray:
-        raise PlanError("not_emptied", f"request {req_id!r}: moves out of blocks {sorted(stray)}, not sources")
-    landed = np.unique(m[:, 3]).tolist() if len(m) else []
-    used = [b for b in landed if not table.references(req_id, b)]  # fresh: not a fill (already the request's)
-    emptied = table.apply_moves(req_id, m) if len(m) else []
-    rest = sorted(set(srcs) - set(emptied))
-    if rest:  # all-dead sources: nothing to move, the table just lets go of them
-        emptied = sorted(list(emptied) + table.release_empty_blocks(req_id, rest))
-    assert emptied == srcs, f"plan emptied {emptied}, sources {srcs}"  # guaranteed by the checks above
-    return Applied(m, evicted, used, emptied)
-
-
 def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, tail: Optional[int],
                   headroom: Sequence[int], in_flight: Sequence[dict]) -> dict:
     """The plan snapshot (``vtoken.snapshot`` schema) at planning time; O(length of the request).
@@ -238,15 +181,6 @@ def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, t
         "schedule": [],
         "evicted_in_flight": [],
     }
-
-
-def snapshot_applied(snap: dict, table: TokenTable, req_id, applied: Applied) -> None:
-    """Complete a snapshot once its plan applied: the one writer of ``evicted_in_flight``,
-    ``dests_used`` and ``post`` (``post`` may be longer than ``pre``: tokens added in flight)."""
-    key = str(req_id)
-    snap["evicted_in_flight"] = [int(t) for t in applied.evicted_in_flight]
-    snap["dests_used"] = [int(b) for b in applied.used_dests]
-    snap["post"] = {"requests": {key: request_state(table, req_id, None)}}
 
 
 # The three ways a KV manager can run, one spelling each (decode engine, simulator, reports):
@@ -359,15 +293,23 @@ class NullCopyEngine:
         return self.poll(handle)
 
 
-class ReclamationManager:
-    """Owner of the headroom and of every plan's lifecycle, over one table and allocator.
 
-    It holds the headroom (RESERVED in the allocator) and an in-flight plan's destinations and
-    fills (busy: no other plan, release or free touches them); an applied plan's sources it
-    frees (the request's one reference on each), its used destinations become the request's
-    (``on_applied`` tells the scheduler), unused ones go back to the headroom. Tokens evicted in
-    flight stay dead where they were. A request gone in flight hands over its references on the
-    plan's blocks (``finish_request``), freed when the copy ends.
+
+class ReclamationManager:
+    """Stages 1-3 and the in-process drive of the lifecycle: the decode engine, the simulator
+    and the planner machine run reclamation through it.
+
+    It keeps the lifecycle's two sides in one process: the block side
+    (:class:`~vtoken.lifecycle.Lifecycle` over the allocator: the headroom, the blocks held for
+    requests, the plans in flight and their ends) and the copy side
+    (:class:`~vtoken.lifecycle.Copies`: the copy engine's copies, applied to the table once
+    observed done); the vLLM adapter runs the same two, split between scheduler and worker.
+
+    Ownership: the driver holds nothing itself. Every block it allocates for a request is
+    handed over with :meth:`hold`; :meth:`finish_request` releases what the request still holds
+    (a plan in flight keeps its sources and fills until it ends). An applied plan's sources are
+    freed, its fills and used destinations stay the request's (``on_applied`` tells the
+    driver), unused destinations go back to the headroom; tokens evicted in flight stay dead.
 
     ``stats``: every launched plan ends exactly once, as ``applied``, ``aborted`` (copy failed,
     or a source became shared: table unchanged, shared blocks never move) or ``orphaned``
@@ -377,7 +319,8 @@ class ReclamationManager:
 
     def __init__(self, table: TokenTable, allocator: BlockAllocator, engine=None,
                  config: PlannerConfig | None = None, tail_of: Callable | None = None,
-                 on_applied: Callable | None = None, clock: Callable | None = None):
+                 on_applied: Callable | None = None, clock: Callable | None = None,
+                 after_apply: Callable | None = None):
         self.table, self.alloc = table, allocator
         self.engine = engine if engine is not None else NullCopyEngine()
         self.cfg = config or PlannerConfig()
@@ -385,35 +328,35 @@ class ReclamationManager:
         self._tail_of = tail_of or table.tail_block
         self.on_applied = on_applied
         self.stats = dict(plans=0, applied=0, aborted=0, orphaned=0, deferred=0, moves=0, blocks_freed=0, rounds=0)
-        # the lifecycle room: plans in flight, ids, outcomes, the one free of emptied blocks
-        self.ledger = PlanLedger(allocator_release(allocator), self.stats, clock)
-        self._busy_mask = np.zeros(table.num_blocks, dtype=bool)  # blocks of in-flight plans
-        self.headroom: list[int] = []
-        # plan id -> blocks to free once its copy completes: the references of every
-        # finished incarnation of the plan's request on the plan's sources (a request id
-        # may finish, resume and finish again while one copy flies: the lists accumulate)
-        self._deferred: dict[int, list] = {}
+        self.lifecycle = Lifecycle(AllocatorPort(allocator), table.num_blocks, self.stats, clock)
+        self.copies = Copies(table, self.engine, after_apply)
         self.steps = 0
         self.refill_headroom()
 
     @property
     def in_flight(self) -> dict[int, Plan]:
-        """The plans in flight, by id (the ledger's)."""
-        return self.ledger.in_flight
+        """The plans in flight, by id (the lifecycle's)."""
+        return self.lifecycle.in_flight
 
     @property
     def history(self) -> list[Plan]:
         """Ended plans with snapshots (when recorded), in the order they ended."""
-        return self.ledger.history
+        return self.lifecycle.history
+
+    @property
+    def headroom(self) -> list[int]:
+        """The reserved destinations (the lifecycle's list: read it, change it through the manager)."""
+        return self.lifecycle.headroom
 
     # ------------------------------------------------------------------ stage 1 and 2
     def refill_headroom(self) -> None:
         """Top the reservation up to ``headroom`` blocks from the free queue (as far as it goes)."""
-        want = self.cfg.headroom - len(self.headroom)
-        if want > 0:
-            take = min(want, self.alloc.num_free)
-            if take:
-                self.headroom += self.alloc.reserve(take)
+        self.lifecycle.refill(self.cfg.headroom)
+
+    def yield_headroom(self, n: int) -> int:
+        """Give up to ``n`` headroom blocks back to the free queue (a request needs them now; the
+        next refill takes them again). Returns how many."""
+        return len(self.lifecycle.give_back(n))
 
     @property
     def backpressure(self) -> bool:
@@ -426,16 +369,24 @@ class ReclamationManager:
 
     @property
     def busy_mask(self) -> np.ndarray:
-        """Blocks of in-flight plans, as a bool mask over all blocks (read only: the manager's)."""
-        return self._busy_mask
+        """Blocks of in-flight plans, as a bool mask over all blocks (read only: the lifecycle's)."""
+        return self.lifecycle.busy_mask
 
     def is_busy(self, block_id: int) -> bool:
-        """Is the block a source or destination of an in-flight plan? (O(1))"""
-        return bool(self._busy_mask[int(block_id)])
+        """Is the block a source, fill or destination of an in-flight plan? (O(1))"""
+        return self.lifecycle.is_busy(block_id)
 
     def busy_requests(self) -> set:
         """Requests with a plan in flight (I4: at most one plan per request copies at a time)."""
-        return self.ledger.busy_requests()
+        return self.lifecycle.busy_requests()
+
+    def hold(self, req_id, block_ids) -> None:
+        """The driver allocated ``block_ids`` for ``req_id`` (one reference each): held from now on."""
+        self.lifecycle.hold(req_id, block_ids)
+
+    def release_empty(self, req_id, block_ids) -> None:
+        """``req_id``'s all-dead blocks ``block_ids`` (released from its table already): freed now."""
+        self.lifecycle.release_held(req_id, block_ids)
 
     # ------------------------------------------------------------------ stage 3
     def plan_request(self, req_id, max_dests: Optional[int] = None) -> Optional[Plan]:
@@ -445,13 +396,13 @@ class ReclamationManager:
         headroom only at launch)."""
         tail = self._tail_of(req_id)
         prop, worthwhile = propose(self.table, req_id, self.headroom, max_sources=self.cfg.max_sources, tail=tail,
-                                   excluded=self._busy_mask if self.in_flight else None, max_dests=max_dests,
+                                   excluded=self.busy_mask if self.in_flight else None, max_dests=max_dests,
                                    in_place=self.cfg.in_place)
         if prop is None:
             if worthwhile:
                 self.stats["deferred"] += 1  # worth doing, but the headroom is short
             return None
-        plan = self.ledger.new_plan(req_id, prop.sources, prop.dests, prop.moves, prop.fills)
+        plan = self.lifecycle.new_plan(req_id, prop.sources, prop.dests, prop.moves, prop.fills)
         if self.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(
                 self.table, req_id, plan.id, prop, tail, self.headroom,
@@ -465,127 +416,69 @@ class ReclamationManager:
 
     # ------------------------------------------------------------------ lifecycle
     def launch(self, plan: Plan) -> None:
-        """planned -> copying: reserve the plan's blocks and issue the copy."""
-        if plan.state != PLANNED:
-            raise PlanError("bad_state", f"plan {plan.id} is {plan.state}, cannot launch")
-        k = len(plan.dests)
-        if self.headroom[:k] == plan.dests:  # the usual case: planned from the front just now
-            del self.headroom[:k]
-        else:
-            taken = set(plan.dests)
-            if not taken <= set(self.headroom):
-                raise PlanError("stale_plan", f"plan {plan.id}: destinations {plan.dests} are no longer in the headroom")
-            self.headroom = [b for b in self.headroom if b not in taken]
-        self._busy_mask[plan.blocks] = True
-        self.ledger.open(plan)
-        plan.handle = self.engine.launch(plan)
-        plan.record("launch", plan=plan.id)
+        """planned -> copying: the lifecycle takes the plan's blocks (:meth:`Lifecycle.launch`)
+        and the copy is issued; a copy refused at once ends the plan now."""
+        self.lifecycle.launch(plan)
+        now = self.copies.launch(plan)
+        if now is not None:
+            self._end(plan, now)
 
     def poll(self, force_sync: bool = False) -> list[Plan]:
-        """Observe finished copies and apply them. Returns the plans that finished (either way)."""
+        """Observe finished copies and end their plans. Returns the plans that finished (either way)."""
         done = []
-        for plan in list(self.in_flight.values()):
-            status = self.engine.wait(plan.handle) if force_sync else self.engine.poll(plan.handle)
-            if status == "pending":
-                continue
-            if status == "failed":
-                self.abort(plan)
-            else:
-                plan.state = COMPLETED
-                plan.record("fence", plan=plan.id)
-                self.apply(plan)
+        for plan, outcome in self.copies.poll(force=force_sync):
+            self._end(plan, outcome)
             done.append(plan)
         return done
 
-    def apply(self, plan: Plan) -> None:
-        """completed -> applied: table updated (:func:`apply_completed`), sources freed,
-        used destinations to the request, unused ones back to the headroom."""
-        if plan.state != COMPLETED:
-            raise PlanError("bad_state", f"plan {plan.id} is {plan.state}: apply only after the copy completed")
-        if plan.id in self._deferred:  # the request finished while the copy was in flight
-            self._end(plan, "aborted")
-            self.alloc.unreserve(plan.dests)
-            self.ledger.release(self._deferred.pop(plan.id))
-            return
+    def _end(self, plan: Plan, outcome: Outcome) -> None:
+        """End the plan on the block side (:meth:`Lifecycle.end`) and tell the driver.
+
+        A source that became shared in flight ends the plan aborted when each sharer holds its
+        own reference (a prefix-cache hit on it); a shared fill, or a share without those
+        references (a block reused after an early free), is corruption: :class:`PlanError`."""
         t = self.table
-        shared = [b for b in plan.sources if t.block_refs(b) > 1]
-        if shared and all(self.alloc.ref[b] >= t.block_refs(b) for b in shared):
-            # A source became shared while the copy was in flight (a prefix-cache hit on it,
-            # each sharer holding its own reference): shared blocks never move (I4), so the
-            # plan is dropped as if its copy had failed, before any state is touched. (A
-            # share without those references -- a block reused after an early free -- is
-            # corruption: apply_completed refuses it.)
-            self.abort(plan)
+        bad = [b for b in outcome.shared_sources if b not in plan.sources or not t.references(plan.req_id, b)
+               or self.alloc.ref[b] < t.block_refs(b)]
+        if bad:
+            code = "shared_fill" if set(bad) & set(plan.fills) else "shared_source"
+            raise PlanError(code, f"plan {plan.id} of request {plan.req_id!r}: blocks {bad} are shared or not the "
+                                  f"request's at apply, without a reference of each sharer (a block in flight was "
+                                  f"freed and handed out again)")
+        sources = len(plan.sources)
+        if self.lifecycle.end(plan, outcome) != "applied":
             return
-        res = apply_completed(t, plan.req_id, plan.sources, plan.moves, fills=plan.fills)
-        plan.moves, plan.evicted_in_flight = res.moves, res.evicted_in_flight
-        used = res.used_dests
-        self.alloc.take_reserved(used)
-        self.headroom += [b for b in plan.dests if b not in used]
-        plan.record("apply", plan=plan.id)
-        self.ledger.release(plan.sources, plan=plan)
-        plan.dests = used
-        self._end(plan, "applied")
-        self.stats["moves"] += len(res.moves)
-        self.stats["blocks_freed"] += len(plan.sources) - len(used)
+        self.stats["moves"] += outcome.moved
+        self.stats["blocks_freed"] += sources - len(plan.dests)
         if plan.snapshot is not None:
-            snapshot_applied(plan.snapshot, t, plan.req_id, res)
             self.history.append(plan)
         if self.on_applied is not None:
             self.on_applied(plan)
-
-    def abort(self, plan: Plan) -> None:
-        """The copy failed part-way: nothing changes but the plan's end; destinations go back
-        to the headroom (its request gone, the plan ends as an orphan whatever the copy did:
-        destinations to the free queue, the request's deferred blocks freed)."""
-        self._end(plan, "aborted")
-        if plan.id in self._deferred:
-            self.alloc.unreserve(plan.dests)
-            self.ledger.release(self._deferred.pop(plan.id))
-            return
-        self.headroom += plan.dests
 
     def drain(self) -> list[Plan]:
         """End of a batch: end every plan still in flight and give the headroom back.
 
         Each in-flight copy is host-waited (``engine.wait``), then handled as :meth:`poll` would
-        (deferred sources and fills freed, ``on_applied`` run); then the headroom goes back to the
-        free queue. Afterwards nothing is in flight, deferred or reserved; the manager stays usable.
+        (an orphan's sources and fills freed, ``on_applied`` run); then the headroom goes back to
+        the free queue. Afterwards nothing is in flight or reserved; the manager stays usable.
         Every path that ends a batch must call it, or a plan launched in its last steps is never
         polled. Returns the plans ended; one host wait per plan.
         """
         done = self.poll(force_sync=True)
-        if self.headroom:
-            self.alloc.unreserve(self.headroom)
-            self.headroom = []
+        self.lifecycle.give_back()
         return done
 
-    def _end(self, plan: Plan, outcome: str) -> None:
-        """The plan's blocks stop being busy and the ledger counts its end (``outcome``, or
-        orphaned: :meth:`PlanLedger.close`)."""
-        self._busy_mask[plan.blocks] = False
-        self.ledger.close(plan, outcome)
+    def finish_request(self, req_id) -> list[int]:
+        """The request finished or was preempted: forget it and free the blocks it holds.
 
-    def finish_request(self, req_id, held_blocks) -> list[int]:
-        """The request finished or was preempted: forget it and free the blocks it held.
-
-        ``held_blocks``: the blocks the caller holds a reference on for the request. Those that are
-        sources or fills of its in-flight plan are taken over and freed once that copy completes;
-        the plan is orphaned (a later incarnation of the id is another request). Returns the blocks
-        freed now.
+        Its plans in flight become orphans: their copies end aborted (the table is not touched:
+        the request is gone from it) and their sources and fills are freed then. Returns the
+        blocks freed now.
         """
         if req_id in self.table:
             self.table.free_request(req_id)
-        later = set()
-        for plan in self.in_flight.values():
-            if plan.req_id == req_id and not plan.orphaned:
-                mine = [b for b in held_blocks if b in plan.sources or b in plan.fills]  # the copy reads / writes them
-                self._deferred.setdefault(plan.id, []).extend(mine)
-                later |= set(mine)
-        self.ledger.orphan(req_id)
-        now = [b for b in held_blocks if b not in later]
-        self.ledger.release(now)
-        return now
+        self.copies.forget(req_id)
+        return self.lifecycle.finish(req_id)
 
     # ------------------------------------------------------------------ the step hook
     def plan_round(self, req_ids=None) -> list[Plan]:

@@ -157,14 +157,14 @@ def test_sources_freed_only_after_the_fence(model, async_, lag):
     for i in range(3):
         ad.add_request(f"q{i}", prompt(i, 40 + 5 * i), max_tokens=30)
     freed = []
-    orig_free = ad.book.free_sources
+    orig_close = ad.fence.close  # the fence ledger records each hand-back of a plan's sources
 
-    def spy(plan, copy_done):
+    def spy(plan, processed, copy_done):
         sched = ad.scheduler
         freed.append((plan.id, plan.seq, sched.processed_step_seq, copy_done, w.stats["steps"]))
-        orig_free(plan, copy_done)
+        orig_close(plan, processed, copy_done)
 
-    ad.book.free_sources = spy
+    ad.fence.close = spy
     launched_at: dict = {}
     watch: dict = {}
     while ad.has_work():

@@ -93,7 +93,8 @@ def test_a_corruption_of_what_changed_is_caught_on_its_hook(model):
     with the full scan far away."""
     ad, d = _run(model, 1 << 20, False)
     got = ad.pool.get_new_blocks(1)
-    ad.reserve.put(got)
+    ad.headroom = ad.headroom + got  # enters the headroom (as new: the incremental check looks at it)
+    ad.lifecycle.fresh = {got[0].block_id}
     ad.pool.free_blocks(got)
     hooks, e = _hooks_until_caught(d, ad, 4)
     assert e is not None and "[reservation]" in str(e) and hooks == 1
@@ -151,7 +152,7 @@ def _holding(model, full_every, **kw):
 def test_a_held_block_freed_behind_the_adapters_back_is_caught_within_k_hooks(model):
     K = 8
     ad, d, r = _holding(model, K)
-    blk = next(iter(ad.held[r].values()))
+    blk = ad.block(next(iter(ad.held[r])))
     ad.pool.free_blocks([blk])  # vLLM's pool now counts it free; the adapter still holds it
     hooks, e = _hooks_until_caught(d, ad, 2 * K)
     assert e is not None, f"not caught in {2 * K} steps"
@@ -161,7 +162,7 @@ def test_a_held_block_freed_behind_the_adapters_back_is_caught_within_k_hooks(mo
 
 def test_an_adapter_event_on_the_request_checks_its_holdings_on_that_hook(model):
     ad, d, r = _holding(model, 1 << 20)  # no full scan in reach
-    blk = next(iter(ad.held[r].values()))
+    blk = ad.block(next(iter(ad.held[r])))
     ad.pool.free_blocks([blk])
     ad.checker.touch([r])  # what the adapter's own events on r do (launch, report, release, free)
     with pytest.raises(Exception) as e:
@@ -175,7 +176,7 @@ def test_a_block_entering_a_list_while_the_adapter_holds_it_is_caught_on_that_ho
     from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
 
     ad, d, r = _holding(model, 1 << 20)
-    blk = next(iter(ad.held[r].values()))
+    blk = ad.block(next(iter(ad.held[r])))
     ad.checker.touch_entries([("q9", blk.block_id)])  # as if vLLM had allocated it to q9
     with pytest.raises(AdapterAssumptionError) as e:
         ad.checker.check_touched("test")  # the incremental check alone (after_hook confirms with a full scan)
@@ -188,7 +189,7 @@ def test_a_held_block_vllm_hands_out_again_is_caught_when_it_is_handed_out(model
     from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
 
     ad, d, r = _holding(model, 1 << 20, vocab=63, max_tokens=200)
-    blk = next(iter(ad.held[r].values()))
+    blk = ad.block(next(iter(ad.held[r])))
     ad.pool.free_blocks([blk])
     for _ in range(100):
         try:

@@ -1,6 +1,7 @@
-"""Taking a plan's sources over in one batch (``VTokenAdapter.detach_all`` and
-``BlockMirror.detach_many``): every block is checked before any entry changes, so a refused
-batch leaves vLLM's list, the mirror and the held destinations as they were."""
+"""Taking a plan's sources and fills over in one batch (``Lifecycle.launch`` with the adapter's
+``detach_listed``, over ``BlockMirror.detach_many``): every block is checked before any entry
+changes, so a refused batch leaves vLLM's list, the mirror, the held blocks and the headroom
+as they were."""
 
 from __future__ import annotations
 
@@ -29,7 +30,12 @@ def _adapter(model):
 
 def _state(ad, r):
     return ([b.block_id for b in ad.req_to_blocks[r]], list(ad.mirror[r]), dict(ad.mirror.pos[r]),
-            dict(ad.mirror.subst.get(r, {})), list(ad.held.get(r, {})))
+            dict(ad.mirror.subst.get(r, {})), list(ad.held.get(r, {})), list(ad.lifecycle.headroom),
+            sorted(ad.plans), ad.lifecycle.busy_mask.nonzero()[0].tolist())
+
+
+def _plan(ad, r, sources):
+    return ad.lifecycle.new_plan(r, [b.block_id for b in sources], [], np.zeros((0, 5), dtype=np.int64))
 
 
 def test_a_batch_with_a_block_not_held_changes_nothing(model):
@@ -40,7 +46,7 @@ def test_a_batch_with_a_block_not_held_changes_nothing(model):
     stranger = next(b for b in ad.pool.blocks if not b.is_null and b.ref_cnt == 0)
     before = _state(ad, "q0")
     with pytest.raises(AdapterAssumptionError) as e:
-        ad.detach_all("q0", [lst[0], lst[1], stranger])
+        ad.lifecycle.launch(_plan(ad, "q0", [lst[0], lst[1], stranger]), detach=ad.detach_listed)
     assert e.value.check == "table_in_step" and str(stranger.block_id) in str(e.value)
     assert _state(ad, "q0") == before
 
@@ -57,48 +63,52 @@ def test_a_batch_naming_one_entry_twice_changes_nothing(model):
     assert _state(ad, "q0") == before
 
 
-def test_a_batch_naming_a_held_destination_twice_changes_nothing(model):
-    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+def test_a_batch_naming_a_held_block_twice_changes_nothing(model):
+    from vtoken.errors import PlanError
 
     ad = _adapter(model)
     held = ad.pool.get_new_blocks(1)[0]
-    ad.held.add("q0", [held])
+    ad.held.add("q0", [held.block_id])
     before = _state(ad, "q0")
-    with pytest.raises(AdapterAssumptionError) as e:
-        ad.detach_all("q0", [held, held])
-    assert e.value.check == "table_in_step" and "twice" in str(e.value)
+    with pytest.raises(PlanError) as e:
+        ad.lifecycle.launch(_plan(ad, "q0", [held, held]), detach=ad.detach_listed)
+    assert e.value.code == "overlap" and "twice" in str(e.value)
     assert _state(ad, "q0") == before
-    ad.detach_all("q0", [held])  # the test's hold taken back (held and its index)
+    ad.held.take("q0", [held.block_id])  # the test's hold taken back
     ad.pool.free_blocks([held])
 
 
-def test_a_mixed_batch_substitutes_listed_blocks_and_drops_held_ones(model):
+def test_a_mixed_batch_substitutes_listed_blocks_and_takes_held_ones(model):
+    from vtoken.lifecycle import Outcome
+
     ad = _adapter(model)
     lst = ad.req_to_blocks["q0"]
     a, b = lst[0], lst[2]
     held = ad.pool.get_new_blocks(1)[0]  # stands for a destination the request was handed
-    ad.held.add("q0", [held])
-    got = ad.detach_all("q0", [b, held, a])
-    assert got == [2, -1, 0]
+    ad.held.add("q0", [held.block_id])
+    plan = _plan(ad, "q0", [b, held, a])
+    ad.lifecycle.launch(plan, detach=ad.detach_listed)
+    assert plan.list_index == {held.block_id: -1, b.block_id: 2, a.block_id: 0}
     assert lst[0] is ad.pool.null_block and lst[2] is ad.pool.null_block and len(lst) == len(ad.mirror["q0"])
     assert ad.mirror.subst["q0"] == {0: a.block_id, 2: b.block_id}
-    assert held.block_id not in ad.held["q0"] and ad.mirror.index("q0", a.block_id) is None
+    assert "q0" not in ad.held and ad.mirror.index("q0", a.block_id) is None
     ad.mirror.check_lists("test")  # the substituted list still agrees with its mirror
-    for blk in (a, b, held):  # hand the references back so the pool balances
-        ad.pool.free_blocks([blk])
+    ad.lifecycle.finish("q0")  # hand the references back so the pool balances: the plan, an orphan,
+    ad.lifecycle.end(plan, Outcome("aborted"))  # releases its blocks at its end
+    assert all(blk.ref_cnt == 0 for blk in (a, b, held))
 
 
 def test_holding_a_block_twice_is_refused_and_changes_nothing(model):
-    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+    from vtoken.errors import PlanError
 
     ad = _adapter(model)
-    held = ad.pool.get_new_blocks(2)
+    held = [b.block_id for b in ad.pool.get_new_blocks(2)]
     ad.held.add("q0", held[:1])
     before = _state(ad, "q0")
-    for again in ([held[0]], [held[1], held[1]], [held[1], held[0]]):
-        with pytest.raises(AdapterAssumptionError) as e:
-            ad.held.add("q0", again)
-        assert e.value.check == "ownership" and "held twice" in str(e.value)
+    for r, again in (("q0", [held[0]]), ("q0", [held[1], held[1]]), ("q0", [held[1], held[0]]), ("q1", [held[0]])):
+        with pytest.raises(PlanError) as e:
+            ad.held.add(r, again)
+        assert e.value.code == "ownership" and "held twice" in str(e.value)
         assert _state(ad, "q0") == before
-    ad.detach_all("q0", held[:1])
-    ad.pool.free_blocks(held)
+    ad.held.take("q0", held[:1])
+    ad.pool.free_blocks([ad.block(b) for b in held])

@@ -134,7 +134,7 @@ class _Watch:
         ad = self.ad
         self.reported.append((plan, res))
         alive = not plan.orphaned and plan.req_id in ad.mirror
-        held, room = set(ad.held.get(plan.req_id, ())), set(ad.reserve.ids())
+        held, room = set(ad.held.get(plan.req_id, ())), set(ad.lifecycle.headroom)
         if res.status == "applied":
             used = set(res.used_dests)
             for b in plan.dests:

@@ -14,8 +14,8 @@ the plan applies (``defer_inflight_victims=False`` evicts at once, safe only wit
 that drops dead moves). Blocks of in-flight plans are freed only by their plan. Demand is
 ``used + reserved`` blocks.
 
-Owns: a run's TokenTable, BlockAllocator, ReclamationManager and per-request held blocks and
-timelines.
+Owns: a run's TokenTable, BlockAllocator, ReclamationManager (or, without reclamation, a
+plan-less lifecycle: either holds every block of every request) and the timelines.
 May call: vtoken.table, .allocator, .planner, .errors, vtoken.sim.schedule, .config, numpy; never spec/,
 invariants/, fuzz/ or reports/.
 Costs: per step O(running requests + victims + new blocks) plus ``manager.step``; samples
@@ -32,7 +32,7 @@ import numpy as np
 
 from vtoken.allocator import BlockAllocator
 from vtoken.errors import ConfigError
-from vtoken.lifecycle import PlanLedger, all_dead, allocator_release
+from vtoken.lifecycle import AllocatorPort, Lifecycle, all_dead
 from vtoken.planner import MODES, NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.table import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_SLOTS, TokenTable
 
@@ -47,7 +47,6 @@ class _R:
     sched: Schedule
     s: int = 0  # next local step
     n: int = 0
-    held: set = field(default_factory=set)
     pos: list = field(default_factory=list)  # positional block list (null entries never read)
     deferred: list = field(default_factory=list)
     start: int = 0
@@ -95,15 +94,13 @@ class Replay:
         self.phase_timing, self.want_slot_mapping = bool(phase_timing), bool(slot_mapping)
         self.force_sync = bool(force_sync)
         self.active: list[_R] = []
-        self.busy: dict[int, int] = {}  # source or fill block -> plan id (in-flight plans)
-        self.busy_mask = np.zeros(self.num_blocks, dtype=bool)  # the same, as a mask (vector lookups)
-        self.plan_req: dict[int, int] = {}
         self.mgr = None
         if mode == "vtoken":
-            self.mgr = ReclamationManager(self.table, self.alloc, NullCopyEngine(latency),
-                                          planner or PlannerConfig(), on_applied=self._on_applied)
-        # the lifecycle's one release of emptied blocks (without reclamation, a ledger with no plans)
-        self.ledger = self.mgr.ledger if self.mgr else PlanLedger(allocator_release(self.alloc))
+            self.mgr = ReclamationManager(self.table, self.alloc, NullCopyEngine(latency), planner or PlannerConfig())
+        # the lifecycle holds every block of every request (without reclamation, one with no plans);
+        # its busy mask: blocks of in-flight plans, whose victims wait (defer_inflight_victims)
+        self.lifecycle = self.mgr.lifecycle if self.mgr else Lifecycle(AllocatorPort(self.alloc), self.num_blocks)
+        self.busy_mask = self.lifecycle.busy_mask
         self.reqs: dict[int, _R] = {}
         self.evicts = mode != "native"
         self.defer = bool(defer_inflight_victims)
@@ -163,35 +160,23 @@ class Replay:
         tr["sources"] += len(p.sources)
         tr["dests"] += len(p.dests)
 
-    def _on_applied(self, plan) -> None:
-        r = self.reqs.get(plan.req_id)
-        for b in plan.sources + plan.fills:
-            if self.busy.get(b) == plan.id:
-                del self.busy[b]
-                self.busy_mask[b] = False
-        self.plan_req.pop(plan.id, None)
-        if r is None:
-            return
-        r.held.difference_update(plan.sources)
-        r.held.update(plan.dests)
-
     # -------------------------------------------------------------- helpers
     def _alloc1(self, r: _R) -> int:
         if self.alloc.num_free == 0:
             raise Preempted(r.id)
         b = self.alloc.allocate(1)[0]
-        r.held.add(b)
+        self.lifecycle.hold(r.id, [b])
         r.pos.append(b)
         return b
 
     def _release_if_empty(self, r: _R, blocks) -> None:
         t = self.table
         tail = r.pos[-1] if r.pos else None
-        for b in all_dead(t, r.id, blocks, tail=tail, busy=self.busy_mask if self.busy else None):
-            if b in r.held:
+        mine = self.lifecycle.held.get(r.id, ())
+        for b in all_dead(t, r.id, blocks, tail=tail, busy=self.busy_mask if self.lifecycle.in_flight else None):
+            if b in mine:
                 t.release_empty_blocks(r.id, [b])
-                self.ledger.release([b])
-                r.held.discard(b)
+                self.lifecycle.release_held(r.id, [b])
 
     def _evict(self, r: _R, v: np.ndarray) -> None:
         t = self.table
@@ -204,9 +189,9 @@ class Replay:
             ok, blocks = [], []
             for x in v.tolist():
                 b = t.location(r.id, x)[0]
-                if b in self.busy:
+                if self.busy_mask[b]:
                     self.inflight_victims += 1
-                if self.defer and b in self.busy:
+                if self.defer and self.busy_mask[b]:
                     r.deferred.append(x)
                 else:
                     ok.append(x)
@@ -217,7 +202,7 @@ class Replay:
             self._release_if_empty(r, blocks)
             return
         blk = t.slots(r.id)[v] // self.S
-        if self.busy:
+        if self.lifecycle.in_flight:
             bz = self.busy_mask[blk]
             self.inflight_victims += int(bz.sum())
             if self.defer and bz.any():
@@ -246,24 +231,17 @@ class Replay:
         P = r.sched.prompt
         blocks = self.alloc.allocate(-(-P // self.S))
         r.pos = list(blocks)
-        r.held = set(blocks)
+        self.lifecycle.hold(r.id, blocks)
         for n in _chunks(P):
             self.table.sync_new_tokens(r.id, r.pos, n)
         r.n = P
 
     def _finish(self, r: _R) -> None:
         if self.mgr is not None:
-            for pid, rid in list(self.plan_req.items()):
-                if rid == r.id:
-                    for b in [b for b, p in self.busy.items() if p == pid]:
-                        del self.busy[b]
-                        self.busy_mask[b] = False
-                    del self.plan_req[pid]
-            self.mgr.finish_request(r.id, sorted(r.held))
+            self.mgr.finish_request(r.id)
         else:
             self.table.free_request(r.id)
-            self.ledger.release(sorted(r.held))
-        r.held = set()
+            self.lifecycle.finish(r.id)
         self.finished += 1
 
     # -------------------------------------------------------------- the step
@@ -307,23 +285,20 @@ class Replay:
             self.active.remove(r)
         if self.mgr is not None:
             c0 = clock() if pt else 0.0
-            self.mgr.step(force_sync=self.force_sync)
+            flying = self.mgr.in_flight
+            for p in self.mgr.step(force_sync=self.force_sync):
+                if p.id in flying:  # counted while it flies (a plan applied within the step is not)
+                    self._count_plan(p)
             fl_src = fl_dst = 0
-            for p in self.mgr.in_flight.values():
+            for p in flying.values():
                 fl_src += len(p.sources)
                 fl_dst += len(p.dests)
-                if p.id not in self.plan_req and not p.orphaned:  # an orphan was let go by _finish
-                    self.plan_req[p.id] = p.req_id
-                    for b in p.sources + p.fills:  # the copy reads the sources and writes the fills' holes
-                        self.busy[b] = p.id
-                        self.busy_mask[b] = True
-                    self._count_plan(p)
             if fl_src + fl_dst > self.traffic["peak_inflight_blocks"]:
                 self.traffic["peak_inflight_blocks"] = fl_src + fl_dst
                 self.traffic["peak_inflight_dests"] = fl_dst
             if pt:
                 self.phase["plan"] += clock() - c0
-            if self.defer and (self.busy or any(r.deferred for r in self.active)):
+            if self.defer and (flying or any(r.deferred for r in self.active)):
                 for r in self.active:
                     if r.deferred:
                         self._evict(r, np.empty(0, dtype=np.int64))
@@ -343,6 +318,16 @@ class Replay:
         self.step_no += 1
 
     # -------------------------------------------------------------- metrics
+    def _held(self, rid) -> int:
+        """Blocks request ``rid`` references: held for it, plus the sources and fills its plan
+        in flight took over (still its tokens until the plan applies)."""
+        lc = self.lifecycle
+        n = len(lc.held.get(rid, ()))
+        for pid in lc.busy.get(rid, ()):
+            p = lc.in_flight[pid]
+            n += len(p.sources) + len(p.fills)
+        return n
+
     def demand(self) -> int:
         return self.usable - self.alloc.num_free
 
@@ -352,7 +337,7 @@ class Replay:
             if self.timeline:
                 self.demand_tl.append((self.step_no, d))
             if self.req_tl is not None:
-                self.req_tl.append([len(r.held) for r in self.active])
+                self.req_tl.append([self._held(r.id) for r in self.active])
         if d > self.peak:
             self.peak = d
             self.peak_info = self._breakdown()
@@ -367,7 +352,7 @@ class Replay:
                 continue
             nl = t.num_live(r.id)
             ideal += -(-nl // S)
-            held += len(r.held)
+            held += self._held(r.id)
             if r.n % S:
                 partial_tails += 1
         reserved = self.alloc.num_reserved
@@ -385,7 +370,7 @@ class Replay:
         ref = t.refs > 0
         nref = int(np.count_nonzero(ref))
         le_half = int(np.count_nonzero(ref & (t.n_b <= S // 2)))
-        held = sum(len(r.held) for r in self.active)
+        held = sum(self._held(r.id) for r in self.active)
         ideal = sum(-(-t.num_live(r.id) // S) for r in self.active if r.id in t)
         self.samples.append((self.step_no, len(self.active), self.demand(), nref, le_half,
                              t.waste_ratio(), held, ideal))

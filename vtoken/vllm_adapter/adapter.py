@@ -12,11 +12,15 @@ The rooms of the adapter
   ``update_from_output()``, before ``_free_request_blocks()``), which call the methods here;
 - this module: the orchestration (what each hook does, in which order), the release of
   all-dead blocks, and the request lifecycle (preemption, finish, close);
-- ``plans``: the plans from proposal to report through ``vtoken.planner`` (``should_reclaim``,
-  ``reclaim_bound``, ``propose``: the planner every path runs; the worker applies with
-  ``apply_completed``), the plans in flight;
-- ``held``: the blocks a request keeps outside its list (landed fills and destinations);
-- ``headroom``: the reserved destination blocks, their yield to growth, admission
+- ``vtoken.lifecycle`` (not the adapter's: every path's): the headroom's blocks, the blocks a
+  request keeps outside its list (landed fills and destinations), the plans in flight and
+  their ends, the one release of blocks (the worker runs its copy side);
+- ``port``: vLLM's pool as the lifecycle's (fenced frees, headroom blocks);
+- ``plans``: the translation of plans at vLLM's edge: proposals through ``vtoken.planner``
+  (``should_reclaim``, ``reclaim_bound``, ``propose``) with vLLM's shared blocks excluded and
+  checked against its counts, hashes dropped at launch, the worker's report ended in the
+  lifecycle;
+- ``headroom``: the reservation's policy: its size, its yield to growth, admission
   back-pressure;
 - ``mirror``: each request's positional block list as the outputs sent it, and null
   substitution (a moved or released block's entry becomes ``null_block``, never popped);
@@ -69,9 +73,9 @@ have ``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the tok
 destinations and fills (whose hash is dropped at launch: their bytes change) never enter
 a request's list again, so vLLM never hashes them.
 Owns: the vLLM scheduler instance it drives (through ``hooks``), the token table the
-worker writes, the rooms it builds (``held``: every applied destination and fill;
-``reserve``, ``book``, ``mirror``, ``fence``, ``hashes``, ``checker``); vLLM owns the request
-lists.
+worker writes, the rooms it builds (``lifecycle``: headroom, every applied destination and
+fill, the plans in flight; ``reserve``, ``book``, ``mirror``, ``fence``, ``hashes``,
+``checker``); vLLM owns the request lists.
 May call: vLLM's scheduler and ``BlockPool`` (``_free_cow_retained_blocks``, the free
 count), ``vtoken.planner`` (through ``plans``), ``vtoken.table``, its rooms; never spec/,
 invariants/, fuzz/ or reports/ (the toolkit attaches ``plan_hook``).
@@ -95,12 +99,12 @@ from .driver import AdapterDriver
 from .fence import FenceLedger
 from .harness import VllmHarness
 from .headroom import Headroom
-from .held import HeldBlocks, unaccounted
 from .hooks import scheduler_class
 from .messages import StepMeta
 from .mirror import BlockMirror
 from .plans import PlanBook
-from ..lifecycle import PlanLedger, all_dead
+from .port import VllmPort
+from ..lifecycle import Lifecycle, all_dead
 from .prefix_hash import PrefixHashRules
 from ..planner import PlannerConfig
 from ..table import TokenTable
@@ -138,9 +142,9 @@ class VTokenAdapter:
         scheduler: None (the adapter builds vLLM's scheduler from the config) or a vLLM
             ``Scheduler`` built elsewhere (``attach``): kept, its geometry read off it.
 
-    Ownership: the adapter holds one reference on every headroom block (``reserve``), every
-    applied destination (``held``), and every block of a plan in flight (``book.plans``);
-    vLLM holds the request lists. The worker is attached with ``attach_worker`` (the driver
+    Ownership: the lifecycle holds one reference on every headroom block, every applied
+    destination and fill (``held``), and every block of a plan in flight (``plans``); vLLM
+    holds the request lists. The worker is attached with ``attach_worker`` (the driver
     does it); the adapter calls it only to host-sync copies at idle (``drain_idle``).
     ``plan_hook``: a callable the toolkit attaches to check every proposal before launch.
     """
@@ -181,7 +185,6 @@ class VTokenAdapter:
                           orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
                           unfaithful_hashes_evicted=0, source_hashes_dropped=0)
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
-        self.gone_fence: dict[str, int] = {}  # freed request -> fence for leftovers of its plans
         self._rooms(config)
         # per-step work follows what changed: the requests whose table or list changed since
         # they were last looked at
@@ -220,23 +223,22 @@ class VTokenAdapter:
 
     def _rooms(self, c: AdapterConfig) -> None:
         """Build the rooms, each given what it reads (none reads the adapter's attributes)."""
-        self.held = HeldBlocks()  # req -> {block id: block}: applied destinations and fills
-        self.reserve = Headroom(self.harness, self.cfg.headroom if self.reclaim else 0, c.headroom_pool_fraction,
-                                self.S, self.stats)
+        # the lifecycle room (every path's): headroom, blocks held outside the lists (applied
+        # destinations and fills), plans in flight; its frees go to vLLM at their fence
+        self.lifecycle = Lifecycle(VllmPort(self.harness, self.stats), self.N, self.stats, exclusive_held=True)
+        self.reserve = Headroom(self.harness, self.lifecycle, self.cfg.headroom if self.reclaim else 0,
+                                c.headroom_pool_fraction, self.S, self.stats)
         self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, self.pool.blocks,
                                   on_start=self._on_list_start)
         self.fence = FenceLedger()
         self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=c.evict_unfaithful_hashes)
-        # the lifecycle room (shared with every path); its frees go to vLLM at their fence
-        self.ledger = PlanLedger(self.free_ids, self.stats)
-        self.checker = RuntimeChecks(harness=self.harness, table=self.table, reserve=self.reserve, held=self.held,
-                                   mirror=self.mirror, fence=self.fence, plans=self.ledger.in_flight,
-                                   pending_release=self.pending_release, full_every=c.check_full_every,
-                                   paranoid=c.paranoid_checks)
-        self.book = PlanBook(self.ledger, harness=self.harness, table=self.table, cfg=self.cfg, stats=self.stats,
-                             reserve=self.reserve, held=self.held, mirror=self.mirror, fence=self.fence,
-                             hashes=self.hashes, checker=self.checker, requests=self, gone_fence=self.gone_fence,
-                             max_plans_per_step=self.max_plans_per_step, checks=self.checks)
+        self.checker = RuntimeChecks(harness=self.harness, table=self.table, lifecycle=self.lifecycle,
+                                     mirror=self.mirror, fence=self.fence, pending_release=self.pending_release,
+                                     full_every=c.check_full_every, paranoid=c.paranoid_checks)
+        self.book = PlanBook(self.lifecycle, harness=self.harness, table=self.table, cfg=self.cfg, stats=self.stats,
+                             reserve=self.reserve, mirror=self.mirror, fence=self.fence, hashes=self.hashes,
+                             checker=self.checker, requests=self, max_plans_per_step=self.max_plans_per_step,
+                             checks=self.checks)
 
     @classmethod
     def attach(cls, scheduler, **settings) -> "VTokenAdapter":
@@ -263,27 +265,34 @@ class VTokenAdapter:
 
     @property
     def headroom(self) -> list:
-        """The reserved blocks (``reserve.blocks``)."""
-        return self.reserve.blocks
+        """The reserved blocks, as vLLM's ``KVCacheBlock`` objects (the lifecycle keeps their ids)."""
+        blocks = self.pool.blocks
+        return [blocks[b] for b in self.lifecycle.headroom]
 
     @headroom.setter
     def headroom(self, blocks: list) -> None:
-        self.reserve.blocks = blocks
-        self.reserve.mark_all_fresh()
+        """Replace the reservation (tests: blocks taken from vLLM's pool behind the hooks)."""
+        self.lifecycle.headroom = [b.block_id for b in blocks]
+        self.lifecycle.fresh = set(self.lifecycle.headroom)
+
+    @property
+    def held(self):
+        """The blocks held for requests outside their lists (the lifecycle's: ``{request: {block id: None}}``)."""
+        return self.lifecycle.held
 
     @property
     def plans(self) -> dict:
-        """The plans in flight (the lifecycle ledger's)."""
-        return self.ledger.in_flight
+        """The plans in flight (the lifecycle's)."""
+        return self.lifecycle.in_flight
 
     @property
     def busy(self) -> dict:
-        return self.ledger.busy
+        return self.lifecycle.busy
 
     @property
     def history(self) -> list:
         """Snapshots of applied plans (``planner_config.record_snapshots``), in the order they landed."""
-        return [p.snapshot for p in self.ledger.history]
+        return [p.snapshot for p in self.lifecycle.history]
 
     @property
     def plan_hook(self):
@@ -357,48 +366,25 @@ class VTokenAdapter:
             return "held"
         return None
 
-    def unaccounted(self, r: str, block_ids, also=frozenset()) -> list[int]:
-        """Of ``block_ids``, those the adapter does not hold for ``r`` (sorted): not in its
-        list (the mirror), not a held destination, not in ``also``: :meth:`accounted` for many
-        blocks, as set differences in C. O(len(block_ids))."""
-        return unaccounted(self.mirror, self.held, r, block_ids, also)
-
-    def detach(self, r: str, blk) -> int:
-        """Take request ``r``'s reference on ``blk`` over: null-substitute its positional
-        entry (``mirror.detach``) or drop it from the held destinations. Returns the index
-        (-1 for a held destination)."""
-        return self.detach_all(r, [blk])[0]
-
-    def detach_all(self, r: str, blks) -> list[int]:
-        """:meth:`detach` for several blocks (a plan's sources), in one pass over the list and
-        the held destinations; every block is checked to be held for ``r`` before any entry
-        changes. Returns the indices in the given order (-1: a held destination)."""
-        ids = [blk.block_id for blk in blks]
+    def detach_listed(self, r: str, block_ids) -> list[int]:
+        """Take request ``r``'s list entries ``block_ids`` over (the lifecycle's ``detach`` for a
+        plan's sources and fills): each entry becomes ``null_block`` (``mirror.detach_many``).
+        Every block is checked to be in ``r``'s list before any entry changes (else
+        ``table_in_step``, nothing changed). Returns their list indices, in the given order."""
+        ids = [int(b) for b in block_ids]
         if len(set(ids)) != len(ids):
             raise AdapterAssumptionError("table_in_step", f"request {r!r}: blocks {ids} name one block twice")
-        missing = self.unaccounted(r, ids)
+        pos = self.mirror.pos.get(r, _NO_BLOCKS)
+        missing = [b for b in ids if b not in pos]
         if missing:
             raise AdapterAssumptionError("table_in_step",
                                          f"request {r!r}: the table references block(s) {missing}, which the "
                                          f"scheduler side does not hold for it")
-        pos = self.mirror.pos.get(r, {})
-        listed = [blk for blk in blks if blk.block_id in pos]
-        at = dict(zip((blk.block_id for blk in listed), self.mirror.detach_many(r, listed))) if listed else {}
-        if len(listed) < len(blks):  # the rest are held destinations
-            self.held.take(r, set(ids).difference(at))
-        return [at.get(b, -1) for b in ids]
-
-    def free_ids(self, block_ids: list, fence: int) -> None:
-        """The lifecycle's free on this path: vLLM's own fenced free, ``_free_cow_retained_blocks``
-        (at once when step ``fence`` was processed, else deferred to it). Only
-        ``PlanLedger.release`` calls it."""
         blocks = self.pool.blocks
-        self.scheduler._free_cow_retained_blocks([blocks[b] for b in block_ids], fence)
-        self.stats["deferred_free_calls"] += 1
+        return self.mirror.detach_many(r, [blocks[b] for b in ids]) if ids else []
 
     def _on_list_start(self, r: str, seq: int) -> None:
         """A request's block list (re)started (new or resumed): a new incarnation."""
-        self.gone_fence.pop(r, None)
         self.hashes.restart(r)
 
     # ------------------------------------------------------------------ hooks (``hooks``)
@@ -482,35 +468,40 @@ class VTokenAdapter:
                 self.tail_wait[r] = tail  # still written: looked at again when the tail moves
             for b in (b for b in dead if b != tail):
                 blk = self.block(b)
-                if self.accounted(r, b) is None:
+                where = self.accounted(r, b)
+                if where is None:
                     continue  # not ours (in flight or released already)
                 if blk.ref_cnt != 1:  # shared in vLLM (a prefix hit not synced yet): look again next step
                     self.release_todo.add(r)
                     continue
-                self.hashes.on_release(r, blk, self.detach(r, blk))
+                if where == "list":
+                    i = self.mirror.detach(r, blk)
+                else:
+                    i = -1
+                    self.lifecycle.held.take(r, [b])
+                self.hashes.on_release(r, blk, i)
                 out.append(b)
                 self.pending_release.append((meta.seq, r, b))
-                self.ledger.release([b], meta.seq)
+                self.lifecycle.release([b], meta.seq)
             if out:
                 meta.releases[r] = out
                 self.stats["released_empty"] += len(out)
                 self.checker.touch([r])
 
     def _on_request_free(self, request) -> None:
-        """Preemption or finish: free the request's destinations with vLLM's fence for its
-        list, orphan its in-flight plans, forget its mirror."""
+        """Preemption or finish: free the blocks held for the request with vLLM's fence for its
+        list, orphan its in-flight plans (``Lifecycle.finish``), forget its mirror."""
         r = request.request_id
         sched = self.scheduler
         self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r), upto=1 << 30)
         self.hashes.forget(r)
         fence = sched.sched_step_seq if not sched._request_blocks_can_be_freed(request) else 0
-        dests = self.held.drop_request(r)
         self.tail_wait.pop(r, None)
         self.checker.touch([r])
-        if dests:
-            self.ledger.release([b.block_id for b in dests], fence)
-        self.book.orphan(r)
-        self.gone_fence[r] = fence
+        # its held blocks go back at the fence of its list, its plans in flight become orphans
+        self.stats["orphaned_plans"] += sum(1 for p in self.book.plans.values() if p.req_id == r and not p.orphaned)
+        self.lifecycle.finish(r, fence)
+        self.book.forget(r)
         self.mirror.forget(r)
 
     def _after_update(self, sched_out, out) -> None:

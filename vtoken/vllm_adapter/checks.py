@@ -1,8 +1,8 @@
 """The adapter's runtime checks: its assumptions verified against vLLM's pool, not against
 the adapter's own intentions.
 
-``RuntimeChecks`` reads the adapter's rooms it is given (headroom, held blocks, the plans in
-flight, the mirror, the fence ledger, pending releases) and vLLM's (``req_to_blocks``,
+``RuntimeChecks`` reads the rooms it is given (the lifecycle's headroom, held blocks and plans
+in flight; the mirror, the fence ledger, pending releases) and vLLM's (``req_to_blocks``,
 ``deferred_frees``, every block's ``ref_cnt`` and hash) and raises
 :class:`~.assumptions.AdapterAssumptionError` naming the broken assumption: ``fence``,
 ``reservation``, ``ownership``, ``prefix_hash``, ``null_substitution`` (the pool checks) and
@@ -23,8 +23,8 @@ against its mirror, every table. A violation the full scan sees is therefore cau
 ``full_every`` hooks at the latest, and on the hook it happens when it touches what
 changed.
 Owns: the touched-request sets, the hook counter (when the next full scan runs) and the
-false alarms seen. It changes nothing of the adapter's or vLLM's state but the headroom's
-record of blocks new since the last check (``Headroom.take_fresh``).
+false alarms seen. It changes nothing of the adapter's or vLLM's state but the lifecycle's
+record of headroom blocks new since the last check (``Lifecycle.take_fresh``).
 May call: the rooms it is given and vLLM's pool and lists (through the harness), read only.
 Costs: incremental O(touched + new headroom blocks + in-flight blocks + deferred frees);
 full O(pool) (request lists, deferred frees and the adapter's holdings).
@@ -36,7 +36,7 @@ from collections import Counter
 from itertools import chain
 
 from .assumptions import AdapterAssumptionError
-from .held import unaccounted
+from .mirror import unaccounted
 
 
 _HEADROOM = ("headroom",)
@@ -66,17 +66,19 @@ class RuntimeChecks:
 
     Args:
         harness: the ``VllmHarness`` (vLLM's pool, scheduler and lists, read each time).
-        table, reserve, held, mirror, fence: the adapter's token table and rooms.
-        plans: the plans in flight (the lifecycle ledger's ``in_flight``, the dict itself).
+        table, mirror, fence: the adapter's token table and rooms.
+        lifecycle: the lifecycle room (``headroom``, ``held``, ``in_flight``: read, never changed
+            but for ``take_fresh``).
         pending_release: ``(seq, request, block)`` released and not yet applied by the worker
             (the adapter's list, updated in place).
         full_every, paranoid: the full scan's period, or at every hook.
     """
 
-    def __init__(self, *, harness, table, reserve, held, mirror, fence, plans: dict, pending_release: list,
+    def __init__(self, *, harness, table, lifecycle, mirror, fence, pending_release: list,
                  full_every: int = 64, paranoid: bool = False):
-        self.harness, self.table, self.reserve, self.held = harness, table, reserve, held
-        self.mirror, self.fence, self.plans, self.pending_release = mirror, fence, plans, pending_release
+        self.harness, self.table, self.lifecycle = harness, table, lifecycle
+        self.held, self.plans = lifecycle.held, lifecycle.in_flight  # the lifecycle's own objects, read here
+        self.mirror, self.fence, self.pending_release = mirror, fence, pending_release
         self.full_every = int(full_every)  # >= 1: the adapter refuses less at construction
         self.paranoid = bool(paranoid)
         self.hooks = 0
@@ -133,7 +135,7 @@ class RuntimeChecks:
         self.fence.check()
         reqs, self.touched_requests = self.touched_requests, set()
         lists, self.touched_lists = self.touched_lists | reqs, set()
-        fresh = self.reserve.take_fresh()  # the rest of the headroom: at the full scan
+        fresh = self.lifecycle.take_fresh()  # the rest of the headroom: at the full scan
         held = [(r, self.held[r]) for r in reqs if r in self.held]
         deferred = self._deferred_counts()
         self._check_headroom(where, lambda bid: min(self.mirror.holders(bid), default=None), fresh)
@@ -159,14 +161,14 @@ class RuntimeChecks:
         def list_holder(bid):  # the first request whose list holds bid (names a violation)
             return next((r for r, ids in listed.items() if bid in ids), None) if in_lists.get(bid) else None
 
-        self.reserve.take_fresh()
+        self.lifecycle.take_fresh()
         self.new_entries = []  # every list is scanned below
         stale = self.held.index_errors()
         if stale:
             raise AdapterAssumptionError("ownership", f"{where}: the held-block index disagrees with the held blocks: "
                                                       f"{stale[:8]}")
-        self._check_headroom(where, list_holder, self.reserve.blocks)
-        self._check_refs(where, self.reserve.blocks, list(self.held.items()), lambda bid: holders.get(bid, 0))
+        self._check_headroom(where, list_holder, self.lifecycle.headroom)
+        self._check_refs(where, self.lifecycle.headroom, list(self.held.items()), lambda bid: holders.get(bid, 0))
         self._check_sources_detached(where, thorough=True)
         self.mirror.check_lists(where)
 
@@ -206,11 +208,11 @@ class RuntimeChecks:
         return Counter(b.block_id for _, blocks in deferred for b in blocks if not b.is_null)
 
     def _roles(self, headroom, held) -> dict[int, tuple]:
-        """Each block of ``headroom``, of ``held``'s ``(request, {id: block})`` pairs and of
+        """Each block of ``headroom`` (ids), of ``held``'s ``(request, {id: None})`` pairs and of
         the plans in flight -> its role (see :func:`_describe`)."""
-        kind: dict[int, tuple] = {b.block_id: _HEADROOM for b in headroom}
+        kind: dict[int, tuple] = dict.fromkeys(headroom, _HEADROOM)
         for r, h in held:
-            kind.update(dict.fromkeys(h, ("held", r)))  # h: {block id: block}
+            kind.update(dict.fromkeys(h, ("held", r)))
         for p in self.plans.values():
             for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)):
                 kind.update((b, (role, p)) for b in blocks)
@@ -224,7 +226,7 @@ class RuntimeChecks:
         entries, self.new_entries = self.new_entries, []
         if not entries:
             return
-        kind = self._roles(self.reserve.blocks, ())  # headroom and plans in flight; held blocks by their index
+        kind = self._roles(self.lifecycle.headroom, ())  # headroom and plans in flight; held blocks by their index
         for r, bid in entries:
             holder = self.held.owner(bid)
             k = kind.get(bid) or (("held", holder) if holder is not None else None)
@@ -238,9 +240,10 @@ class RuntimeChecks:
                     f"{where}: block {bid} ({_describe(k)}) entered request {r!r}'s block list while the adapter "
                     f"holds it (ref_cnt {self.harness.pool.blocks[bid].ref_cnt}): it was returned to the pool while still held")
 
-    def _check_headroom(self, where: str, list_holder, blocks) -> None:
-        for b in blocks:
-            bid = b.block_id
+    def _check_headroom(self, where: str, list_holder, ids) -> None:
+        pool_blocks = self.harness.pool.blocks
+        for bid in ids:
+            b = pool_blocks[bid]
             r = list_holder(bid)
             if r is not None:
                 raise AdapterAssumptionError(
@@ -252,7 +255,7 @@ class RuntimeChecks:
                     f"hash {'set' if b.block_hash is not None else 'none'}")
 
     def _check_refs(self, where: str, headroom, held, others) -> None:
-        """Each block the adapter holds (``headroom`` blocks, the ``(request, {id: block})``
+        """Each block the adapter holds (``headroom`` ids, the ``(request, {id: None})``
         pairs of ``held``, every block of the plans in flight) has ``ref_cnt`` = the adapter's
         holds on it + ``others(block)`` (request lists, deferred frees); a destination or fill
         carries no prefix hash. The holds are counted in C (``Counter``) and compared in one
@@ -260,7 +263,7 @@ class RuntimeChecks:
         violation (in the order headroom, held, plans) named."""
         blocks, cached = self.harness.pool.blocks, self.harness.pool.cached_block_hashes_by_block
         dest_like = [b for _, h in held for b in h]
-        ids = [b.block_id for b in headroom] + dest_like  # every hold, in the order the errors name them
+        ids = list(headroom) + dest_like  # every hold, in the order the errors name them
         for p in self.plans.values():
             more = list(p.fills) + list(p.dests)
             ids += list(p.sources) + more

@@ -1,11 +1,12 @@
-"""The headroom: the blocks the adapter reserves as compaction destinations.
+"""The headroom's policy at vLLM's edge: how many destination blocks the adapter reserves, when
+they yield to growth, and admission back-pressure while the reservation is short.
 
-Owns: ``blocks`` (``KVCacheBlock``, ref_cnt 1, held by the adapter alone: in no request's list,
-never hashed) and the admission back-pressure while the reservation is short. Plans ``take``
-destinations and ``put`` unwritten ones back; other blocks leave only through
-:meth:`give_back` or the yield to growth, straight to vLLM's free queue (never read by a
-step, so no fence).
-May call: vLLM's ``BlockPool`` (``get_new_blocks``, ``free_blocks``, the free count) and the
+The reserved blocks themselves are the lifecycle's (``Lifecycle.headroom``: block ids, taken
+from vLLM's pool with ``get_new_blocks``, ref_cnt 1, in no request's list, never hashed); plans
+take destinations there and put unwritten ones back (``vtoken.lifecycle``). This room decides
+only sizes and timing: top up, yield, give back, withhold fresh admissions.
+Owns: the requests withheld from the current ``schedule()`` and the ``starved`` flag.
+May call: the lifecycle (``refill``, ``give_back``), vLLM's pool (the free count) and the
 scheduler's waiting queue, both read through the harness each time (vLLM's tests swap the
 manager after construction).
 Costs: O(1) per hook plus the blocks taken or given; O(waiting) only while short.
@@ -15,40 +16,26 @@ from __future__ import annotations
 
 
 class Headroom:
-    """The reservation of one adapter: ``harness`` (whose ``scheduler`` and ``pool`` are the
-    adapter's), ``size`` (``PlannerConfig.headroom``; 0: nothing taken or withheld), at most
-    1/``pool_fraction`` of the live pool; ``block_size`` (a waiting prompt's blocks are kept
-    for it); ``stats``, the adapter's counters."""
+    """The reservation policy of one adapter: ``harness`` (whose ``scheduler`` and ``pool`` are
+    the adapter's), ``lifecycle`` (the reserved blocks), ``size`` (``PlannerConfig.headroom``; 0:
+    nothing taken or withheld), at most 1/``pool_fraction`` of the live pool; ``block_size`` (a
+    waiting prompt's blocks are kept for it); ``stats``, the adapter's counters."""
 
-    def __init__(self, harness, size: int, pool_fraction: int, block_size: int, stats: dict):
+    def __init__(self, harness, lifecycle, size: int, pool_fraction: int, block_size: int, stats: dict):
         assert int(pool_fraction) >= 1, "the adapter refuses headroom_pool_fraction < 1 before building"
-        self.harness = harness
+        self.harness, self.lifecycle = harness, lifecycle
         self.size = int(size)
         self.pool_fraction = int(pool_fraction)
         self.S = int(block_size)
         self.stats = stats
-        self.blocks: list = []
-        self.fresh: dict = {}  # block id -> block, entered since the checks last looked
         self.withheld: list = []  # fresh requests sitting out the current schedule()
         self.starved = False  # given back because nothing could be admitted beside it
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        return len(self.lifecycle.headroom)
 
     def __bool__(self) -> bool:
-        return bool(self.blocks)
-
-    def take_fresh(self) -> list:
-        """The blocks that entered the headroom since the last call (for the incremental checks;
-        the periodic full scan sees the rest)."""
-        out, self.fresh = list(self.fresh.values()), {}
-        return out
-
-    def mark_all_fresh(self) -> None:
-        self.fresh = {b.block_id: b for b in self.blocks}
-
-    def ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        return bool(self.lifecycle.headroom)
 
     def target(self) -> int:
         """The reservation's size now: ``size``, capped at 1/``pool_fraction`` of the live pool (so
@@ -57,54 +44,29 @@ class Headroom:
 
     def short(self) -> bool:
         """Below its target: admissions are held back (``withhold``)."""
-        return len(self.blocks) < self.target()
-
-    def take(self, ids) -> list:
-        """Hand the blocks ``ids`` (all in the headroom) to a plan, in the order of ``ids``."""
-        by_id = {b.block_id: b for b in self.blocks}
-        taken = [by_id[d] for d in ids]
-        assert len(taken) == len(set(ids)), f"destinations {list(ids)} repeat a block"
-        wanted = set(ids)
-        self.blocks = [b for b in self.blocks if b.block_id not in wanted]
-        for d in wanted:
-            self.fresh.pop(d, None)
-        return taken
-
-    def put(self, blocks) -> None:
-        """Destinations a plan never wrote come back (still ref_cnt 1, never hashed)."""
-        self.blocks += blocks
-        self.fresh.update((b.block_id, b) for b in blocks)
+        return len(self.lifecycle.headroom) < self.target()
 
     def give_back(self) -> int:
         """Every block back to vLLM's free queue now; returns how many."""
-        n = len(self.blocks)
-        if n:
-            self.harness.pool.free_blocks(self.blocks)
-            self.blocks = []
-            self.fresh = {}
-        return n
+        return len(self.lifecycle.give_back())
 
     def before_schedule(self) -> None:
         """Top the reservation up, yielding to growth first (one free block kept per running
         request and, when idle, the next admission's prompt: vLLM never preempts or stalls for a
         block the headroom holds); then withhold fresh admissions while short. O(1)."""
-        sched, pool = self.harness.scheduler, self.harness.pool
+        sched, pool, lc = self.harness.scheduler, self.harness.pool, self.lifecycle
         if self.size:
             free, reserve = pool.get_num_free_blocks(), len(sched.running)
             if not sched.running and len(sched.waiting):  # idle: the next admission's prompt first
                 head = sched.waiting.peek_request()
                 reserve += -(-(head.num_tokens - head.num_computed_tokens) // self.S)
-            if free < reserve and self.blocks:
-                give = self.blocks[-min(reserve - free, len(self.blocks)):]
-                del self.blocks[-len(give):]
-                for b in give:
-                    self.fresh.pop(b.block_id, None)
-                pool.free_blocks(give)
+            if free < reserve and lc.headroom:
+                lc.give_back(reserve - free)
                 self.stats["headroom_yielded"] += 1
             elif not self.starved and sched.get_num_unfinished_requests():  # nothing reserved while idle
-                take = min(self.target() - len(self.blocks), free - reserve)
+                take = min(self.target() - len(lc.headroom), free - reserve)
                 if take > 0:
-                    self.put(pool.get_new_blocks(take))
+                    lc.refill(len(lc.headroom) + take)
         self.withhold()
 
     def withhold(self) -> None:
@@ -137,7 +99,7 @@ class Headroom:
         """Nothing was scheduled: if nothing runs and a request waits, give the reservation back
         until a step runs again (it must not block progress)."""
         sched = self.harness.scheduler
-        if self.blocks and not sched.running and len(sched.waiting) and not sched.deferred_frees:
+        if self.lifecycle.headroom and not sched.running and len(sched.waiting) and not sched.deferred_frees:
             self.give_back()
             self.starved = True
             self.stats["headroom_yielded"] += 1
@@ -146,6 +108,6 @@ class Headroom:
         """Nothing runs: nothing is reserved (vLLM's leak checks and free counts see the whole
         pool); retaken at the next ``schedule()`` with work."""
         sched = self.harness.scheduler
-        if self.blocks and not plans_in_flight and not sched.running and not sched.deferred_frees:
+        if self.lifecycle.headroom and not plans_in_flight and not sched.running and not sched.deferred_frees:
             self.give_back()
             self.stats["headroom_idle_returns"] += 1

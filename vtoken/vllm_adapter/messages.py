@@ -1,7 +1,7 @@
 """What the scheduler side and the worker tell each other, step by step: :class:`StepMeta`
 on ``sched_out.vtoken`` (the step's plans, :class:`vtoken.lifecycle.Plan` records, and its
 releases, to execute after its forward); the worker's :class:`WorkerReport` on
-``ModelRunnerOutput.vtoken_report`` (a :class:`PlanResult` per finished plan, each request's
+``ModelRunnerOutput.vtoken_report`` (a ``vtoken.lifecycle.Outcome`` per finished plan, each request's
 full-context length). No behaviour.
 Owns: the plain records only (plan blocks belong to the adapter, see ``plans``).
 May call: nothing.
@@ -24,17 +24,6 @@ class StepMeta:
 
 
 @dataclass
-class PlanResult:
-    status: str  # "applied" | "aborted"
-    used_dests: list = field(default_factory=list)  # fresh destinations that received a token (not fills)
-    moved: int = 0
-    copy_done: bool = True  # the copy out of the sources has completed (or never ran)
-    table_kept: bool = False  # aborted with the request still reading its sources
-    shared_sources: list = field(default_factory=list)
-    reason: str = ""
-
-
-@dataclass
 class WorkerReport:
-    plans: dict = field(default_factory=dict)  # plan id -> PlanResult (plans finished now)
+    plans: dict = field(default_factory=dict)  # plan id -> vtoken.lifecycle.Outcome (plans finished now)
     faithful: dict = field(default_factory=dict)  # req -> leading tokens computed with full context

@@ -1,26 +1,21 @@
-"""The plan book: the adapter's compaction plans, from proposal to the worker's report.
+"""The plan book: the adapter's compaction plans at vLLM's edge, from proposal to the
+worker's report.
 
-The lifecycle is :class:`vtoken.lifecycle.PlanLedger`'s, the one the decode engine and the
-simulator drive through ``ReclamationManager``: plans in flight (``plans``, one record type
-with block ids), the one plan per request (``busy``, I4), ids, outcomes, snapshot clock and
-``history``, and the one release of emptied blocks (``ledger.release``, here vLLM's fenced
-free). What stays here is the translation to vLLM: its ``KVCacheBlock`` objects, its lists,
-its pool's reference counts.
-Owns: one reference held on each source, fill and destination of a plan in flight until the
-worker reports it; the cached positive reclaim bounds and the requests whose bound is stale.
-Plans come from :mod:`vtoken.planner` only (``should_reclaim``, ``reclaim_bounds``,
-``propose``: the planner every path runs); the worker applies them with
-``planner.apply_completed``. At launch the destinations leave the headroom, the sources
-and fills (the request's blocks whose holes take tokens: in-place compaction) are
-null-substituted in the request's list (the mirror) or taken out of its held blocks and
-lose their prefix-cache hash, and the sources open their fence entries. At the report,
-fills and used destinations go to the request (the adapter's ``held``) or back to the pool
-if it is gone, unused destinations back to the headroom, and sources back through vLLM's
-fenced free (``_free_cow_retained_blocks(sources, plan.seq)``).
-May call: what it is given (the ledger, the token table, the rooms ``reserve``, ``held``,
-``mirror``, ``fence``, ``hashes``, ``checker``; vLLM's pool and scheduler through the harness;
-the request side's six questions, :class:`RequestSide`) and the toolkit's ``plan_hook`` when
-one is attached. It never reads the adapter's attributes.
+A plan's life is :class:`vtoken.lifecycle.Lifecycle`'s, the one the decode engine and the
+simulator drive through ``ReclamationManager`` and the planner machine checks: the
+headroom, the blocks held for requests, the plans in flight (one per request, I4), their
+ends and the one release of blocks (through the adapter's ``VllmPort``: vLLM's fenced free).
+What stays here is the translation to vLLM: which blocks vLLM shares or the scheduler side
+does not hold (excluded from planning), the proposal checked against vLLM's own reference
+counts, prefix-cache hashes dropped, the fence ledger that verifies each source's free, and
+the worker's report turned into the lifecycle's ends.
+Owns: the cached positive reclaim bounds and the requests whose bound is stale (the blocks
+are the lifecycle's).
+May call: what it is given (the lifecycle, the token table, the rooms ``reserve``, ``mirror``,
+``fence``, ``hashes``, ``checker``; vLLM's pool and scheduler through the harness; the request
+side's five questions, :class:`RequestSide`), :mod:`vtoken.planner` (``should_reclaim``,
+``reclaim_bounds``, ``propose``) and the toolkit's ``plan_hook`` when one is attached. It never
+reads the adapter's attributes.
 Costs: per planning step O(requests whose table changed + requests with a positive bound),
 plus the planner's own cost per plan; per report O(blocks of the reported plans).
 """
@@ -32,9 +27,10 @@ import numpy as np
 from typing import Protocol
 
 from .assumptions import AdapterAssumptionError
-from .held import unaccounted
+from .mirror import unaccounted
 from .messages import StepMeta
-from ..lifecycle import Plan, PlanLedger
+from ..errors import PlanError
+from ..lifecycle import Lifecycle, Outcome, Plan
 from ..planner import Proposal, plan_snapshot, propose, reclaim_bounds, should_reclaim, trigger_inputs
 
 
@@ -49,30 +45,30 @@ class RequestSide(Protocol):
 
     def look_again(self, r: str) -> None: ...  # look for all-dead blocks at the next step
 
-    def detach_all(self, r: str, blocks) -> list[int]: ...  # take r's references over (list index or -1)
+    def detach_listed(self, r: str, block_ids) -> list[int]: ...  # take r's list entries over (their indices)
 
 
 class PlanBook:
     """The adapter's plans (see the module docstring).
 
     Args:
-        ledger: the lifecycle room (``PlanLedger``: plans in flight, outcomes, the one release).
+        lifecycle: the lifecycle room (``Lifecycle``: headroom, held blocks, plans in flight,
+            their ends, the one release).
         harness: the ``VllmHarness`` (vLLM's pool and scheduler, read each time: vLLM's tests
             swap the manager after construction).
         table, cfg, stats: the token table the worker writes, the ``PlannerConfig``, the
             adapter's counters.
-        reserve, held, mirror, fence, hashes: the adapter's rooms; checker: its runtime checks.
+        reserve, mirror, fence, hashes: the adapter's rooms; checker: its runtime checks.
         requests: the request side (:class:`RequestSide`).
-        gone_fence: request -> the fence of its freed list (the adapter's dict, read here).
         max_plans_per_step: plans launched per step at most; checks: run the fence check
             at each source free.
     """
 
-    def __init__(self, ledger: PlanLedger, *, harness, table, cfg, stats: dict, reserve, held, mirror, fence, hashes,
-                 checker, requests: RequestSide, gone_fence: dict, max_plans_per_step: int, checks: bool):
-        self.ledger, self.harness, self.table, self.cfg, self.stats = ledger, harness, table, cfg, stats
-        self.reserve, self.held, self.mirror, self.fence, self.hashes = reserve, held, mirror, fence, hashes
-        self.checker, self.requests, self.gone_fence = checker, requests, gone_fence
+    def __init__(self, lifecycle: Lifecycle, *, harness, table, cfg, stats: dict, reserve, mirror, fence, hashes,
+                 checker, requests: RequestSide, max_plans_per_step: int, checks: bool):
+        self.lifecycle, self.harness, self.table, self.cfg, self.stats = lifecycle, harness, table, cfg, stats
+        self.reserve, self.mirror, self.fence, self.hashes = reserve, mirror, fence, hashes
+        self.checker, self.requests = checker, requests
         self.max_plans_per_step, self.checks = int(max_plans_per_step), bool(checks)
         self.plan_hook = None  # the toolkit's contract check, attached through the adapter
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
@@ -81,12 +77,12 @@ class PlanBook:
     @property
     def plans(self) -> dict[int, Plan]:
         """The plans in flight (not yet reported by the worker), by id."""
-        return self.ledger.in_flight
+        return self.lifecycle.in_flight
 
     @property
     def busy(self) -> dict:
         """Request -> the ids of its plans in flight (one at most here: a busy request is not planned, I4)."""
-        return self.ledger.busy
+        return self.lifecycle.busy
 
     def plan(self, meta: StepMeta, steps: int) -> None:
         """Stages 1-3: eligibility (``should_reclaim`` every ``check_every`` steps), requests
@@ -119,10 +115,10 @@ class PlanBook:
             if r in busy or not current(r) or not running(r):
                 continue
             blocks = t.block_array(r).tolist()
-            not_ours = set(unaccounted(self.mirror, self.held, r, blocks))
+            not_ours = set(unaccounted(self.mirror, self.lifecycle.held, r, blocks))
             exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1 or b in not_ours], dtype=np.int64)
             tail = t.tail_block(r)
-            head = self.reserve.ids()
+            head = list(self.lifecycle.headroom)
             p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude, in_place=cfg.in_place)
             if p is None:
                 continue
@@ -136,13 +132,14 @@ class PlanBook:
             self.launch(meta, r, p, tail, head)
 
     def launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
-        """Take the proposal's destinations from the headroom, take its sources and fills
-        over from the request (null-substituted in its list, or out of its held
-        destinations), drop their prefix-cache hashes (no hit may land on a block in flight,
-        and a fill's bytes change), open the sources' fence entries, and ride on step
-        ``meta.seq``. ``plan.list_index`` records where each source and fill was taken from
-        (its list index, -1 for a held block): the incremental check compares them all with
-        vLLM's list while the plan flies."""
+        """Refuse a proposal vLLM's pool contradicts (a source or fill shared there), then hand
+        it to the lifecycle: the destinations leave the headroom, the sources and fills are
+        taken over from the request (null-substituted in its list through
+        :meth:`RequestSide.detach_listed`, or out of its held blocks; ``plan.list_index``
+        records where, -1 for a held block: the incremental check compares them all with
+        vLLM's list while the plan flies). Then their prefix-cache hashes are dropped (no hit
+        may land on a block in flight, and a fill's bytes change), the sources open their
+        fence entries and the plan rides on step ``meta.seq``."""
         pool_blocks = self.harness.pool.blocks
         sources = [pool_blocks[b] for b in p.sources]
         fills = [pool_blocks[b] for b in p.fills]
@@ -154,32 +151,33 @@ class PlanBook:
                     "shared_never_moved", f"plan for request {r!r} takes block {blk.block_id} as a "
                     f"{'source' if k < len(sources) else 'fill'} (vLLM ref_cnt {blk.ref_cnt}, table refs "
                     f"{int(self.table.refs[blk.block_id])}) at step {meta.seq}")
-        self.reserve.take(p.dests)
-        plan = self.ledger.new_plan(r, p.sources, p.dests, np.asarray(p.moves, dtype=np.int64).reshape(-1, 5),
-                                    p.fills, seq=meta.seq)
+        plan = self.lifecycle.new_plan(r, p.sources, p.dests, p.moves, p.fills, seq=meta.seq)
         if self.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(
                 self.table, r, plan.id, p, tail, head,
                 [{"id": q.id, "request": str(q.req_id), "sources": list(q.sources), "dests": list(q.dests),
                   "fills": list(q.fills)} for q in self.plans.values()])
+        try:
+            self.lifecycle.launch(plan, detach=self.requests.detach_listed)
+        except PlanError as e:  # a block the scheduler side does not hold for r: refused, nothing changed
+            raise AdapterAssumptionError("table_in_step", f"step {meta.seq}: {e}") from e
         self.hashes.drop_sources(sources + fills)
-        plan.list_index = dict(zip(p.sources + p.fills, self.requests.detach_all(r, sources + fills)))
         self.fence.open(plan)
         self.checker.touch([r])
-        self.ledger.open(plan)
         meta.plans.append(plan)
 
-    def orphan(self, r: str) -> None:
-        """``r``'s list was freed (preemption, finish): its plans in flight are orphaned (their
-        blocks return when the worker reports them) and its bound forgotten."""
-        self.stats["orphaned_plans"] += len(self.ledger.orphan(r))
+    def forget(self, r: str) -> None:
+        """``r``'s list was freed (preemption, finish; its plans were orphaned by the
+        lifecycle): its bound is forgotten."""
         self.bound.pop(r, None)
 
     def absorb(self, reported: dict) -> None:
-        """The worker's report, per finished plan: destinations to the request (or back to
-        the headroom), sources back through the fence."""
+        """The worker's report (plan id -> :class:`~vtoken.lifecycle.Outcome`), per finished
+        plan: vLLM's side checked (no source or fill was shared, no source was hashed in
+        flight), then the lifecycle ends the plan (:meth:`Lifecycle.end`: destinations and
+        fills to the request or back to the headroom, sources back through vLLM's fenced free
+        at the plan's step), and the fence ledger records and checks each free."""
         stats = self.stats
-        blocks = self.harness.pool.blocks
         for pid, res in reported.items():
             plan = self.plans.get(pid)
             if plan is None:
@@ -192,49 +190,34 @@ class PlanBook:
                     f"or no longer by it)")
             self.checker.touch([plan.req_id])
             self.requests.look_again(plan.req_id)  # it may release again now that no plan flies
-            alive = not plan.orphaned and plan.req_id in self.mirror
-            gone_fence = self.gone_fence.get(plan.req_id, 0)
-            self.ledger.close(plan, "applied" if res.status == "applied" else "aborted")
-            fills = [blocks[b] for b in plan.fills]
             if res.status == "applied":
-                used_ids = set(res.used_dests)
-                used = [blocks[d] for d in plan.dests if d in used_ids]
-                unused = [blocks[d] for d in plan.dests if d not in used_ids]
-                self.reserve.put(unused)  # never written: straight back to the reservation
-                stats["dests_returned"] += len(unused)
-                stats["dests_used"] += len(used)
-                stats["fills"] += len(plan.fills)
-                stats["moves"] += int(res.moved)
-                if alive:  # fills stay the request's: held, like destinations (never hashed again)
-                    self.held.add(plan.req_id, fills + used)
-                else:
-                    self.ledger.release(plan.fills + [b.block_id for b in used], max(plan.seq, gone_fence))
-                self.free_sources(plan, copy_done=res.copy_done)
-                if plan.snapshot is not None and plan.snapshot["post"] is not None:
-                    self.ledger.history.append(plan)  # its snapshot completed by the worker (snapshot_applied)
+                self._applied(plan, res)
             else:  # aborted: nothing moved (or the request is gone)
-                self.reserve.put([blocks[d] for d in plan.dests])
                 self.fence.drop(plan)
-                if alive and res.table_kept:  # still read by the request
-                    self.held.add(plan.req_id, [blocks[b] for b in plan.sources] + fills)
-                else:
-                    self.ledger.release(plan.sources + plan.fills, max(plan.seq, gone_fence))
+                self.lifecycle.end(plan, res)
 
-    def free_sources(self, plan: Plan, copy_done: bool) -> None:
-        """Hand a plan's sources back to the pool at their fence: vLLM's
-        ``_free_cow_retained_blocks(sources, plan.seq)`` frees them at once when step
-        ``plan.seq`` has been processed, else defers them to it. A source carries no
-        prefix-cache hash (dropped at launch, and vLLM never hashes a block outside a
-        request's list): one that does was re-hashed under the adapter (``prefix_hash``)."""
-        processed = self.harness.scheduler.processed_step_seq
+    def _applied(self, plan: Plan, res: Outcome) -> None:
+        """An applied plan's end: a source carries no prefix-cache hash (dropped at launch, and
+        vLLM never hashes a block outside a request's list: one that does was re-hashed under
+        the adapter, ``prefix_hash``); the sources go back at the plan's fence
+        (``_free_cow_retained_blocks(sources, plan.seq)``: at once when step ``plan.seq`` has
+        been processed, else deferred to it), recorded in the fence ledger."""
+        blocks, stats = self.harness.pool.blocks, self.stats
         for b in plan.sources:
-            if self.harness.pool.blocks[b].block_hash is not None:
+            if blocks[b].block_hash is not None:
                 raise AdapterAssumptionError(
                     "prefix_hash", f"source block {b} of plan {plan.id} (request {plan.req_id!r}) carries "
                     f"a prefix-cache hash at its free: its hash was dropped at launch, so it was re-hashed while in "
                     f"flight")
-        self.fence.close(plan, processed, copy_done)
-        self.stats["sources_freed"] += len(plan.sources)
-        self.ledger.release(plan.sources, plan.seq, plan=plan)
+        used = len(set(res.used_dests) & set(plan.dests))
+        stats["dests_returned"] += len(plan.dests) - used
+        stats["dests_used"] += used
+        stats["fills"] += len(plan.fills)
+        stats["moves"] += int(res.moved)
+        stats["sources_freed"] += len(plan.sources)
+        self.fence.close(plan, self.harness.scheduler.processed_step_seq, res.copy_done)
+        self.lifecycle.end(plan, res)
+        if plan.snapshot is not None and plan.snapshot["post"] is not None:
+            self.lifecycle.history.append(plan)  # its snapshot completed by the copy side (snapshot_applied)
         if self.checks:
             self.fence.check()

@@ -15,16 +15,17 @@
    live tokens before it plus itself; a request whose chunk reaches its last known token
    samples one token (greedy);
 6. stage 4: the step's plans (``sched_out.vtoken.plans``) are copied after the forward and
-   applied once seen done (``planner.apply_completed``); tokens evicted meanwhile stay dead.
+   applied once seen done: the lifecycle's copy side (``vtoken.lifecycle.Copies``, the one the
+   decode engine's manager runs too); tokens evicted meanwhile stay dead.
 
 It returns a ``ModelRunnerOutput`` with the sampled tokens and a :class:`WorkerReport` as
 ``vtoken_report``. With the same evictions, runs with and without reclamation give the same
 tokens.
 
-Owns: the K/V cache (``KVCache``), the copy engine and its in-flight copies, the plans
-received and not yet reported, per request the full-context length; it writes the token
+Owns: the K/V cache (``KVCache``), the copy engine and the copy side (``Copies``: the plans
+received and not yet reported), per request the full-context length; it writes the token
 table the adapter reads.
-May call: ``vtoken.table``, ``vtoken.planner`` (``apply_completed``), ``vtoken.copy_engine``,
+May call: ``vtoken.table``, ``vtoken.lifecycle`` (``Copies``), ``vtoken.copy_engine``,
 ``vtoken.model``, ``vtoken.policies``, torch; vLLM's output types; the relocation checker
 only as a factory the toolkit passes in (``check_relocations``).
 Costs: a step is the decoder's forward over the scheduled tokens plus O(moves) per plan
@@ -41,16 +42,15 @@ import numpy as np
 import torch
 
 from ..copy_engine import KVCopyEngine, checker_factory
-from .messages import PlanResult, WorkerReport
-from ..errors import OrderError, PlanError
+from .messages import WorkerReport
+from ..errors import OrderError
 from ..fields import need_choice, need_device, need_instance, need_int, need_number, refuse
 from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
-from ..lifecycle import Plan
-from ..planner import apply_completed, snapshot_applied
+from ..lifecycle import Copies
 from ..policies import make_policy
 from ..table import TokenTable
 
-__all__ = ["PlanResult", "VTokenWorker", "WorkerReport", "check_worker_config"]
+__all__ = ["VTokenWorker", "WorkerReport", "check_worker_config"]
 
 
 def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_kwargs, evict_ratio, seed,
@@ -91,7 +91,6 @@ class _WorkerRequest:
     prompt: list
     outputs: list
     blocks: list  # positional block ids (append-only, replaced on resume)
-    gen: int = 0  # table incarnation (bumped on preemption)
     evicting: bool = False
 
     @property
@@ -136,6 +135,8 @@ class VTokenWorker:
             self.checker = check_relocations(self.kv, table, out_dir=snapshot_dir)
             engine = self.checker.wrap(self.copy_engine)
         self.engine = engine
+        # the copy side of every plan's life; the relocation checker re-hashes each applied plan
+        self.copies = Copies(table, engine, after_apply=self.checker.after_apply if self.checker else None)
         kw = dict(policy_kwargs or {})
         if policy == "random":
             kw.setdefault("seed", seed)
@@ -143,7 +144,6 @@ class VTokenWorker:
         self.policy = make_policy(policy, **kw)
         self.evict_ratio = float(evict_ratio)
         self.reqs: dict[str, _WorkerRequest] = {}
-        self.pending: dict[int, tuple] = {}  # plan id -> (the worker's copy of the plan, handle, the plan, gen)
         self.faithful: dict[str, int] = {}
         self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
                           relocations=0, moves=0, aborted=0, releases=0)
@@ -160,13 +160,13 @@ class VTokenWorker:
     def _drop(self, r: str, forget: bool) -> None:
         if r in self.table:
             self.table.free_request(r)
+        self.copies.forget(r)  # its copies in flight end aborted (a resumed incarnation is another request)
         self.policy.forget(r)
         if self.checker is not None:
             self.checker.forget_request(r)
         self.faithful.pop(r, None)
         w = self.reqs.get(r)
         if w is not None:
-            w.gen += 1
             w.evicting = False
             w.blocks = []
         if forget:
@@ -188,7 +188,7 @@ class VTokenWorker:
             self._drop(r, forget=False)
         # 2. pre-attention hook: device wait on copies not yet observed done; apply finished ones
         self.engine.wait_before_attention()
-        self._poll_pending(rep, force=False)
+        self._poll(rep, force=False)
         # 3. releases
         if meta is not None:
             for r, blocks in meta.releases.items():
@@ -305,83 +305,31 @@ class VTokenWorker:
             self.checker.note_evicted(r, ids)
 
     # ------------------------------------------------------------------ relocation (stage 4)
-    def _launch(self, ap, rep: WorkerReport) -> None:
-        t = self.table
-        r = ap.req_id
-        w = self.reqs.get(r)
-        srcs = list(ap.sources)
-        if r not in t or w is None:
-            rep.plans[ap.id] = PlanResult("aborted", copy_done=True, reason="request gone before the copy")
-            self.stats["aborted"] += 1
-            return
-        shared = [b for b in srcs + list(ap.fills) if t.block_refs(b) != 1 or not t.references(r, b)]
-        if shared:
-            rep.plans[ap.id] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
-                                          reason="source or fill shared or not the request's")
-            self.stats["aborted"] += 1
-            return
-        m = np.asarray(ap.moves, dtype=np.int64).reshape(-1, 5)
-        if len(m):
-            m = m[t.are_live(r, m[:, 0])]  # tokens evicted since planning stay dead where they were
-        # the copy's view: the same record, the moves of tokens still live (``ap`` keeps the planned ones)
-        wp = Plan(ap.id, r, srcs, list(ap.dests), m, fills=list(ap.fills), snapshot=ap.snapshot)
-        handle = self.engine.launch(wp)
-        ap.record("launch", plan=ap.id)
-        self.pending[ap.id] = (wp, handle, ap, w.gen)
-        self._poll_one(ap.id, rep, force=False)
+    def _launch(self, plan, rep: WorkerReport) -> None:
+        """Issue the plan's copy (the copy side refuses it at once when its request is gone or a
+        block is shared) and poll it once."""
+        now = self.copies.launch(plan)
+        if now is not None:
+            self._report(plan, now, rep)
+        else:
+            self._poll(rep, force=False, only=(plan.id,))
 
-    def _poll_pending(self, rep: WorkerReport, force: bool) -> None:
-        for pid in list(self.pending):
-            self._poll_one(pid, rep, force)
+    def _poll(self, rep: WorkerReport, force: bool, only=None) -> None:
+        for plan, out in self.copies.poll(force=force, only=only):
+            self._report(plan, out, rep)
 
-    def _poll_one(self, pid: int, rep: WorkerReport, force: bool) -> None:
-        wp, handle, ap, gen = self.pending[pid]
-        status = self.engine.wait(handle) if force else self.engine.poll(handle)
-        if status == "pending":
-            return
-        del self.pending[pid]
-        r = wp.req_id
-        w = self.reqs.get(r)
-        t = self.table
-        if w is None or w.gen != gen or r not in t:
-            rep.plans[pid] = PlanResult("aborted", copy_done=True, reason="request left while the copy flew")
+    def _report(self, plan, out, rep: WorkerReport) -> None:
+        rep.plans[plan.id] = out
+        if out.status == "applied":
+            self.stats["relocations"] += 1
+            self.stats["moves"] += out.moved
+        else:
             self.stats["aborted"] += 1
-            return
-        if status == "failed":
-            rep.plans[pid] = PlanResult("aborted", copy_done=True, table_kept=True, reason="copy failed")
-            self.stats["aborted"] += 1
-            return
-        ap.record("fence", plan=ap.id)  # the copy is observed complete: every later event is after it
-        try:
-            # the planned moves: apply_completed drops those whose token died since planning
-            # (before the copy, or while it flew) and records them as evicted in flight
-            res = apply_completed(t, r, wp.sources, ap.moves, fills=wp.fills)
-        except PlanError as e:
-            if e.code not in ("shared_source", "shared_fill"):
-                raise
-            # the adapter's launch rule makes this impossible (sources lose their hash, so no
-            # prefix hit lands on them): report it, the adapter raises shared_never_moved. A
-            # block counts as shared when anyone but r references it (held by another request
-            # alone, refs are 1 too): the rule of apply_completed and of _launch
-            shared = [b for b in wp.sources + wp.fills if t.block_refs(b) != 1 or not t.references(r, b)]
-            rep.plans[pid] = PlanResult("aborted", copy_done=True, table_kept=True, shared_sources=shared,
-                                        reason=str(e))
-            self.stats["aborted"] += 1
-            return
-        wp.moves = res.moves
-        ap.record("apply", plan=ap.id)
-        if self.checker is not None:
-            self.checker.after_apply(wp)
-        if ap.snapshot is not None:
-            snapshot_applied(ap.snapshot, t, r, res)
-        rep.plans[pid] = PlanResult("applied", used_dests=res.used_dests, moved=len(res.moves), copy_done=True)
-        self.stats["relocations"] += 1
-        self.stats["moves"] += len(res.moves)
 
     def synchronize(self) -> WorkerReport:
         """Host-wait every copy still in flight and apply it (idle / teardown)."""
         rep = WorkerReport()
-        self._poll_pending(rep, force=True)
+        self._poll(rep, force=True)
         if hasattr(self.copy_engine, "synchronize"):
             self.copy_engine.synchronize()
         rep.faithful = dict(self.faithful)
