@@ -112,7 +112,7 @@ CATALOGUE: list[Fault] = [
     Fault("free_sources_at_plan", "8 source freed before its copy completed", "sources return to the pool at launch",
           "planner", (_p(LC, "Lifecycle.launch", "        self.held.take(r, from_held)\n",
                          "        self.held.take(r, from_held)\n        self.port.free(plan.sources, 0)\n"),
-                      _p(LC, "Lifecycle.end", "            self.release(plan.sources, plan.seq, plan=plan)\n", ""))),
+                      _p(LC, "Lifecycle.end", "            self._free(plan.sources, plan.seq, plan=plan)\n", ""))),
     Fault("apply_before_complete", "8/I3 read before the copy completes",
           "a pending copy is applied (slot mapping switched) without its fence", "planner",
           (_p(LC, "Copies.poll", '            if status == "pending":\n                continue\n',
@@ -124,8 +124,8 @@ CATALOGUE: list[Fault] = [
           "finishing a request frees the blocks its in-flight copy reads and writes (sources and fills)", "planner",
           (_p(LC, "Lifecycle.finish", "                p.gone_fence = int(fence)\n",
               "                p.gone_fence = int(fence)\n                self.port.free(p.sources + p.fills, fence)\n"),
-           _p(LC, "Lifecycle.end", "            else:\n                self.release(back, gone)\n",
-              "            elif alive:\n                self.release(back, gone)\n"))),
+           _p(LC, "Lifecycle.end", "            else:\n                self._free(back, gone)\n",
+              "            elif alive:\n                self._free(back, gone)\n"))),
     Fault("resumed_applies_old_plan", "8 a plan applied to another incarnation (copy across preempt and resume)",
           "a request preempted while its copy flies is not forgotten by the copy side: once the id resumes, the "
           "old incarnation's plan is applied to the new one's table", "planner",
@@ -176,10 +176,10 @@ CATALOGUE: list[Fault] = [
           "apply frees only the sources its surviving moves emptied: one whose every token was evicted while "
           "the copy flew is released by the table but stays allocated", "decode",
           (_p(LC, "Lifecycle.end",
-              "            self.release(plan.sources, plan.seq, plan=plan)\n",
+              "            self._free(plan.sources, plan.seq, plan=plan)\n",
               "            dead = set(plan.evicted_in_flight)\n"
               "            kept = sorted({int(m[1]) for m in plan.moves.tolist() if m[0] not in dead})\n"
-              "            self.release(kept, plan.seq, plan=plan)\n"),)),
+              "            self._free(kept, plan.seq, plan=plan)\n"),)),
     # ---------------------------------------------------------------- the graph path (CUDA graphs)
     Fault("graph_replay_on_capture_stream", "10 a replay that skips a host-side hook (the event wait before replay)",
           "the decode graph is replayed on its capture stream, which never waited on pending copies nor on the "
@@ -193,9 +193,9 @@ CATALOGUE: list[Fault] = [
           "adapter", (_p(PL, "PlanBook.launch", "        meta.plans.append(plan)\n",
                          "        meta.plans.append(plan)\n        self.harness.pool.free_blocks(list(sources))\n"
                          "        plan.freed_early = True\n"),
-                      _p(LC, "Lifecycle.end", "            self.release(plan.sources, plan.seq, plan=plan)\n",
+                      _p(LC, "Lifecycle.end", "            self._free(plan.sources, plan.seq, plan=plan)\n",
                          "            if not getattr(plan, 'freed_early', False):\n"
-                         "                self.release(plan.sources, plan.seq, plan=plan)\n"))),
+                         "                self._free(plan.sources, plan.seq, plan=plan)\n"))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
           "a source's prefix-cache hash moves to the destination (or first fill) at launch (the tokens moved, the hash follows)",
           "adapter", (_p(PL, "PlanBook.launch", "        self.hashes.drop_sources(sources + fills)\n",

@@ -65,7 +65,7 @@ from vtoken.allocator import NULL_BLOCK, RESERVED, USED, BlockAllocator
 from vtoken.fuzz.table_machine import alloc_or_none, both, sync_both
 from vtoken.invariants.ownership import check_ownership
 from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
-from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager
+from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager, reclaim_bound
 from vtoken.spec import SpecTokenTable
 from vtoken.spec.planner import best_reduction, plan_errors
 from vtoken.table import TokenTable
@@ -179,7 +179,10 @@ class PlannerMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(rids), label="rid")
 
     def _reducible(self, rid):
-        return best_reduction(self._view(rid), 1 << 30) > 0
+        """Worth steering towards: the table's O(1) upper bound on what a plan could free is
+        positive (a heuristic of where to look, never a check: every plan is still held to
+        the contract's exact best)."""
+        return reclaim_bound(self.table, rid, self._tail(rid)) > 0
 
     def _copying_plans(self):
         """Plans whose copy has not finished (``flying`` is reconciled only after a rule, and
@@ -240,6 +243,9 @@ class PlannerMachine(RuleBasedStateMachine):
         return plan
 
     def _recorded_launch(self, plan):
+        # plans that ended inside this manager call (a step polls before it plans) give their
+        # blocks back before this one takes any
+        self._reconcile()
         f = self.flying[plan.id] = _Flight(plan)
         self.launched += 1
         self.rewritten.update(plan.fills)
@@ -366,6 +372,33 @@ class PlannerMachine(RuleBasedStateMachine):
             hard("token at a block boundary")  # the first new token opens a new block
         err = self._sync(rid, n + k)
         assert err is None, f"growth refused: {err}"
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def decode_step(self, data):
+        """One decode step of every request, then the manager's step (what a scheduler does each
+        step): each request grows by one token (a new block when its last one is full) and its
+        policy may evict some of its older live tokens, copies in flight included; then
+        ``mgr.step()``. Every operation is checked as it happens, the states once the step is done."""
+        for rid in self.rids():
+            n = len(self.spec.tokens[rid])
+            if -(-(n + 1) // self.S) > len(self.pos[rid]):
+                blocks = self._alloc(1)
+                if blocks is None:
+                    continue
+                self.pos[rid] += blocks
+                self._give(rid, blocks)
+            err = self._sync(rid, n + 1)
+            assert err is None, f"growth refused: {err}"
+            if data.draw(st.booleans(), label="evict"):
+                live = self.spec.live_tokens(rid)[:-1]  # never the token just written
+                if live:
+                    ids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4),
+                                    label="victims")
+                    PlannerMachine.ops += 1
+                    _, _, err = both(lambda: self.table.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))
+                    assert err is None, err
+        self.step(False)
 
     @precondition(lambda self: self.pos)
     @rule(data=st.data())

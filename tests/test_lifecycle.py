@@ -194,6 +194,19 @@ def test_release_refuses_a_block_a_plan_in_flight_uses():
     assert port.calls == [("free", [3], 0)]
 
 
+def test_a_sharer_lets_go_of_its_own_reference_on_a_block_in_flight():
+    """A prefix hit on a source being compacted: the sharer holds its own reference, which it
+    may release while the plan flies (the plan keeps its own: it is freed at the plan's end)."""
+    lc, port = _lc()
+    lc.hold("a", [1, 2])
+    p = _plan(lc, "a", (1,))
+    lc.launch(p)
+    lc.hold("b", [1])  # "b" shares block 1 (a prefix hit: one more reference, its own)
+    assert lc.finish("b") == [1] and port.calls == [("free", [1], 0)]
+    lc.end(p, Outcome("aborted", table_kept=True))  # shared in flight: aborted, back to "a"
+    assert list(lc.held["a"]) == [2, 1]
+
+
 def test_held_refuses_a_double_hold_and_a_take_of_what_is_not_held():
     h = Held(exclusive=True)
     h.add("a", [1, 2])

@@ -333,11 +333,12 @@ class Lifecycle:
         self.held.add(req_id, ids)
 
     def release_held(self, req_id, ids, fence: int = 0) -> None:
-        """``req_id`` lets go of ``ids`` (held for it): released to the pool at ``fence``."""
+        """``req_id`` lets go of ``ids`` (held for it, else refused: ``ownership``, nothing
+        freed): its references go back to the pool at ``fence``. A block a plan in flight also
+        uses may go (a sharer's own reference on a plan's source): the plan holds its own."""
         ids = [int(b) for b in ids]
-        self._refuse_busy(ids, "released")
         self.held.take(req_id, ids)
-        self.release(ids, fence)
+        self._free(ids, fence)
 
     def finish(self, req_id, fence: int = 0) -> list[int]:
         """``req_id`` finished or was preempted: its plans in flight become orphans (their blocks
@@ -349,17 +350,22 @@ class Lifecycle:
                 p.gone_fence = int(fence)
         self.busy.pop(req_id, None)
         ids = self.held.drop_request(req_id)
-        self.release(ids, fence)
+        self._free(ids, fence)
         return ids
 
-    def release(self, block_ids, fence: int = 0, plan: Plan | None = None) -> None:
-        """Hand blocks back to the pool at ``fence`` (``plan``: record the free in its snapshot):
-        the one place every path frees. A block a plan in flight uses is refused (:class:`PlanError`
-        ``ownership``, nothing freed). O(blocks) plus the pool's free."""
+    def release(self, block_ids, fence: int = 0) -> None:
+        """Hand back blocks the caller took out of a request's list (the adapter's all-dead
+        blocks), at ``fence``. A block a plan in flight uses is refused (:class:`PlanError`
+        ``ownership``, nothing freed): a list never holds one. O(blocks) plus the pool's free."""
         ids = [int(b) for b in block_ids]
+        self._refuse_busy(ids, "released")
+        self._free(ids, fence)
+
+    def _free(self, ids: list, fence: int, plan: Plan | None = None) -> None:
+        """The one call of the pool's free (``plan``: record it in the plan's snapshot). Its
+        callers have proved the references theirs: held for a request, or a plan's own at its end."""
         if not ids:
             return
-        self._refuse_busy(ids, "released")
         if plan is not None:
             plan.record("free", blocks=ids)
         self.port.free(ids, fence)
@@ -476,8 +482,8 @@ class Lifecycle:
             if alive:
                 self.held.add(r, keep)
             else:
-                self.release(keep, gone)
-            self.release(plan.sources, plan.seq, plan=plan)
+                self._free(keep, gone)
+            self._free(plan.sources, plan.seq, plan=plan)
             plan.dests = used
             plan.state = APPLIED
         else:
@@ -486,7 +492,7 @@ class Lifecycle:
             if alive and outcome.table_kept:
                 self.held.add(r, back)
             else:
-                self.release(back, gone)
+                self._free(back, gone)
             plan.state = ABORTED
         self.stats[counted] += 1
         return counted
