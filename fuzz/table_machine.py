@@ -101,8 +101,8 @@ class TableMachine(RuleBasedStateMachine):
     # S = 16 in one example of five, with 6 more blocks (5 hold 65 tokens): a request can outgrow
     # the 64 entries its arrays and device segment start with (step_then_grow); no smaller S gets
     # there in so few blocks.
-    @initialize(S=st.sampled_from([1, 2, 3, 4, 16]), nb=st.integers(4, 14))
-    def setup(self, S, nb):
+    @initialize(S=st.sampled_from([1, 2, 3, 4, 16]), nb=st.integers(4, 14), data=st.data())
+    def setup(self, S, nb, data):
         nb += 6 if S == 16 else 0
         self.S = S
         self.impl = self.make_impl(S, nb)
@@ -112,6 +112,10 @@ class TableMachine(RuleBasedStateMachine):
         self.held: dict[int, list[int]] = {}  # allocator references held per request
         self.next_id = 0
         note(f"S={S} num_blocks={nb}")
+        # a request or two to start from: an example whose draws leave the table empty spends
+        # its steps on the few rules that need no request
+        for _ in range(data.draw(st.integers(1, 2), label="initial_requests")):
+            self.add_request(data.draw(st.integers(1, 3), label="nblocks"), data)
 
     # ------------------------------------------------------------------ helpers
     def _alloc(self, n):
