@@ -62,7 +62,7 @@ from hypothesis import event, note
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vtoken.allocator import NULL_BLOCK, RESERVED, USED, BlockAllocator
-from vtoken.fuzz.table_machine import alloc_or_none, both, sync_both
+from vtoken.fuzz.table_machine import alloc_or_none, both, policy_victims, sync_both
 from vtoken.invariants.ownership import check_ownership
 from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
 from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager, reclaim_bound
@@ -390,14 +390,11 @@ class PlannerMachine(RuleBasedStateMachine):
                 self._give(rid, blocks)
             err = self._sync(rid, n + 1)
             assert err is None, f"growth refused: {err}"
-            if data.draw(st.booleans(), label="evict"):
-                live = self.spec.live_tokens(rid)[:-1]  # never the token just written
-                if live:
-                    ids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4),
-                                    label="victims")
-                    PlannerMachine.ops += 1
-                    _, _, err = both(lambda: self.table.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))
-                    assert err is None, err
+            ids = policy_victims(data, self.spec, rid)
+            if ids:
+                PlannerMachine.ops += 1
+                _, _, err = both(lambda: self.table.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))
+                assert err is None, err
         self.step(False)
 
     @precondition(lambda self: self.pos)

@@ -87,6 +87,15 @@ def sync_both(impl, spec, rid, block_ids, total):
     return err
 
 
+def policy_victims(data, spec, rid) -> list:
+    """What a policy evicts of ``rid`` after a decode step: nothing half the time, else one to
+    four of its live tokens, never the one just written (drawn from the reference's view)."""
+    if not data.draw(st.booleans(), label="evict"):
+        return []
+    live = spec.live_tokens(rid)[:-1]
+    return data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4), label="victims") if live else []
+
+
 class TableMachine(RuleBasedStateMachine):
     """Stateful conformance test of the token table (see module docstring)."""
 
@@ -206,14 +215,10 @@ class TableMachine(RuleBasedStateMachine):
         for rid in self.rids():
             if not self._grow_by(rid, 1):
                 continue
-            if data.draw(st.booleans(), label="evict"):
-                live = self.spec.live_tokens(rid)[:-1]  # never the token just written
-                if live:
-                    ids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4),
-                                    label="victims")
-                    TableMachine.ops += 1
-                    assert both(lambda: self.impl.evict_tokens(rid, ids),
-                                lambda: self.spec.evict_tokens(rid, ids))[2] is None
+            ids = policy_victims(data, self.spec, rid)
+            if ids:
+                TableMachine.ops += 1
+                assert both(lambda: self.impl.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))[2] is None
 
     @precondition(lambda self: self.pos)
     @rule(data=st.data(), first=st.sampled_from(["evict", "grow", "moves"]))
