@@ -31,7 +31,8 @@ PLANNER_FAULTS = {
 OTHER_FAULTS = {
     "apply_before_complete": r"applied before the engine reported its copy complete",
     "abort_leaks_dests": r"not back in the headroom|aborted plan changed state|reserved|ownership",
-    "finish_frees_inflight_sources": r"sources of plan \d+ still copying|freed before its copy completed",
+    "finish_frees_inflight_sources": r"sources of plan \d+ still copying|freed before its copy completed|"
+                                     r"an owner's reference is gone \(early free",
     "headroom_leak": r"not reserved|accounting|ownership: block \d+ is free but held by \['headroom'\]|"
                      r"in the free queue but held",  # the allocator's own assertion on handing it out
     "skip_apply": r"block_not_empty|state differs|source_not_owned",  # the manager itself trips over the stale table
