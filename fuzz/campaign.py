@@ -22,7 +22,7 @@ summary (``summary.json``) is rewritten after every batch.
 Owns: its worker processes (or Ray tasks), the example database connection and the ``--out``
 folder (failures, summary).
 May call: fuzz (machines, protocol, hard_states, profiles, catalogue, planted), hypothesis, redis,
-ray (``--ray`` only), vtoken.argtypes.
+ray (``--ray`` only, through ``fuzz.cluster``), vtoken.argtypes.
 Costs: time-boxed: ``--budget`` seconds on ``--workers`` processes; the summary is rewritten per
 batch.
 """
@@ -43,6 +43,8 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
+
+from .cluster import RayUnavailable, ray_cluster
 
 MACHINES = {
     "table": "vtoken.fuzz.table_machine:TableMachine",
@@ -319,42 +321,6 @@ def _recover_failures(summary: dict, out: Path, t_start: float) -> None:
                                                "error": f.read_text().strip().splitlines()[-1][:300],
                                                "recovered_from_disk": True,
                                                "found_after_s": f.stat().st_mtime - t_start})
-
-
-class RayUnavailable(RuntimeError):
-    """``--ray`` without Ray installed, or no cluster at the address: one line, before any work."""
-
-
-def ray_cluster(address: str | None):
-    """Ray, connected: an already initialised Ray (a test's ``ray.init()``) is used as it is;
-    otherwise ``ray.init(address=address)`` joins the cluster (``auto``: the one this machine
-    belongs to). :class:`RayUnavailable` in one line when Ray is missing or nothing answers."""
-    try:
-        import ray
-    except ImportError:
-        raise RayUnavailable("--ray needs Ray, an optional extra: pip install 'vtoken[ray]'") from None
-    if not ray.is_initialized():
-        _reachable(address)  # Ray itself retries an address that does not answer for a minute or more
-        try:
-            ray.init(address=address, log_to_driver=False, include_dashboard=False)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            msg = (str(e).strip().splitlines() or [""])[0]
-            raise RayUnavailable(f"no Ray cluster at {address!r}: {type(e).__name__}: {msg}"[:400]) from None
-    return ray
-
-
-def _reachable(address: str | None) -> None:
-    """A ``host:port`` address must accept a TCP connection within 5 s (``auto`` and ``ray://``
-    addresses are Ray's to resolve). :class:`RayUnavailable` otherwise."""
-    import socket
-
-    if not address or address == "auto" or "://" in address or ":" not in address:
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except (OSError, ValueError) as e:
-        raise RayUnavailable(f"no Ray cluster at {address!r}: {type(e).__name__}: {e}"[:400]) from None
 
 
 class _LocalWorkers:

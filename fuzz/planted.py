@@ -25,7 +25,7 @@ live modules for a ``with`` block.
 
 Owns: one shadow tree and child process per fault and seed, deleted after.
 May call: fuzz (catalogue, patches, shadow, faulty_engines, profiles, machines, campaign's
-``ray_cluster`` with ``--ray``), ray (``--ray``), vtoken.decode,
+``cluster.ray_cluster`` with ``--ray``), ray (``--ray``), vtoken.decode,
 invariants (placement_proof, relocation_hash), hypothesis, subprocess.
 Costs: ``--runs`` runs per fault, each bounded by ``--budget`` seconds: about R x faults x seconds.
 """
@@ -504,7 +504,7 @@ def main_planted(args) -> int:
     budget = getattr(args, "budget", None) or DEFAULT_BUDGET_S
     ray = None
     if getattr(args, "ray", None) is not None:
-        from .campaign import ray_cluster
+        from .cluster import ray_cluster
 
         ray = ray_cluster(args.ray)  # the command checked it answers
     s = run_all(names, runs=runs, budget_s=budget, workers=max(1, args.workers), ray=ray)

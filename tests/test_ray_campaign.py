@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from vtoken.fuzz import campaign
-from vtoken.fuzz.campaign import RayUnavailable, ray_cluster, run_campaign
+from vtoken.fuzz.campaign import run_campaign
+from vtoken.fuzz.cluster import RayUnavailable, ray_cluster
 
 
 @pytest.fixture(scope="module")
