@@ -128,16 +128,11 @@ _RESET_BLOCKED_REASON = ("reset_prefix_cache cannot succeed while the adapter ke
                          "requests' blocks that the forced defer_block_free fences; "
                          "reset_prefix_cache(reset_running_requests=True) then raises RuntimeError")
 DIVERGENCE_RULES: list[dict] = [
-    {"cause": "unsupported_kv_layout", "kind": "inherent",
-     "error": r"\[single_full_attention_pool\]",
-     "reason": "the adapter supports one pool of one full-attention KV group: sliding-window, "
-               "chunked-local, cross-attention, Mamba and hybrid (multi-group) layouts are refused "
-               "when the scheduler is built (AdapterAssumptionError single_full_attention_pool)"},
-    {"cause": "multi_pool_null_substitution", "kind": "inherent",
-     "error": r"\[(?:null_substitution|reservation)\]",
-     "reason": "sliding-window / chunked-local attention / multi-pool KV groups: vLLM puts the null "
-               "block in those lists itself, which the adapter's single-pool checks "
-               "(null_substitution, reservation) reject"},
+    {"cause": "kv_groups", "kind": "bug",
+     "error": r"\[(?:kv_groups|single_full_attention_pool)\]",
+     "reason": "a block the adapter holds is in a list of a KV cache group it does not mirror "
+               "(sliding window, chunked-local, Mamba, cross-attention), or (before multi-group "
+               "support) a multi-group layout was refused at start"},
     {"cause": "reset_prefix_cache_blocked", "kind": "bug",
      "error": r"Failed to reset KV cache|reset_prefix_cache\(\)",
      "reason": _RESET_BLOCKED_REASON},

@@ -128,7 +128,8 @@ class _Incarnations:
 def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: int, num_blocks: int,
          block_size: int = 16, prefix_caching: bool = True, async_scheduling: bool = True, copy_lag: int = 0,
          headroom: int = 8, snapshot_dir=None, late: Optional[dict] = None, evict_ratio: float = 0.5,
-         max_num_batched_tokens: int = 2048, then: Optional[Callable[[Callable], dict]] = None) -> dict:
+         max_num_batched_tokens: int = 2048, then: Optional[Callable[[Callable], dict]] = None,
+         kv_layout: str = "full") -> dict:
     """One decode through the adapter; returns outputs and measurements (raises on a broken
     assumption). ``late``: requests added after the first step (prefix-hit requests).
     ``then``: called once every request has finished, with ``output_tokens(req_id)``; the
@@ -136,15 +137,18 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
     earlier one's prompt or its whole sequence).
     ``headroom``: the planner defaults but for a small reservation: in-place plans never use
     it, but the reservation path (out-of-place plans, ``in_place=False``) stays under the
-    audit's runtime checks (the planted ``adapter_headroom_to_allocate`` is caught here)."""
+    audit's runtime checks (the planted ``adapter_headroom_to_allocate`` is caught here).
+    ``kv_layout``: vLLM's KV cache groups (``hybrid``: full attention + a sliding window of two
+    blocks, read by the model's odd layers)."""
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     ad = VTokenAdapter(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                        async_scheduling=async_scheduling, reclaim=reclaim,
                        planner_config=default_adapter_planner_config(headroom=headroom),
-                       max_num_batched_tokens=max_num_batched_tokens)
+                       max_num_batched_tokens=max_num_batched_tokens, kv_layout=kv_layout)
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,
-                     seed=seed, check_relocations=RelocationChecker if reclaim else None, snapshot_dir=snapshot_dir, copy_lag=copy_lag)
+                     seed=seed, check_relocations=RelocationChecker if reclaim else None, snapshot_dir=snapshot_dir,
+                     copy_lag=copy_lag, layout=ad.worker_layout())
     if reclaim:  # every plan of the audited run against the reference planner's contract
         from vtoken.invariants.plan_contract import check_proposal
 
@@ -397,7 +401,9 @@ def audit_decode(quick: bool = True, seed: int = 0, snapshot_dir=None) -> dict:
                retained_blocks_on=0.0, retained_blocks_off=0.0, figures=[], runs=[])
     nreq, new = (4, 24) if quick else (6, 64)
     prompts = {f"r{i}": _prompt(seed, i, 40 + 13 * i) for i in range(nreq)}
-    variants = [("random", 0)] if quick else [("random", 0), ("h2o", 0), ("random", 2)]
+    # (policy, copy lag, KV layout): a hybrid layout (full attention + sliding window) in every audit
+    variants = [("random", 0, "full"), ("random", 0, "hybrid")] if quick else \
+        [("random", 0, "full"), ("h2o", 0, "full"), ("random", 2, "full"), ("h2o", 0, "hybrid"), ("random", 2, "hybrid")]
     try:
         import vllm  # noqa: F401
     except Exception as exc:  # noqa: BLE001
@@ -408,31 +414,33 @@ def audit_decode(quick: bool = True, seed: int = 0, snapshot_dir=None) -> dict:
     offs: dict = {}
     try:
         with _one_thread():
-            for policy, lag in variants:
+            for policy, lag, layout in variants:
                 nb = 2 + 8 + sum(-(-(len(p) + new) // 16) + 1 for p in prompts.values())
-                kw = dict(prompts=prompts, max_tokens=new, policy=policy, seed=seed, num_blocks=nb, copy_lag=lag)
+                nb += 4 * nreq if layout == "hybrid" else 0  # the window's blocks (two, and two being freed)
+                kw = dict(prompts=prompts, max_tokens=new, policy=policy, seed=seed, num_blocks=nb, copy_lag=lag,
+                          kv_layout=layout)
                 on = _run(reclaim=True, snapshot_dir=snapshot_dir, **kw)
-                if policy not in offs:  # reclamation off has no copies: the lag does not matter
-                    offs[policy] = _run(reclaim=False, **kw)
-                off = offs[policy]
+                if (policy, layout) not in offs:  # reclamation off has no copies: the lag does not matter
+                    offs[policy, layout] = _run(reclaim=False, **kw)
+                off = offs[policy, layout]
                 eq = on["outputs"] == off["outputs"]
                 if not eq:
                     bad = next(r for r in prompts if on["outputs"][r] != off["outputs"][r])
                     a, b = on["outputs"][bad], off["outputs"][bad]
                     i = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
                     lines.append(f"assumption broken: {ASSUMPTIONS['outputs_equal']} [outputs_equal]: "
-                                 f"{policy} lag {lag}: request {bad!r} differs at output token {i}")
+                                 f"{policy} lag {lag} {layout}: request {bad!r} differs at output token {i}")
                 ok = eq and on["hash_failures"] == 0 and on["stats"]["applied"] > 0 and \
                     on["retained_mean"] < off["retained_mean"]
                 if on["stats"]["applied"] == 0:
-                    lines.append(f"{policy} lag {lag}: no relocation happened (the audit is too weak)")
+                    lines.append(f"{policy} lag {lag} {layout}: no relocation happened (the audit is too weak)")
                 ok_all &= ok
                 res["relocations"] += on["stats"]["applied"]
                 res["hash_checks"] += on["hash_checks"]
                 res["hash_failures"] += on["hash_failures"]
                 res["outputs_equal"] = eq if len(res["runs"]) == 0 else (res["outputs_equal"] and eq)
                 res["runs"].append({
-                    "policy": policy, "copy_lag": lag, "outputs_equal": eq,
+                    "policy": policy, "copy_lag": lag, "kv_layout": layout, "outputs_equal": eq,
                     "retained_mean_on": round(on["retained_mean"], 2),
                     "retained_mean_off": round(off["retained_mean"], 2),
                     "retained_peak_on": on["retained_peak"], "retained_peak_off": off["retained_peak"],
@@ -442,7 +450,7 @@ def audit_decode(quick: bool = True, seed: int = 0, snapshot_dir=None) -> dict:
                     "steps": on["steps"], "wall_s_on": round(on["wall_s"], 2), "wall_s_off": round(off["wall_s"], 2),
                     "num_blocks": nb,
                 })
-                figures.append((f"retained blocks, {policy} eviction 50%, copy lag {lag}",
+                figures.append((f"retained blocks, {policy} eviction 50%, copy lag {lag}, {layout} KV layout",
                                 _retained_figure(f"{policy}, evict 50%, {nreq} requests, {new} new tokens"
                                                  f"{', copies late by ' + str(lag) + ' polls' if lag else ''}",
                                                  on["retained"], off["retained"])))
@@ -455,7 +463,7 @@ def audit_decode(quick: bool = True, seed: int = 0, snapshot_dir=None) -> dict:
     res["retained_blocks_on"] = round(sum(r["retained_mean_on"] for r in runs) / len(runs), 2)
     res["retained_blocks_off"] = round(sum(r["retained_mean_off"] for r in runs) / len(runs), 2)
     res["passed"] = bool(ok_all)
-    summary = "; ".join(f"{r['policy']}{' lag ' + str(r['copy_lag']) if r['copy_lag'] else ''}: "
+    summary = "; ".join(f"{r['policy']}{' lag ' + str(r['copy_lag']) if r['copy_lag'] else ''} {r['kv_layout']}: "
                         f"{r['relocations']} relocations, {r['hash_checks']} hash checks, retained "
                         f"{r['retained_mean_off']} -> {r['retained_mean_on']} blocks (mean), outputs "
                         f"{'equal' if r['outputs_equal'] else 'DIFFER'}" for r in runs)

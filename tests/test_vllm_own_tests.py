@@ -96,10 +96,8 @@ def test_not_applicable_reasons(r, reason):
 
 # ---------------------------------------------------------------------------- divergences
 @pytest.mark.parametrize("test, error, cause, kind", [
-    ("t.py::test_hybrid", "AdapterAssumptionError: assumption broken: ... [single_full_attention_pool]: 2 KV "
-                          "cache groups", "unsupported_kv_layout", "inherent"),
-    ("t.py::test_swa", "assumption broken: moved or released blocks ... [null_substitution]: list of 'r' holds "
-                       "the null block", "multi_pool_null_substitution", "inherent"),
+    ("t.py::test_hybrid", "AdapterAssumptionError: assumption broken: ... [kv_groups]: block 7 (headroom) is in "
+                          "request 'r''s list of KV cache group 1", "kv_groups", "bug"),
     ("t.py::test_x", "E   RuntimeError: Failed to reset KV cache even when all the running requests are "
                      "preempted", "reset_prefix_cache_blocked", "bug"),
     ("t.py::test_reset_prefix_cache_twice", "E   assert False", "reset_prefix_cache_blocked", "bug"),

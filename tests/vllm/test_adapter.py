@@ -430,30 +430,82 @@ def test_reset_prefix_cache_succeeds_when_idle(model):
     run_to_end(ad, d)
 
 
-@pytest.mark.parametrize("specs, ok", [
-    (["FullAttentionSpec"], True),
-    (["MLAAttentionSpec"], True),
-    (["SlidingWindowSpec"], False),
-    (["ChunkedLocalAttentionSpec"], False),
-    (["FullAttentionSpec", "SlidingWindowSpec"], False),  # hybrid: two groups
-    ([], False),
-])
-def test_unsupported_kv_layouts_are_refused_at_start(specs, ok):
-    """Sliding-window, chunked-local and hybrid KV layouts: refused before any state is
-    built, naming the assumption (issue 13: they crashed mid-run under the checks)."""
-    from types import SimpleNamespace
-
+def _spec(kind: str, S: int = 4):
+    import torch
     import vllm.v1.kv_cache_interface as kvi
 
-    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError, check_supported_kv_config
+    geo = dict(block_size=S, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    extra = {"SlidingWindowSpec": dict(sliding_window=2 * S), "ChunkedLocalAttentionSpec": dict(attention_chunk_size=2 * S),
+             "RSWASpec": dict(rswa_window=2 * S), "MLAAttentionSpec": {}, "FullAttentionSpec": {}}
+    return getattr(kvi, kind)(**geo, **extra[kind])
 
-    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object.__new__(getattr(kvi, n)))
-                                           for n in specs])
-    if ok:
-        check_supported_kv_config(cfg)
+
+@pytest.mark.parametrize("kinds, group", [
+    (["FullAttentionSpec"], 0),
+    (["MLAAttentionSpec"], 0),
+    (["SlidingWindowSpec"], None),
+    (["ChunkedLocalAttentionSpec"], None),
+    (["RSWASpec"], None),  # a FullAttentionSpec subclass whose manager frees a middle gap itself
+    (["FullAttentionSpec", "SlidingWindowSpec"], 0),
+    (["SlidingWindowSpec", "FullAttentionSpec"], 1),
+    (["ChunkedLocalAttentionSpec", "RSWASpec", "FullAttentionSpec"], 2),
+])
+def test_the_table_group_is_derived_from_the_managers_vllm_built(monkeypatch, kinds, group):
+    """The token table mirrors the first group whose manager keeps every block until the
+    request ends, derived from the manager's behaviour, not its spec's class name (RSWA
+    subclasses FullAttentionSpec and frees blocks itself); with none, the adapter attaches
+    and reclaims nothing, its checks covering every group."""
+    import vtoken.vllm_adapter.harness as H
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from vtoken.vllm_adapter.adapter import VTokenAdapter, default_adapter_planner_config
+    from vtoken.vllm_adapter.layout import table_group
+
+    def cfg(block_size, num_blocks, *_):
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], _spec(k)) for i, k in enumerate(kinds)])
+
+    monkeypatch.setattr(H, "_kv_cache_config", cfg)
+    h = H.VllmHarness(block_size=4, num_blocks=48)
+    assert table_group(h.managers) == group
+    ad = VTokenAdapter.attach(h.scheduler, paranoid_checks=True, planner_config=default_adapter_planner_config(headroom=2))
+    assert ad.group == group and ad.reclaim == (group is not None)
+    for i in range(3):
+        ad.add_request(f"r{i}", prompt(i, 9 + 4 * i), max_tokens=8)
+    while ad.has_work():  # vLLM's own window frees run in the other groups; every check passes
+        so = ad.schedule()
+        ad.update_from_output(so, h.fake_output(so, set(so.num_scheduled_tokens)))
+    assert ad.close()["free"] == 47
+
+
+@pytest.mark.parametrize("what", ["headroom", "held"])
+def test_a_held_block_in_a_sliding_window_list_is_caught(what):
+    """Hybrid layout: a block the adapter holds (headroom, or a destination held for a
+    request) that vLLM hands to the sliding-window group's list, after a free behind the
+    adapter's back, is caught by the full scan, naming the group (``kv_groups``; counted over the
+    table's group alone, ref_cnt 1 = the adapter's 1 looked right)."""
+    from vtoken.vllm_adapter.adapter import AdapterAssumptionError, VTokenAdapter, default_adapter_planner_config
+
+    ad = VTokenAdapter(kv_layout="hybrid", block_size=4, num_blocks=64,
+                       planner_config=default_adapter_planner_config(headroom=3))
+    ad.add_request("a", prompt(0, 13), max_tokens=8)
+    so = ad.schedule()
+    ad.update_from_output(so, ad.harness.fake_output(so, {"a"}))
+    assert ad.group == 0 and len(ad.headroom) == 3
+    pool = ad.pool
+    if what == "headroom":
+        victim = ad.headroom[0]
     else:
-        with pytest.raises(AdapterAssumptionError, match=r"\[single_full_attention_pool\]"):
-            check_supported_kv_config(cfg)
+        victim = pool.blocks[ad.lifecycle.headroom[0]]
+        ad.lifecycle.headroom.remove(victim.block_id)  # a destination the request keeps
+        ad.lifecycle.hold("a", [victim.block_id])
+    ad.check_all()  # consistent so far
+    pool.free_blocks([victim])  # behind the adapter's back ...
+    (again,) = pool.get_new_blocks(1)  # ... and handed out again, to the window group's list
+    assert again is victim
+    ad.harness.managers[1].req_to_blocks["a"].append(victim)
+    with pytest.raises(AdapterAssumptionError, match=r"\[kv_groups\].*list of KV cache group 1"):
+        ad.check_all()
 
 
 @pytest.mark.parametrize("async_", [False, True])

@@ -37,7 +37,7 @@ from vtoken.model.config import DecoderConfig
 from vtoken.model.rope import RopeTable, apply_rope
 from ..errors import CallError
 
-__all__ = ["DecodeItem", "PagedDecoder", "greedy"]
+__all__ = ["DecodeItem", "PagedDecoder", "Windowed", "greedy"]
 
 
 class DecodeItem(NamedTuple):
@@ -105,12 +105,27 @@ class _Backbone(nn.Module):
 @dataclass
 class _Group:
     """Rows ``[start, stop)`` of the step attend over K/V at ``key_slots`` (gathered
-    after this step's writes). ``causal``: row i sees keys ``[0, i]`` (prefill)."""
+    after this step's writes). ``causal``: row i sees keys ``[0, i]`` (prefill). ``window``
+    (> 0): a row also sees only its last ``window`` keys (itself included), as vLLM's sliding
+    window: the keys are then consecutive positions."""
 
     start: int
     stop: int
     key_slots: torch.Tensor
     causal: bool
+    window: int = 0
+
+
+@dataclass
+class Windowed:
+    """The sliding-window layers of a hybrid model (vLLM's sliding-window KV cache group): the
+    layer indices, the slots their K/V of this step's tokens go to (the window group's blocks,
+    by position) and the groups they attend over (positional keys with ``window`` set). Their
+    attention never feeds the statistics (eviction is the full-attention layers' business)."""
+
+    layers: frozenset
+    write_slots: torch.Tensor
+    groups: Sequence[_Group]
 
 
 class PagedDecoder(nn.Module):
@@ -166,7 +181,7 @@ class PagedDecoder(nn.Module):
 
     # ------------------------------------------------------------------ core
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                causal: bool, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[m, Hq, D]`` over k, v ``[T, Hkv, D]`` -> (out ``[m, Hq*D]``, stat ``[T]``): ``stat[j]``
         the probability key j received, summed over the m queries, averaged over the Hq heads.
         Causal: query i is the i-th of the *last* m keys."""
@@ -177,9 +192,13 @@ class PagedDecoder(nn.Module):
         # bmm over the KV heads (no broadcast expand copying K/V per query head).
         qh = q.reshape(m, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * m, d)
         scores = torch.bmm(qh, k.permute(1, 2, 0)).view(hk, g, m, t) * self.scale
-        if causal:
+        if causal or window:
             qpos = torch.arange(t - m, t, device=scores.device).unsqueeze(1)
-            scores = scores.masked_fill(torch.arange(t, device=scores.device).unsqueeze(0) > qpos, float("-inf"))
+            kpos = torch.arange(t, device=scores.device).unsqueeze(0)
+            hide = kpos > qpos if causal else torch.zeros_like(kpos > qpos)
+            if window:
+                hide = hide | (kpos <= qpos - window)
+            scores = scores.masked_fill(hide, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs.view(hk, g * m, t), v.permute(1, 0, 2)).view(hk, g, m, d)
         stat = probs.sum(dim=2).reshape(c.num_heads, t).mean(dim=0)
@@ -187,10 +206,11 @@ class PagedDecoder(nn.Module):
 
     def _forward(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                  write_slots: torch.Tensor, groups: Sequence[_Group],
-                 rows: slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                 rows: slice, windowed: Windowed | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run all layers for ``m`` new tokens; return (logits of ``rows``, stats per group). Each
         layer writes the new K/V to ``write_slots`` before any group gathers, so new tokens are read
-        back exactly as later steps read them (cache dtype)."""
+        back exactly as later steps read them (cache dtype). The layers of ``windowed`` write and
+        read its slots instead (a hybrid model's sliding-window layers)."""
         cos, sin = self.rope.lookup(positions)
         x = self.model.embed_tokens(token_ids.to(self.model.embed_tokens.weight.device))
         stats = [torch.zeros(g.key_slots.numel(), dtype=torch.float32) for g in groups]
@@ -201,14 +221,16 @@ class PagedDecoder(nn.Module):
             q = apply_rope(att.q_proj(h).view(-1, c.num_heads, c.head_dim), cos, sin)
             k = apply_rope(att.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
             v = att.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
-            kv.write(li, write_slots, k, v)
+            win = windowed is not None and li in windowed.layers
+            kv.write(li, windowed.write_slots if win else write_slots, k, v)
             outs = []
-            for gi, g in enumerate(groups):
+            for gi, g in enumerate(windowed.groups if win else groups):
                 gk, gv = kv.gather(li, g.key_slots)
                 o, s = self._attend(q[g.start:g.stop], gk.to(q.dtype), gv.to(q.dtype),
-                                    g.causal)
+                                    g.causal, g.window)
                 outs.append(o)
-                stats[gi] += s.float().cpu()
+                if not win:
+                    stats[gi] += s.float().cpu()
             x = x + att.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = self.model.norm(x[rows])

@@ -91,8 +91,7 @@ from typing import Any, Iterable
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
 from ..errors import ConfigError
 from ..fields import need_instance
-from .assumptions import (ASSUMPTIONS, AdapterAssumptionError, check_supported_kv_config,
-                          check_supported_vllm)
+from .assumptions import ASSUMPTIONS, AdapterAssumptionError, check_supported_vllm
 from .checks import RuntimeChecks
 from .config import AdapterConfig
 from .driver import AdapterDriver
@@ -173,7 +172,11 @@ class VTokenAdapter:
         self.scheduler = sched
         self.S, self.N = config.block_size, config.num_blocks
         self.async_scheduling, self.prefix_caching = config.async_scheduling, config.prefix_caching
-        self.reclaim = config.reclaim
+        # the KV cache group the token table mirrors (``layout``); with none (sliding window or
+        # chunked-local only) nothing is reclaimed and the checks watch vLLM's lists
+        self.group = self.harness.table_group
+        self.groups = len(self.harness.managers)
+        self.reclaim = config.reclaim and self.group is not None
         self.cfg = config.planner_config
         self.max_plans_per_step = config.max_plans_per_step
         self.checks = config.checks
@@ -203,7 +206,6 @@ class VTokenAdapter:
 
         if scheduler is not None:  # ``attach``: a scheduler built elsewhere, kept; its class gets the hooks
             self.harness = h = VllmHarness.around(scheduler)
-            check_supported_kv_config(h.kv_cache_config)  # refused at start, never mid-run
             sched = scheduler
             if not hasattr(type(sched), "vtoken_adapter"):  # not a VToken<...> class yet
                 sched.__class__ = scheduler_class(type(sched))
@@ -213,8 +215,8 @@ class VTokenAdapter:
             self.harness = h = VllmHarness(block_size=c.block_size, num_blocks=c.num_blocks,
                                            prefix_caching=c.prefix_caching, max_num_seqs=c.max_num_seqs,
                                            max_num_batched_tokens=c.max_num_batched_tokens,
-                                           max_model_len=c.max_model_len, async_scheduling=c.async_scheduling)
-            check_supported_kv_config(h.kv_cache_config)  # refused at start, never mid-run
+                                           max_model_len=c.max_model_len, async_scheduling=c.async_scheduling,
+                                           kv_layout=c.kv_layout, sliding_window=c.sliding_window)
             cls = scheduler_class(type(h.scheduler))
             sched = cls(vllm_config=h.vllm_config, kv_cache_config=h.kv_cache_config, block_size=c.block_size,
                         log_stats=False, structured_output_manager=StructuredOutputManager(h.vllm_config))
@@ -227,9 +229,10 @@ class VTokenAdapter:
         # destinations and fills), plans in flight; its frees go to vLLM at their fence
         self.lifecycle = Lifecycle(VllmPort(self.harness, self.stats), self.N, self.stats, exclusive_held=True)
         self.reserve = Headroom(self.harness, self.lifecycle, self.cfg.headroom if self.reclaim else 0,
-                                c.headroom_pool_fraction, self.S, self.stats)
+                                c.headroom_pool_fraction, self.S, self.stats, groups=self.groups)
         self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, self.pool.blocks,
-                                  on_start=self._on_list_start)
+                                  on_start=self._on_list_start, group=self.group,
+                                  groups=self.groups)
         self.fence = FenceLedger()
         self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=c.evict_unfaithful_hashes)
         self.checker = RuntimeChecks(harness=self.harness, table=self.table, lifecycle=self.lifecycle,
@@ -306,6 +309,13 @@ class VTokenAdapter:
     @property
     def kept_hashes(self) -> list:
         return self.hashes.kept
+
+    def worker_layout(self):
+        """vLLM's KV cache groups as the worker reads them (``layout.WorkerLayout``): the table's
+        group and the sliding-window group, if any. ``ConfigError`` when no group holds a table."""
+        from .layout import worker_layout
+
+        return worker_layout(self.harness.managers)
 
     def attach_worker(self, worker) -> None:
         self.worker = worker

@@ -1,5 +1,5 @@
 """The adapter's assumptions about vLLM and about itself, as a report states them, and what
-it refuses at start (a vLLM version not audited, a KV layout not supported).
+it refuses at start (a vLLM version not audited).
 
 :data:`ASSUMPTIONS` (name -> statement) and :class:`AdapterAssumptionError`, which every
 runtime check raises (its message starts ``assumption broken: <statement> [<name>]``).
@@ -34,10 +34,10 @@ ASSUMPTIONS: dict[str, str] = {
     "vllm_version": "the installed vLLM is the version the adapter was audited on (its contracts "
                     "and vLLM's own tests hold there; another version is audited first with "
                     "`vtoken audit --vllm VERSION`)",
-    "single_full_attention_pool": "the KV cache is one block pool of one full-attention KV "
-                                  "group (no sliding-window, chunked-local or hybrid groups: vLLM "
-                                  "itself puts the null block in their lists, and their blocks are "
-                                  "not the token table's)",
+    "kv_groups": "the token table mirrors one KV cache group whose blocks vLLM keeps until the "
+                 "request ends (full attention); every other group (sliding window, chunked-local, "
+                 "Mamba, cross-attention) is vLLM's, and no list of any group holds a block the "
+                 "adapter holds",
 }
 
 
@@ -48,24 +48,6 @@ class AdapterAssumptionError(AssertionError):
         self.check = check
         self.detail = detail
         super().__init__(f"assumption broken: {ASSUMPTIONS.get(check, check)} [{check}]: {detail}")
-
-
-def check_supported_kv_config(kv_cache_config) -> None:
-    """Refuse at start a KV layout the adapter does not support (``single_full_attention_pool``):
-    exactly one KV cache group whose spec is a ``FullAttentionSpec`` (subclasses, MLA, and a
-    recorded sliding window included); sliding-window, chunked-local, Mamba and hybrid layouts
-    raise :class:`AdapterAssumptionError` naming the group, before any state is built."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise AdapterAssumptionError("single_full_attention_pool", f"{len(groups)} KV cache groups {kinds}; "
-                                     "the adapter supports exactly one")
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec):
-        raise AdapterAssumptionError("single_full_attention_pool", f"the KV cache group's spec is "
-                                     f"{type(spec).__name__}, not full attention")
 
 
 # The audit of a candidate version sets this to that version so its checks can run the adapter.

@@ -5,8 +5,8 @@ the adapter's own intentions.
 in flight; the mirror, the fence ledger, pending releases) and vLLM's (``req_to_blocks``,
 ``deferred_frees``, every block's ``ref_cnt`` and hash) and raises
 :class:`~.assumptions.AdapterAssumptionError` naming the broken assumption: ``fence``,
-``reservation``, ``ownership``, ``prefix_hash``, ``null_substitution`` (the pool checks) and
-``table_in_step``. It owns nothing and changes nothing.
+``reservation``, ``ownership``, ``prefix_hash``, ``null_substitution``, ``kv_groups`` (the pool
+checks) and ``table_in_step``. It owns nothing and changes nothing.
 
 What a hook costs (``after_hook``): the checks run on what changed since the last hook,
 plus the adapter's own small, bounded holdings. The adapter reports the requests each of
@@ -150,16 +150,20 @@ class RuntimeChecks:
     # ------------------------------------------------------------------ the full scan
     def check_pool(self, where: str) -> None:
         """Reservation, ownership, fence and prefix-hash checks against the pool itself (a
-        block's holders counted from vLLM's own lists and deferred frees, not the mirror),
-        then every list against its mirror."""
+        block's holders counted from vLLM's own lists of every KV cache group and its deferred
+        frees, not the mirror), then every mirrored list against its mirror."""
         self.fence.check()
-        listed = {r: [b.block_id for b in lst if not b.is_null] for r, lst in self.harness.req_to_blocks.items()}
-        holders = Counter(chain.from_iterable(listed.values()))
+        # every group's lists: a block the adapter holds is in none of them (other groups' are vLLM's)
+        table_group = self.harness.table_group
+        listed = [(g, r, [b.block_id for b in lst if not b.is_null]) for g, r, lst in self.harness.all_lists()]
+        self._check_other_groups(where, [(g, r, ids) for g, r, ids in listed if g != table_group])
+        listed = [(r, ids) for _, r, ids in listed]
+        holders = Counter(chain.from_iterable(ids for _, ids in listed))
         in_lists = holders.copy()
         holders.update(self._deferred_counts())
 
         def list_holder(bid):  # the first request whose list holds bid (names a violation)
-            return next((r for r, ids in listed.items() if bid in ids), None) if in_lists.get(bid) else None
+            return next((r for r, ids in listed if bid in ids), None) if in_lists.get(bid) else None
 
         self.lifecycle.take_fresh()
         self.new_entries = []  # every list is scanned below
@@ -217,6 +221,20 @@ class RuntimeChecks:
             for role, blocks in (("source", p.sources), ("fill", p.fills), ("dest", p.dests)):
                 kind.update((b, (role, p)) for b in blocks)
         return kind
+
+    def _check_other_groups(self, where: str, lists) -> None:
+        """No list of a group the table does not mirror (``(group, request, block ids)``; vLLM's
+        sliding-window, chunked-local, Mamba lists) holds a block the adapter holds
+        (``kv_groups``). O(their blocks + the adapter's holdings)."""
+        if not lists:
+            return
+        kind = self._roles(self.lifecycle.headroom, list(self.held.items()))
+        for g, r, ids in lists:
+            bad = [b for b in ids if b in kind]
+            if bad:
+                raise AdapterAssumptionError(
+                    "kv_groups", f"{where}: block {bad[0]} ({_describe(kind[bad[0]])}) is in request {r!r}'s list of "
+                    f"KV cache group {g}, which vLLM manages: it was returned to the pool while the adapter holds it")
 
     def _check_new_entries(self, where: str) -> None:
         """No block vLLM put in a list since the last hook is one the adapter holds: in the

@@ -6,7 +6,8 @@ construction (:mod:`vtoken.fields`: :class:`~vtoken.errors.ConfigError` naming t
 the value) and normalised to a plain Python value, so a config that exists is valid and an
 adapter built from it never meets a bad field. ``VTokenAdapter(**fields)`` builds one.
 Owns: nothing but its values (frozen).
-May call: ``vtoken.fields``, ``vtoken.planner`` (``PlannerConfig``), ``vtoken.table`` (limits).
+May call: ``vtoken.fields``, ``vtoken.planner`` (``PlannerConfig``), ``vtoken.table`` (limits),
+``layout`` (the layout names).
 Costs: O(1) per construction.
 """
 
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..fields import need_bool, need_device, need_instance, need_int
+from ..fields import need_bool, need_choice, need_device, need_instance, need_int
 from ..planner import PlannerConfig
 from ..table import MAX_BLOCK_SIZE, MAX_BLOCKS
+from .layout import KV_LAYOUTS
 
 _OWN = "VTokenAdapter"
 _POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_plans_per_step", "check_full_every",
@@ -44,6 +46,10 @@ class AdapterConfig:
             request's first eviction (``prefix_hash``).
         headroom_pool_fraction: the headroom is at most 1/this of the live pool (default 16:
             no headroom below 17 blocks, where vLLM's own schedule needs every block).
+        kv_layout: vLLM's KV cache groups (``harness.KV_LAYOUTS``): ``full`` (one full-attention
+            group), ``hybrid`` (full attention + sliding window: the table mirrors the full
+            group, vLLM frees the window's blocks), ``sliding`` (no group to reclaim in).
+        sliding_window: the sliding-window group's window in tokens (None: two blocks).
 
     Integers are ints >= 1 unless stated (never bools), switches bools.
     """
@@ -64,6 +70,8 @@ class AdapterConfig:
     check_full_every: int = 64
     paranoid_checks: bool = False
     headroom_pool_fraction: int = 16
+    kv_layout: str = "full"
+    sliding_window: int | None = None
 
     def __post_init__(self):
         put = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 - frozen: set once, here
@@ -76,6 +84,9 @@ class AdapterConfig:
         pc = need_instance(_OWN, "planner_config", self.planner_config, PlannerConfig, none_ok=True)
         put("planner_config", pc if pc is not None else PlannerConfig())
         need_device(_OWN, "table_device", self.table_device)
+        need_choice(_OWN, "kv_layout", self.kv_layout, KV_LAYOUTS)
+        if self.sliding_window is not None:
+            put("sliding_window", need_int(_OWN, "sliding_window", self.sliding_window, 1))
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

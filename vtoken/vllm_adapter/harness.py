@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
 from . import VLLM_VERSION  # noqa: E402,F401 - one definition (the package's)
 from ..errors import OrderError  # noqa: E402
+from .layout import KV_LAYOUTS  # noqa: E402
 
 
 def ensure_cpu_env() -> None:
@@ -131,34 +132,34 @@ def _vllm_config(
     return vllm_config
 
 
-def _kv_cache_config(block_size: int, num_blocks: int) -> Any:
-    """One full-attention group of ``num_blocks`` blocks; the tensors are not allocated."""
+def _kv_cache_config(block_size: int, num_blocks: int, kv_layout: str = "full", sliding_window: int = 0) -> Any:
+    """The groups of ``kv_layout`` (``KV_LAYOUTS``) over one pool of ``num_blocks`` blocks:
+    a full-attention group, and for ``hybrid`` / ``sliding`` a sliding-window group of window
+    ``sliding_window`` tokens (vLLM frees its out-of-window blocks); tensors not allocated."""
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        SlidingWindowSpec,
     )
 
+    geo = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    specs = {"full": lambda: FullAttentionSpec(**geo),
+             "sliding": lambda: SlidingWindowSpec(**geo, sliding_window=sliding_window)}
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=block_size,
-                    num_kv_heads=1,
-                    head_size=1,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
+        kv_cache_groups=[KVCacheGroupSpec([f"{kind}{i}"], specs[kind]())
+                         for i, kind in enumerate(KV_LAYOUTS[kv_layout])],
     )
 
 
 class VllmHarness:
-    """One real vLLM scheduler + KV-cache manager with a single full-attention group."""
+    """One real vLLM scheduler + KV-cache manager over the groups of ``kv_layout`` (default one
+    full-attention group; ``hybrid``: full attention + a sliding window of ``sliding_window``
+    tokens, default two blocks). ``table_group``: the group the token table mirrors
+    (``layout.table_group``; None when no group qualifies)."""
 
     def __init__(
         self,
@@ -172,6 +173,8 @@ class VllmHarness:
         async_scheduling: bool = False,
         enable_chunked_prefill: bool = True,
         log_stats: bool = False,
+        kv_layout: str = "full",
+        sliding_window: int | None = None,
     ) -> None:
         ensure_cpu_env()
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -193,7 +196,11 @@ class VllmHarness:
             async_scheduling=async_scheduling,
             enable_chunked_prefill=enable_chunked_prefill,
         )
-        self.kv_cache_config = _kv_cache_config(block_size, num_blocks)
+        from ..fields import need_choice
+
+        need_choice("VllmHarness", "kv_layout", kv_layout, KV_LAYOUTS)
+        self.sliding_window = int(sliding_window) if sliding_window is not None else 2 * block_size
+        self.kv_cache_config = _kv_cache_config(block_size, num_blocks, kv_layout, self.sliding_window)
         cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = cls(
             vllm_config=self.vllm_config,
@@ -224,7 +231,8 @@ class VllmHarness:
         h.scheduler = scheduler
         h.vllm_config = scheduler.vllm_config
         h.kv_cache_config = scheduler.kv_cache_config
-        h.block_size = int(scheduler.block_size)
+        g = h.table_group  # the token table's block size is its group's (groups may differ)
+        h.block_size = int(h.managers[g].block_size if g is not None else scheduler.block_size)
         h.num_blocks = int(scheduler.kv_cache_config.num_blocks)
         h.prefix_caching = bool(scheduler.cache_config.enable_prefix_caching)
         h.async_scheduling = isinstance(scheduler, AsyncScheduler)
@@ -250,14 +258,34 @@ class VllmHarness:
     block_pool = pool
 
     @property
+    def managers(self) -> list:
+        """Every KV cache group's ``SingleTypeKVCacheManager``, in vLLM's group order."""
+        return list(self.scheduler.kv_cache_manager.coordinator.single_type_managers)
+
+    @property
+    def table_group(self):
+        """The index of the group the token table mirrors (``layout.table_group``), or None."""
+        from .layout import table_group
+
+        return table_group(self.managers)
+
+    @property
     def manager(self):
-        """The ``SingleTypeKVCacheManager`` of the only KV-cache group (full attention)."""
-        return self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        """The ``SingleTypeKVCacheManager`` of the token table's group (``table_group``); with
+        no such group, the first group's (nothing is mirrored then)."""
+        g = self.table_group
+        return self.managers[0 if g is None else g]
 
     @property
     def req_to_blocks(self):
         """Live ``req_id -> list[KVCacheBlock]`` of the manager (mutating it is visible)."""
         return self.manager.req_to_blocks
+
+    def all_lists(self):
+        """``(group, request, block list)`` over every group's live lists (vLLM's own)."""
+        for g, m in enumerate(self.managers):
+            for r, lst in m.req_to_blocks.items():
+                yield g, r, lst
 
     @property
     def num_cached_block(self):

@@ -19,15 +19,18 @@ class Headroom:
     """The reservation policy of one adapter: ``harness`` (whose ``scheduler`` and ``pool`` are
     the adapter's), ``lifecycle`` (the reserved blocks), ``size`` (``PlannerConfig.headroom``; 0:
     nothing taken or withheld), at most 1/``pool_fraction`` of the live pool; ``block_size`` (a
-    waiting prompt's blocks are kept for it); ``stats``, the adapter's counters."""
+    waiting prompt's blocks are kept for it); ``stats``, the adapter's counters; ``groups``: vLLM's
+    KV cache groups (each grows its own list from the one pool: a step may take a block per group)."""
 
-    def __init__(self, harness, lifecycle, size: int, pool_fraction: int, block_size: int, stats: dict):
+    def __init__(self, harness, lifecycle, size: int, pool_fraction: int, block_size: int, stats: dict,
+                 groups: int = 1):
         assert int(pool_fraction) >= 1, "the adapter refuses headroom_pool_fraction < 1 before building"
         self.harness, self.lifecycle = harness, lifecycle
         self.size = int(size)
         self.pool_fraction = int(pool_fraction)
         self.S = int(block_size)
         self.stats = stats
+        self.groups = int(groups)
         self.withheld: list = []  # fresh requests sitting out the current schedule()
         self.starved = False  # given back because nothing could be admitted beside it
 
@@ -51,15 +54,16 @@ class Headroom:
         return len(self.lifecycle.give_back())
 
     def before_schedule(self) -> None:
-        """Top the reservation up, yielding to growth first (one free block kept per running
-        request and, when idle, the next admission's prompt: vLLM never preempts or stalls for a
-        block the headroom holds); then withhold fresh admissions while short. O(1)."""
+        """Top the reservation up, yielding to growth first (one free block per group kept per
+        running request and, when idle, the next admission's prompt in every group: vLLM never
+        preempts or stalls for a block the headroom holds); then withhold fresh admissions while
+        short. O(1)."""
         sched, pool, lc = self.harness.scheduler, self.harness.pool, self.lifecycle
         if self.size:
-            free, reserve = pool.get_num_free_blocks(), len(sched.running)
+            free, reserve = pool.get_num_free_blocks(), len(sched.running) * self.groups
             if not sched.running and len(sched.waiting):  # idle: the next admission's prompt first
                 head = sched.waiting.peek_request()
-                reserve += -(-(head.num_tokens - head.num_computed_tokens) // self.S)
+                reserve += -(-(head.num_tokens - head.num_computed_tokens) // self.S) * self.groups
             if free < reserve and lc.headroom:
                 lc.give_back(reserve - free)
                 self.stats["headroom_yielded"] += 1

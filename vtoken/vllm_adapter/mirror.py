@@ -1,5 +1,6 @@
 """The block-list mirror: each request's positional block ids exactly as vLLM's outputs sent
-them, and null substitution.
+them, and null substitution, for the KV cache group the token table mirrors (``group``; the
+other groups' new entries are recorded for the checks, their lists are vLLM's).
 
 Owns: per request ``ids`` (the positional block ids), ``pos`` (block id -> index), ``subst``
 (index -> block id replaced by ``null_block``), ``incarnation`` (the step that (re)started the
@@ -19,8 +20,11 @@ from .assumptions import AdapterAssumptionError
 
 
 class BlockMirror:
-    def __init__(self, req_to_blocks, null_block, blocks, on_start: Optional[Callable[[str, int], None]] = None):
+    def __init__(self, req_to_blocks, null_block, blocks, on_start: Optional[Callable[[str, int], None]] = None,
+                 group: Optional[int] = 0, groups: int = 1):
         self.req_to_blocks = req_to_blocks  # vLLM's live dict: request -> list of KVCacheBlock
+        self.group = group  # the index of the mirrored group in the outputs' block_ids (None: none)
+        self.groups = int(groups)  # KV cache groups in the outputs' block_ids
         self.null = null_block
         self.blocks = blocks  # vLLM's pool.blocks: block id -> its KVCacheBlock (blocks[i].block_id == i)
         self.on_start = on_start  # called with (request, seq) when a list (re)starts
@@ -42,13 +46,18 @@ class BlockMirror:
 
     def observe(self, sched_out, seq_next: int) -> None:
         """Mirror one ``SchedulerOutput`` (``seq_next``: the step it carries)."""
-        for d in sched_out.scheduled_new_reqs:
-            self.start(d.req_id, list(d.block_ids[0]), seq_next)
+        g = self.group
         c = sched_out.scheduled_cached_reqs
+        if self.groups > 1 or g is None:
+            self._observe_others(sched_out)  # other groups' new entries: for the checks only
+        if g is None:
+            return
+        for d in sched_out.scheduled_new_reqs:
+            self.start(d.req_id, list(d.block_ids[g]), seq_next)
         resumed = c.resumed_req_ids
         # a decode step grows few lists: only requests with new blocks (or resumed) are visited
-        for r, nb in [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if (nb and nb[0]) or r in resumed]:
-            ids = list(nb[0]) if nb else []
+        for r, nb in [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if (nb and nb[g]) or r in resumed]:
+            ids = list(nb[g]) if nb else []
             if r in resumed:
                 self.start(r, ids, seq_next)
             elif ids:
@@ -62,6 +71,18 @@ class BlockMirror:
                     self.where.setdefault(b, set()).add(r)
                 self.new_ids += [(r, b) for b in ids]
                 self.changed.add(r)
+
+    def _observe_others(self, sched_out) -> None:
+        """Record ``(request, block id)`` for every block that entered a list of a group other
+        than the mirrored one (those lists are vLLM's: not mirrored, checked against what the
+        adapter holds). O(new block ids)."""
+        g = self.group
+        c = sched_out.scheduled_cached_reqs
+        pairs = [(d.req_id, d.block_ids) for d in sched_out.scheduled_new_reqs]
+        pairs += [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if nb is not None]
+        null = self.null.block_id
+        self.new_ids += [(r, b) for r, per_group in pairs for k, ids in enumerate(per_group) if k != g
+                         for b in ids if b != null]
 
     def start(self, r: str, ids: list[int], seq: int) -> None:
         """A new block list for ``r`` (a new request or a resumed one)."""

@@ -45,22 +45,25 @@ from ..copy_engine import KVCopyEngine, checker_factory
 from .messages import WorkerReport
 from ..errors import OrderError
 from ..fields import need_choice, need_device, need_instance, need_int, need_number, refuse
-from ..model.decoder import DecodeItem, PagedDecoder, _Group, greedy
+from ..model.decoder import DecodeItem, PagedDecoder, Windowed, _Group, greedy
 from ..lifecycle import Copies
 from ..policies import make_policy
 from ..table import TokenTable
+from .layout import WorkerLayout
 
 __all__ = ["VTokenWorker", "WorkerReport", "check_worker_config"]
 
 
 def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_kwargs, evict_ratio, seed,
-                        check_relocations, snapshot_dir, copy_lag, device, copy_engine_factory) -> dict:
+                        check_relocations, snapshot_dir, copy_lag, device, copy_engine_factory,
+                        layout=None) -> dict:
     """Every field of ``VTokenWorker``'s configuration, checked before anything is built
     (ConfigError naming the field and value): ``model`` a ``PagedDecoder``; ``table`` a
     ``TokenTable`` of ``block_size`` x ``num_blocks``; ``policy`` a registered name,
     ``policy_kwargs`` a dict or None; ``evict_ratio`` in [0, 1); ``seed``, ``copy_lag`` >= 0;
     ``device`` a torch device; ``snapshot_dir`` a path or None; ``copy_engine_factory`` callable
-    or None; ``check_relocations`` per ``copy_engine.checker_factory``. Returns plain numbers."""
+    or None; ``check_relocations`` per ``copy_engine.checker_factory``; ``layout`` a
+    ``WorkerLayout`` or None (a windowed layout needs a model of 2 layers or more). Returns plain numbers."""
     import os
 
     from ..policies import POLICIES
@@ -83,6 +86,9 @@ def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_
     if copy_engine_factory is not None and not callable(copy_engine_factory):
         refuse("bad_type", own, "copy_engine_factory", "a callable or None", copy_engine_factory)
     checker_factory(check_relocations, own)
+    need_instance(own, "layout", layout, WorkerLayout, none_ok=True)
+    if layout is not None and layout.window_group is not None and not layout.window_layers(model.config.num_layers):
+        refuse("out_of_range", own, "layout", "a model of 2 layers or more for a sliding-window group", layout)
     return out
 
 
@@ -92,6 +98,7 @@ class _WorkerRequest:
     outputs: list
     blocks: list  # positional block ids (append-only, replaced on resume)
     evicting: bool = False
+    wblocks: list = None  # the sliding-window group's positional block ids (a hybrid layout)
 
     @property
     def tokens(self) -> list:
@@ -111,17 +118,22 @@ class VTokenWorker:
         snapshot_dir: where a failing relocation's snapshot goes.
         copy_lag: a copy completes on its ``copy_lag``-th poll (``KVCopyEngine(lag=...)``).
         copy_engine_factory: ``(kv, block_size, lag=...) -> engine`` (default :class:`KVCopyEngine`).
+        layout: vLLM's KV cache groups as the worker reads them (``layout.WorkerLayout``; None:
+            one full-attention group). With a sliding-window group, the model's windowed layers
+            write and read that group's blocks by position, the last ``window`` tokens.
     Arguments are checked first (:func:`check_worker_config`).
     """
 
     def __init__(self, model: PagedDecoder, table: TokenTable, num_blocks: int, block_size: int, *,
                  policy: str = "h2o", policy_kwargs: dict | None = None, evict_ratio: float = 0.5,
                  seed: int = 0, check_relocations=None, snapshot_dir=None, copy_lag: int = 0,
-                 device: str = "cpu", copy_engine_factory=None):
+                 device: str = "cpu", copy_engine_factory=None, layout: WorkerLayout | None = None):
         c = check_worker_config(model=model, table=table, num_blocks=num_blocks, block_size=block_size, policy=policy,
                                 policy_kwargs=policy_kwargs, evict_ratio=evict_ratio, seed=seed,
                                 check_relocations=check_relocations, snapshot_dir=snapshot_dir, copy_lag=copy_lag,
-                                device=device, copy_engine_factory=copy_engine_factory)
+                                device=device, copy_engine_factory=copy_engine_factory, layout=layout)
+        self.layout = layout if layout is not None else WorkerLayout()
+        self.window_layers = self.layout.window_layers(model.config.num_layers)
         num_blocks, block_size, evict_ratio, seed, copy_lag = (c[k] for k in ("num_blocks", "block_size", "evict_ratio",
                                                                               "seed", "copy_lag"))
         self.model = model
@@ -197,23 +209,29 @@ class VTokenWorker:
                     self.stats["releases"] += len(blocks)
         # 4. block lists (and token ids of new / resumed requests)
         starts: dict[str, int] = {}
+        g, wg = self.layout.table, self.layout.window_group
         for d in sched_out.scheduled_new_reqs:
-            self.reqs[d.req_id] = _WorkerRequest(list(d.prompt_token_ids), [], list(d.block_ids[0]))
+            self.reqs[d.req_id] = _WorkerRequest(list(d.prompt_token_ids), [], list(d.block_ids[g]),
+                                                 wblocks=list(d.block_ids[wg]) if wg is not None else None)
             starts[d.req_id] = d.num_computed_tokens
         c = sched_out.scheduled_cached_reqs
         for i, r in enumerate(c.req_ids):
             w = self.reqs[r]
             nb = c.new_block_ids[i]
-            ids = list(nb[0]) if nb else []
+            ids = list(nb[g]) if nb else []
+            wids = list(nb[wg]) if nb and wg is not None else []
             n_out = c.num_output_tokens[i]
             if r in c.resumed_req_ids:
                 if r in t:
                     self._drop(r, forget=False)
                 w.blocks = ids
+                w.wblocks = wids if wg is not None else None
                 if n_out > 0 and r in c.all_token_ids:
                     w.outputs = list(c.all_token_ids[r][-n_out:])
             else:
                 w.blocks += ids
+                if wg is not None:
+                    w.wblocks += wids
                 if n_out < len(w.outputs):
                     del w.outputs[n_out:]
             starts[r] = c.num_computed_tokens[i]
@@ -259,7 +277,10 @@ class VTokenWorker:
         write = t.sync_new_tokens(r, w.blocks, start + k)
         t.flush()
         model, kv = self.model, self.kv
-        if decode:
+        if w.wblocks is not None:  # a hybrid layout: the windowed layers read their group's blocks
+            lg, st = self._forward_windowed(r, w, toks, start, k, read, write)
+            self.stats["decode_tokens" if decode else "prefill_tokens"] += k
+        elif decode:
             logits, stats = model.decode_step(kv, [DecodeItem(int(toks[start]), start, int(write[0]), read)])
             lg, st = logits[0], stats[0]
             self.stats["decode_tokens"] += 1
@@ -279,6 +300,35 @@ class VTokenWorker:
             w.outputs.append(nxt)
             return nxt
         return None
+
+    def _window_slots(self, r: str, w: _WorkerRequest, lo: int, hi: int) -> torch.Tensor:
+        """The sliding-window group's slots of positions ``[lo, hi)``, by position through its
+        block list. A position whose block vLLM already freed (null) is refused: vLLM must keep
+        the window (``OrderError``, nothing computed)."""
+        S, blocks = self.S, w.wblocks
+        pos = np.arange(lo, hi, dtype=np.int64)
+        idx = pos // S
+        if len(idx) and (idx[-1] >= len(blocks) or any(blocks[i] == 0 for i in set(idx.tolist()))):
+            raise OrderError("state_mismatch", f"worker: request {r!r}: the sliding-window group holds no block for "
+                             f"some position of [{lo}, {hi}) (its blocks {blocks})")
+        return torch.from_numpy(np.asarray(blocks, dtype=np.int64)[idx] * S + pos % S).to(self.kv.device)
+
+    def _forward_windowed(self, r: str, w: _WorkerRequest, toks: list, start: int, k: int, read, write):
+        """One chunk of a hybrid model: full-attention layers over the table's live tokens
+        (``read``, then the chunk at ``write``), windowed layers over the last ``window``
+        positions of the window group. Returns the last row's logits and the full layers' stats."""
+        kv, win = self.kv, self.layout.window
+        ws = torch.from_numpy(np.ascontiguousarray(write)).to(kv.device)
+        keys = torch.cat([read.to(kv.device), ws])
+        lo = max(0, start - win + 1)
+        wkeys = self._window_slots(r, w, lo, start + k)
+        windowed = Windowed(self.window_layers, wkeys[start - lo:], [_Group(0, k, wkeys, k > 1, win)])
+        ids = torch.as_tensor(toks[start:start + k], dtype=torch.int64)
+        pos = torch.arange(start, start + k, dtype=torch.int64)
+        with torch.inference_mode():
+            logits, stats = self.model._forward(kv, ids, pos, ws, [_Group(0, k, keys, k > 1)], slice(k - 1, k),
+                                                windowed=windowed)
+        return logits[0], stats[0]
 
     def _evict(self, r: str, n: int) -> None:
         t = self.table
