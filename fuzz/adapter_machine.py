@@ -66,47 +66,55 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vtoken.vllm_adapter import harness  # noqa: F401 - the CPU environment before vLLM loads
 
+from . import hard_states
 from .hard_states import hard, note_snapshot
 from vtoken.invariants.relocation_hash import RelocationChecker
 
-_MODEL = None
+_MODEL: dict = {}  # layer count -> the decoder
 
 
-def _model():
-    """One tiny seeded decoder for every example (bitwise stable with one torch thread)."""
-    global _MODEL
-    if _MODEL is None:
+def _model(layers: int = 1):
+    """One tiny seeded decoder per layer count for every example (bitwise stable with one torch
+    thread): one layer, or two for a hybrid layout (its second layer reads the sliding window)."""
+    if layers not in _MODEL:
         import torch
 
         from vtoken.model import DecoderConfig, PagedDecoder
 
         torch.set_num_threads(1)
         torch.manual_seed(0)
-        _MODEL = PagedDecoder(DecoderConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                            intermediate_size=64, vocab_size=64))
-    return _MODEL
+        _MODEL[layers] = PagedDecoder(DecoderConfig(num_layers=layers, hidden_size=32, num_heads=2, num_kv_heads=1,
+                                                    head_dim=16, intermediate_size=64, vocab_size=64))
+    return _MODEL[layers]
 
 
 class _Run:
     """One adapter + worker + driver, and what the machine observes of it."""
 
     def __init__(self, *, reclaim: bool, S, N, H, B, async_, caching, lag, ratio, budget, checks: bool,
-                 in_place: bool = True, engine: str | None = None, fail_every: int = 3):
+                 in_place: bool = True, engine: str | None = None, fail_every: int = 3, layout: str = "full",
+                 vllm_clock: bool = False):
         from vtoken.invariants.plan_contract import check_proposal
         from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
+        from vtoken.vllm_adapter.harness import VllmHarness
         from vtoken.vllm_adapter.worker import VTokenWorker
 
         from .faulty_engines import ADAPTER_ENGINES
 
-        self.ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
-                                reclaim=reclaim, max_model_len=512, max_num_batched_tokens=budget, max_num_seqs=8,
-                                planner_config=default_adapter_planner_config(headroom=H, max_sources=B,
-                                                                              record_snapshots=reclaim,
-                                                                              in_place=in_place),
-                                checks=checks,
-                                # pools of 16-48 blocks: the shipped cap (1/16) would leave no
-                                # headroom at all; 1/4 keeps reclamation under test on them
-                                headroom_pool_fraction=4)
+        own = dict(reclaim=reclaim, checks=checks,
+                   planner_config=default_adapter_planner_config(headroom=H, max_sources=B, record_snapshots=reclaim,
+                                                                 in_place=in_place),
+                   # pools of 16-48 blocks: the shipped cap (1/16) would leave no headroom at
+                   # all; 1/4 keeps reclamation under test on them
+                   headroom_pool_fraction=4)
+        vllm_side = dict(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_, max_model_len=512,
+                         max_num_batched_tokens=budget, max_num_seqs=8, kv_layout=layout)
+        if vllm_clock:  # vLLM runs its own deferred frees (a KV-consumer connector's setting): its clock
+            h = VllmHarness(**vllm_side)
+            h.scheduler.defer_block_free = True
+            self.ad = VTokenAdapter.attach(h.scheduler, **own)
+        else:  # vLLM's default: the adapter keeps its own clock and fences only its own frees
+            self.ad = VTokenAdapter(**vllm_side, **own)
         factory = None
         self.engine = engine  # an adapter-side engine of fuzz.faulty_engines, or None (the shipped one)
         if engine is not None:
@@ -116,9 +124,9 @@ class _Run:
             def factory(kv, block_size, **lag_kw):
                 return cls(kv, block_size, **lag_kw, **kw)
 
-        self.w = VTokenWorker(_model(), self.ad.table, N, S, policy="random", evict_ratio=ratio, seed=0,
+        self.w = VTokenWorker(_model(2 if layout == "hybrid" else 1), self.ad.table, N, S, policy="random", evict_ratio=ratio, seed=0,
                               check_relocations=RelocationChecker if reclaim else None, copy_lag=lag,
-                              copy_engine_factory=factory)
+                              copy_engine_factory=factory, layout=self.ad.worker_layout())
         self.d = AdapterDriver(self.ad, self.w)
         if reclaim:
             self.ad.plan_hook = check_proposal
@@ -139,6 +147,7 @@ class _Run:
         self.last_sched: dict[str, int] = {}  # request -> the last step that scheduled it
         self.fence_errors: list = []
         self.steps = 0
+        self.in_port = 0  # > 0 while the adapter's port frees (its own blocks: fenced on either clock)
         self._instrument()
 
     def _instrument(self):
@@ -181,7 +190,11 @@ class _Run:
 
         def free_spy(blocks):
             blocks = list(blocks)
-            processed = ad.scheduler.processed_step_seq
+            processed = ad.clock.processed
+            # a request's blocks wait for its last step: all of them on vLLM's clock (its deferred
+            # frees); on the adapter's, vLLM frees its lists at once (as without vtoken) and only
+            # the adapter's own frees (through its port) are fenced
+            fenced = not ad.clock.own or self.in_port
             free_blocks(blocks)
             for b in blocks:
                 if b.ref_cnt != 0:
@@ -190,7 +203,7 @@ class _Run:
                 if left is None and b.block_id in self.holder_of:  # it left its request within this very call
                     r = self.holder_of.pop(b.block_id)
                     left = (r, self.last_sched.get(r, 0))
-                if left is not None and left[1] > processed:
+                if fenced and left is not None and left[1] > processed:
                     self.fence_errors.append(
                         f"block {b.block_id} of request {left[0]!r} returned to the pool at processed step {processed}, "
                         f"but step {left[1]}, the last that scheduled the request while it held the block (and may "
@@ -205,6 +218,16 @@ class _Run:
                         f"block {b.block_id}, source of plan {pid} (step {seq}), returned to the pool at processed "
                         f"step {processed} with its copy {'reported done' if self.reports.get(pid) else 'not reported done'}")
 
+        def in_port(fn):
+            def call(*a, **kw):
+                self.in_port += 1
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.in_port -= 1
+            return call
+
+        ad.port.free, ad.port.drain = in_port(ad.port.free), in_port(ad.port.drain)
         on_free = ad._on_request_free
 
         def on_free_spy(request):
@@ -246,7 +269,7 @@ class _Run:
         self.steps += 1
         if so.total_num_scheduled_tokens > 0:
             for r in so.num_scheduled_tokens:
-                self.last_sched[r] = ad.scheduler.sched_step_seq
+                self.last_sched[r] = ad.clock.seq
         for r in so.preempted_req_ids or ():
             self.preempted.add(r)
         c = so.scheduled_cached_reqs
@@ -256,7 +279,8 @@ class _Run:
                 hard("copy pending across preempt and resume")
         meta = getattr(so, "vtoken", None)
         if meta is not None:
-            grown = {r for r, nb in zip(c.req_ids, c.new_block_ids) if nb and nb[0]}
+            g = ad.group
+            grown = {r for r, nb in zip(c.req_ids, c.new_block_ids) if nb and nb[g]}
             for p in meta.plans:
                 # where each source and fill was (the lists as last observed: a plan takes
                 # no block that entered a list in this step): its index, or -1 (held)
@@ -363,7 +387,7 @@ class _Run:
             left = [b for b in t.releasable_blocks(r).tolist()
                     if b != tail and ad.block(b).ref_cnt == 1 and ad.accounted(r, b) is not None]
             assert not left, (f"request {r!r}: all-dead blocks {sorted(left)} not released at step "
-                              f"{ad.scheduler.sched_step_seq} (queued for release: {r in ad.release_todo}, "
+                              f"{ad.clock.seq} (queued for release: {r in ad.release_todo}, "
                               f"status {req.status}, table refs {[int(t.block_refs(b)) for b in left]})")
 
     def check_ledger(self):
@@ -373,8 +397,8 @@ class _Run:
         ad = self.ad
         pool = ad.pool
         owners: dict[str, list] = {}
-        for r, lst in ad.req_to_blocks.items():
-            owners[f"list of {r!r}"] = [b.block_id for b in lst if not b.is_null]
+        for g, r, lst in ad.harness.all_lists():  # every KV cache group's (the others' are vLLM's)
+            owners[f"list of {r!r} (group {g})"] = [b.block_id for b in lst if not b.is_null]
         owners["headroom"] = [b.block_id for b in ad.headroom]
         for r, v in ad.held.items():
             owners[f"destinations of {r!r}"] = list(v)
@@ -382,6 +406,8 @@ class _Run:
             owners[f"plan {p.id}"] = p.blocks
         for i, (seq, blocks) in enumerate(ad.scheduler.deferred_frees):
             owners[f"deferred free #{i} (fence {seq})"] = [b.block_id for b in blocks if not b.is_null]
+        for i, (seq, ids) in enumerate(ad.port.deferred):
+            owners[f"the adapter's deferred free #{i} (fence {seq})"] = list(ids)
         owners["machine (pool pressure)"] = [b.block_id for b in self.grabbed]
         refs = {b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null and b.ref_cnt}
         free = [b.block_id for b in pool.blocks if not b.is_null and b.ref_cnt == 0]
@@ -427,8 +453,9 @@ class AdapterMachine(RuleBasedStateMachine):
                 async_=st.booleans(), caching=st.sampled_from([True, True, False]),
                 lag=st.sampled_from([0, 1, 2, 3, 4, 0, 1, 2, 6, 7, 8, 9, 10]),
                 ratio=st.sampled_from([0.3, 0.5, 0.6]), budget=st.sampled_from([2048, 2048, 64]),
-                in_place=st.booleans(), engine=st.sampled_from(ENGINE_DRAWS), fail_every=st.integers(2, 4))
-    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget, in_place, engine, fail_every):
+                in_place=st.booleans(), engine=st.sampled_from(ENGINE_DRAWS), fail_every=st.integers(2, 4),
+                layout=st.sampled_from(["full", "full", "hybrid"]), vllm_clock=st.booleans())
+    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget, in_place, engine, fail_every, layout, vllm_clock):
         # both compactions: in place (the default: fills, no destination) and out of place
         # (the paper's: fresh headroom destinations), so faults of either path are reachable;
         # copies up to 10 steps late (in pools of 16-48 blocks, so a copy outlives its
@@ -436,10 +463,18 @@ class AdapterMachine(RuleBasedStateMachine):
         # one, one whose copies fail now and then (the aborted path), or one planting a
         # fault every check must catch (a byte flipped in flight, a fill stolen)
         in_place = in_place or engine == "steal_fill"  # a fill to steal
+        # and the KV layout (one full-attention group, or full attention + a sliding window of two
+        # blocks) and the fence's clock (the adapter's, as vLLM runs by default, or vLLM's)
         kw = dict(S=S, N=N, H=H, B=B, async_=async_, caching=caching, lag=lag, ratio=ratio, budget=budget,
-                  in_place=in_place)
+                  in_place=in_place, layout=layout, vllm_clock=vllm_clock)
         note(f"adapter machine: {kw}, engine {engine}" + (f" (every {fail_every})" if engine == "copy_fails" else ""))
+        config = f"{layout} KV layout, {'vLLM' if vllm_clock else 'adapter'} clock"
+        event(config)
+        hard_states.tag(config)  # the campaign counts each hard state per configuration too
         self.S, self.N, self.H = S, N, H
+        # a prefill (a request's first, or its recompute after preemption) writes every position
+        # in both groups of a hybrid layout: twice the blocks until vLLM frees the window's
+        self.groups = 2 if layout == "hybrid" else 1
         self.vt = _Run(reclaim=True, checks=True, engine=engine, fail_every=fail_every, **kw)
         self.ref = _Run(reclaim=False, checks=True, **kw)
         self.halted = None
@@ -515,7 +550,7 @@ class AdapterMachine(RuleBasedStateMachine):
     def _add(self, prompt, max_tokens):
         # a request that can never fit the pool (with the headroom taken) would livelock
         # vLLM itself: keep every request feasible alone
-        if -(-(len(prompt) + max_tokens) // self.S) > self.N - 2 - self.H:
+        if -(-(len(prompt) + max_tokens) // self.S) * self.groups > self.N - 2 - self.H:
             return
         rid = f"r{self.next_id}"
         self.next_id += 1

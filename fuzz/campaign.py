@@ -227,6 +227,7 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=
             left[name] -= n_batch
         m = machines[name]
         ops0, hard0 = m.ops, Counter(hard_states.COUNTS)
+        hard_states.tag(None)  # a machine tags its examples' configurations itself
         t0 = time.time()
         try:
             from hypothesis.stateful import run_state_machine_as_test
@@ -433,9 +434,10 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
         # a worker runs one batch at a time: a machine's ops over the seconds workers spent in it
         summary["ops_per_s_by_machine"] = {m: summary["ops_by_machine"][m] / max(t, 1e-9)
                                            for m, t in summary.get("seconds_by_machine", {}).items()}
-        from .hard_states import states_of
+        from .hard_states import by_tag, states_of
 
         summary["hard_states"] = {h: hard.get(h, 0) for h in states_of(names)}
+        summary["hard_states_by_config"] = by_tag(hard)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
     try:
@@ -566,20 +568,24 @@ def main_fuzz(argv) -> int:
               f"{'partial results: ' + str(summary) if summary.exists() else 'no summary written'}",
               file=sys.stderr, flush=True)
         return 130
+    text = sys.stderr if a.json else sys.stdout  # --json: stdout holds the JSON alone
     print(f"ops {s['ops']} in {s['seconds']:.0f} s: {s['ops_per_s_per_worker']:.0f} ops/s per worker, "
-          f"{s['failures']} failure(s); hard states: " + ", ".join(f"{k} {v}" for k, v in s["hard_states"].items()))
+          f"{s['failures']} failure(s); hard states: " + ", ".join(f"{k} {v}" for k, v in s["hard_states"].items()),
+          file=text)
+    for config, states in s.get("hard_states_by_config", {}).items():
+        print(f"  {config}: " + ", ".join(f"{k} {v}" for k, v in states.items()), file=text)
     for m, why in s["machines_unavailable"].items():
-        print(f"machine {m} NOT RUN: {why}")
+        print(f"machine {m} NOT RUN: {why}", file=text)
     if s["interrupted"]:
         done = ", ".join(f"{m} {n} ops" for m, n in s["ops_by_machine"].items()) or "no batch finished"
         print(f"interrupted after {s['seconds']:.0f} s ({done}; {s['failures']} failure(s)); partial results: "
               f"{Path(a.out) / 'summary.json'}" + (f", failures in {Path(a.out) / 'failures'}" if s["failures"] else ""),
-              flush=True)
+              flush=True, file=text)
     for err in s["worker_errors"]:
-        print(f"a worker crashed (not a failure of a machine): {err}")
+        print(f"a worker crashed (not a failure of a machine): {err}", file=text)
     if a.json:
         print(json.dumps({k: s.get(k) for k in ("workers", "ops", "seconds", "ops_per_s_per_worker", "failures",
-                                                "hard_states", "interrupted", "ops_by_machine", "ops_per_s_by_machine",
+                                                "hard_states", "hard_states_by_config", "interrupted", "ops_by_machine", "ops_per_s_by_machine",
                                                 "machines_unavailable", "db_error", "ray", "worker_errors")}))
     if s["interrupted"]:
         return 130

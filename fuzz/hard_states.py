@@ -4,7 +4,11 @@ Machines call :func:`hard` when they reach one; it is a Hypothesis ``event`` (so
 ``--hypothesis-show-statistics`` shows it) and a process-wide counter the campaign runner
 reports. Keep configurations small (few blocks, small S) so these states are common.
 
-Owns: one process-wide counter of the hard states reached.
+A machine may tag the configuration its current example runs (:func:`tag`, e.g. the adapter
+machine's KV layout and fence clock): each state is then also counted under
+``"<state> [<tag>]"``, so a campaign can say how often each state was reached in each
+configuration (:func:`by_tag`).
+Owns: one process-wide counter of the hard states reached, and the current tag.
 May call: hypothesis (``event``), collections.
 Costs: O(1) per call.
 """
@@ -55,10 +59,31 @@ COUNTS: Counter = Counter()
 LAST_SNAPSHOT: dict = {}  # the most recent plan snapshot a machine made (for failure reports)
 
 
+TAG: str | None = None  # the configuration of the example running now (None: untagged)
+
+
+def tag(config: str | None) -> None:
+    """The configuration the current example runs (its hard states are counted under it too)."""
+    global TAG
+    TAG = config
+
+
 def hard(name: str) -> None:
     assert name in HARD_STATES, f"unknown hard state {name!r}"
     COUNTS[name] += 1
+    if TAG is not None:
+        COUNTS[f"{name} [{TAG}]"] += 1
     event(f"hard: {name}")
+
+
+def by_tag(counts) -> dict:
+    """``{tag: {state: count}}`` from a counter of :func:`hard`'s keys (untagged keys left out)."""
+    out: dict = {}
+    for key, n in counts.items():
+        if key.endswith("]") and " [" in key:
+            name, t = key[:-1].split(" [", 1)
+            out.setdefault(t, {})[name] = out.get(t, {}).get(name, 0) + n
+    return {t: dict(sorted(v.items())) for t, v in sorted(out.items())}
 
 
 def note_snapshot(snap) -> None:

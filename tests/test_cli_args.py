@@ -364,8 +364,9 @@ def test_fuzz_ctrl_c_reports_partial_results_and_exits_130(tmp_path, monkeypatch
     assert "Traceback" not in std.out + std.err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["ops"] == 123
-    assert "interrupted" in std.out and "table 123 ops" in std.out and str(out / "summary.json") in std.out
-    assert json.loads(std.out.strip().splitlines()[-1])["interrupted"] is True
+    # --json: the text goes to stderr, stdout holds the JSON alone
+    assert "interrupted" in std.err and "table 123 ops" in std.err and str(out / "summary.json") in std.err
+    assert json.loads(std.out)["interrupted"] is True
 
 
 def test_fuzz_ctrl_c_before_any_batch_exits_130(tmp_path, monkeypatch, capsys):

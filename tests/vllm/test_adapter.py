@@ -29,13 +29,25 @@ def prompt(i: int, n: int, base: int = 0) -> list[int]:
 
 
 def make(model, *, S=8, N=48, H=4, caching=True, async_=False, lag=0, policy="random", ratio=0.5,
-         reclaim=True, batched=2048, seed=0):
+         reclaim=True, batched=2048, seed=0, vllm_clock=False):
+    """An adapter, its worker and driver. ``vllm_clock``: vLLM's deferred frees are on (as a
+    KV-consumer connector sets them) before the adapter attaches, so the fence runs on vLLM's
+    counters; else on the adapter's own."""
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
+    from vtoken.vllm_adapter.harness import VllmHarness
     from vtoken.vllm_adapter.worker import VTokenWorker
 
-    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
-                       reclaim=reclaim, planner_config=default_adapter_planner_config(headroom=H),
-                       max_num_batched_tokens=batched, max_model_len=512, headroom_pool_fraction=4)
+    own = dict(reclaim=reclaim, planner_config=default_adapter_planner_config(headroom=H), headroom_pool_fraction=4)
+    vllm_side = dict(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
+                     max_num_batched_tokens=batched, max_model_len=512)
+    if vllm_clock:
+        h = VllmHarness(**vllm_side)
+        h.scheduler.defer_block_free = True
+        ad = VTokenAdapter.attach(h.scheduler, **own)
+        assert not ad.clock.own
+    else:
+        ad = VTokenAdapter(**vllm_side, **own)
+        assert ad.clock.own and not ad.scheduler.defer_block_free
     w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy=policy, evict_ratio=ratio, seed=seed, copy_lag=lag)
     return ad, w, AdapterDriver(ad, w)
 
@@ -149,11 +161,13 @@ def test_outputs_equal_with_and_without_reclamation(model):
 
 
 # ---------------------------------------------------------------------------- the fence
+@pytest.mark.parametrize("vllm_clock", [False, True])
 @pytest.mark.parametrize("async_,lag", [(True, 0), (False, 3), (True, 2)])
-def test_sources_freed_only_after_the_fence(model, async_, lag):
+def test_sources_freed_only_after_the_fence(model, async_, lag, vllm_clock):
     """A plan's sources stay referenced until its step was processed AND its copy completed
-    (``copy_lag``: the copy completes on a later poll, i.e. a later step)."""
-    ad, w, d = make(model, S=8, N=64, H=4, ratio=0.5, async_=async_, lag=lag)
+    (``copy_lag``: the copy completes on a later poll, i.e. a later step), on the adapter's
+    clock and on vLLM's."""
+    ad, w, d = make(model, S=8, N=64, H=4, ratio=0.5, async_=async_, lag=lag, vllm_clock=vllm_clock)
     for i in range(3):
         ad.add_request(f"q{i}", prompt(i, 40 + 5 * i), max_tokens=30)
     freed = []
@@ -161,7 +175,7 @@ def test_sources_freed_only_after_the_fence(model, async_, lag):
 
     def spy(plan, processed, copy_done):
         sched = ad.scheduler
-        freed.append((plan.id, plan.seq, sched.processed_step_seq, copy_done, w.stats["steps"]))
+        freed.append((plan.id, plan.seq, ad.clock.processed, copy_done, w.stats["steps"]))
         orig_close(plan, processed, copy_done)
 
     ad.fence.close = spy
@@ -360,18 +374,20 @@ def test_an_abort_reaches_a_request_held_back_by_backpressure(model):
 
 
 # ---------------------------------------------------------------------------- drain
-@pytest.mark.parametrize("async_,caching,lag", [(False, False, 0), (True, True, 0), (True, True, 2),
-                                                (False, True, 3)])
-def test_every_block_returned_after_drain(model, async_, caching, lag):
+@pytest.mark.parametrize("async_,caching,lag,vllm_clock", [(False, False, 0, False), (True, True, 0, False),
+                                                           (True, True, 2, False), (False, True, 3, False),
+                                                           (True, True, 2, True), (False, True, 0, True)])
+def test_every_block_returned_after_drain(model, async_, caching, lag, vllm_clock):
     N = 30
-    ad, w, d = make(model, S=4, N=N, H=3, ratio=0.5, async_=async_, caching=caching, lag=lag, batched=64)
+    ad, w, d = make(model, S=4, N=N, H=3, ratio=0.5, async_=async_, caching=caching, lag=lag, batched=64,
+                    vllm_clock=vllm_clock)
     for i in range(6):
         ad.add_request(f"q{i}", prompt(i, 6 + 4 * i, base=3), max_tokens=20 + 3 * i)
     d.drain()
     report = ad.close()
     assert report["free"] == N - 1 == ad.pool.get_num_free_blocks()
     assert all(b.ref_cnt == 0 for b in ad.pool.blocks if not b.is_null)
-    assert not ad.scheduler.deferred_frees and not ad.plans and not ad.headroom
+    assert not ad.frees_waiting() and not ad.plans and not ad.headroom
     assert not ad.table.requests()
     assert ad.stats["applied"] > 0 and w.hash_failures == 0
 
@@ -548,8 +564,8 @@ def test_the_headroom_is_capped_by_the_live_pool(model):
 @pytest.mark.parametrize("async_", [False, True])
 def test_reset_prefix_cache_with_running_requests(model, async_):
     """reset_prefix_cache(reset_running_requests=True) with a step in flight (vLLM's weight
-    sync): vLLM preempts every running request and resets; the adapter's forced fence must
-    not hold their blocks (issue 13: RuntimeError 'Failed to reset KV cache')."""
+    sync): vLLM preempts every running request and resets; the adapter's fence must not hold
+    their blocks (issue 13: RuntimeError 'Failed to reset KV cache')."""
     ad, w, d = make(model, S=8, N=56, H=4, ratio=0.0, async_=async_)
     ad.add_request("a", prompt(0, 17), max_tokens=12)
     ad.add_request("b", prompt(1, 9), max_tokens=12)
@@ -557,7 +573,7 @@ def test_reset_prefix_cache_with_running_requests(model, async_):
         d.step()
     assert ad.scheduler.running
     assert ad.scheduler.reset_prefix_cache(reset_running_requests=True) is True
-    assert ad.scheduler.defer_block_free is True  # the fence is back for everything else
+    assert ad.scheduler.defer_block_free is False  # vLLM's own flag: the adapter never switches it
     run_to_end(ad, d)
     assert len(ad.output_tokens("a")) == 12 and len(ad.output_tokens("b")) == 12
 

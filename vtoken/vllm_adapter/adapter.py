@@ -95,7 +95,7 @@ from .assumptions import ASSUMPTIONS, AdapterAssumptionError, check_supported_vl
 from .checks import RuntimeChecks
 from .config import AdapterConfig
 from .driver import AdapterDriver
-from .fence import FenceLedger
+from .fence import FenceLedger, StepClock
 from .harness import VllmHarness
 from .headroom import Headroom
 from .hooks import scheduler_class
@@ -167,7 +167,6 @@ class VTokenAdapter:
         _RUNNING = RequestStatus.RUNNING
         sched, config = self._scheduler(config, scheduler)
         self.config = config
-        sched.defer_block_free = True  # run sched_step_seq / processed_step_seq / deferred_frees
         sched.vtoken_adapter = self
         self.scheduler = sched
         self.S, self.N = config.block_size, config.num_blocks
@@ -227,13 +226,17 @@ class VTokenAdapter:
         """Build the rooms, each given what it reads (none reads the adapter's attributes)."""
         # the lifecycle room (every path's): headroom, blocks held outside the lists (applied
         # destinations and fills), plans in flight; its frees go to vLLM at their fence
-        self.lifecycle = Lifecycle(VllmPort(self.harness, self.stats), self.N, self.stats, exclusive_held=True)
+        # the fence's clock: vLLM's when its deferred frees run (a KV-consumer connector), else the adapter's
+        self.clock = StepClock(self.harness)
+        self.port = VllmPort(self.harness, self.clock, self.stats)
+        self.lifecycle = Lifecycle(self.port, self.N, self.stats, exclusive_held=True)
         self.reserve = Headroom(self.harness, self.lifecycle, self.cfg.headroom if self.reclaim else 0,
-                                c.headroom_pool_fraction, self.S, self.stats, groups=self.groups)
+                                c.headroom_pool_fraction, self.S, self.stats, groups=self.groups,
+                                frees_waiting=self.frees_waiting)
         self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, self.pool.blocks,
                                   on_start=self._on_list_start, group=self.group,
                                   groups=self.groups)
-        self.fence = FenceLedger()
+        self.fence = FenceLedger(self.clock)
         self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=c.evict_unfaithful_hashes)
         self.checker = RuntimeChecks(harness=self.harness, table=self.table, lifecycle=self.lifecycle,
                                      mirror=self.mirror, fence=self.fence, pending_release=self.pending_release,
@@ -317,6 +320,10 @@ class VTokenAdapter:
 
         return worker_layout(self.harness.managers)
 
+    def frees_waiting(self) -> bool:
+        """Do fenced frees wait for a step (vLLM's deferred frees or the adapter's)?"""
+        return bool(self.scheduler.deferred_frees or self.port.deferred)
+
     def attach_worker(self, worker) -> None:
         self.worker = worker
 
@@ -362,7 +369,7 @@ class VTokenAdapter:
     def current(self, r: str) -> bool:
         """Is ``r`` mirrored, in the table, and has the worker seen its incarnation's first step?"""
         return (r in self.mirror and r in self.table
-                and self.mirror.incarnation.get(r, 0) <= self.scheduler.processed_step_seq)
+                and self.mirror.incarnation.get(r, 0) <= self.clock.processed)
 
     def look_again(self, r: str) -> None:
         """Look at ``r`` for all-dead blocks at the next scheduled step."""
@@ -438,7 +445,8 @@ class VTokenAdapter:
     def _after_schedule(self, sched_out) -> None:
         self.stats["preemptions"] += len(sched_out.preempted_req_ids or ())
         sched = self.scheduler
-        self.mirror.observe(sched_out, sched.sched_step_seq)  # schedule() already counted this step
+        self.clock.scheduled(sched_out)
+        self.mirror.observe(sched_out, self.clock.seq)  # the clock already counted this step
         self._take_changes()
         if sched_out.total_num_scheduled_tokens <= 0:
             sched_out.vtoken = StepMeta(seq=0, reclaim=self.reclaim)
@@ -446,7 +454,7 @@ class VTokenAdapter:
             if self.checks:
                 self.checker.after_hook("after schedule (empty step)")
             return
-        seq = sched.sched_step_seq
+        seq = self.clock.seq
         self.steps += 1
         meta = StepMeta(seq=seq, reclaim=self.reclaim)
         if sched.running:
@@ -502,10 +510,10 @@ class VTokenAdapter:
         """Preemption or finish: free the blocks held for the request with vLLM's fence for its
         list, orphan its in-flight plans (``Lifecycle.finish``), forget its mirror."""
         r = request.request_id
-        sched = self.scheduler
         self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r), upto=1 << 30)
         self.hashes.forget(r)
-        fence = sched.sched_step_seq if not sched._request_blocks_can_be_freed(request) else 0
+        fence = self.clock.seq if not self.clock.settled(request) else 0
+        self.clock.forget(r)
         self.tail_wait.pop(r, None)
         self.checker.touch([r])
         # its held blocks go back at the fence of its list, its plans in flight become orphans
@@ -514,11 +522,17 @@ class VTokenAdapter:
         self.book.forget(r)
         self.mirror.forget(r)
 
+    def _before_update(self, sched_out) -> None:
+        """A step's output is about to be processed: the clock advances and the adapter's
+        deferred frees now due go back (where vLLM drains its own)."""
+        self.clock.processing(sched_out)
+        self.port.drain()
+
     def _after_update(self, sched_out, out) -> None:
         rep = getattr(out, "vtoken_report", None)
         if rep is not None:
             self._absorb(rep)
-        processed = self.scheduler.processed_step_seq
+        processed = self.clock.processed
         self.pending_release[:] = [x for x in self.pending_release if x[0] > processed]  # the checks hold it
         meta = getattr(sched_out, "vtoken", None)
         if meta is not None and meta.seq:
@@ -531,7 +545,7 @@ class VTokenAdapter:
     def _absorb(self, rep) -> None:
         """The worker's report: full-context lengths for the prefix-hash rules (for requests
         whose current incarnation the worker has executed), then the finished plans."""
-        processed = self.scheduler.processed_step_seq  # the worker has executed up to here
+        processed = self.clock.processed  # the worker has executed up to here
         m = self.mirror
         self.hashes.absorb(rep.faithful, m.incarnation, processed)  # mirrored requests only: incarnation's keys
         self.book.absorb(rep.plans)
@@ -565,9 +579,10 @@ class VTokenAdapter:
         free = self.pool.get_num_free_blocks()
         held = [b.block_id for b in self.pool.blocks if not b.is_null and b.ref_cnt != 0]
         left = {r: list(v) for r, v in self.held.items() if v}
-        if free != self.N - 1 or held or left or sched.deferred_frees or self.book.plans or len(self.fence):
+        if free != self.N - 1 or held or left or self.frees_waiting() or self.book.plans or len(self.fence):
             raise AdapterAssumptionError(
                 "all_returned", f"free count {free} (want {self.N - 1}); referenced blocks {held[:10]}; "
-                f"adapter still holds {left}; deferred_frees {len(sched.deferred_frees)}; "
+                f"adapter still holds {left}; deferred frees {len(sched.deferred_frees)} (vLLM's), "
+                f"{len(self.port.deferred)} (the adapter's); "
                 f"plans in flight {list(self.book.plans)}; fence ledger (plans) {sorted(self.fence.pending)}")
         return {"free": free, "N": self.N}

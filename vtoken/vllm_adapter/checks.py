@@ -181,7 +181,7 @@ class RuntimeChecks:
         side holds for it (its list, its destinations, an in-flight plan, a pending release).
         ``requests``: only these (default: every mirrored request)."""
         t = self.table
-        processed = self.harness.scheduler.processed_step_seq
+        processed = self.fence.clock.processed
         pend: dict[str, set] = {}
         for _, r, b in self.pending_release:
             pend.setdefault(r, set()).add(b)
@@ -205,11 +205,14 @@ class RuntimeChecks:
 
     # ------------------------------------------------------------------ shared pieces
     def _deferred_counts(self) -> dict:
-        """References on each block held by vLLM's deferred frees ({} when none wait)."""
-        deferred = self.harness.scheduler.deferred_frees
-        if not deferred:
+        """References on each block held by deferred frees, vLLM's and the adapter's port's ({}
+        when none wait)."""
+        deferred, own = self.harness.scheduler.deferred_frees, self.lifecycle.port.deferred
+        if not deferred and not own:
             return {}
-        return Counter(b.block_id for _, blocks in deferred for b in blocks if not b.is_null)
+        out = Counter(b.block_id for _, blocks in deferred for b in blocks if not b.is_null)
+        out.update(self.lifecycle.port.deferred_counts())
+        return out
 
     def _roles(self, headroom, held) -> dict[int, tuple]:
         """Each block of ``headroom`` (ids), of ``held``'s ``(request, {id: None})`` pairs and of

@@ -20,10 +20,11 @@ class Headroom:
     the adapter's), ``lifecycle`` (the reserved blocks), ``size`` (``PlannerConfig.headroom``; 0:
     nothing taken or withheld), at most 1/``pool_fraction`` of the live pool; ``block_size`` (a
     waiting prompt's blocks are kept for it); ``stats``, the adapter's counters; ``groups``: vLLM's
-    KV cache groups (each grows its own list from the one pool: a step may take a block per group)."""
+    KV cache groups (each grows its own list from the one pool: a step may take a block per group);
+    ``frees_waiting``: a callable, do fenced frees wait for a step."""
 
     def __init__(self, harness, lifecycle, size: int, pool_fraction: int, block_size: int, stats: dict,
-                 groups: int = 1):
+                 groups: int = 1, frees_waiting=None):
         assert int(pool_fraction) >= 1, "the adapter refuses headroom_pool_fraction < 1 before building"
         self.harness, self.lifecycle = harness, lifecycle
         self.size = int(size)
@@ -31,6 +32,8 @@ class Headroom:
         self.S = int(block_size)
         self.stats = stats
         self.groups = int(groups)
+        # do fenced frees wait for a step? (vLLM's deferred frees, or the adapter's port's)
+        self.frees_waiting = frees_waiting or (lambda: bool(harness.scheduler.deferred_frees))
         self.withheld: list = []  # fresh requests sitting out the current schedule()
         self.starved = False  # given back because nothing could be admitted beside it
 
@@ -103,7 +106,7 @@ class Headroom:
         """Nothing was scheduled: if nothing runs and a request waits, give the reservation back
         until a step runs again (it must not block progress)."""
         sched = self.harness.scheduler
-        if self.lifecycle.headroom and not sched.running and len(sched.waiting) and not sched.deferred_frees:
+        if self.lifecycle.headroom and not sched.running and len(sched.waiting) and not self.frees_waiting():
             self.give_back()
             self.starved = True
             self.stats["headroom_yielded"] += 1
@@ -112,6 +115,6 @@ class Headroom:
         """Nothing runs: nothing is reserved (vLLM's leak checks and free counts see the whole
         pool); retaken at the next ``schedule()`` with work."""
         sched = self.harness.scheduler
-        if self.lifecycle.headroom and not plans_in_flight and not sched.running and not sched.deferred_frees:
+        if self.lifecycle.headroom and not plans_in_flight and not sched.running and not self.frees_waiting():
             self.give_back()
             self.stats["headroom_idle_returns"] += 1

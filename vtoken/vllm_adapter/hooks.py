@@ -1,7 +1,7 @@
 """Where vtoken sits in vLLM's scheduler: ``scheduler_class(base)`` returns ``VToken<Base>``,
 whose ``schedule()`` calls the adapter before and after vLLM's own code,
-``update_from_output()`` after it, ``_free_request_blocks()`` and ``reset_prefix_cache()``
-before it. The hooks only call out; everything else is vLLM's.
+``update_from_output()`` before and after it, ``_free_request_blocks()`` and
+``reset_prefix_cache()`` before it. The hooks only call out; everything else is vLLM's.
 Owns: nothing (the subclass holds only the attached adapter).
 May call: the adapter's hook methods and vLLM's base class.
 Costs: three attribute lookups per call when no adapter is attached.
@@ -29,8 +29,10 @@ def scheduler_class(base: type) -> type:
             return sched_out
 
         def update_from_output(self, scheduler_output, model_runner_output):
-            result = super().update_from_output(scheduler_output, model_runner_output)
             ad = self.vtoken_adapter
+            if ad is not None:
+                ad._before_update(scheduler_output)
+            result = super().update_from_output(scheduler_output, model_runner_output)
             if ad is not None:
                 ad._after_update(scheduler_output, model_runner_output)
             return result
@@ -40,16 +42,7 @@ def scheduler_class(base: type) -> type:
             if ad is None:
                 return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
             ad._before_reset_prefix_cache()
-            if not reset_running_requests:
-                return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
-            # vLLM preempts every running request dropping its stale output, then resets: the
-            # fence the adapter forces (defer_block_free) would hold their blocks and fail the
-            # reset, so for this call the frees are vLLM's default (immediate), as without vtoken
-            forced, self.defer_block_free = self.defer_block_free, False
-            try:
-                return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
-            finally:
-                self.defer_block_free = forced
+            return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
 
         def _free_request_blocks(self, request):
             ad = self.vtoken_adapter

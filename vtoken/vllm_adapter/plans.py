@@ -200,8 +200,8 @@ class PlanBook:
         """An applied plan's end: a source carries no prefix-cache hash (dropped at launch, and
         vLLM never hashes a block outside a request's list: one that does was re-hashed under
         the adapter, ``prefix_hash``); the sources go back at the plan's fence
-        (``_free_cow_retained_blocks(sources, plan.seq)``: at once when step ``plan.seq`` has
-        been processed, else deferred to it), recorded in the fence ledger."""
+        (the port's fenced free: at once when step ``plan.seq`` has been processed, else deferred
+        to it), recorded in the fence ledger."""
         blocks, stats = self.harness.pool.blocks, self.stats
         for b in plan.sources:
             if blocks[b].block_hash is not None:
@@ -215,7 +215,7 @@ class PlanBook:
         stats["fills"] += len(plan.fills)
         stats["moves"] += int(res.moved)
         stats["sources_freed"] += len(plan.sources)
-        self.fence.close(plan, self.harness.scheduler.processed_step_seq, res.copy_done)
+        self.fence.close(plan, self.fence.clock.processed, res.copy_done)
         self.lifecycle.end(plan, res)
         if plan.snapshot is not None and plan.snapshot["post"] is not None:
             self.lifecycle.history.append(plan)  # its snapshot completed by the copy side (snapshot_applied)
