@@ -31,6 +31,7 @@ E = "vtoken/decode.py"
 AD, W = "vtoken/vllm_adapter/adapter.py", "vtoken/vllm_adapter/worker.py"
 MI, PH = "vtoken/vllm_adapter/mirror.py", "vtoken/vllm_adapter/prefix_hash.py"
 HR, PL = "vtoken/vllm_adapter/headroom.py", "vtoken/vllm_adapter/plans.py"
+PO = "vtoken/vllm_adapter/port.py"
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,17 @@ CATALOGUE: list[Fault] = [
           "the worker builds the relocation checker but never wraps its copy engine with it: a fill or moved "
           "entry corrupted while the copy flies goes unnoticed", "adapter",
           (_p(W, "VTokenWorker.__init__", "            engine = self.checker.wrap(self.copy_engine)\n", ""),)),
+    Fault("adapter_own_clock_unfenced", "8 block freed before its fence (vLLM's deferred frees off)",
+          "where vLLM does not defer its frees, the adapter's port frees its own blocks (sources, releases, a "
+          "finished request's destinations) at once instead of at their fence", "adapter",
+          (_p(PO, "VllmPort.free", "        elif fence <= self.clock.processed:\n", "        elif True:\n"),)),
+    Fault("worker_window_through_table_group", "hybrid layout: a window read through the wrong group",
+          "the worker's sliding-window layers take their blocks from the full-attention group's list, which "
+          "eviction and relocation rearrange (vLLM's window group unused)", "adapter",
+          (_p(W, "VTokenWorker.execute", "wblocks=list(d.block_ids[wg]) if wg is not None else None)",
+              "wblocks=list(d.block_ids[g]) if wg is not None else None)"),
+           _p(W, "VTokenWorker.execute", "            wids = list(nb[wg]) if nb and wg is not None else []\n",
+              "            wids = list(nb[g]) if nb and wg is not None else []\n"))),
 ]
 
 BY_NAME = {f.name: f for f in CATALOGUE}

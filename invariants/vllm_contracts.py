@@ -779,7 +779,7 @@ def _c_fence() -> str:
     expect(default_seq == (0, 0),
            f"counters moved without defer_block_free: {default_seq}")
 
-    # With defer_block_free (what an adapter Scheduler subclass would switch on).
+    # With defer_block_free (vLLM sets it for a KV-consumer connector; the fence then runs on these counters).
     h = VllmHarness(num_blocks=n, block_size=s, async_scheduling=True)
     sch, pool = h.scheduler, h.pool
     sch.defer_block_free = True

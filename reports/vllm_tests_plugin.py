@@ -19,18 +19,20 @@ directly. Patching one helper would miss the others, so the plugin patches the c
   when the OUTERMOST ``__init__`` returns, the instance is complete and the adapter is
   attached with ``VTokenAdapter.attach(scheduler, **settings)``. ``attach`` keeps the
   instance, swaps its class for ``VToken<its class>`` (``vllm_adapter.hooks``: the
-  before/after ``schedule()``, after ``update_from_output()`` and before
-  ``_free_request_blocks()`` hooks), reads the geometry off it (``VllmHarness.around``) and
-  sets ``defer_block_free = True``, exactly as an adapter-built scheduler.
+  before/after ``schedule()`` and ``update_from_output()``, before
+  ``_free_request_blocks()`` hooks), reads the geometry and KV cache groups off it
+  (``VllmHarness.around``) and keeps vLLM's ``defer_block_free`` as vLLM set it, exactly as
+  an adapter-built scheduler.
   ``isinstance`` checks of the tests still hold (the new class subclasses the old one).
 * settings: the adapter's defaults (reclamation on, ``PlannerConfig()``: in-place
   compaction, so no headroom is reserved; runtime checks on) unless ``--vtoken-adapter-settings JSON`` says otherwise. No eviction
   acts: no worker is attached and the token table stays empty, so no block is ever
   released or relocated; what remains is everything the adapter does around vLLM anyway
-  (the headroom reservation and admission back-pressure, ``defer_block_free``, the hooks
-  on free and reset, the block-list mirror and the runtime assumption checks).
-* an adapter that refuses the scheduler (``AdapterAssumptionError``, e.g. a KV layout it
-  does not support) raises out of the constructor: the test fails with that error, which
+  (the headroom reservation and admission back-pressure, the fence's own clock, the hooks
+  on free and reset, the block-list mirror and the runtime assumption checks over every
+  KV cache group).
+* an adapter that refuses the scheduler (``AdapterAssumptionError``, e.g. a vLLM version
+  it was not audited on) raises out of the constructor: the test fails with that error, which
   is what vtoken in place would do.
 
 Per test, the plugin adds junit properties ``vtoken_adapters`` (adapters attached during

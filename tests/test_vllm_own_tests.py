@@ -102,7 +102,7 @@ def test_not_applicable_reasons(r, reason):
                      "preempted", "reset_prefix_cache_blocked", "bug"),
     ("t.py::test_reset_prefix_cache_twice", "E   assert False", "reset_prefix_cache_blocked", "bug"),
     ("tests/v1/core/test_scheduler.py::test_preempt_during_execution", "E   assert 2 == 1",
-     "defer_block_free_forced", "inherent"),
+     "fence_defers_vllm_frees", "bug"),
     ("tests/v1/core/test_priority_preemption_bug.py::test_priority_scheduler_preempt_skipped_request",
      "AssertionError: Bug present: Request C was silently skipped", "tight_pool_headroom", "bug"),
     ("t.py::test_d", ">       assert pool.get_num_free_blocks() == num_free_initially\nE       assert 9935 == 9999",

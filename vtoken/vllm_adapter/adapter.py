@@ -45,28 +45,32 @@ else could run, so a pool too small for the headroom cannot deadlock).
 ``reset_prefix_cache()`` gives the headroom back first. *After* it: the output is mirrored; for a
 non-empty step ``seq``, blocks whose tokens were all evicted are released (fenced at
 ``seq``), and compaction plans are made and ride on the output as ``sched_out.vtoken``. *After*
-``update_from_output()`` (vLLM has advanced ``processed_step_seq`` and drained
-``deferred_frees``): the worker's report says which plans were applied, with which
-destinations, and which copies completed; sources go back through vLLM's own fenced path
-(``_free_cow_retained_blocks(sources, seq)``). *Before* a request's blocks are freed
-(preemption, finish): its destinations go back with vLLM's fence for its list and its
-in-flight plans are orphaned (their blocks return when the worker reports them).
+``update_from_output()`` (the clock has advanced, due deferred frees are drained): the
+worker's report says which plans were applied, with which destinations, and which copies
+completed; sources go back through the port's fenced free (at step ``seq``). *Before* a
+request's blocks are freed (preemption, finish): its destinations go back at the fence of its
+last scheduled step and its in-flight plans are orphaned (their blocks return when the worker
+reports them).
 
-The adapter sets ``Scheduler.defer_block_free = True`` (the switch vLLM sets for a
-KV-consumer connector with overlapping batches), so ``sched_step_seq`` /
-``processed_step_seq`` / ``deferred_frees`` run.
+The fence runs on ``fence.StepClock``: vLLM's ``sched_step_seq`` / ``processed_step_seq`` when
+vLLM defers its own frees (``defer_block_free``, which vLLM sets for a KV-consumer connector
+with overlapping batches), else the adapter's own counters, advanced by the hooks (after
+``schedule()``, before ``update_from_output()``) as vLLM advances its own. The adapter never
+switches vLLM's flag: vLLM frees its lists as it would without vtoken, and only the adapter's
+own blocks (plan sources, released blocks, a finished request's destinations and fills) wait
+for their fence in the port (``port.VllmPort``).
+
+KV cache groups (``layout``): the token table mirrors the first group whose manager keeps
+every block until the request ends (full attention); sliding-window, chunked-local, Mamba and
+cross-attention groups stay vLLM's (it frees their out-of-window blocks itself), and the
+checks see that none of their lists holds a block the adapter holds (``kv_groups``). A layout
+with no such group runs with reclamation off. The worker reads a hybrid layout's window
+through the sliding-window group's own blocks (``layout.WorkerLayout``).
 
 Where vLLM's own tests see a difference (the audit's vllm-own-tests check, 0.33.0,
-``tests/v1/core`` with the adapter attached and no eviction acting: 1034 of the 1074 that
-pass as shipped still pass; the 40 divergences left are inherent to the design):
-
-- KV layouts other than one full-attention pool (sliding-window, chunked-local, cross-
-  attention, hybrid groups; 33 tests) are refused at start: ``[single_full_attention_pool]``;
-- ``defer_block_free`` is forced on (the fence the relocation protocol needs): vLLM's tests
-  of its own gate, and async preemption of a request with output in flight (vLLM frees at
-  once, the fence waits one step), see the fence (5 tests);
-- while requests run, a headroom (out-of-place compaction only; the default in-place plans
-  reserve none) is held: exact free-block counts differ by it (2 tests when one is set).
+``tests/v1/core`` with the adapter attached and no eviction acting): while requests run, a
+headroom (out-of-place compaction only; the default in-place plans reserve none) is held:
+exact free-block counts differ by it (tests that set one).
 
 Prefix caching: shared-prefix blocks are never moved, filled or released (a candidate must
 have ``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the token table);
@@ -76,7 +80,7 @@ Owns: the vLLM scheduler instance it drives (through ``hooks``), the token table
 worker writes, the rooms it builds (``lifecycle``: headroom, every applied destination and
 fill, the plans in flight; ``reserve``, ``book``, ``mirror``, ``fence``, ``hashes``,
 ``checker``); vLLM owns the request lists.
-May call: vLLM's scheduler and ``BlockPool`` (``_free_cow_retained_blocks``, the free
+May call: vLLM's scheduler and ``BlockPool`` (through the port: fenced frees, the free
 count), ``vtoken.planner`` (through ``plans``), ``vtoken.table``, its rooms; never spec/,
 invariants/, fuzz/ or reports/ (the toolkit attaches ``plan_hook``).
 Costs: per step O(requests whose table or list changed + blocks released + plans), not

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 class StepMeta:
     """What the adapter attaches to a ``SchedulerOutput`` (``sched_out.vtoken``)."""
 
-    seq: int  # Scheduler.sched_step_seq of this step (0: an empty step, nothing attached)
+    seq: int  # the fence clock's seq of this step (fence.StepClock; 0: an empty step, nothing attached)
     plans: list = field(default_factory=list)  # lifecycle.Plan, to copy after this step's forward
     releases: dict = field(default_factory=dict)  # req_id -> [block ids] released (all tokens dead)
     reclaim: bool = True
