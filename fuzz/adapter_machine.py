@@ -6,7 +6,11 @@ that prefix-cache hits land near blocks a copy is moving), steps run (``AdapterD
 two outputs in flight with async scheduling), a policy evicts tokens (the worker's random
 policy, plus random ids the machine picks), requests are aborted, blocks are grabbed from
 the pool to force preemption and resume (also of the request whose copy flies, so that
-the copy outlives both), copies run 0-10 steps late. Nothing of vLLM is mocked.
+the copy outlives both), copies run 0-10 steps late. Nothing of vLLM is mocked. Each example draws vLLM's KV layout
+(one full-attention group, or a hybrid one: full attention and a sliding window of two
+blocks, the model's second layer reading the window through its own group) and the fence's
+clock (the adapter's own, as vLLM runs by default, or vLLM's deferred frees, as a KV-consumer
+connector sets them); its hard states are counted per configuration too.
 
 The worker's copy engine is drawn per example (``fuzz.faulty_engines.ADAPTER_ENGINES``): the
 shipped one; one failing every k-th copy part-way (the aborted path: every check below must
@@ -21,13 +25,17 @@ the same steps, the same evictions at the same request lengths) as the output or
 Checked after every step, against the pool itself (not the adapter's bookkeeping):
 
 - the ownership ledger (``invariants.ownership``): every block of vLLM's pool is free, or
-  referenced exactly once per holder among the request lists, the headroom, the held
-  destinations, the in-flight plans (sources and destinations), vLLM's deferred frees and
-  the machine's own grabs; nothing else;
+  referenced exactly once per holder among the request lists of every KV cache group, the
+  headroom, the held destinations, the in-flight plans (sources and destinations), vLLM's
+  and the adapter's deferred frees and the machine's own grabs; nothing else;
 - fences: every block that returns to the free queue while it is a plan's source does so
   only after the step carrying the plan was processed AND the worker reported the copy
-  done (the machine watches every free of the pool); no headroom block, destination or
-  in-flight source carries a prefix-cache hash;
+  done, and a block that left a request only after the last step that scheduled it was
+  processed (on vLLM's clock every such block; on the adapter's, those its port frees:
+  vLLM frees its lists at once then); the machine watches every free of the pool; no
+  headroom block, destination or in-flight source carries a prefix-cache hash;
+- the worker's block lists against vLLM's, group by group (the window a hybrid model
+  reads is the sliding-window group's);
 - every plan's recorded list indices (``Plan.list_index``) against where the machine
   last saw its sources and fills; a probe puts a fill of a plan in flight back in its list
   and the adapter's incremental check alone must see it;
@@ -424,6 +432,25 @@ class _Run:
             for b in p.blocks:
                 assert ad.block(b).block_hash is None, f"block {b} of in-flight plan {p.id} carries a prefix-cache hash"
 
+    def check_worker_lists(self):
+        """The block lists the worker reads are vLLM's, group by group (the table's, and a
+        hybrid layout's sliding-window group): every entry vLLM still holds (not null) at an
+        index the worker knows is the same block. Requests whose current list the worker has
+        not seen yet (``current``) are skipped."""
+        ad, w = self.ad, self.w
+        lay = w.layout
+        groups = [(lay.table, "blocks")] + ([(lay.window_group, "wblocks")] if lay.window_group is not None else [])
+        managers = ad.harness.managers
+        for r, wr in w.reqs.items():
+            if not ad.current(r):
+                continue
+            for g, attr in groups:
+                theirs = managers[g].req_to_blocks.get(r)
+                for i, (mine, blk) in enumerate(zip(getattr(wr, attr) or (), theirs or ())):
+                    assert blk.is_null or mine == blk.block_id, (
+                        f"request {r!r}: the worker reads block {mine} at index {i} of KV cache group {g}, vLLM's "
+                        f"list holds {blk.block_id} there")
+
     def check_snapshots(self, done: int) -> int:
         from vtoken.invariants.snapshot_checks import check_snapshot as py_check
         from vtoken.invariants.z3_checks import check_snapshot as z3_check
@@ -741,6 +768,7 @@ class AdapterMachine(RuleBasedStateMachine):
             return
         for run in (self.vt, self.ref):
             run.check_ledger()
+            run.check_worker_lists()
             # the runtime checks' incremental view (a cache of the full scan) must never
             # disagree with the full scan: a false alarm is a bug in the checks
             assert not run.ad.checker.false_alarms, f"incremental runtime check false alarm: {run.ad.checker.false_alarms[0]}"
