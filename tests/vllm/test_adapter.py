@@ -494,6 +494,42 @@ def test_the_table_group_is_derived_from_the_managers_vllm_built(monkeypatch, ki
     assert ad.close()["free"] == 47
 
 
+@pytest.mark.parametrize("async_", [False, True])
+def test_the_adapters_clock_counts_as_vllms_would(async_):
+    """vLLM's defer_block_free off (its default): the adapter keeps it off and counts steps
+    itself, exactly as vLLM counts when it is on (a second scheduler with the flag on, driven
+    alike, is the reference); a fenced free waits in the port until its step is processed."""
+    from vtoken.vllm_adapter.adapter import VTokenAdapter
+    from vtoken.vllm_adapter.harness import VllmHarness
+
+    ad = VTokenAdapter(block_size=4, num_blocks=40, async_scheduling=async_, reclaim=False)
+    ref = VllmHarness(block_size=4, num_blocks=40, async_scheduling=async_)
+    ref.scheduler.defer_block_free = True
+    assert ad.clock.own and not ad.scheduler.defer_block_free
+    for h in (ad, ref):
+        h.add_request("a", prompt(0, 9), max_tokens=6)
+        h.add_request("b", prompt(1, 5), max_tokens=3)
+    queue = []
+    while ad.has_work() or queue:
+        if ad.has_work():
+            so, so_ref = ad.schedule(), ref.schedule()
+            queue.append((so, so_ref, set(so.num_scheduled_tokens)))
+        if len(queue) > int(async_) or not ad.has_work():
+            so, so_ref, sampling = queue.pop(0)
+            ad.update_from_output(so, ad.harness.fake_output(so, sampling))
+            ref.finish(so_ref)
+        assert (ad.clock.seq, ad.clock.processed) == (ref.scheduler.sched_step_seq, ref.scheduler.processed_step_seq)
+    assert ad.clock.seq > 0 and not ad.clock.last  # every request's last step forgotten at its free
+    # a fenced free: deferred until its step is processed, then drained by the hook
+    blk = ad.pool.get_new_blocks(1)[0]
+    ad.port.free([blk.block_id], ad.clock.processed + 1)
+    assert blk.ref_cnt == 1 and ad.frees_waiting()
+    ad.add_request("c", prompt(2, 5), max_tokens=1)
+    so = ad.schedule()
+    ad.update_from_output(so, ad.harness.fake_output(so, {"c"}))
+    assert blk.ref_cnt == 0 and not ad.port.deferred
+
+
 @pytest.mark.parametrize("what", ["headroom", "held"])
 def test_a_held_block_in_a_sliding_window_list_is_caught(what):
     """Hybrid layout: a block the adapter holds (headroom, or a destination held for a

@@ -71,7 +71,8 @@ class WorkerLayout:
 
 def worker_layout(managers) -> WorkerLayout:
     """The ``WorkerLayout`` of vLLM's managers: the table's group (``table_group``) and the first
-    sliding-window group. ``ConfigError`` (``unsupported``) when no group keeps every block."""
+    sliding-window group. ``ConfigError`` (``unsupported``) when no group keeps every block, or
+    when the window's blocks are not the table's size (one K/V cache holds both)."""
     from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 
     from ..errors import ConfigError
@@ -81,4 +82,7 @@ def worker_layout(managers) -> WorkerLayout:
         raise ConfigError("unsupported", f"no KV cache group keeps every block ({describe(managers)}): "
                                          "the worker needs a full-attention group for the token table")
     w = next((i for i, m in enumerate(managers) if isinstance(m, SlidingWindowManager)), None)
+    if w is not None and managers[w].block_size != managers[g].block_size:
+        raise ConfigError("unsupported", f"the sliding-window group's block size ({managers[w].block_size}) differs "
+                                         f"from the table's ({managers[g].block_size}): the worker reads one cache")
     return WorkerLayout(g, w, int(managers[w].sliding_window) if w is not None else 0)
