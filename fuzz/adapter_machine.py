@@ -199,32 +199,8 @@ class _Run:
         def free_spy(blocks):
             blocks = list(blocks)
             processed = ad.clock.processed
-            # a request's blocks wait for its last step: all of them on vLLM's clock (its deferred
-            # frees); on the adapter's, vLLM frees its lists at once (as without vtoken) and only
-            # the adapter's own frees (through its port) are fenced
-            fenced = not ad.clock.own or self.in_port
             free_blocks(blocks)
-            for b in blocks:
-                if b.ref_cnt != 0:
-                    continue
-                left = self.leaving.pop(b.block_id, None)
-                if left is None and b.block_id in self.holder_of:  # it left its request within this very call
-                    r = self.holder_of.pop(b.block_id)
-                    left = (r, self.last_sched.get(r, 0))
-                if fenced and left is not None and left[1] > processed:
-                    self.fence_errors.append(
-                        f"block {b.block_id} of request {left[0]!r} returned to the pool at processed step {processed}, "
-                        f"but step {left[1]}, the last that scheduled the request while it held the block (and may "
-                        f"read it), is not processed yet")
-                pid = self.source_of.get(b.block_id)
-                if pid is None:
-                    continue
-                seq, _ = self.plans[pid]
-                del self.source_of[b.block_id]
-                if processed < seq or not self.reports.get(pid):
-                    self.fence_errors.append(
-                        f"block {b.block_id}, source of plan {pid} (step {seq}), returned to the pool at processed "
-                        f"step {processed} with its copy {'reported done' if self.reports.get(pid) else 'not reported done'}")
+            self._freed(blocks, processed)
 
         def in_port(fn):
             def call(*a, **kw):
@@ -249,6 +225,35 @@ class _Run:
         ad.scheduler.schedule = schedule_spy
         ad.scheduler.update_from_output = update_spy
         pool.free_blocks = free_spy
+
+    def _freed(self, blocks, processed: int) -> None:
+        """Blocks just returned to the pool (at processed step ``processed``): a block that left
+        a request waits for the last step that scheduled it (all of them on vLLM's clock, its
+        deferred frees; on the adapter's, vLLM frees its lists at once, as without vtoken, and
+        only the adapter's own frees, through its port, are fenced); a plan's source waits for
+        its step and its copy's report."""
+        fenced = not self.ad.clock.own or self.in_port
+        for b in blocks:
+            if b.ref_cnt != 0:
+                continue
+            left = self.leaving.pop(b.block_id, None)
+            if left is None and b.block_id in self.holder_of:  # it left its request within this very call
+                r = self.holder_of.pop(b.block_id)
+                left = (r, self.last_sched.get(r, 0))
+            if fenced and left is not None and left[1] > processed:
+                self.fence_errors.append(
+                    f"block {b.block_id} of request {left[0]!r} returned to the pool at processed step {processed}, "
+                    f"but step {left[1]}, the last that scheduled the request while it held the block (and may "
+                    f"read it), is not processed yet")
+            pid = self.source_of.get(b.block_id)
+            if pid is None:
+                continue
+            seq, _ = self.plans[pid]
+            del self.source_of[b.block_id]
+            if processed < seq or not self.reports.get(pid):
+                self.fence_errors.append(
+                    f"block {b.block_id}, source of plan {pid} (step {seq}), returned to the pool at processed "
+                    f"step {processed} with its copy {'reported done' if self.reports.get(pid) else 'not reported done'}")
 
     def _observe_holders(self):
         """Who holds each block now (request lists and destinations). A block that left a
