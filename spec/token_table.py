@@ -289,6 +289,7 @@ class SpecTokenTable:
                 "loc": {p: [toks[p]["block"], toks[p]["offset"]] for p in live},
                 "blocks": sorted(self.blocks[req]),
             }
-        blocks = {b: {"refs": self.refs(b), "live": self.block_live_count(b)}
+        slots = self.live_slots()  # once, not once per block (block_live_count would rescan)
+        blocks = {b: {"refs": self.refs(b), "live": sum(1 for (blk, _) in slots if blk == b)}
                   for b in sorted(self.referenced_blocks())}
         return {"block_size": self.S, "num_blocks": self.num_blocks, "requests": reqs, "blocks": blocks}
