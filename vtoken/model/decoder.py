@@ -195,9 +195,9 @@ class PagedDecoder(nn.Module):
         if causal or window:
             qpos = torch.arange(t - m, t, device=scores.device).unsqueeze(1)
             kpos = torch.arange(t, device=scores.device).unsqueeze(0)
-            hide = kpos > qpos if causal else torch.zeros_like(kpos > qpos)
-            if window:
-                hide = hide | (kpos <= qpos - window)
+            hide = kpos > qpos if causal else None  # a later key
+            if window:  # a key outside the window
+                hide = kpos <= qpos - window if hide is None else hide | (kpos <= qpos - window)
             scores = scores.masked_fill(hide, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs.view(hk, g * m, t), v.permute(1, 0, 2)).view(hk, g, m, d)

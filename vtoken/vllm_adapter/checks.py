@@ -154,9 +154,8 @@ class RuntimeChecks:
         frees, not the mirror), then every mirrored list against its mirror."""
         self.fence.check()
         # every group's lists: a block the adapter holds is in none of them (other groups' are vLLM's)
-        table_group = self.harness.table_group
         listed = [(g, r, [b.block_id for b in lst if not b.is_null]) for g, r, lst in self.harness.all_lists()]
-        self._check_other_groups(where, [(g, r, ids) for g, r, ids in listed if g != table_group])
+        self._check_other_groups(where, [(g, r, ids) for g, r, ids in listed if g != self.mirror.group])
         listed = [(r, ids) for _, r, ids in listed]
         holders = Counter(chain.from_iterable(ids for _, ids in listed))
         in_lists = holders.copy()
@@ -207,11 +206,8 @@ class RuntimeChecks:
     def _deferred_counts(self) -> dict:
         """References on each block held by deferred frees, vLLM's and the adapter's port's ({}
         when none wait)."""
-        deferred, own = self.harness.scheduler.deferred_frees, self.lifecycle.port.deferred
-        if not deferred and not own:
-            return {}
-        out = Counter(b.block_id for _, blocks in deferred for b in blocks if not b.is_null)
-        out.update(self.lifecycle.port.deferred_counts())
+        out = self.lifecycle.port.deferred_counts()
+        out.update(b.block_id for _, blocks in self.harness.scheduler.deferred_frees for b in blocks if not b.is_null)
         return out
 
     def _roles(self, headroom, held) -> dict[int, tuple]:

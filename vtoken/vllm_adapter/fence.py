@@ -84,7 +84,7 @@ class FenceEntry:
 class FenceLedger:
     """The fence's ledger over ``clock`` (the :class:`StepClock` the adapter's hooks advance)."""
 
-    def __init__(self, clock=None):
+    def __init__(self, clock: StepClock):
         self.clock = clock
         self.pending: dict[int, FenceEntry] = {}  # plan id -> the entry of its sources
         self.closed: deque = deque(maxlen=4096)  # handed back, not yet checked (kept for reports)

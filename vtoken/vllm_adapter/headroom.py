@@ -23,8 +23,8 @@ class Headroom:
     KV cache groups (each grows its own list from the one pool: a step may take a block per group);
     ``frees_waiting``: a callable, do fenced frees wait for a step."""
 
-    def __init__(self, harness, lifecycle, size: int, pool_fraction: int, block_size: int, stats: dict,
-                 groups: int = 1, frees_waiting=None):
+    def __init__(self, harness, lifecycle, size: int, pool_fraction: int, block_size: int, stats: dict, *,
+                 groups: int, frees_waiting):
         assert int(pool_fraction) >= 1, "the adapter refuses headroom_pool_fraction < 1 before building"
         self.harness, self.lifecycle = harness, lifecycle
         self.size = int(size)
@@ -32,8 +32,7 @@ class Headroom:
         self.S = int(block_size)
         self.stats = stats
         self.groups = int(groups)
-        # do fenced frees wait for a step? (vLLM's deferred frees, or the adapter's port's)
-        self.frees_waiting = frees_waiting or (lambda: bool(harness.scheduler.deferred_frees))
+        self.frees_waiting = frees_waiting  # do fenced frees wait for a step? (vLLM's or the adapter's port's)
         self.withheld: list = []  # fresh requests sitting out the current schedule()
         self.starved = False  # given back because nothing could be admitted beside it
 

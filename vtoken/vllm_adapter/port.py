@@ -12,7 +12,7 @@ Costs: O(blocks given) per call plus vLLM's own; O(entries due) per drain.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 
 class VllmPort:
@@ -50,13 +50,9 @@ class VllmPort:
             for ids in due:
                 self.harness.pool.free_blocks([blocks[b] for b in ids])
 
-    def deferred_counts(self) -> dict:
-        """References each block keeps in this port's deferred frees ({} when none wait)."""
-        out: dict = {}
-        for _, ids in self.deferred:
-            for b in ids:
-                out[b] = out.get(b, 0) + 1
-        return out
+    def deferred_counts(self) -> Counter:
+        """References each block keeps in this port's deferred frees (empty when none wait)."""
+        return Counter(b for _, ids in self.deferred for b in ids)
 
     def reserve(self, n: int) -> list:
         """``n`` free blocks for the headroom (ref_cnt 1, in no request's list, never hashed);

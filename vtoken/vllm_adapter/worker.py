@@ -277,22 +277,21 @@ class VTokenWorker:
         write = t.sync_new_tokens(r, w.blocks, start + k)
         t.flush()
         model, kv = self.model, self.kv
-        if w.wblocks is not None:  # a hybrid layout: the windowed layers read their group's blocks
-            lg, st = self._forward_windowed(r, w, toks, start, k, read, write)
-            self.stats["decode_tokens" if decode else "prefill_tokens"] += k
-        elif decode:
+        if decode and w.wblocks is None:
             logits, stats = model.decode_step(kv, [DecodeItem(int(toks[start]), start, int(write[0]), read)])
             lg, st = logits[0], stats[0]
             self.stats["decode_tokens"] += 1
-        else:
+        else:  # a prefill chunk, or any chunk of a hybrid model (its windowed layers read their own group)
             ids = torch.as_tensor(toks[start:start + k], dtype=torch.int64)
             pos = torch.arange(start, start + k, dtype=torch.int64)
             ws = torch.from_numpy(np.ascontiguousarray(write)).to(kv.device)
             keys = torch.cat([read.to(kv.device), ws])
+            windowed = self._windowed(r, w, start, k) if w.wblocks is not None else None
             with torch.inference_mode():
-                logits, stats = model._forward(kv, ids, pos, ws, [_Group(0, k, keys, True)], slice(k - 1, k))
+                logits, stats = model._forward(kv, ids, pos, ws, [_Group(0, k, keys, True)], slice(k - 1, k),
+                                               windowed=windowed)
             lg, st = logits[0], stats[0]
-            self.stats["prefill_tokens"] += k
+            self.stats["decode_tokens" if decode else "prefill_tokens"] += k
         obs_ids = np.concatenate([live_before, np.arange(start, start + k, dtype=np.int64)])
         self.policy.observe(r, obs_ids, st.numpy())
         if start + k >= len(toks):
@@ -305,30 +304,22 @@ class VTokenWorker:
         """The sliding-window group's slots of positions ``[lo, hi)``, by position through its
         block list. A position whose block vLLM already freed (null) is refused: vLLM must keep
         the window (``OrderError``, nothing computed)."""
-        S, blocks = self.S, w.wblocks
+        S = self.S
         pos = np.arange(lo, hi, dtype=np.int64)
         idx = pos // S
-        if len(idx) and (idx[-1] >= len(blocks) or any(blocks[i] == 0 for i in set(idx.tolist()))):
+        blocks = np.asarray(w.wblocks, dtype=np.int64)
+        if len(idx) and (idx[-1] >= len(blocks) or (blocks[idx] == 0).any()):
             raise OrderError("state_mismatch", f"worker: request {r!r}: the sliding-window group holds no block for "
-                             f"some position of [{lo}, {hi}) (its blocks {blocks})")
-        return torch.from_numpy(np.asarray(blocks, dtype=np.int64)[idx] * S + pos % S).to(self.kv.device)
+                             f"some position of [{lo}, {hi}) (its blocks {w.wblocks})")
+        return torch.from_numpy(blocks[idx] * S + pos % S).to(self.kv.device)
 
-    def _forward_windowed(self, r: str, w: _WorkerRequest, toks: list, start: int, k: int, read, write):
-        """One chunk of a hybrid model: full-attention layers over the table's live tokens
-        (``read``, then the chunk at ``write``), windowed layers over the last ``window``
-        positions of the window group. Returns the last row's logits and the full layers' stats."""
-        kv, win = self.kv, self.layout.window
-        ws = torch.from_numpy(np.ascontiguousarray(write)).to(kv.device)
-        keys = torch.cat([read.to(kv.device), ws])
+    def _windowed(self, r: str, w: _WorkerRequest, start: int, k: int) -> Windowed:
+        """The windowed layers of a hybrid model for the chunk ``[start, start + k)``: they write
+        the chunk and attend over the last ``window`` positions of the sliding-window group."""
+        win = self.layout.window
         lo = max(0, start - win + 1)
-        wkeys = self._window_slots(r, w, lo, start + k)
-        windowed = Windowed(self.window_layers, wkeys[start - lo:], [_Group(0, k, wkeys, k > 1, win)])
-        ids = torch.as_tensor(toks[start:start + k], dtype=torch.int64)
-        pos = torch.arange(start, start + k, dtype=torch.int64)
-        with torch.inference_mode():
-            logits, stats = self.model._forward(kv, ids, pos, ws, [_Group(0, k, keys, k > 1)], slice(k - 1, k),
-                                                windowed=windowed)
-        return logits[0], stats[0]
+        keys = self._window_slots(r, w, lo, start + k)
+        return Windowed(self.window_layers, keys[start - lo:], [_Group(0, k, keys, True, win)])
 
     def _evict(self, r: str, n: int) -> None:
         t = self.table
