@@ -324,13 +324,22 @@ def _recover_failures(summary: dict, out: Path, t_start: float) -> None:
                                                "found_after_s": f.stat().st_mtime - t_start})
 
 
+def start_method(device: str) -> str:
+    """How local workers start: ``fork`` (fast: they inherit what the campaign imported), or
+    ``spawn`` for a CUDA device (and on macOS). A process that asked torch about CUDA (the
+    ``--device`` check does) has initialised the driver, and a forked child of it cannot
+    use CUDA at all ("Cannot re-initialize CUDA in forked subprocess")."""
+    return "spawn" if sys.platform == "darwin" or str(device).startswith("cuda") else "fork"
+
+
 class _LocalWorkers:
-    """The campaign's workers as processes on this machine."""
+    """The campaign's workers as processes on this machine, started as :func:`start_method`
+    says for the device in ``VTOKEN_DEVICE``."""
 
     empty = (queue_mod.Empty,)
 
     def __init__(self, workers: int, args_of):
-        ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
+        ctx = mp.get_context(start_method(os.environ.get("VTOKEN_DEVICE", "cpu")))
         self.q = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, args=args_of(k, self.q, write=True), daemon=True)
                       for k in range(workers)]

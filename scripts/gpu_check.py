@@ -11,7 +11,7 @@ hides the rest; the JSON file is rewritten after every section (a kill keeps wha
 ``fuzz_planner``   from the start, one worker each; collected after the correctness sections)
 ``gpu_tests``      ``pytest -m gpu`` over every test file with gpu-marked tests (tests/test_gpu.py:
                    streams, events, graphs, probes, sync debug; the table's no-sync test; ...)
-``sanitizer``      a checked decode (vtoken vs naive-evict) under ``TORCH_CUDA_SANITIZER=1``,
+``sanitizer``      the shipped decode (vtoken vs naive-evict) under ``TORCH_CUDA_SANITIZER=1``,
                    eager path and graph path (a replay is one launch: CSAN sees the capture)
 ``i3``             the I3 sentinel probes (clean and each ordering fault), the StepGraph probe
                    (clean and ``graph_replay_on_capture_stream``), a sentinel-mode decode
@@ -90,7 +90,17 @@ def _self_cmd(*args: str) -> list:
     return [sys.executable, str(Path(__file__).resolve()), *args]
 
 
-def _run(cmd: list, limit: float, env=None) -> dict:
+LOGS: list = []  # [folder]: where each subprocess's whole output is kept (next to the JSON)
+
+
+def _log(label: str, text: str) -> None:
+    """Keep a child's whole output (the JSON holds only its tail) as ``logs/LABEL.txt``."""
+    if LOGS and label:
+        LOGS[0].mkdir(parents=True, exist_ok=True)
+        (LOGS[0] / f"{label}.txt").write_text(text, errors="replace")
+
+
+def _run(cmd: list, limit: float, env=None, label: str = "") -> dict:
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env or _child_env(), capture_output=True, text=True, timeout=limit)
@@ -98,6 +108,7 @@ def _run(cmd: list, limit: float, env=None) -> dict:
     except subprocess.TimeoutExpired as e:
         dec = lambda x: x.decode() if isinstance(x, bytes) else (x or "")  # noqa: E731
         rc, out, err = 124, dec(e.stdout), dec(e.stderr)
+    _log(label, f"$ {' '.join(map(str, cmd))}\n# rc {rc}\n--- stdout\n{out}\n--- stderr\n{err}")
     return {"rc": rc, "stdout": out, "stderr": err, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -276,6 +287,9 @@ def fuzz_collect(machine: str, grace_s: float = 60.0) -> dict:
         p.wait()
     f["log"].close()
     text = (f["work"] / "log.txt").read_text(errors="replace")
+    _log(f"fuzz_{machine}", text)
+    for i, fail in enumerate(sorted((f["work"] / "out" / "failures").glob("*.txt"))[:5]):  # with their replays
+        _log(f"fuzz_{machine}_failure{i}", fail.read_text(errors="replace"))
     d = _last_json(text) or {}
     out = {"rc": p.returncode, "wall_s": round(time.monotonic() - f["t0"], 1), "ops": d.get("ops"),
            "seconds": d.get("seconds"), "failures": d.get("failures"), "ops_by_machine": d.get("ops_by_machine"),
@@ -299,7 +313,7 @@ def sec_gpu_tests(dev: str) -> dict:
     xml = Path(tempfile.gettempdir()) / f"vtoken_gpu_tests_{os.getpid()}.xml"
     files = gpu_test_files()
     r = _run(_self_cmd("--pytest", *files, "-m", "gpu", "-o", "addopts=", "-p", "no:cacheprovider",
-                       "-q", "-rs", f"--junitxml={xml}"), 170)
+                       "-q", "-rs", f"--junitxml={xml}"), 170, label="gpu_tests")
     out = {"files": files, "rc": r["rc"], "wall_s": r["wall_s"]}
     try:
         import xml.etree.ElementTree as ET
@@ -317,14 +331,46 @@ def sec_gpu_tests(dev: str) -> dict:
     return out
 
 
+CSAN_CONTROL = """
+import sys, torch
+x = torch.zeros(4096, device="cuda")
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    y = (x + 1).sum()
+torch.cuda.current_stream().wait_stream(s)
+h = torch.empty((), pin_memory=True)
+h.copy_(y, non_blocking=True)
+torch.cuda.synchronize()
+print('{"control": %s}' % float(h))
+"""
+
+
 def sec_sanitizer(dev: str) -> dict:
-    """Both paths under CSAN; each a subprocess (the sanitizer is switched on at import)."""
+    """Both paths under CSAN; each a subprocess (the sanitizer is switched on at import).
+
+    The decode is the shipped one, without the relocation checker: CSAN tracks whole tensors,
+    and the checker's launch digests of one plan read the KV cache on the compute stream
+    while an earlier plan's copy writes other slots of it on the relocation stream (disjoint
+    by I2, which the checker itself verifies). Ordering those reads behind the copy would add
+    a compute-stream wait the system does not have, and hide a dropped wait from a checked
+    run. Outputs are still compared with naive-evict on the same path.
+
+    First a control: a few well-ordered torch ops on two streams under CSAN. If the control
+    fails, the sanitizer itself does not work with this torch and Python, and the section is
+    an ``error`` that says so (its decode runs are still recorded, but they prove nothing
+    either way)."""
     out, ok = {}, True
     env = _child_env({"TORCH_CUDA_SANITIZER": "1"} if dev == "cuda" else {})
+    if dev == "cuda":
+        r = _run([sys.executable, "-c", CSAN_CONTROL], 60, env=env, label="sanitizer_control")
+        out["control"] = {"rc": r["rc"], "ok": r["rc"] == 0 and '"control": 4096.0' in r["stdout"]}
+        if not out["control"]["ok"]:
+            out["control"]["tail"] = (r["stdout"] + r["stderr"])[-3000:]
     for path, graph in (("eager", False), ("graph", True)):
-        case = dict(device=dev, policy="random", requests=2, prompt=16, new=24, S=4, check=True, cuda_graph=graph,
+        case = dict(device=dev, policy="random", requests=2, prompt=16, new=24, S=4, check=False, cuda_graph=graph,
                     headroom=6)
-        r = _run(_self_cmd("--decode-json", json.dumps(case)), 100, env=env)
+        r = _run(_self_cmd("--decode-json", json.dumps(case)), 100, env=env, label=f"sanitizer_{path}")
         d = _last_json(r["stdout"]) or {}
         text = r["stdout"] + r["stderr"]
         races = "CSAN" in text or "data race" in text.lower()
@@ -335,6 +381,9 @@ def sec_sanitizer(dev: str) -> dict:
             sub["tail"] = text[-3000:]
         ok &= sub["ok"]
         out[path] = sub
+    if not out.get("control", {"ok": True})["ok"]:
+        raise RuntimeError("CSAN fails its control (plain torch ops on two streams) with this torch and Python: "
+                           f"the sanitizer cannot judge the decode; see logs/sanitizer_control.txt ({out})")
     out["ok"] = ok
     return out
 
@@ -435,19 +484,23 @@ def sec_sync_debug(dev: str) -> dict:
     from vtoken.model import PagedDecoder
     from vtoken.planner import PlannerConfig
 
+    on_cuda = dev == "cuda"
+
     def loop(cuda_graph, check):
         model = PagedDecoder()
         prompts = make_prompts(4, 32, model.config.vocab_size, seed=2)
         cfg = PlannerConfig(theta_f=0.1, check_every=1, max_sources=8, headroom=8)
-        eng = DecodeEngine(model, mode="vtoken", policy="h2o", evict_ratio=0.5, block_size=4, device="cuda",
-                           planner_config=cfg, cuda_graph=cuda_graph, check_relocations=check)
+        eng = DecodeEngine(model, mode="vtoken", policy="h2o", evict_ratio=0.5, block_size=4, device=dev,
+                           planner_config=cfg, cuda_graph=cuda_graph,
+                           check_relocations=RelocationChecker if check else None)
         eng.setup(full_retention_blocks([32] * 4, 40, 4, 8) + 2)
         for i, p in enumerate(prompts):
             eng.admit(i, p, 40)
         eng.step()
-        torch.cuda.synchronize()
         steps, err = 0, None
-        torch.cuda.set_sync_debug_mode("error")
+        if on_cuda:  # the CPU smoke runs the same loop without the debug mode (there is none)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
         try:
             while eng.active:
                 eng.step()
@@ -456,7 +509,8 @@ def sec_sync_debug(dev: str) -> dict:
             err = f"{e}".splitlines()[0][:300]
             err_tb = traceback.format_exc()[-1500:]
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if on_cuda:
+                torch.cuda.set_sync_debug_mode("default")
         eng.copy_engine.synchronize()
         r = {"steps_under_debug": steps, "error": err, "relocations_applied": eng.manager.stats["applied"]}
         if err:
@@ -593,6 +647,10 @@ def _smoke_sanitizer():
     return sec_sanitizer("cpu")
 
 
+def _smoke_sync_debug():
+    return sec_sync_debug("cpu")
+
+
 def _smoke_fuzz():
     fuzz_start("table", minutes=0.05, device="cpu")
     return fuzz_collect("table", grace_s=60)
@@ -609,7 +667,7 @@ SECTIONS = {
     "graph_replay": (sec_graph_replay, 120, True, _smoke_graph,
                      ["vtoken.invariants.snapshot_checks:check_snapshot", "vtoken.invariants.z3_checks:check_snapshot",
                       "z3"]),
-    "sync_debug": (sec_sync_debug, 90, True, None, ["vtoken.decode:full_retention_blocks"]),
+    "sync_debug": (sec_sync_debug, 90, True, _smoke_sync_debug, ["vtoken.decode:full_retention_blocks"]),
     "fuzz_table": (lambda dev: fuzz_collect("table"), 200, True, _smoke_fuzz,
                    ["vtoken.fuzz.campaign:main_fuzz", "vtoken.fuzz.table_machine", "hypothesis"]),
     "fuzz_planner": (lambda dev: fuzz_collect("planner"), 200, True, None,
@@ -711,6 +769,7 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
                                      else ROOT / "reports" / "gpu-check" / "gpu_check.json")
     bootstrap()
+    LOGS[:] = [out.parent / "logs"]
     runner = Runner(out, a.budget, dry_run=a.dry_run)
     if a.dry_run:
         dry_run(runner, only)
@@ -735,5 +794,7 @@ def main(argv=None) -> int:
     return 0 if rep["ok"] else 1
 
 
-if __name__ == "__main__":
+if __name__ == "__mp_main__":  # a process multiprocessing spawned from a child of this script
+    bootstrap()  # (a campaign's worker on CUDA): the same tree as its parent, before it unpickles
+elif __name__ == "__main__":
     sys.exit(main())

@@ -167,3 +167,25 @@ def test_the_summary_gives_each_machines_checked_ops_per_second(tmp_path):
     assert set(per) == {"table", "planner"} and all(v > 0 for v in per.values())
     for m in per:  # ops over the seconds spent in that machine's batches
         assert per[m] == pytest.approx(s["ops_by_machine"][m] / s["seconds_by_machine"][m])
+
+
+def test_workers_for_a_cuda_device_are_spawned_and_still_run(tmp_path, monkeypatch):
+    """A campaign that touched CUDA cannot fork workers that use it: a CUDA device spawns
+    them. Spawned workers (a fresh interpreter each) must run the machines as forked ones do;
+    here on the CPU, with the start method forced."""
+    from vtoken.fuzz import campaign
+
+    assert campaign.start_method("cuda") == campaign.start_method("cuda:1") == "spawn"
+    assert campaign.start_method("cpu") == ("spawn" if sys.platform == "darwin" else "fork")
+    methods = []
+    real = campaign.start_method
+
+    def forced(device):
+        methods.append(real(device))
+        return "spawn"
+
+    monkeypatch.setattr(campaign, "start_method", forced)
+    s = run_campaign(minutes=0.15, workers=1, out=tmp_path / "out", db=str(tmp_path / "db"),
+                     machines=["table"], progress=False, batch=20, profile="ci")
+    assert methods, "the local workers did not ask how to start"
+    assert s["failures"] == 0 and s["ops"] > 50 and not s["worker_errors"]

@@ -284,14 +284,57 @@ def test_graph_replay_equals_eager_with_relocations():
     assert s.outputs == eager.outputs and s.hash_failures == 0
 
 
+def test_lag_reports_done_at_exactly_the_lagth_poll_on_cuda():
+    """``lag`` on CUDA: the copy runs at once, ``poll`` says done at its lag-th call (a host
+    wait there if needed, counted), whatever the device's speed."""
+    kv = KVCache(2, 16, 4, 2, 16, dtype=torch.float16, device="cuda", checked=False)
+    kv.kv.normal_()
+    want = kv.flat.index_select(2, torch.arange(4, device="cuda")).clone()
+    eng = KVCopyEngine(kv, 4, lag=3, sentinel=True, sleep_cycles=SLEEP)
+    h = eng.launch(_ProbePlan(1, np.array([(o, 0, o, 5, o) for o in range(4)], dtype=np.int64)))
+    assert [eng.poll(h) for _ in range(2)] == ["pending", "pending"]
+    assert eng.poll(h) == "done" and eng.stats["host_syncs"] == 1  # the sleeping copy was not done yet
+    assert torch.equal(kv.flat.index_select(2, torch.arange(20, 24, device="cuda")), want)
+
+
+def _append_only_run(cls=None, mode="vtoken", **kw):
+    """The CPU test's scenario (tests/test_graph_path.py: S = 16, 24 blocks, requests that
+    finish at different steps, copies reported done at their second poll) on CUDA.
+
+    The fault shows only when a move is applied at a step without an eviction (an eviction
+    rewrites the row in full), and at evict_ratio 0.5 every other step evicts. Applies timed
+    by the GPU land on either kind (an H200 put all seven of a run on eviction steps); the
+    copy engine's ``lag`` fixes them at the second poll on both devices."""
+    from vtoken.decode import DecodeEngine, make_prompts
+    from vtoken.model import PagedDecoder
+    from vtoken.planner import PlannerConfig
+
+    model = PagedDecoder()
+    prompts = make_prompts(4, 32, model.config.vocab_size, seed=3)
+    if mode == "vtoken":
+        kw["planner_config"] = PlannerConfig(theta_f=0.1, check_every=1, max_sources=8, headroom=8,
+                                             low_watermark=None)
+    eng = (cls or DecodeEngine)(model, mode=mode, policy="random", evict_ratio=0.5, block_size=16, num_blocks=24,
+                                seed=0, device="cuda", **kw)
+    return eng.run(prompts, [48, 35, 43, 27])
+
+
 def test_append_only_slot_buffer_caught_on_cuda():
     from vtoken.errors import RelocationCheckError
     from vtoken.fuzz.faulty_engines import DECODE_ENGINES
 
+    bad = DECODE_ENGINES["graph_slot_buffer_append_only"]
+    copy = {"sentinel": True, "sleep_cycles": 50_000_000, "lag": 2}
+    # the fault takes effect in this scenario: without the check the poisoned reads change tokens
+    ref = _append_only_run(mode="naive-evict")
+    res = _append_only_run(bad, cuda_graph=True, copy_kwargs=copy)
+    assert res.relocations > 0 and res.outputs != ref.outputs
     with pytest.raises(RelocationCheckError) as ei:
-        _engine_run("vtoken", cls=DECODE_ENGINES["graph_slot_buffer_append_only"], cuda_graph=True,
-                    copy_kwargs={"sentinel": True, "sleep_cycles": 50_000_000}, sentinel_check=True)
+        _append_only_run(bad, cuda_graph=True, copy_kwargs=copy, sentinel_check=True)
     assert ei.value.code == "i3_sentinel"
+    # control: the shipped engine passes the same sentinel run
+    ok = _append_only_run(cuda_graph=True, copy_kwargs=copy, sentinel_check=True, check_relocations=RelocationChecker)
+    assert ok.outputs == ref.outputs and ok.hash_failures == 0 and ok.relocations > 0
 
 
 def _sync_debug(fn):

@@ -9,10 +9,14 @@ stream: (1) the relocation stream ``wait_stream``s the compute stream, so the co
 the sources after every K/V write issued so far; (2) it copies, then records an event;
 (3) ``wait_before_attention()`` makes the compute stream ``wait_event`` on every pending
 event (device side); (4) ``poll`` answers ``done`` only once ``event.query()`` does, so the
-planner frees sources only after the copy out of them finished; (5) ``wait`` is a host
+planner frees sources only after the copy out of them finished, and then makes the compute
+stream wait on that (completed) event too, so the order the host saw is on the streams; (5) ``wait`` is a host
 ``event.synchronize()``. ``record_stream`` and the handle keep the index tensors alive
 until the copy is seen done. CPU: the copy runs at ``launch``, or at the k-th ``poll`` of
-its handle with ``lag=k`` (a late relocation stream, for tests).
+its handle with ``lag=k`` (a late relocation stream, for tests). On CUDA ``lag=k`` fixes the
+schedule the same way: the copy is issued at once, and ``poll`` says ``done`` at exactly its
+k-th call (waiting on the host there if the device is not done yet), so a test sees the
+same apply steps on both devices instead of steps that depend on the GPU's speed.
 
 ``fail_next_copy = True``: the next launch copies part of its moves and reports ``failed``.
 Faulty engines are toolkit subclasses (``vtoken.fuzz.faulty_engines``) overriding the small
@@ -70,7 +74,7 @@ class CopyHandle:
     status: str = PENDING
     event: object = None  # torch.cuda.Event (cuda)
     refs: tuple = ()  # tensors kept alive until the copy is observed done
-    left: int = 0  # CPU lag: polls before the deferred copy runs
+    left: int = 0  # lag: polls before the copy runs (CPU) or is reported done (CUDA)
     deferred: Optional[tuple] = None  # CPU lag: (src, dst) still to copy
     timing: Optional[tuple] = None  # (start, end) timing events (cuda, ``timed=True``)
     meta: dict = field(default_factory=dict)
@@ -79,7 +83,7 @@ class CopyHandle:
 class KVCopyEngine:
     """Copies a plan's moves for all layers of ``kv``, on a relocation stream on CUDA.
     ``block_size``: the plans' ``S`` (the cache's); ``force_sync``: ``poll`` acts as ``wait``;
-    ``lag`` (CPU): copies run on the ``lag``-th poll; ``sentinel``, ``sleep_cycles``: the I3 test
+    ``lag``: copies are reported done at the ``lag``-th poll (CPU: run there); ``sentinel``, ``sleep_cycles``: the I3 test
     mode; ``timed`` (CUDA): timing events (``copy_ms``)."""
 
     def __init__(self, kv: KVCache, block_size: int, force_sync: bool = False, lag: int = 0,
@@ -92,8 +96,6 @@ class KVCopyEngine:
         self.is_cuda = kv.device.type == "cuda"
         self.force_sync = force_sync
         self.lag = int(lag)
-        if self.lag and self.is_cuda:
-            raise ConfigError("unsupported", "lag is a CPU simulation knob; on CUDA the stream is asynchronous already")
         self.sentinel = sentinel
         self.sleep_cycles = int(sleep_cycles)
         self.timed = timed
@@ -151,6 +153,7 @@ class KVCopyEngine:
         self.stats["bytes"] += len(src) * self.kv.bytes_per_token
         if self.is_cuda:
             self._launch_cuda(h, src, dst)
+            h.left = self.lag
         else:
             if self.sentinel and len(dst):
                 self.kv.fill_slots(torch.from_numpy(dst), self.sentinel_value)
@@ -215,8 +218,19 @@ class KVCopyEngine:
         if self.force_sync:
             return self.wait(h)
         if self.is_cuda:
-            if not h.event.query():
+            if h.left > 0:  # lag: a fixed schedule, done at exactly the lag-th poll
+                h.left -= 1
+                if h.left > 0:
+                    return PENDING
+                if not h.event.query():
+                    self.stats["host_syncs"] += 1
+                    h.event.synchronize()
+            elif not h.event.query():
                 return PENDING
+            # Done on the device. The host saw it, so later compute-stream work already runs
+            # after the copy; the wait (on a completed event: free) says so on the streams too,
+            # where a stream checker (CSAN) can see it, for the apply and the fills after it.
+            torch.cuda.current_stream(self.device).wait_event(h.event)
             return self._finish(h)
         if h.deferred is not None:
             h.left -= 1

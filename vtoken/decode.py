@@ -243,6 +243,9 @@ class StepGraph:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=side):
             self.out = self.fn(self)
+        # the static outputs were made on the side stream: order the current stream's reads of
+        # them (fetch) after it, so a stream checker (CSAN) sees the same order the replays keep
+        cur.wait_stream(side)
         self.graph, self.stream = g, side
         self.captures += 1
 

@@ -93,9 +93,6 @@ def _check_copy(copy_kwargs, factory, device: torch.device) -> dict:
     for k in ("lag", "sleep_cycles"):
         if k in kw and (not is_int(kw[k]) or kw[k] < 0):
             _bad("bad_type" if not is_int(kw[k]) else "out_of_range", f"copy_kwargs[{k!r}]", "an integer >= 0", kw[k])
-    if kw.get("lag") and device.type == "cuda":
-        _bad("out_of_range", "copy_kwargs['lag']", "0 on CUDA (a CPU simulation knob: the stream is asynchronous "
-                                                   "already)", kw["lag"])
     for k in ("sentinel", "timed"):
         if k in kw and not is_bool(kw[k]):
             _bad("bad_type", f"copy_kwargs[{k!r}]", "True or False", kw[k])

@@ -254,7 +254,7 @@ class _DevicePool:
 
     def release(self, base: int, cap: int) -> None:
         self.flush()  # queued writes must not land on the segment's next owner
-        self.live[base:base + cap] = False
+        self.live[base:base + cap].fill_(False)
         self.free_segs.setdefault(cap, []).append(base)
 
     @staticmethod
@@ -284,11 +284,13 @@ class _DevicePool:
             self.slot[self.h2d(idx)] = self.h2d(val)
             self.pend_idx.clear()
             self.pend_val.clear()
+        # index_fill_ takes the bit as a kernel argument; ``live[idx] = True`` would upload a
+        # 0-d tensor from pageable memory first, a host sync on CUDA
         if self.pend_new:  # births before deaths: a token born and evicted in one step stays dead
-            self.live[self.h2d(self._cat(self.pend_new))] = True
+            self.live.index_fill_(0, self.h2d(self._cat(self.pend_new)), True)
             self.pend_new.clear()
         if self.pend_dead:
-            self.live[self.h2d(self._cat(self.pend_dead))] = False
+            self.live.index_fill_(0, self.h2d(self._cat(self.pend_dead)), False)
             self.pend_dead.clear()
 
     def gather(self, gidx: np.ndarray, out: torch.Tensor) -> None:
