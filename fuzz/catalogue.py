@@ -283,7 +283,3 @@ CATALOGUE: list[Fault] = [
 ]
 
 BY_NAME = {f.name: f for f in CATALOGUE}
-
-
-def cpu_faults() -> list[Fault]:
-    return [f for f in CATALOGUE if not f.cuda_only]

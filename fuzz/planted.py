@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .catalogue import BY_NAME, CATALOGUE, Fault, cpu_faults
+from .catalogue import BY_NAME, CATALOGUE, Fault
 from .patches import PatchError, apply_to_tree
 from .patches import planted as _planted_patches
 from vtoken.invariants.relocation_hash import RelocationChecker
@@ -223,6 +223,37 @@ def _detect_decode(seed: int, budget_s: float, engine: str | None) -> dict:
             "error": detail[:240] or "not detected"}
 
 
+def _detect_gpu(seed: int, fault: Fault) -> dict:
+    """The I3 probes on this process's CUDA device (in the fault's shadow tree): an engine
+    fault through :func:`~vtoken.invariants.i3_probe.i3_probe` (the device-side wait, then
+    a poll-only read), a patched graph path through ``graph_i3_probe``. Detected: a probe saw
+    the sentinel or bytes other than the copy's. The seed picks the order of the scenarios
+    and the probe's size (the device's timing is the rest)."""
+    import torch
+
+    from vtoken.invariants.i3_probe import graph_i3_probe, i3_probe
+    from vtoken.kvcache import KVCache
+
+    t0 = time.perf_counter()
+    kv = KVCache(2, 64, 16, 2, 64, dtype=torch.float16, device="cuda", checked=False)
+    kv.kv.normal_(generator=torch.Generator(device="cuda").manual_seed(seed))
+    n = 32 + 8 * (seed % 3)
+    found = []
+    if fault.engine is not None:
+        from .faulty_engines import factory
+
+        for scenario in (("wait", "poll") if seed % 2 == 0 else ("poll", "wait")):
+            r = i3_probe(kv, scenario=scenario, fault=fault.engine, engine_cls=factory(fault.engine), n=n)
+            if r["sentinel_seen"] or not r["bytes_equal"]:
+                found.append(f"{scenario} probe: sentinel {r['sentinel_seen']}, bytes equal {r['bytes_equal']}")
+    else:
+        r = graph_i3_probe(kv, n=n)
+        if r["sentinel_seen"] or not r["bytes_equal"]:
+            found.append(f"graph probe: sentinel {r['sentinel_seen']}, bytes equal {r['bytes_equal']}")
+    return {"detected": bool(found), "seconds": time.perf_counter() - t0, "steps": 0,
+            "error": "; ".join(found)[:240] or "not detected"}
+
+
 def _detect_prefix(seed: int, budget_s: float) -> dict:
     """The audit's prefix-equality run (``reports.vllm_runs.prefix_equality``) with this seed:
     later requests repeat earlier sequences, with prefix caching on and off."""
@@ -248,6 +279,8 @@ def run_one(name: str, seeds: list[int], budget_s: float = DEFAULT_BUDGET_S) -> 
             r = _detect_decode(s, budget_s, fault.engine)
         elif fault.detector == "prefix":
             r = _detect_prefix(s, budget_s)
+        elif fault.detector == "gpu":
+            r = _detect_gpu(s, fault)
         else:
             raise ValueError(f"detector {fault.detector} does not run here")
         runs.append({"seed": s, **r})
@@ -424,12 +457,13 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
 
     from .shadow import snapshot
 
-    names = names or [f.name for f in cpu_faults()]
+    cuda = _cuda()
+    names = names or [f.name for f in CATALOGUE]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise ValueError(f"unknown planted faults {unknown}")
-    gpu = [n for n in names if BY_NAME[n].cuda_only]
-    names = [n for n in names if not BY_NAME[n].cuda_only]
+    gpu = [n for n in names if BY_NAME[n].cuda_only and not cuda]  # named, but no device to run them on
+    names = [n for n in names if n not in gpu]
     seeds = ",".join(str(s) for s in range(runs))
     work = Path(tempfile.mkdtemp(prefix="vtoken-planted-"))
     root, checkout = _sources()
@@ -484,7 +518,7 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
         "wall_s": time.perf_counter() - t_all,
         "by_detector": {d: sum(1 for r in results if r["detector"] == d) for d in sorted({r["detector"] for r in results})},
         "results": results,
-        "gpu_faults_not_run": gpu if not _cuda() else [],
+        "gpu_faults_not_run": gpu,
     }
 
 
@@ -512,9 +546,8 @@ def main_planted(args) -> int:
           f"over {runs} seed(s); median time to detection "
           f"{'-' if s['median_s'] is None else round(s['median_s'], 2)} s (max "
           f"{'-' if s['max_s'] is None else round(s['max_s'], 1)} s); {s['wall_s']:.0f} s in all")
-    cuda_only = [f.name for f in CATALOGUE if f.cuda_only]
-    if s["gpu_faults_not_run"] or (names is None and not _cuda()):
-        print(f"not run here (no CUDA device): {', '.join(s['gpu_faults_not_run'] or cuda_only)}")
+    if s["gpu_faults_not_run"]:
+        print(f"not run here (no CUDA device): {', '.join(s['gpu_faults_not_run'])}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "planted.json"), "w") as f:
         json.dump(s, f, indent=1, default=str)

@@ -83,3 +83,44 @@ def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n
     out["bytes_equal"] = bool(equal)
     eng.synchronize()
     return out
+
+
+def graph_i3_probe(kv: KVCache, n: int = 32, sleep_cycles: int = 400_000_000) -> dict:
+    """I3 through a :class:`~vtoken.decode.StepGraph`: a captured gather over the slot buffer,
+    then a sentinel copy on a late relocation stream, the slot buffer pointed at its
+    destinations (the host-side hook, landed), the device-side wait, and a replay. The
+    replay must read the copied bytes: ``sentinel_seen`` (or ``bytes_equal`` False) is an
+    I3 violation of the graph path (a replay not ordered after the wait, e.g. the catalogue's
+    ``graph_replay_on_capture_stream``, applied to the tree this runs from).
+
+    Uses (overwrites) the first ``2 * ceil(n / S)`` blocks past the null block of ``kv``.
+    """
+    from vtoken.decode import StepGraph  # the graph path's own class, as the decode engine builds it
+
+    if kv.device.type != "cuda":
+        raise ValueError("graph_i3_probe needs a CUDA cache")
+    S = kv.block_size
+    nblk = -(-n // S)
+    if 1 + 2 * nblk > kv.num_blocks:
+        raise ValueError("cache too small for the probe")
+    tok = np.arange(n, dtype=np.int64)
+    src_b, dst_b = 1 + tok // S, 1 + nblk + tok // S
+    moves = np.stack([tok, src_b, tok % S, dst_b, tok % S], axis=1)
+    src = torch.from_numpy(src_b * S + tok % S).to(kv.device)
+    dst = torch.from_numpy(dst_b * S + tok % S).to(kv.device)
+    want = kv.flat.index_select(2, src).clone()
+    gs = StepGraph(1, n, kv.device, lambda g: (kv.flat.index_select(2, g.read_slots[0]), None))
+    gs.read_slots[0].copy_(src)
+    first = gs.run()[0]  # warm-up, capture, replay
+    torch.cuda.synchronize(kv.device)
+    if gs.captures != 1 or not torch.equal(first, want):
+        raise RuntimeError(f"graph_i3_probe: the capture itself is wrong (captures {gs.captures})")
+    eng = KVCopyEngine(kv, S, sentinel=True, sleep_cycles=sleep_cycles)
+    eng.launch(ProbePlan(1, moves))
+    gs.read_slots[0].copy_(dst)  # the host-side hook: the slot buffer, in place
+    torch.cuda.current_stream(kv.device).synchronize()  # the update landed; the relocation stream still sleeps
+    eng.wait_before_attention()
+    out = gs.run()[0]
+    torch.cuda.synchronize(kv.device)
+    return {"scenario": "graph", "sentinel_seen": bool((out == eng.sentinel_value).any()),
+            "bytes_equal": bool(torch.equal(out, want))}

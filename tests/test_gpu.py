@@ -232,30 +232,12 @@ def test_engine_single_ordering_fault_is_masked_by_the_other_guard(fault):
 
 # ---------------------------------------------------------------------------- the engine's graph path
 def graph_probe(patches=()) -> dict:
-    """I3 through a StepGraph: a captured gather over the slot buffer, then a sentinel copy on
-    a late relocation stream, the slot buffer pointed at its destinations (landed), the
-    device-side wait, and a replay. ``patches``: a planted fault swapped in for the replay."""
-    from vtoken.decode import StepGraph
+    """invariants.i3_probe.graph_i3_probe, with ``patches`` (a planted fault) swapped in."""
     from vtoken.fuzz.patches import planted
+    from vtoken.invariants.i3_probe import graph_i3_probe
 
-    kv = cuda_cache()
-    n = 32
-    plan, src, dst = probe_plan(n=n)
-    want = kv.flat.index_select(2, src).clone()
-    gs = StepGraph(1, n, "cuda", lambda g: (kv.flat.index_select(2, g.read_slots[0]), None))
-    gs.read_slots[0].copy_(src)
-    first = gs.run()[0]  # warm-up, capture, replay
-    torch.cuda.synchronize()
-    assert gs.captures == 1 and torch.equal(first, want)
-    eng = KVCopyEngine(kv, 16, sentinel=True, sleep_cycles=SLEEP)
     with planted(list(patches)):
-        eng.launch(plan)
-        gs.read_slots[0].copy_(dst)  # the host-side hook: the slot buffer, in place
-        torch.cuda.current_stream().synchronize()  # the update has landed; the relocation stream still sleeps
-        eng.wait_before_attention()
-        out = gs.run()[0]
-        torch.cuda.synchronize()
-    return {"sentinel_seen": bool((out == eng.sentinel_value).any()), "bytes_equal": bool(torch.equal(out, want))}
+        return graph_i3_probe(cuda_cache(), sleep_cycles=SLEEP)
 
 
 def test_graph_probe_clean():
@@ -409,3 +391,15 @@ def test_fingerprint_checks_never_wait_on_the_host():
     kv, chk, mgr = _cuda_rig("xxh3")
     with pytest.raises(RuntimeError, match="synchroniz"):
         _sync_debug(steps)
+
+
+def test_planted_gpu_faults_are_caught_through_the_runner():
+    """``vtoken fuzz --planted`` on a CUDA machine runs the CUDA-only faults (each in its
+    shadow tree, the I3 probes as detector) instead of leaving them out."""
+    from vtoken.fuzz.catalogue import CATALOGUE
+    from vtoken.fuzz.planted import run_all
+
+    gpu = [f.name for f in CATALOGUE if f.cuda_only]
+    s = run_all(gpu, runs=2, progress=False)
+    assert s["gpu_faults_not_run"] == [] and s["planted"] == len(gpu), s
+    assert s["min_rate"] == 1.0, [(r["fault"], r.get("rate"), [x.get("error") for x in r["runs"]]) for r in s["results"]]

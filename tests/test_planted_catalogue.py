@@ -70,3 +70,16 @@ def test_spot_check_detection_through_shadow_trees():
     assert s["planted"] == 2 and s["min_rate"] == 1.0, s["results"]
     for r in s["results"]:
         assert r["steps"] is not None and r["steps"] <= 10, r
+
+
+def test_gpu_faults_are_run_on_a_device_or_listed_as_not_run(monkeypatch):
+    """The CUDA-only faults are never dropped in silence: with a device they run (the I3
+    probes, tests/test_gpu.py), without one the summary names each as not run and nothing
+    counts as planted."""
+    from vtoken.fuzz import planted as planted_mod
+
+    gpu = [f.name for f in CATALOGUE if f.cuda_only]
+    assert gpu and all(BY_NAME[n].detector == "gpu" for n in gpu)
+    monkeypatch.setattr(planted_mod, "_cuda", lambda: False)
+    s = run_all(gpu, runs=1, progress=False)
+    assert s["gpu_faults_not_run"] == gpu and s["planted"] == 0 and s["results"] == []
