@@ -62,7 +62,7 @@ from hypothesis import event, note
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vtoken.allocator import NULL_BLOCK, RESERVED, USED, BlockAllocator
-from vtoken.fuzz.table_machine import alloc_or_none, both, policy_victims, sync_both
+from vtoken.fuzz.table_machine import alloc_or_none, both, policy_victims, some_of, sync_both
 from vtoken.invariants.ownership import check_ownership
 from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
 from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager, reclaim_bound
@@ -410,7 +410,7 @@ class PlannerMachine(RuleBasedStateMachine):
             if not ids:
                 return
         else:
-            ids = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=1, max_size=4), label="victims")
+            ids = some_of(data, live, 4, "victims")
         PlannerMachine.ops += 1
         _, _, err = both(lambda: self.table.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))
         assert err is None, err
@@ -426,7 +426,7 @@ class PlannerMachine(RuleBasedStateMachine):
         moving = [mv[0] for mv in f.moves if self.spec.tokens[f.rid][mv[0]]["live"]]
         if not moving:
             return
-        ids = data.draw(st.lists(st.sampled_from(moving), unique=True, min_size=1, max_size=len(moving)), label="victims")
+        ids = some_of(data, moving, len(moving), "victims")
         PlannerMachine.ops += 1
         _, _, err = both(lambda: self.table.evict_tokens(f.rid, ids), lambda: self.spec.evict_tokens(f.rid, ids))
         assert err is None, err

@@ -27,6 +27,7 @@ request); ``waste_ratio``, ``block_live_count`` and ``export_state`` rescan ever
 from __future__ import annotations
 
 import numbers
+from collections import Counter
 
 NULL_BLOCK = 0
 
@@ -280,16 +281,17 @@ class SpecTokenTable:
 
     def export_state(self):
         """Same shape as ``vtoken.TokenTable.export_state``."""
-        reqs = {}
-        for req, toks in self.tokens.items():
-            live = [p for p, t in enumerate(toks) if t["live"]]
-            reqs[req] = {
-                "length": len(toks),
-                "live": live,
-                "loc": {p: [toks[p]["block"], toks[p]["offset"]] for p in live},
-                "blocks": sorted(self.blocks[req]),
-            }
-        slots = self.live_slots()  # once, not once per block (block_live_count would rescan)
-        blocks = {b: {"refs": self.refs(b), "live": sum(1 for (blk, _) in slots if blk == b)}
-                  for b in sorted(self.referenced_blocks())}
-        return {"block_size": self.S, "num_blocks": self.num_blocks, "requests": reqs, "blocks": blocks}
+        reqs = {req: self.export_request(req) for req in self.tokens}
+        return {"block_size": self.S, "num_blocks": self.num_blocks, "requests": reqs, "blocks": self.export_blocks()}
+
+    def export_request(self, req):
+        """One request of ``export_state``."""
+        toks = self._get(req)
+        live = [p for p, t in enumerate(toks) if t["live"]]
+        return {"length": len(toks), "live": live, "loc": {p: [toks[p]["block"], toks[p]["offset"]] for p in live},
+                "blocks": sorted(self.blocks[req])}
+
+    def export_blocks(self):
+        """The ``blocks`` of ``export_state``: every referenced block's refs and live slots."""
+        live = Counter(blk for (blk, _) in self.live_slots())  # one pass, not one per block
+        return {b: {"refs": self.refs(b), "live": live[b]} for b in sorted(self.referenced_blocks())}

@@ -30,7 +30,8 @@ PLANNER_FAULTS = {
 # The catalogue's other faults whose detector is this machine (fuzz/planted.py).
 OTHER_FAULTS = {
     "apply_before_complete": r"applied before the engine reported its copy complete",
-    "abort_leaks_dests": r"not back in the headroom|aborted plan changed state|reserved|ownership",
+    "abort_leaks_dests": r"not back in the headroom|not back in the free queue|aborted plan changed state|reserved|"
+                         r"ownership",
     "finish_frees_inflight_sources": r"sources of plan \d+ still copying|freed before its copy completed|"
                                      r"an owner's reference is gone \(early free",
     "headroom_leak": r"not reserved|accounting|ownership: block \d+ is free but held by \['headroom'\]|"

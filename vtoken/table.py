@@ -937,18 +937,23 @@ class TokenTable:
 
     # ------------------------------------------------------------------ observation
     def export_state(self) -> dict:
-        """The observable state as plain data, for checkers (O(total)): ``requests[req] = {"length",
-        "live": [ids], "loc": {id: [block, offset]}, "blocks": sorted}``; ``blocks[b] = {"refs", "live"}``."""
-        reqs = {}
-        for rid, r in self._reqs.items():
-            ids = np.flatnonzero(r.live[: r.n])
-            sl = r.slot[ids]
-            reqs[rid] = {
-                "length": r.n,
-                "live": ids.tolist(),
-                "loc": {int(t): [int(s) // self.S, int(s) % self.S] for t, s in zip(ids, sl)},
-                "blocks": sorted(r.blocks),
-            }
-        blocks = {int(b): {"refs": int(self.refs[b]), "live": int(self.n_b[b])}
-                  for b in np.flatnonzero(self.refs > 0)}
-        return {"block_size": self.S, "num_blocks": self.num_blocks, "requests": reqs, "blocks": blocks}
+        """The observable state as plain data, for checkers (O(total)): ``requests[req] =``
+        :meth:`export_request`, ``blocks =`` :meth:`export_blocks`."""
+        return {"block_size": self.S, "num_blocks": self.num_blocks,
+                "requests": {rid: self.export_request(rid) for rid in self._reqs}, "blocks": self.export_blocks()}
+
+    def export_request(self, req_id) -> dict:
+        """One request of :meth:`export_state`, O(its length): ``{"length", "live": [ids],
+        "loc": {id: [block, offset]}, "blocks": sorted}``. ``unknown_request`` if absent."""
+        r = self._req(req_id)
+        ids = np.flatnonzero(r.live[: r.n])
+        blk, off = np.divmod(r.slot[ids], self.S)
+        return {"length": r.n, "live": ids.tolist(),
+                "loc": {t: [b, o] for t, b, o in zip(ids.tolist(), blk.tolist(), off.tolist())},
+                "blocks": sorted(r.blocks)}
+
+    def export_blocks(self) -> dict:
+        """The referenced blocks of :meth:`export_state`, O(blocks): ``{b: {"refs", "live"}}``."""
+        ref = np.flatnonzero(self.refs > 0)
+        return {b: {"refs": r, "live": n} for b, r, n in zip(ref.tolist(), self.refs[ref].tolist(),
+                                                               self.n_b[ref].tolist())}
