@@ -139,6 +139,9 @@ class Touching:
 
         return call
 
+    def __contains__(self, rid) -> bool:  # dunders bypass __getattr__
+        return rid in self._table
+
     def take(self) -> tuple[set, bool]:
         """The requests named since the last take, and whether a full comparison is due."""
         out = self._named, self._unnamed
