@@ -13,7 +13,8 @@ contract, error codes and check order included):
   ``evict_tokens(req, ids)``, ``apply_moves(req, moves) -> emptied sources``,
   ``release_empty_blocks(req, blocks) -> blocks``, ``free_request(req) -> blocks``;
   optionally ``evict_token(req, id)`` (else ``evict_tokens(req, [id])`` stands in);
-- observations: ``export_state()`` (the plain-data state, as the spec's), ``slot_mapping(req)``
+- observations: ``export_state()`` (the plain-data state, as the spec's; optionally
+  ``export_request(req)`` and ``export_blocks()``, its parts, which make the checks cheaper), ``slot_mapping(req)``
   (a sequence of ints), ``location(req, id) -> (block, offset)``, ``length(req)``,
   ``blocks_of(req)``, ``waste_ratio()``, and the attributes ``S`` and ``num_blocks``;
 - errors: an operation that refuses raises an exception carrying a ``code`` (a string from
@@ -189,6 +190,12 @@ class Conforming:
         self.S = int(impl.S)
         self.num_blocks = int(impl.num_blocks)
         self.ops: list[str] = []  # the operations so far, for a failure's report
+        # the optional per-part exports, only where the implementation has them (the machines
+        # cut them from export_state() otherwise)
+        if callable(getattr(impl, "export_request", None)):
+            self.export_request = lambda req_id: self._call("export_request", req_id)
+        if callable(getattr(impl, "export_blocks", None)):
+            self.export_blocks = lambda: self._impl.export_blocks()
 
     def _code(self, op: str, e: BaseException) -> str:
         raw = getattr(e, "code", None)

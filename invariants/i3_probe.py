@@ -26,6 +26,22 @@ class ProbePlan:
         self.id, self.moves, self.req_id = pid, moves, "probe"
 
 
+def _probe_moves(kv: KVCache, n: int, who: str):
+    """``n`` tokens moved from the blocks right past the null block to the blocks after them:
+    ``(moves, source slots, destination slots)``, the slots on the cache's (CUDA) device."""
+    if kv.device.type != "cuda":
+        raise ValueError(f"{who} needs a CUDA cache")
+    S = kv.block_size
+    nblk = -(-n // S)
+    if 1 + 2 * nblk > kv.num_blocks:
+        raise ValueError(f"{who}: cache too small for the probe")
+    tok = np.arange(n, dtype=np.int64)
+    src_b, dst_b = 1 + tok // S, 1 + nblk + tok // S
+    moves = np.stack([tok, src_b, tok % S, dst_b, tok % S], axis=1)
+    return (moves, torch.from_numpy(src_b * S + tok % S).to(kv.device),
+            torch.from_numpy(dst_b * S + tok % S).to(kv.device))
+
+
 def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n: int = 64,
              sleep_cycles: int = 400_000_000, timeout_s: float = 20.0, engine_cls=None) -> dict:
     """Check I3 directly on a CUDA cache: one sentinel copy on a late relocation stream, then
@@ -45,17 +61,8 @@ def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n
     if (fault is None) != (engine_cls is None):
         raise ValueError("i3_probe: give a faulty engine as engine_cls together with its name as fault "
                          f"(got fault={fault!r}, engine_cls={engine_cls!r})")
-    if kv.device.type != "cuda":
-        raise ValueError("i3_probe needs a CUDA cache")
     S = kv.block_size
-    nblk = -(-n // S)
-    if 1 + 2 * nblk > kv.num_blocks:
-        raise ValueError("cache too small for the probe")
-    tok = np.arange(n, dtype=np.int64)
-    src_b, dst_b = 1 + tok // S, 1 + nblk + tok // S
-    moves = np.stack([tok, src_b, tok % S, dst_b, tok % S], axis=1)
-    src = torch.from_numpy(src_b * S + tok % S).to(kv.device)
-    dst = torch.from_numpy(dst_b * S + tok % S).to(kv.device)
+    moves, src, dst = _probe_moves(kv, n, "i3_probe")
     g = torch.Generator(device=kv.device).manual_seed(1234)
     vals = torch.randn((kv.num_layers, 2, n, kv.num_kv_heads, kv.head_dim), generator=g, device=kv.device)
     kv.flat.index_copy_(2, src, vals.to(kv.dtype))
@@ -97,17 +104,8 @@ def graph_i3_probe(kv: KVCache, n: int = 32, sleep_cycles: int = 400_000_000) ->
     """
     from vtoken.decode import StepGraph  # the graph path's own class, as the decode engine builds it
 
-    if kv.device.type != "cuda":
-        raise ValueError("graph_i3_probe needs a CUDA cache")
     S = kv.block_size
-    nblk = -(-n // S)
-    if 1 + 2 * nblk > kv.num_blocks:
-        raise ValueError("cache too small for the probe")
-    tok = np.arange(n, dtype=np.int64)
-    src_b, dst_b = 1 + tok // S, 1 + nblk + tok // S
-    moves = np.stack([tok, src_b, tok % S, dst_b, tok % S], axis=1)
-    src = torch.from_numpy(src_b * S + tok % S).to(kv.device)
-    dst = torch.from_numpy(dst_b * S + tok % S).to(kv.device)
+    moves, src, dst = _probe_moves(kv, n, "graph_i3_probe")
     want = kv.flat.index_select(2, src).clone()
     gs = StepGraph(1, n, kv.device, lambda g: (kv.flat.index_select(2, g.read_slots[0]), None))
     gs.read_slots[0].copy_(src)

@@ -130,3 +130,11 @@ def test_i3_probe_takes_a_faulty_engine_with_its_name():
         i3_probe(kv, engine_cls=KVCopyEngine)
     with pytest.raises(ValueError, match="CUDA"):  # well-formed: refused only for the CPU cache
         i3_probe(kv)
+
+
+def test_graph_i3_probe_refuses_a_cpu_cache():
+    from vtoken.invariants.i3_probe import graph_i3_probe
+    from vtoken.kvcache import KVCache
+
+    with pytest.raises(ValueError, match="graph_i3_probe needs a CUDA cache"):
+        graph_i3_probe(KVCache(2, 8, 4, 1, 8))
