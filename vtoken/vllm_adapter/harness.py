@@ -264,10 +264,16 @@ class VllmHarness:
 
     @property
     def table_group(self):
-        """The index of the group the token table mirrors (``layout.table_group``), or None."""
+        """The index of the group the token table mirrors (``layout.table_group``), or None.
+        Derived once per scheduler's KV cache coordinator (its groups are fixed when it is
+        built): ``req_to_blocks`` reads it on every hook."""
         from .layout import table_group
 
-        return table_group(self.managers)
+        coord = self.scheduler.kv_cache_manager.coordinator
+        cached = getattr(self, "_table_group", None)
+        if cached is None or cached[0] is not coord:
+            cached = self._table_group = (coord, table_group(list(coord.single_type_managers)))
+        return cached[1]
 
     @property
     def manager(self):
