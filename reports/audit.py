@@ -429,9 +429,11 @@ def check_adapter_bench(ctx) -> CheckResult:
     repeats = 1 if ctx["quick"] else 3
     res = bench_adapter(seed=ctx["seed"], quick=ctx["quick"], repeats=repeats)
     parts = [f"R={R}: " + ratio_text(res, R) for R in res["ratio"]]
+    means = [f"R={R}: " + ratio_text(res, R, "ratio_mean") for R in res["ratio_mean"]]
     return CheckResult("adapter-step-cost", None,
                        f"scheduler-side step cost x plain vLLM 0.33.0 (checks on unless _nochecks; median of {repeats} "
-                       f"repeat(s)): " + "; ".join(parts), metrics=res, measurement=True)
+                       f"repeat(s)): " + "; ".join(parts) + "; from mean step costs: " + "; ".join(means),
+                       metrics=res, measurement=True)
 
 
 CHECKS = [check_vllm, check_invariants, check_fuzz, check_mutants, check_vllm_decode, check_sharing,

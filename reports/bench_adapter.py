@@ -15,7 +15,10 @@ that nothing is preempted. Per variant and R: the median of the per-step cost ov
 measured decode steps; ``ratio`` = median variant / median plain; ``spread`` = (p75 - p25) /
 median of each variant. ``--repeats N`` runs the whole measurement N times on fresh runs of the
 same workload and reports the median of the N ratios (each in ``ratio_runs``): on a shared
-machine one run's ratio moves by +-0.1. The last stdout line is one JSON object.
+machine one run's ratio moves by +-0.1. ``ratio_mean`` is the same from mean step costs: an
+evicting run's steps are bimodal (steps that plan, steps that do not), where a median can
+jump between the modes, while the mean is what the engine thread pays over the run. The
+last stdout line is one JSON object.
 
 Owns: one harness, scheduler, adapter and worker per variant of a run, dropped when it returns.
 May call: vtoken.vllm_adapter (adapter, harness, worker), vtoken.model, vtoken.table, torch, numpy,
@@ -99,7 +102,8 @@ class _Run:
         self.times.sort()
         n = len(self.times)
         med = statistics.median(self.times)
-        return {"median_ms": med * 1e3, "p25_ms": self.times[n // 4] * 1e3, "p75_ms": self.times[(3 * n) // 4] * 1e3,
+        return {"median_ms": med * 1e3, "mean_ms": statistics.fmean(self.times) * 1e3,
+                "p25_ms": self.times[n // 4] * 1e3, "p75_ms": self.times[(3 * n) // 4] * 1e3,
                 "spread": (self.times[(3 * n) // 4] - self.times[n // 4]) / med if med else 0.0, "steps": n}
 
 
@@ -116,7 +120,7 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
     model = _model()
     if quick:
         Rs, steps = (8,), 10
-    out = {"ratio": {}, "spread": {}, "median_ms": {}, "ratio_runs": {}, "R": list(Rs), "steps": steps,
+    out = {"ratio": {}, "ratio_mean": {}, "spread": {}, "median_ms": {}, "ratio_runs": {}, "R": list(Rs), "steps": steps,
            "repeats": int(repeats), "variants": list(VARIANTS)}
     for R in Rs:
         rng = np.random.default_rng([seed, R])
@@ -126,24 +130,27 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
         for rep in range(max(1, int(repeats))):
             runs = _measure(R, prompts, steps, seed, model)
             st = {v: r.stats() for v, r in runs.items()}
-            plain = st["plain"]["median_ms"]
-            reps.append(({v: s["median_ms"] / plain for v, s in st.items() if v != "plain"}, st))
+            plain, plain_mean = st["plain"]["median_ms"], st["plain"]["mean_ms"]
+            reps.append(({v: s["median_ms"] / plain for v, s in st.items() if v != "plain"}, st,
+                         {v: s["mean_ms"] / plain_mean for v, s in st.items() if v != "plain"}))
             if rep == 0:
                 out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].ad.stats["applied"]
             del runs
         if profile_evict and R == max(Rs):
             out["profile_top10"] = _profile(R, prompts, steps, seed, model)
         key = str(R)
-        out["ratio_runs"][key] = {v: [r[v] for r, _ in reps] for v in reps[0][0]}
+        out["ratio_runs"][key] = {v: [r[v] for r, _, _ in reps] for v in reps[0][0]}
         out["ratio"][key] = {v: statistics.median(x) for v, x in out["ratio_runs"][key].items()}
-        out["median_ms"][key] = {v: statistics.median(st[v]["median_ms"] for _, st in reps) for v in VARIANTS}
-        out["spread"][key] = {v: statistics.median(st[v]["spread"] for _, st in reps) for v in VARIANTS}
+        out["ratio_mean"][key] = {v: statistics.median(m[v] for _, _, m in reps) for v in reps[0][2]}
+        out["median_ms"][key] = {v: statistics.median(st[v]["median_ms"] for _, st, _ in reps) for v in VARIANTS}
+        out["spread"][key] = {v: statistics.median(st[v]["spread"] for _, st, _ in reps) for v in VARIANTS}
     return out
 
 
-def ratio_text(res: dict, R: str) -> str:
-    """``res``'s ratios at ``R`` as one line: ``off x1.07, defaults x1.09, ...``."""
-    return ", ".join(f"{v} x{x:.2f}" for v, x in res["ratio"][R].items())
+def ratio_text(res: dict, R: str, key: str = "ratio") -> str:
+    """``res[key]`` (the median-based ``ratio`` or ``ratio_mean``) at ``R`` as one line:
+    ``off x1.07, defaults x1.09, ...``."""
+    return ", ".join(f"{v} x{x:.2f}" for v, x in res[key][R].items())
 
 
 def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:

@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     res = bench_adapter(seed=a.seed, quick=a.quick, profile_evict=a.profile, repeats=a.repeats)
     for R in res["ratio"]:
         print(f"R={R}: plain {res['median_ms'][R]['plain']:.2f} ms/step; " + ratio_text(res, R))
+        print(f"R={R}, from mean step costs: " + ratio_text(res, R, "ratio_mean"))
     for line in res.get("profile_top10", []):
         print(line)
     print(json.dumps(res, sort_keys=True))
