@@ -18,7 +18,8 @@ Detectors: ``table`` / ``planner`` / ``adapter`` (the conformance machines), ``p
 (the bounded Z3 proof of the placement rule: deterministic, so its rate is 0 or 1),
 ``decode`` (decodes with hash-and-compare, outputs against naive-evict and the blocks and
 plans a finished batch left, with copy lags so copies are in flight: see
-:func:`_detect_decode`), ``gpu`` (CUDA only; listed as not run elsewhere).
+:func:`_detect_decode`), ``gpu`` (the I3 probes on a CUDA device, :func:`_detect_gpu`; without
+one the faults are listed in ``gpu_faults_not_run``, never counted as planted).
 
 :func:`planted` is the in-process form for unit tests: the fault's patches swapped into the
 live modules for a ``with`` block.
