@@ -62,7 +62,8 @@ from hypothesis import event, note
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vtoken.allocator import NULL_BLOCK, RESERVED, USED, BlockAllocator
-from vtoken.fuzz.table_machine import Touching, alloc_or_none, both, policy_victims, some_of, sync_both
+from vtoken.fuzz.table_machine import (Touching, alloc_or_none, both, compare_parts, policy_victims, some_of,
+                                       sync_both)
 from vtoken.invariants.ownership import check_ownership
 from vtoken.invariants.table_checks import check_block_accounting, check_unique_mapping
 from vtoken.planner import ABORTED, APPLIED, COPYING, NullCopyEngine, PlannerConfig, ReclamationManager, reclaim_bound
@@ -654,11 +655,7 @@ class PlannerMachine(RuleBasedStateMachine):
             assert si == ss, f"state differs:\n impl={si}\n spec={ss}"
             blocks = si["blocks"]
         else:
-            for rid in sorted(rids, key=repr):
-                ri, rs, err = both(lambda: self.table.export_request(rid), lambda: self.spec.export_request(rid))
-                assert err is not None or ri == rs, f"state of request {rid!r} differs:\n impl={ri}\n spec={rs}"
-            blocks, bs = self.table.export_blocks(), self.spec.export_blocks()
-            assert blocks == bs, f"blocks differ:\n impl={blocks}\n spec={bs}"
+            blocks = compare_parts(self.table, self.spec, rids)[1]
         head = list(self.mgr.headroom)
         fly_src = {b for f in self.flying.values() for b in f.sources + f.fills}  # the request's blocks under a copy
         fly_dst = {b for f in self.flying.values() for b in f.dests}

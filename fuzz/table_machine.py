@@ -110,6 +110,21 @@ def export_blocks(table) -> dict:
     return f() if callable(f) else table.export_state()["blocks"]
 
 
+def compare_parts(impl, spec, rids) -> tuple[dict, dict]:
+    """The named requests and every block of ``impl`` against ``spec`` (a request unknown
+    to both, e.g. freed, is fine: ``both`` checks they agree). Returns the compared
+    ``({request: its export}, blocks)``. O(those requests + blocks)."""
+    got = {}
+    for rid in sorted(rids, key=repr):
+        a, b, err = both(lambda: export_request(impl, rid), lambda: spec.export_request(rid))
+        if err is None:
+            assert a == b, f"state of request {rid!r} differs:\n impl={a}\n spec={b}"
+            got[rid] = a
+    bi, bs = export_blocks(impl), spec.export_blocks()
+    assert bi == bs, f"blocks differ:\n impl={bi}\n spec={bs}"
+    return got, bi
+
+
 class Touching:
     """The table under test, recording the request each mutating call names (its first
     argument, whatever the rule that made the call): the requests the next state comparison
@@ -639,13 +654,8 @@ class TableMachine(RuleBasedStateMachine):
         if full or self._checks % self.FULL_EVERY == 0:
             self._compare_all(self.alloc.export_state())
             return
-        for rid in sorted(rids, key=repr):
-            a, b, err = both(lambda: export_request(self.impl, rid), lambda: self.spec.export_request(rid))
-            if err is None:  # (a freed request: unknown to both, as both() checked)
-                assert a == b, f"state of request {rid!r} differs:\n impl={a}\n spec={b}"
-                self._compare_request(rid, a)
-        bi, bs = export_blocks(self.impl), self.spec.export_blocks()
-        assert bi == bs, f"blocks differ:\n impl={bi}\n spec={bs}"
+        for rid, r in compare_parts(self.impl, self.spec, rids)[0].items():
+            self._compare_request(rid, r)
         assert abs(self.impl.waste_ratio() - self.spec.waste_ratio()) < 1e-9
 
     def _compare_all(self, alloc: dict) -> None:
