@@ -239,18 +239,15 @@ def _detect_gpu(seed: int, fault: Fault) -> dict:
     kv = KVCache(2, 64, 16, 2, 64, dtype=torch.float16, device="cuda", checked=False)
     kv.kv.normal_(generator=torch.Generator(device="cuda").manual_seed(seed))
     n = 32 + 8 * (seed % 3)
-    found = []
     if fault.engine is not None:
         from .faulty_engines import factory
 
-        for scenario in (("wait", "poll") if seed % 2 == 0 else ("poll", "wait")):
-            r = i3_probe(kv, scenario=scenario, fault=fault.engine, engine_cls=factory(fault.engine), n=n)
-            if r["sentinel_seen"] or not r["bytes_equal"]:
-                found.append(f"{scenario} probe: sentinel {r['sentinel_seen']}, bytes equal {r['bytes_equal']}")
+        probes = [i3_probe(kv, scenario=sc, fault=fault.engine, engine_cls=factory(fault.engine), n=n)
+                  for sc in (("wait", "poll") if seed % 2 == 0 else ("poll", "wait"))]
     else:
-        r = graph_i3_probe(kv, n=n)
-        if r["sentinel_seen"] or not r["bytes_equal"]:
-            found.append(f"graph probe: sentinel {r['sentinel_seen']}, bytes equal {r['bytes_equal']}")
+        probes = [graph_i3_probe(kv, n=n)]
+    found = [f"{r['scenario']} probe: sentinel {r['sentinel_seen']}, bytes equal {r['bytes_equal']}"
+             for r in probes if r["sentinel_seen"] or not r["bytes_equal"]]
     return {"detected": bool(found), "seconds": time.perf_counter() - t0, "steps": 0,
             "error": "; ".join(found)[:240] or "not detected"}
 
@@ -458,13 +455,14 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
 
     from .shadow import snapshot
 
-    cuda = _cuda()
     names = names or [f.name for f in CATALOGUE]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise ValueError(f"unknown planted faults {unknown}")
-    gpu = [n for n in names if BY_NAME[n].cuda_only and not cuda]  # named, but no device to run them on
-    names = [n for n in names if n not in gpu]
+    gpu = [n for n in names if BY_NAME[n].cuda_only]
+    if gpu and _cuda():  # (torch asked only when a CUDA-only fault is named)
+        gpu = []
+    names = [n for n in names if n not in gpu]  # the CUDA-only ones without a device: listed as not run
     seeds = ",".join(str(s) for s in range(runs))
     work = Path(tempfile.mkdtemp(prefix="vtoken-planted-"))
     root, checkout = _sources()

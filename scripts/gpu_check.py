@@ -332,7 +332,7 @@ def sec_gpu_tests(dev: str) -> dict:
 
 
 CSAN_CONTROL = """
-import sys, torch
+import torch
 x = torch.zeros(4096, device="cuda")
 s = torch.cuda.Stream()
 s.wait_stream(torch.cuda.current_stream())
@@ -423,15 +423,13 @@ def sec_i3(dev: str) -> dict:
         ok &= r["ok"]
         probes.append(r)
     graph = []
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from test_gpu import graph_probe  # the same probe the gpu tests run
-    finally:
-        sys.path.pop(0)
     from vtoken.fuzz.catalogue import BY_NAME
+    from vtoken.fuzz.patches import planted
+    from vtoken.invariants.i3_probe import graph_i3_probe  # the probe the gpu tests and the planted runner use
 
     for fault in (None, "graph_replay_on_capture_stream"):
-        r = graph_probe(BY_NAME[fault].patches if fault else ())
+        with planted(list(BY_NAME[fault].patches) if fault else []):
+            r = graph_i3_probe(cache())
         r.update(fault=fault, expected_violation=fault is not None)
         r["ok"] = r["sentinel_seen"] == r["expected_violation"] and r["bytes_equal"] != r["expected_violation"]
         ok &= r["ok"]
@@ -662,7 +660,8 @@ SECTIONS = {
     "env": (sec_env, 20, False, lambda: sec_env("cpu"), ["torch"]),
     "gpu_tests": (sec_gpu_tests, 180, True, None, ["pytest", "tests/test_gpu.py"]),
     "sanitizer": (sec_sanitizer, 210, True, _smoke_sanitizer, ["torch.cuda._sanitizer"]),
-    "i3": (sec_i3, 90, True, None, ["vtoken.invariants.i3_probe:i3_probe", "vtoken.fuzz.catalogue:BY_NAME",
+    "i3": (sec_i3, 90, True, None, ["vtoken.invariants.i3_probe:i3_probe", "vtoken.invariants.i3_probe:graph_i3_probe",
+                                    "vtoken.fuzz.catalogue:BY_NAME",
                                     "vtoken.fuzz.faulty_engines:factory", "vtoken.fuzz.patches:planted"]),
     "graph_replay": (sec_graph_replay, 120, True, _smoke_graph,
                      ["vtoken.invariants.snapshot_checks:check_snapshot", "vtoken.invariants.z3_checks:check_snapshot",
