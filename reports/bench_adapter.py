@@ -129,22 +129,24 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
         reps = []
         for rep in range(max(1, int(repeats))):
             runs = _measure(R, prompts, steps, seed, model)
-            st = {v: r.stats() for v, r in runs.items()}
-            plain, plain_mean = st["plain"]["median_ms"], st["plain"]["mean_ms"]
-            reps.append(({v: s["median_ms"] / plain for v, s in st.items() if v != "plain"}, st,
-                         {v: s["mean_ms"] / plain_mean for v, s in st.items() if v != "plain"}))
+            reps.append({v: r.stats() for v, r in runs.items()})
             if rep == 0:
                 out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].ad.stats["applied"]
             del runs
         if profile_evict and R == max(Rs):
             out["profile_top10"] = _profile(R, prompts, steps, seed, model)
         key = str(R)
-        out["ratio_runs"][key] = {v: [r[v] for r, _, _ in reps] for v in reps[0][0]}
+        out["ratio_runs"][key] = _ratio_runs(reps, "median_ms")
         out["ratio"][key] = {v: statistics.median(x) for v, x in out["ratio_runs"][key].items()}
-        out["ratio_mean"][key] = {v: statistics.median(m[v] for _, _, m in reps) for v in reps[0][2]}
-        out["median_ms"][key] = {v: statistics.median(st[v]["median_ms"] for _, st, _ in reps) for v in VARIANTS}
-        out["spread"][key] = {v: statistics.median(st[v]["spread"] for _, st, _ in reps) for v in VARIANTS}
+        out["ratio_mean"][key] = {v: statistics.median(x) for v, x in _ratio_runs(reps, "mean_ms").items()}
+        out["median_ms"][key] = {v: statistics.median(st[v]["median_ms"] for st in reps) for v in VARIANTS}
+        out["spread"][key] = {v: statistics.median(st[v]["spread"] for st in reps) for v in VARIANTS}
     return out
+
+
+def _ratio_runs(reps: list, stat: str) -> dict:
+    """Per adapter variant, each repeat's ``stat`` (``median_ms`` or ``mean_ms``) over plain's."""
+    return {v: [st[v][stat] / st["plain"][stat] for st in reps] for v in VARIANTS if v != "plain"}
 
 
 def ratio_text(res: dict, R: str, key: str = "ratio") -> str:
