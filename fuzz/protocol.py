@@ -191,11 +191,12 @@ class Conforming:
         self.num_blocks = int(impl.num_blocks)
         self.ops: list[str] = []  # the operations so far, for a failure's report
         # the optional per-part exports, only where the implementation has them (the machines
-        # cut them from export_state() otherwise)
+        # cut them from export_state() otherwise); not logged, as export_state is not: a failure
+        # names the last operation, never the check that found it
         if callable(getattr(impl, "export_request", None)):
-            self.export_request = lambda req_id: self._call("export_request", req_id)
+            self.export_request = lambda req_id: self._call("export_request", req_id, log=False)
         if callable(getattr(impl, "export_blocks", None)):
-            self.export_blocks = lambda: self._impl.export_blocks()
+            self.export_blocks = lambda: self._call("export_blocks", log=False)
 
     def _code(self, op: str, e: BaseException) -> str:
         raw = getattr(e, "code", None)
@@ -208,8 +209,9 @@ class Conforming:
                             f"vtoken knows (give it a .code from vtoken.errors.TABLE_CODES, or map it in "
                             f"ERROR_CODES)") from e
 
-    def _call(self, op: str, *args):
-        self.ops.append(f"{op}{args!r:.200}")
+    def _call(self, op: str, *args, log: bool = True):
+        if log:
+            self.ops.append(f"{op}{args!r:.200}")
         try:
             return getattr(self._impl, op)(*args)
         except Exception as e:  # noqa: BLE001 - every refusal is translated (or reported) here

@@ -74,6 +74,25 @@ def test_the_optional_part_exports_are_used_and_checked():
 
 
 @pytest.mark.invariants
+def test_the_part_exports_are_not_logged_as_operations():
+    """A failure names the last operation (``Conforming.ops``), never the export that found it."""
+    from tests.alt_table import AltTable
+    from vtoken.fuzz.protocol import Conforming
+
+    class Parts(AltTable):
+        def export_request(self, req):
+            return self.export_state()["requests"][req]
+
+        def export_blocks(self):
+            return self.export_state()["blocks"]
+
+    t = Conforming(Parts(2, 4))
+    t.sync_new_tokens("a", [1], 2)
+    assert t.export_request("a")["length"] == 2 and set(t.export_blocks()) == {1}
+    assert len(t.ops) == 1 and t.ops[-1].startswith("sync_new_tokens")
+
+
+@pytest.mark.invariants
 def test_leaky_alt_table_is_caught():
     from tests.alt_table import LeakyAltTable
 
