@@ -70,11 +70,12 @@ from collections import Counter
 import hypothesis.strategies as st
 import numpy as np
 from hypothesis import event, note
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from vtoken.vllm_adapter import harness  # noqa: F401 - the CPU environment before vLLM loads
 
 from . import hard_states
+from .step_draws import SwarmRules, pick, integer
 from .hard_states import hard, note_snapshot
 from vtoken.invariants.relocation_hash import RelocationChecker
 
@@ -476,7 +477,7 @@ ENGINE_DRAWS = (None, None, None, "copy_fails", "copy_fails", "corrupt_in_flight
                 "steal_fill")
 
 
-class AdapterMachine(RuleBasedStateMachine):
+class AdapterMachine(SwarmRules):
     """Stateful conformance test of the vLLM adapter (see the module docstring)."""
 
     ops = 0  # operations checked, summed over all runs in this process (campaign counter)
@@ -557,7 +558,7 @@ class AdapterMachine(RuleBasedStateMachine):
         """A prompt sharing whole leading blocks with an earlier one (a prefix-cache hit when
         they are still cached), preferring a parent whose plan is moving one of them."""
         lowest = self._moving()
-        aim = bool(lowest) and data.draw(st.sampled_from([True, True, False]), label="aim at a moving block")
+        aim = bool(lowest) and pick(data, [True, True, False], "aim at a moving block")
         self._add_prefix(data, max_tokens, lowest if aim else None)
 
     @precondition(lambda self: len(self._live_requests()) < 6 and self._moving())
@@ -569,9 +570,9 @@ class AdapterMachine(RuleBasedStateMachine):
 
     def _add_prefix(self, data, max_tokens, lowest):
         cands = sorted(r for r, p in self.prompts.items() if len(p) >= self.S)
-        parent = data.draw(st.sampled_from(sorted(lowest) if lowest else cands), label="parent")
+        parent = pick(data, sorted(lowest) if lowest else cands, "parent")
         pp = self.prompts[parent]
-        k = data.draw(st.integers(lowest[parent] + 1 if lowest else 1, len(pp) // self.S), label="shared blocks")
+        k = integer(data, lowest[parent] + 1 if lowest else 1, len(pp) // self.S, "shared blocks")
         for p in self.vt.ad.plans.values():
             if p.req_id == parent and not p.orphaned and any(0 <= i < k for i in p.list_index.values()):
                 hard("prefix hit on an in-flight source")
@@ -603,7 +604,7 @@ class AdapterMachine(RuleBasedStateMachine):
         rids = [r for r in self._live_requests() if r in t and t.length(r) >= 2]
         if not rids:
             return
-        rid = data.draw(st.sampled_from(rids), label="rid")
+        rid = pick(data, rids, "rid")
         n = t.length(rid)
         live = [i for i in t.live_tokens(rid).tolist() if i < n - 1]
         if not live:
@@ -621,9 +622,9 @@ class AdapterMachine(RuleBasedStateMachine):
         destinations must go back at vLLM's fence, like its list)."""
         live = self._live_requests()
         holding = [r for r in live if self.vt.ad.held.get(r)]
-        if holding and data.draw(st.sampled_from([True, True, False]), label="one holding destinations"):
+        if holding and pick(data, [True, True, False], "one holding destinations"):
             live = holding
-        rid = data.draw(st.sampled_from(live), label="rid")
+        rid = pick(data, live, "rid")
         self._both(lambda run: run.abort(rid))
 
     @rule(k=st.integers(1, 16))
@@ -720,7 +721,7 @@ class AdapterMachine(RuleBasedStateMachine):
     def abort_mid_pipeline(self, data):
         """Abort a request that holds relocated blocks right after a step was scheduled (with
         async scheduling that step is still in flight: everything it holds must wait for it)."""
-        rid = data.draw(st.sampled_from([r for r in self._live_requests() if self.vt.ad.held.get(r)]), label="rid")
+        rid = pick(data, [r for r in self._live_requests() if self.vt.ad.held.get(r)], "rid")
         self.step(1)
         self._both(lambda run: run.abort(rid))
 

@@ -59,7 +59,7 @@ from collections import Counter
 
 import hypothesis.strategies as st
 from hypothesis import event, note
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from vtoken.allocator import NULL_BLOCK, RESERVED, USED, BlockAllocator
 from vtoken.fuzz.table_machine import (Touching, alloc_or_none, both, compare_parts, policy_victims, some_of,
@@ -72,6 +72,7 @@ from vtoken.spec.planner import best_reduction, plan_errors
 from vtoken.table import TokenTable
 
 from .hard_states import hard
+from .step_draws import SwarmRules, pick, integer
 
 
 def plan_as_data(plan) -> dict:
@@ -108,7 +109,7 @@ class RecordingEngine(NullCopyEngine):
         return status
 
 
-class PlannerMachine(RuleBasedStateMachine):
+class PlannerMachine(SwarmRules):
     """Stateful conformance test of the reclamation planner (see module docstring)."""
 
     ops = 0  # operations checked, summed over all runs in this process (campaign counter)
@@ -151,8 +152,8 @@ class PlannerMachine(RuleBasedStateMachine):
         note(f"S={S} num_blocks={nb} headroom={headroom} B={max_sources} latency={latency} K={check_every} "
              f"in_place={in_place}")
         # a few requests to start from, so most runs reach fragmentation and planning
-        for _ in range(data.draw(st.integers(1, 2), label="initial_requests")):
-            self.add_request(data.draw(st.integers(2, 4), label="nblocks"), data)
+        for _ in range(integer(data, 1, 2, "initial_requests")):
+            self.add_request(integer(data, 2, 4, "nblocks"), data)
 
     # ------------------------------------------------------------------ helpers
     def rids(self):
@@ -178,9 +179,9 @@ class PlannerMachine(RuleBasedStateMachine):
         so the interesting states (reducible, copying) are reached often."""
         rids = self.rids()
         good = [r for r in rids if prefer(r)]
-        if good and data.draw(st.sampled_from([True, True, False]), label="prefer"):
+        if good and pick(data, [True, True, False], "prefer"):
             rids = good
-        return data.draw(st.sampled_from(rids), label="rid")
+        return pick(data, rids, "rid")
 
     def _reducible(self, rid):
         """Worth steering towards: the table's O(1) upper bound on what a plan could free is
@@ -330,9 +331,9 @@ class PlannerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def add_shared_request(self, data):
         """A prefix-cache hit: share the parent's leading full blocks, then grow privately."""
-        parent = data.draw(st.sampled_from(self.rids()), label="parent")
+        parent = pick(data, self.rids(), "parent")
         plen = len(self.spec.tokens[parent]) // self.S
-        k = data.draw(st.integers(0, min(plen, 2)), label="shared_blocks")
+        k = integer(data, 0, min(plen, 2), "shared_blocks")
         prefix = self.pos[parent][:k]
         if 0 in prefix:
             return  # a freed position: nothing to share
@@ -344,7 +345,7 @@ class PlannerMachine(RuleBasedStateMachine):
             return
         if {b for f in self._copying_plans() for b in f.sources} & set(prefix):
             event("hard: prefix hit on a block being compacted")  # its plan must abort on completion
-        extra = self._alloc(data.draw(st.integers(0, 3), label="private_blocks"))
+        extra = self._alloc(integer(data, 0, 3, "private_blocks"))
         if extra is None:
             return
         self.alloc.incref(prefix)
@@ -353,7 +354,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.pos[rid] = prefix + extra
         self._give(rid, prefix + extra)
         # a prefix hit covers the shared blocks whole (only full blocks are cached)
-        total = data.draw(st.integers(k * self.S, (k + len(extra)) * self.S), label="total_len")
+        total = integer(data, k * self.S, (k + len(extra)) * self.S, "total_len")
         err = self._sync(rid, total)
         assert err is None, f"shared sync refused: {err}"
         if k:
@@ -364,7 +365,7 @@ class PlannerMachine(RuleBasedStateMachine):
     def grow(self, data):
         rid = self._pick(data, lambda r: len(self.spec.blocks[r]) >= 2)
         n = len(self.spec.tokens[rid])
-        k = data.draw(st.integers(1, 2 * self.S), label="new_tokens")
+        k = integer(data, 1, 2 * self.S, "new_tokens")
         need = -(-(n + k) // self.S) - len(self.pos[rid])
         if need > 0:
             blocks = self._alloc(need)
@@ -426,7 +427,7 @@ class PlannerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def evict_moving(self, data):
         """A policy evicts tokens that an in-flight copy is moving."""
-        f = data.draw(st.sampled_from(self._moving_plans()), label="plan")
+        f = pick(data, self._moving_plans(), "plan")
         moving = [mv[0] for mv in f.moves if self.spec.tokens[f.rid][mv[0]]["live"]]
         if not moving:
             return
@@ -451,7 +452,7 @@ class PlannerMachine(RuleBasedStateMachine):
             if len(toks) < self.S:
                 continue  # already fragmented: leave it to the planner
             half = max(1, len(toks) // 2)  # mostly partly live; sometimes all dead
-            keep = data.draw(st.sampled_from([half, half, 1, 0]), label=f"keep in {b}")
+            keep = pick(data, [half, half, 1, 0], f"keep in {b}")
             ids += data.draw(st.permutations(toks), label=f"order in {b}")[keep:]
         if not ids:
             return
@@ -529,7 +530,7 @@ class PlannerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), launch=st.sampled_from([True, True, True, False]), limit=st.booleans())
     def plan(self, data, launch, limit):
         rid = self._pick(data, self._reducible)
-        md = data.draw(st.integers(0, len(self.mgr.headroom) + 1), label="max_dests") if limit else None
+        md = integer(data, 0, len(self.mgr.headroom) + 1, "max_dests") if limit else None
         plan = self.mgr.plan_request(rid, md)
         if plan is not None and launch:
             self.mgr.launch(plan)

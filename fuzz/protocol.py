@@ -48,9 +48,11 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import hypothesis.strategies as st
 import numpy as np
 from hypothesis import event, note
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from vtoken.errors import TABLE_CODES, TableError
+
+from .step_draws import SwarmRules, pick, integer
 
 __all__ = ["TokenTableProtocol", "PlannerProtocol", "Conforming", "ProtocolError", "load_impl", "kind_of", "check_impl",
            "table_machine_for", "planner_machine_for"]
@@ -277,7 +279,7 @@ def table_machine_for(cls, codes: Optional[dict] = None, name: Optional[str] = N
 
 
 # ---------------------------------------------------------------------------------- planners
-class PlannerContractMachine(RuleBasedStateMachine):
+class PlannerContractMachine(SwarmRules):
     """A planner under test proposes plans on states the reference table reaches (requests
     growing, sharing prefixes, evicting); every proposal must obey ``spec.planner``'s rules
     and reduce the block count (with ``OPTIMAL``: by the best reduction). Valid plans are
@@ -314,19 +316,19 @@ class PlannerContractMachine(RuleBasedStateMachine):
         rid = self.next_id
         self.next_id += 1
         self.pos[rid] = blocks
-        total = data.draw(st.integers(max(1, (nblocks - 1) * self.S + 1), nblocks * self.S), label="total_len")
+        total = integer(data, max(1, (nblocks - 1) * self.S + 1), nblocks * self.S, "total_len")
         self.spec.sync_new_tokens(rid, blocks, total)
 
     @precondition(lambda self: self.pos and len(self.pos) < 3)
     @rule(data=st.data())
     def add_shared_request(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.pos)), label="parent")
+        parent = pick(data, sorted(self.pos), "parent")
         full = len(self.spec.tokens[parent]) // self.S
-        k = data.draw(st.integers(0, min(full, 2)), label="shared_blocks")
+        k = integer(data, 0, min(full, 2), "shared_blocks")
         prefix = self.pos[parent][:k]
         if 0 in prefix:
             return
-        extra = self._take(data.draw(st.integers(1, 2), label="private_blocks"))
+        extra = self._take(integer(data, 1, 2, "private_blocks"))
         if extra is None:
             return
         rid = self.next_id
@@ -338,7 +340,7 @@ class PlannerContractMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def evict(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.pos)), label="rid")
+        rid = pick(data, sorted(self.pos), "rid")
         live = self.spec.live_tokens(rid)
         if len(live) < 2:
             return
@@ -351,7 +353,7 @@ class PlannerContractMachine(RuleBasedStateMachine):
     def propose(self, data, limit):
         from vtoken.spec.planner import best_reduction, plan_errors
 
-        rid = data.draw(st.sampled_from(sorted(self.pos)), label="rid")
+        rid = pick(data, sorted(self.pos), "rid")
         toks = self.spec.tokens[rid]
         blocks = sorted(self.spec.blocks[rid])
         n = len(toks)
@@ -360,7 +362,7 @@ class PlannerContractMachine(RuleBasedStateMachine):
                 "refs": {b: self.spec.refs(b) for b in blocks},
                 "tail": self.pos[rid][(n - 1) // self.S] if n else None, "in_flight": [],
                 "headroom": list(self.headroom), "in_place": bool(getattr(self.planner, "in_place", False))}
-        max_dests = data.draw(st.integers(0, len(self.headroom)), label="max_dests") if limit else len(self.headroom)
+        max_dests = integer(data, 0, len(self.headroom), "max_dests") if limit else len(self.headroom)
         PlannerContractMachine.ops += 1
         plan = self.planner.propose(view, max_dests)
         best = best_reduction(view, max_dests)
@@ -389,7 +391,7 @@ class PlannerContractMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def finish(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.pos)), label="rid")
+        rid = pick(data, sorted(self.pos), "rid")
         blocks = self.spec.free_request(rid)
         others = {b for r, bl in self.spec.blocks.items() for b in bl}
         self.free += [b for b in blocks if b not in others]

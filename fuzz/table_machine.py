@@ -36,7 +36,7 @@ import sys
 
 import hypothesis.strategies as st
 from hypothesis import event, note
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from vtoken.allocator import BlockAllocator
 from vtoken.errors import AllocatorError, TableError, VTokenError
@@ -45,6 +45,7 @@ from vtoken.table import TokenTable
 from vtoken.invariants.table_checks import check_block_accounting, check_conservation, check_unique_mapping
 
 from .hard_states import hard
+from .step_draws import SwarmRules, pick, integer
 
 
 # Values of the wrong type, or integers beyond int64, for the bad_input rule.
@@ -171,10 +172,10 @@ def some_of(data, items: list, most: int, label: str, k: int | None = None) -> l
     of indices costs two choices an element; a choice is most of what a step costs."""
     n = len(items)
     if k is None:
-        k = data.draw(st.integers(1, min(most, n)), label=f"{label}: how many")
+        k = integer(data, 1, min(most, n), f"{label}: how many")
     if k <= 0 or n == 0:
         return []
-    x = data.draw(st.integers(0, n ** k - 1), label=label)
+    x = integer(data, 0, n ** k - 1, label)
     idx = []
     for _ in range(k):
         x, i = divmod(x, n)
@@ -201,11 +202,11 @@ def policy_victims(data, spec, rid) -> list:
     live = spec.live_tokens(rid)[:-1]
     if not live:
         return []
-    v = data.draw(st.integers(0, 7), label="evict (how many)")  # 0-3: none; 4-7: one to four
+    v = integer(data, 0, 7, "evict (how many)")  # 0-3: none; 4-7: one to four
     return some_of(data, live, 4, "victims", k=min(v - 3, len(live))) if v >= 4 else []
 
 
-class TableMachine(RuleBasedStateMachine):
+class TableMachine(SwarmRules):
     """Stateful conformance test of the token table (see module docstring)."""
 
     ops = 0  # operations checked, summed over all runs in this process (campaign counter)
@@ -235,8 +236,8 @@ class TableMachine(RuleBasedStateMachine):
         note(f"S={S} num_blocks={nb}")
         # a request or two to start from: an example whose draws leave the table empty spends
         # its steps on the few rules that need no request
-        for _ in range(data.draw(st.integers(1, 2), label="initial_requests")):
-            self.add_request(data.draw(st.integers(1, 3), label="nblocks"), data)
+        for _ in range(integer(data, 1, 2, "initial_requests")):
+            self.add_request(integer(data, 1, 3, "nblocks"), data)
 
     # ------------------------------------------------------------------ helpers
     def _alloc(self, n):
@@ -273,7 +274,7 @@ class TableMachine(RuleBasedStateMachine):
         rid = self.next_id
         self.next_id += 1
         self.pos[rid], self.held[rid] = list(blocks), list(blocks)
-        total = data.draw(st.integers(0, nblocks * self.S), label="total_len")
+        total = integer(data, 0, nblocks * self.S, "total_len")
         err = self._sync(rid, total)
         assert err is None, err
 
@@ -281,20 +282,20 @@ class TableMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def add_shared_request(self, data):
         """A prefix-cache hit: share the parent's leading full blocks, then grow privately."""
-        parent = data.draw(st.sampled_from(self.rids()), label="parent")
+        parent = pick(data, self.rids(), "parent")
         plen = self.impl.length(parent) // self.S
-        k = data.draw(st.integers(0, plen), label="shared_blocks")
+        k = integer(data, 0, plen, "shared_blocks")
         prefix = self.pos[parent][:k]
         if 0 in prefix:
             return  # a freed position: nothing to share
-        extra = self._alloc(data.draw(st.integers(0, 1), label="private_blocks"))
+        extra = self._alloc(integer(data, 0, 1, "private_blocks"))
         if extra is None:
             return
         self.alloc.incref(prefix)
         rid = self.next_id
         self.next_id += 1
         self.pos[rid], self.held[rid] = prefix + extra, prefix + extra
-        total = data.draw(st.integers(0, (k + len(extra)) * self.S), label="total_len")
+        total = integer(data, 0, (k + len(extra)) * self.S, "total_len")
         err = self._sync(rid, total)
         if err is not None:  # e.g. a parent token moved into its own vacated prefix slot
             event(f"shared sync refused: {err}")
@@ -318,8 +319,8 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def grow(self, data):
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
-        self._grow_by(rid, data.draw(st.integers(1, 3 * self.S), label="new_tokens"))
+        rid = pick(data, self.rids(), "rid")
+        self._grow_by(rid, integer(data, 1, 3 * self.S, "new_tokens"))
 
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
@@ -347,7 +348,7 @@ class TableMachine(RuleBasedStateMachine):
         if data.draw(st.booleans(), label="longest"):  # half the time the longest: the likeliest to pass 64
             rid = max(rids, key=self.impl.length)
         else:
-            rid = data.draw(st.sampled_from(rids), label="rid")
+            rid = pick(data, rids, "rid")
         if first == "evict":
             live = self.spec.live_tokens(rid)
             if live:
@@ -355,19 +356,19 @@ class TableMachine(RuleBasedStateMachine):
                 TableMachine.ops += 1
                 assert both(lambda: self.impl.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))[2] is None
         elif first == "grow":
-            self._grow_by(rid, data.draw(st.integers(1, self.S), label="new_tokens"))
+            self._grow_by(rid, integer(data, 1, self.S, "new_tokens"))
         else:
             self._apply_moves_drawn(rid, data)
         n = self.impl.length(rid)
         cap = max(64, 1 << max(n - 1, 0).bit_length())  # the next doubling at or above n
-        k = data.draw(st.sampled_from([cap + 1 - n] * 3 + [self.S]), label="new_tokens")
+        k = pick(data, [cap + 1 - n] * 3 + [self.S], "new_tokens")
         if self._grow_by(rid, k) and n <= cap < n + k:
             event("grown across a power of two >= 64 with updates queued")
 
     @precondition(lambda self: self.pos)
     @rule(data=st.data(), kind=st.sampled_from(["shrink", "short", "null", "range", "repeat"]))
     def grow_bad(self, data, kind):
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        rid = pick(data, self.rids(), "rid")
         n = self.impl.length(rid)
         bl = list(self.pos[rid])
         total = n + 1
@@ -390,7 +391,7 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def evict(self, data):
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        rid = pick(data, self.rids(), "rid")
         n = self.impl.length(rid)
         ids = data.draw(st.lists(st.integers(-1, n), max_size=6), label="evict_ids")
         before = self._before(rid)
@@ -402,7 +403,7 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def evict_live(self, data):
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        rid = pick(data, self.rids(), "rid")
         live = self.spec.live_tokens(rid)
         if not live:
             return
@@ -419,14 +420,14 @@ class TableMachine(RuleBasedStateMachine):
         movable = [t for t in r["live"] if r["loc"][t][0] in private]
         if not movable:
             return None, []
-        fresh = self._alloc(data.draw(st.integers(0, 2), label="fresh_blocks")) or []
+        fresh = self._alloc(integer(data, 0, 2, "fresh_blocks")) or []
         occupied = {tuple(v) for v in r["loc"].values()}
         free_slots = [(b, o) for b in sorted(private) + fresh for o in range(self.S) if (b, o) not in occupied]
         if not free_slots:
             self.alloc.free(fresh)
             return None, []
         most = min(len(movable), len(free_slots))
-        k = data.draw(st.integers(min(min_moves, most), most), label="n_moves")
+        k = integer(data, min(min_moves, most), most, "n_moves")
         toks = [movable[i] for i in distinct_indices(data, len(movable), k, "tokens")]
         dsts = [free_slots[i] for i in distinct_indices(data, len(free_slots), k, "dsts")]
         moves = [(t, *r["loc"][t], *d) for t, d in zip(toks, dsts)]
@@ -443,7 +444,7 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def apply_valid_moves(self, data):
-        self._apply_moves_drawn(data.draw(st.sampled_from(self.rids()), label="rid"), data)
+        self._apply_moves_drawn(pick(data, self.rids(), "rid"), data)
 
     def _apply_moves_drawn(self, rid, data):
         """Valid moves of ``rid`` (``_valid_moves``) on both tables; the same result, tokens conserved."""
@@ -465,12 +466,12 @@ class TableMachine(RuleBasedStateMachine):
     @rule(data=st.data(), kind=st.sampled_from(
         ["wrong_source", "dead", "unknown", "dup_token", "dup_dst", "occupied", "null", "range", "offset", "foreign"]))
     def apply_invalid_moves(self, data, kind):
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        rid = pick(data, self.rids(), "rid")
         moves, fresh = self._valid_moves(rid, data, min_moves=2 if kind == "dup_dst" else 1)
         if moves is None:
             return
         r = self.spec.export_request(rid)
-        i = data.draw(st.integers(0, len(moves) - 1), label="corrupt_index")
+        i = integer(data, 0, len(moves) - 1, "corrupt_index")
         t, sb, so, db, do = moves[i]
         dead = [p for p in range(r["length"]) if p not in r["loc"]]
         others = [b for b in sorted(self.spec.referenced_blocks()) if b not in r["blocks"]]
@@ -512,11 +513,11 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def release_empty(self, data):
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        rid = pick(data, self.rids(), "rid")
         r = self.spec.export_request(rid)
         offer = r["blocks"] + [0, 10**6]  # its blocks, the null block and one out of range
-        pick = data.draw(st.integers(0, (1 << len(offer)) - 1), label="picked (bit mask)")  # one draw, not one a block
-        cand = [b for i, b in enumerate(offer) if pick >> i & 1]
+        mask = integer(data, 0, (1 << len(offer)) - 1, "picked (bit mask)")  # one draw, not one a block
+        cand = [b for i, b in enumerate(offer) if mask >> i & 1]
         before = self._before(rid)
         TableMachine.ops += 1
         a, b, err = both(lambda: self.impl.release_empty_blocks(rid, cand),
@@ -541,7 +542,7 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def free_request(self, data):
-        self.free_request_id(data.draw(st.sampled_from(self.rids()), label="rid"))
+        self.free_request_id(pick(data, self.rids(), "rid"))
 
     @rule(data=st.data())
     def double_free(self, data):
@@ -549,8 +550,8 @@ class TableMachine(RuleBasedStateMachine):
         free = self.alloc.free_queue()
         held = [b for bl in self.held.values() for b in bl]
         cand = free[:2] + held[:2] + [0]
-        b = data.draw(st.sampled_from(cand), label="block")
-        extra = data.draw(st.integers(0, 1), label="extra_refs")
+        b = pick(data, cand, "block")
+        extra = integer(data, 0, 1, "extra_refs")
         times = (int(self.alloc.ref[b]) + 1 + extra) if b else 1
         before = self.alloc.export_state()
         TableMachine.ops += 1
@@ -570,7 +571,7 @@ class TableMachine(RuleBasedStateMachine):
         """A value of the wrong type (or beyond int64) where an id or a list of ids belongs:
         both refuse with the same code (``not_integer`` / ``bad_move`` / a range code) and
         neither changes. The junk replaces one entry or the whole argument."""
-        rid = data.draw(st.sampled_from(self.rids()), label="rid")
+        rid = pick(data, self.rids(), "rid")
         r = self.spec.export_request(rid)
         whole = data.draw(st.booleans(), label="whole_argument")
         if op == "sync":
@@ -581,7 +582,7 @@ class TableMachine(RuleBasedStateMachine):
                 args = (rid, "37" if isinstance(junk, (list, tuple)) else junk, n + 1)
             else:
                 bl[min(j, len(bl) - 1)] = junk
-                args = (rid, bl, data.draw(st.sampled_from([n + 1, n + 2, n + 1.0]), label="total"))
+                args = (rid, bl, pick(data, [n + 1, n + 2, n + 1.0], "total"))
             impl_call, spec_call = self.impl.sync_new_tokens, self.spec.sync_new_tokens
         elif op in ("evict", "evict_one", "location"):
             ids = junk if whole else [t for t in r["live"][:1]] + [junk]
@@ -599,8 +600,8 @@ class TableMachine(RuleBasedStateMachine):
             if whole:
                 moves = junk
             else:
-                i = data.draw(st.integers(0, len(moves) - 1), label="row")
-                c = data.draw(st.integers(0, 4), label="col")
+                i = integer(data, 0, len(moves) - 1, "row")
+                c = integer(data, 0, 4, "col")
                 row = list(moves[i])
                 row[c] = junk
                 moves[i] = tuple(row)
@@ -621,7 +622,8 @@ class TableMachine(RuleBasedStateMachine):
         event(f"bad input refused: {err}")
         self._check_unchanged(rid, before)
 
-    # (an argument, so the rule is not the first in Hypothesis's order, which it picks most)
+    # (an argument: rules are ordered by argument count, and a rule that cannot run passes its
+    # step to the next in that order, so this one does not follow a run of rules needing requests)
     @rule(op=st.sampled_from(["evict", "moves", "release", "free", "location"]))
     def unknown_request(self, op):
         """Every operation on a request neither table knows (but growth, which adds one): both
