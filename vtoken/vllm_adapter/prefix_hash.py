@@ -72,11 +72,11 @@ class PrefixHashRules:
         if upto is None:
             end = min(end, self.manager.num_cached_block.get(r, 0))
         start = max(self.scanned.get(r, 0), f // self.S)
-        for i in range(start, end):
-            blk = lst[i]
-            if not blk.is_null and blk.block_hash is not None and blk.ref_cnt == 1:
-                self.pool.evict_blocks({blk.block_id})
-                self.stats["unfaithful_hashes_evicted"] += 1
+        drop = {blk.block_id for blk in lst[start:end]
+                if not blk.is_null and blk.block_hash is not None and blk.ref_cnt == 1}
+        if drop:  # one call for the request's scan
+            self.pool.evict_blocks(drop)
+            self.stats["unfaithful_hashes_evicted"] += len(drop)
         self.scanned[r] = max(start, end)
 
     def on_release(self, r: str, blk, index: int) -> None:
