@@ -137,11 +137,12 @@ class RuntimeChecks:
         lists, self.touched_lists = self.touched_lists | reqs, set()
         fresh = self.lifecycle.take_fresh()  # the rest of the headroom: at the full scan
         held = [(r, self.held[r]) for r in reqs if r in self.held]
-        deferred = self._deferred_counts()
         self._check_headroom(where, lambda bid: min(self.mirror.holders(bid), default=None), fresh)
         self._check_new_entries(where)
-        listed, no = self.mirror.where, ()
-        self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
+        if fresh or held or self.plans:  # something held to count (reclamation off: never)
+            deferred = self._deferred_counts()
+            listed, no = self.mirror.where, ()
+            self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
         self._check_sources_detached(where, thorough=False)
         self.mirror.check_lists(where, requests=lists)
         if table:
