@@ -54,10 +54,10 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.control import should_note
 from hypothesis.errors import InvalidDefinition
-from hypothesis.internal.compat import add_note
 from hypothesis.stateful import RuleBasedStateMachine
 
 try:  # private: where Hypothesis 6.1xx keeps its rule strategy and its data object
+    from hypothesis.internal.compat import add_note as _add_note  # BaseException.add_note before 3.11
     from hypothesis.stateful import RuleStrategy as _RuleStrategy
     from hypothesis.strategies._internal.core import DataObject as _DataObject
 except ImportError:  # pragma: no cover
@@ -131,7 +131,7 @@ if _RuleStrategy is not None:
                 try:
                     v = data.draw(strat)
                 except Exception as err:
-                    add_note(err, f"while generating {k!r} from {strat!r} for rule {rule.function.__name__}")
+                    _add_note(err, f"while generating {k!r} from {strat!r} for rule {rule.function.__name__}")
                     raise
                 if type(v) is _DataObject:  # st.data(): one object per example, its count kept
                     if self._fast is None or self._fast.conjecture_data is not data:
