@@ -61,7 +61,7 @@ try:  # private: where Hypothesis 6.1xx keeps its rule strategy and its data obj
     from hypothesis.stateful import RuleStrategy as _RuleStrategy
     from hypothesis.strategies._internal.core import DataObject as _DataObject
 except ImportError:  # pragma: no cover
-    _RuleStrategy = _DataObject = _FastData = None
+    _RuleStrategy = _DataObject = None
 
 
 class _Off(st.SearchStrategy):
@@ -93,15 +93,15 @@ if _RuleStrategy is not None:
             self._noting = should_note()  # fixed for a run: the final (reporting) run or verbose
 
         def draw(self, strategy, label=None):
-            self.count += 1
-            result = self.conjecture_data.draw(strategy)
-            self.noted(label, result)
-            return result
+            return self.drawn(label, self.conjecture_data.draw(strategy))
 
-        def noted(self, label, value) -> None:
-            """On the reporting run, the draw as Hypothesis notes it (``Draw 3 (rid): 1``)."""
+        def drawn(self, label, value):
+            """``value``, counted as the next draw and, on the reporting run, noted as Hypothesis
+            notes it (``Draw 3 (rid): 1``)."""
+            self.count += 1
             if self._noting:
                 note(f"Draw {self.count}{'' if label is None else f' ({label})'}: {value!r}")
+            return value
 
     class _SwarmRuleStrategy(_RuleStrategy):
         """Hypothesis's ``RuleStrategy``, its rule and data draws as the module docstring says."""
@@ -140,15 +140,15 @@ if _RuleStrategy is not None:
                 arguments[k] = v
             return rule, arguments
 
+else:  # pragma: no cover - no fast draws: pick and integer draw through Hypothesis
+    _FastData = None
+
 
 def pick(data, items, label: str):
     """``data.draw(st.sampled_from(items), label=label)``, the same choice (an index, shrinking
     to the first), without a strategy built and validated per draw."""
     if type(data) is _FastData and items:  # (none: sampled_from's own refusal, the example discarded)
-        data.count += 1
-        x = items[data.conjecture_data.draw_integer(0, len(items) - 1)]
-        data.noted(label, x)
-        return x
+        return data.drawn(label, items[data.conjecture_data.draw_integer(0, len(items) - 1)])
     return data.draw(st.sampled_from(items), label=label)
 
 
@@ -156,11 +156,8 @@ def integer(data, lo: int, hi: int, label: str) -> int:
     """``data.draw(st.integers(lo, hi), label=label)``, the same choice (with its weight on the
     bounds of a wide range), without a strategy looked up and validated per draw."""
     if type(data) is _FastData and lo <= hi:
-        data.count += 1
         w = {lo: 2 / 128, lo + 1: 1 / 128, hi - 1: 1 / 128, hi: 2 / 128} if hi - lo > 127 else None
-        x = data.conjecture_data.draw_integer(lo, hi, weights=w)
-        data.noted(label, x)
-        return x
+        return data.drawn(label, data.conjecture_data.draw_integer(lo, hi, weights=w))
     return data.draw(st.integers(lo, hi), label=label)
 
 

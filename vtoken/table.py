@@ -821,16 +821,9 @@ class TokenTable:
     def reclaim_inputs_many(self, req_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`reclaim_inputs` with each request's own tail, as four int64 arrays in ``req_ids``
         order; the first bad id raises. O(requests)."""
-        S, n_b = self.S, self.n_b
-        n_blocks, n_live, has_tail, in_tail = [], [], [], []
-        for r in map(self._req, req_ids):  # _tail_of and _reclaim_row inlined: one pass, no call a row
-            n_blocks.append(len(r.blocks))
-            n_live.append(r.n_live)
-            b = r.slot.item(r.n - 1) // S if r.n else None
-            held = b is not None and b in r.blocks
-            has_tail.append(held)
-            in_tail.append(n_b.item(b) if held else 0)
-        return tuple(np.array(col, dtype=np.int64) for col in (n_blocks, n_live, has_tail, in_tail))
+        rows = [self._reclaim_row(r, self._tail_of(r)) for r in map(self._req, req_ids)]
+        return tuple(np.array(col, dtype=np.int64) for col in zip(*rows)) if rows else \
+            tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
 
     def _tail_of(self, r: _Req) -> int | None:
         """The block of ``r``'s last position (a slot the table wrote: in range), None when empty."""

@@ -139,10 +139,9 @@ class RuntimeChecks:
         held = [(r, self.held[r]) for r in reqs if r in self.held]
         self._check_headroom(where, lambda bid: min(self.mirror.holders(bid), default=None), fresh)
         self._check_new_entries(where)
-        if fresh or held or self.plans:  # something held to count (reclamation off: never)
-            deferred = self._deferred_counts()
-            listed, no = self.mirror.where, ()
-            self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
+        deferred = self._deferred_counts()
+        listed, no = self.mirror.where, ()
+        self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
         self._check_sources_detached(where, thorough=False)
         self.mirror.check_lists(where, requests=lists)
         if table:
@@ -207,8 +206,11 @@ class RuntimeChecks:
     def _deferred_counts(self) -> dict:
         """References on each block held by deferred frees, vLLM's and the adapter's port's ({}
         when none wait)."""
-        out = self.lifecycle.port.deferred_counts()
-        out.update(b.block_id for _, blocks in self.harness.scheduler.deferred_frees for b in blocks if not b.is_null)
+        port, theirs = self.lifecycle.port, self.harness.scheduler.deferred_frees
+        if not (port.deferred or theirs):  # nothing waits (with reclamation off, never): no Counter built
+            return {}
+        out = port.deferred_counts()
+        out.update(b.block_id for _, blocks in theirs for b in blocks if not b.is_null)
         return out
 
     def _roles(self, headroom, held) -> dict[int, tuple]:
