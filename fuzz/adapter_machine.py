@@ -106,6 +106,7 @@ class _Run:
         from vtoken.invariants.plan_contract import check_proposal
         from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
         from vtoken.vllm_adapter.harness import VllmHarness
+        from vtoken.vllm_adapter.messages import LoggedTable
         from vtoken.vllm_adapter.worker import VTokenWorker
 
         from .faulty_engines import ADAPTER_ENGINES
@@ -126,14 +127,15 @@ class _Run:
             self.ad = VTokenAdapter(**vllm_side, **own)
         factory = None
         self.engine = engine  # an adapter-side engine of fuzz.faulty_engines, or None (the shipped one)
+        wt = LoggedTable(S, N)  # the worker's own table (the adapter keeps a replica of it)
         if engine is not None:
             cls = ADAPTER_ENGINES[engine]
-            kw = {"fail_every": fail_every} if engine == "copy_fails" else {"table": self.ad.table}
+            kw = {"fail_every": fail_every} if engine == "copy_fails" else {"table": wt}
 
             def factory(kv, block_size, **lag_kw):
                 return cls(kv, block_size, **lag_kw, **kw)
 
-        self.w = VTokenWorker(_model(2 if layout == "hybrid" else 1), self.ad.table, N, S, policy="random", evict_ratio=ratio, seed=0,
+        self.w = VTokenWorker(_model(2 if layout == "hybrid" else 1), wt, N, S, policy="random", evict_ratio=ratio, seed=0,
                               check_relocations=RelocationChecker if reclaim else None, copy_lag=lag,
                               copy_engine_factory=factory, layout=self.ad.worker_layout())
         self.d = AdapterDriver(self.ad, self.w)
@@ -295,7 +297,8 @@ class _Run:
         if meta is not None:
             g = ad.group
             grown = {r for r, nb in zip(c.req_ids, c.new_block_ids) if nb and nb[g]}
-            for p in meta.plans:
+            for order in meta.plans:
+                p = ad.plans[order["id"]]  # the lifecycle's record of the plain order the step carries
                 # where each source and fill was (the lists as last observed: a plan takes
                 # no block that entered a list in this step): its index, or -1 (held)
                 taken = {b: self.list_pos.get((p.req_id, b), -1) for b in p.sources + p.fills}

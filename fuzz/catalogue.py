@@ -28,7 +28,8 @@ from .patches import Patch
 T, A, P, L = "vtoken/table.py", "vtoken/allocator.py", "vtoken/planner.py", "vtoken/placement.py"
 LC = "vtoken/lifecycle.py"  # the lifecycle every path runs: a fault here is in each of them
 E = "vtoken/decode.py"
-AD, W = "vtoken/vllm_adapter/adapter.py", "vtoken/vllm_adapter/worker.py"
+AD = "vtoken/vllm_adapter/adapter.py"
+WC = "vtoken/vllm_adapter/worker_core.py"
 MI, PH = "vtoken/vllm_adapter/mirror.py", "vtoken/vllm_adapter/prefix_hash.py"
 HR, PL = "vtoken/vllm_adapter/headroom.py", "vtoken/vllm_adapter/plans.py"
 PO = "vtoken/vllm_adapter/port.py"
@@ -191,8 +192,8 @@ CATALOGUE: list[Fault] = [
     # ---------------------------------------------------------------- the vLLM adapter
     Fault("adapter_free_before_fence", "8 source freed before its fence (vLLM async scheduling)",
           "the adapter hands a plan's sources back to the pool at launch, before the step that copies them",
-          "adapter", (_p(PL, "PlanBook.launch", "        meta.plans.append(plan)\n",
-                         "        meta.plans.append(plan)\n        self.harness.pool.free_blocks(list(sources))\n"
+          "adapter", (_p(PL, "PlanBook.launch", "        meta.plans.append(order)\n",
+                         "        meta.plans.append(order)\n        self.harness.pool.free_blocks(list(sources))\n"
                          "        plan.freed_early = True\n"),
                       _p(LC, "Lifecycle.end", "            self._free(plan.sources, plan.seq, plan=plan)\n",
                          "            if not getattr(plan, 'freed_early', False):\n"
@@ -221,8 +222,8 @@ CATALOGUE: list[Fault] = [
           "a finished or preempted request's destinations are freed at once, not at vLLM's fence", "adapter",
           (_p(AD, "VTokenAdapter._on_request_free", "self.lifecycle.finish(r, fence)", "self.lifecycle.finish(r, 0)"),)),
     Fault("worker_preempt_no_reset", "preemption reset missed", "the worker keeps a preempted request's token table",
-          "adapter", (_p(W, "VTokenWorker.execute", "        for r in sched_out.preempted_req_ids or ():\n            self._drop(r, forget=False)\n", ""),
-                      _p(W, "VTokenWorker.execute", "                if r in t:\n                    self._drop(r, forget=False)\n", ""))),
+          "adapter", (_p(WC, "WorkerCore.begin", "        for r in sched_out.preempted_req_ids or ():\n            self.drop(r, forget=False)\n", ""),
+                      _p(WC, "WorkerCore._lists", "                if r in t:\n                    self.drop(r, forget=False)\n", ""))),
     Fault("adapter_resume_appends", "resumed block list appended",
           "preemption is taken for a pause: the adapter keeps the preempted request's mirror and appends the "
           "resumed request's new block list to it instead of replacing it", "adapter",
@@ -258,7 +259,7 @@ CATALOGUE: list[Fault] = [
     Fault("worker_resumed_applies_old_plan", "8 a plan applied to another incarnation (copy across preempt and resume)",
           "a plan whose copy outlived its request's preemption is applied once the request resumed (the "
           "incarnation check dropped)", "adapter",
-          (_p(W, "VTokenWorker._drop", "        self.copies.forget(r)  # its copies in flight end aborted (a resumed "
+          (_p(WC, "WorkerCore.drop", "        self.copies.forget(r)  # its copies in flight end aborted (a resumed "
                                          "incarnation is another request)\n", ""),)),
     Fault("worker_failed_copy_frees_table", "8 blocks freed while still read (a failed copy)",
           "a failed copy is reported without the table kept: the adapter frees the sources and fills the "
@@ -268,7 +269,7 @@ CATALOGUE: list[Fault] = [
     Fault("worker_copies_unchecked", "I1 corruption in flight unnoticed (hash-and-compare not wired)",
           "the worker builds the relocation checker but never wraps its copy engine with it: a fill or moved "
           "entry corrupted while the copy flies goes unnoticed", "adapter",
-          (_p(W, "VTokenWorker.__init__", "            engine = self.checker.wrap(self.copy_engine)\n", ""),)),
+          (_p(WC, "WorkerCore.__init__", "            engine = self.checker.wrap(self.copy_engine)\n", ""),)),
     Fault("adapter_own_clock_unfenced", "8 block freed before its fence (vLLM's deferred frees off)",
           "where vLLM does not defer its frees, the adapter's port frees its own blocks (sources, releases, a "
           "finished request's destinations) at once instead of at their fence", "adapter",
@@ -276,9 +277,9 @@ CATALOGUE: list[Fault] = [
     Fault("worker_window_through_table_group", "hybrid layout: a window read through the wrong group",
           "the worker's sliding-window layers take their blocks from the full-attention group's list, which "
           "eviction and relocation rearrange (vLLM's window group unused)", "adapter",
-          (_p(W, "VTokenWorker.execute", "wblocks=list(d.block_ids[wg]) if wg is not None else None)",
+          (_p(WC, "WorkerCore._lists", "wblocks=list(d.block_ids[wg]) if wg is not None else None)",
               "wblocks=list(d.block_ids[g]) if wg is not None else None)"),
-           _p(W, "VTokenWorker.execute", "            wids = list(nb[wg]) if nb and wg is not None else []\n",
+           _p(WC, "WorkerCore._lists", "            wids = list(nb[wg]) if nb and wg is not None else []\n",
               "            wids = list(nb[g]) if nb and wg is not None else []\n"))),
 ]
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vtoken.vllm_adapter import harness as _harness
+from vtoken.vllm_adapter import SUPPORTED_VLLM
 from vtoken.vllm_adapter.harness import VLLM_VERSION, VllmHarness
 
 BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool (vllm/v1/core/block_pool.py)"
@@ -171,13 +172,13 @@ def _decode_until(h: VllmHarness, req_ids: list[str], max_steps: int = 200) -> N
 # -------------------------------------------------------------------- contracts
 @contract(
     "vllm_version",
-    f"vLLM is {VLLM_VERSION}, the version these contracts were written against",
+    f"vLLM is one of {', '.join(SUPPORTED_VLLM)}, the versions these contracts were audited on",
     "vllm.__version__ (vllm/version.py)",
 )
 def _c_version() -> str:
     import vllm
 
-    expect(vllm.__version__ == VLLM_VERSION, f"found vllm {vllm.__version__}")
+    expect(vllm.__version__ in SUPPORTED_VLLM, f"found vllm {vllm.__version__}")
     return f"vllm {vllm.__version__}"
 
 

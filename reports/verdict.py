@@ -101,18 +101,22 @@ def _q(s) -> str:
 ALLOW_ENV = "VTOKEN_ALLOW_UNSUPPORTED_VLLM"  # the adapter runs on a version it was not pinned to only with it
 
 
-def _pinned(report: dict) -> str:
+def _supported(report: dict) -> list:
+    """The vLLM versions vtoken supported when the report was made (older reports: the one pin)."""
     for c in report.get("checks", []):
-        if c.get("name") == "vllm-contracts" and (c.get("metrics") or {}).get("pinned"):
-            return c["metrics"]["pinned"]
-    return "0.33.0"
+        m = c.get("metrics") or {}
+        if c.get("name") == "vllm-contracts" and (m.get("supported") or m.get("pinned")):
+            return list(m.get("supported") or [m["pinned"]])
+    from vtoken.vllm_adapter import SUPPORTED_VLLM
+
+    return list(SUPPORTED_VLLM)
 
 
 def env_prefix(report: dict) -> str:
     """The environment a reproducing command needs: the fixed hash seed, and for a version
     the adapter is not pinned to, the variable that lets it start there (as the audit did)."""
     ver = report.get("vllm_version")
-    allow = f" {ALLOW_ENV}={_q(ver)}" if ver and ver != _pinned(report) else ""
+    allow = f" {ALLOW_ENV}={_q(ver)}" if ver and ver not in _supported(report) else ""
     return "PYTHONHASHSEED=0" + allow
 
 
@@ -231,8 +235,7 @@ def verdict(report: dict) -> dict:
         why.append("not checked: " + ", ".join(c["name"] for c in not_run))
     pin = None
     if pin_row is not None and not pin_row.get("passed"):
-        pinned = next((c.get("metrics", {}).get("pinned") for c in checks if c["name"] == "vllm-contracts"), None)
-        pin = (f"vtoken's adapter was written against vLLM {pinned or '0.33.0'} and this is "
+        pin = (f"vtoken's adapter was audited on vLLM {', '.join(_supported(report))} and this is "
                f"{report.get('vllm_version')} (contract vllm_version); the verdict rests on the behaviour measured "
                f"here, every other contract and check")
     return {

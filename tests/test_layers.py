@@ -199,7 +199,8 @@ def _architecture_section() -> str:
     return text[start:end if end > 0 else None]
 
 
-@pytest.mark.parametrize("folder", ["vtoken", "vtoken/cli", "vtoken/vllm_adapter", "vtoken/sim", "vtoken/model",
+@pytest.mark.parametrize("folder", ["vtoken", "vtoken/cli", "vtoken/vllm_adapter", "vtoken/vllm_engine", "vtoken/sim",
+                                    "vtoken/model",
                                     "vtoken/policies", "spec", "invariants", "fuzz", "reports"])
 def test_readme_architecture_names_every_module(folder):
     """The README's architecture section matches ``ls``: every module of every folder is

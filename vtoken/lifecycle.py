@@ -103,6 +103,8 @@ class Outcome:
     table_kept: bool = False  # aborted with the request still reading its sources and fills
     shared_sources: list = field(default_factory=list)  # sources or fills not the request's alone at the end
     reason: str = ""
+    snapshot: Optional[dict] = None  # where the copy side runs apart (the adapter's worker): the plan's snapshot
+    # as it completed it (digests, its events, ``post``), for the block side to merge into its own
 
 
 def all_dead(table, req_id, candidates, *, tail=None, busy=None) -> list[int]:

@@ -87,11 +87,13 @@ def test_table_in_step_new_grow_preempt_finish(model, async_):
         out = w.execute(so)
         # the worker dropped the tables of what this output says left
         for r in so.finished_req_ids:
-            assert r not in t, f"finished {r} still in the table"
+            assert r not in w.table, f"finished {r} still in the table"
         for r in so.preempted_req_ids or ():
             if r not in so.num_scheduled_tokens:
-                assert r not in t, f"preempted {r} still in the table"
+                assert r not in w.table, f"preempted {r} still in the table"
         ad.update_from_output(so, out)
+        # the scheduler side's replica replayed the worker's changes: the two tables are equal
+        assert t is not w.table and t.export_state() == w.table.export_state()
         ad.check_all()  # table_in_step, null substitution, reservation, fence, ownership
         if not d.in_flight:  # nothing ahead: the table equals what the scheduler computed
             for req in sched.running:
@@ -122,7 +124,7 @@ def test_relocation_null_substitutes_sources_and_keeps_length(model):
 
     def spy(meta, r, p, *rest):
         orig(meta, r, p, *rest)
-        launched.append(meta.plans[-1])
+        launched.append(ad.plans[meta.plans[-1]["id"]])  # the lifecycle's record (meta carries a plain order)
 
     ad.book.launch = spy
     checked = 0
@@ -615,21 +617,27 @@ def test_reset_prefix_cache_with_running_requests(model, async_):
 
 
 def test_an_unaudited_vllm_version_is_refused_at_start(monkeypatch):
-    """The adapter starts only on the vLLM it was audited on (issue 13), unless the audit of a
-    candidate version names it in $VTOKEN_ALLOW_UNSUPPORTED_VLLM; refused before anything is built."""
+    """The adapter starts only on a vLLM it was audited on (issue 13; SUPPORTED_VLLM: 0.32.0 and
+    0.33.0), unless the audit of a candidate version names it in $VTOKEN_ALLOW_UNSUPPORTED_VLLM;
+    refused before anything is built."""
     import vllm
 
+    from vtoken.vllm_adapter import SUPPORTED_VLLM
     from vtoken.vllm_adapter.adapter import VTokenAdapter
     from vtoken.vllm_adapter.assumptions import ALLOW_ENV, AdapterAssumptionError
 
+    assert SUPPORTED_VLLM == ("0.32.0", "0.33.0")
     monkeypatch.delenv(ALLOW_ENV, raising=False)
-    monkeypatch.setattr(vllm, "__version__", "0.32.0")
-    with pytest.raises(AdapterAssumptionError, match=r"\[vllm_version\].*0\.32\.0 is installed"):
+    monkeypatch.setattr(vllm, "__version__", "0.31.0")
+    with pytest.raises(AdapterAssumptionError, match=r"\[vllm_version\].*0\.31\.0 is installed.*supports 0\.32\.0, 0\.33\.0"):
         VTokenAdapter(block_size=8, num_blocks=32)
-    monkeypatch.setenv(ALLOW_ENV, "0.31.0")  # another version named: still refused
+    monkeypatch.setenv(ALLOW_ENV, "0.30.0")  # another version named: still refused
     with pytest.raises(AdapterAssumptionError, match=r"\[vllm_version\]"):
         VTokenAdapter(block_size=8, num_blocks=32)
-    monkeypatch.setenv(ALLOW_ENV, "0.32.0")  # the audit of 0.32.0
+    monkeypatch.setenv(ALLOW_ENV, "0.31.0")  # the audit of 0.31.0
+    VTokenAdapter(block_size=8, num_blocks=32).close()
+    monkeypatch.delenv(ALLOW_ENV)
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")  # supported: the CPU engine's version
     VTokenAdapter(block_size=8, num_blocks=32).close()
 
 

@@ -125,8 +125,8 @@ def test_an_all_dead_tail_is_released_once_the_tail_moves(model):
         d.step()
     n = t.length(r)
     tail = t.tail_block(r)
-    t.evict_tokens(r, list(range(n - S, n)))  # every token of the tail block dies
-    assert tail in t.releasable_blocks(r).tolist()
+    d.worker.evict_tokens(r, list(range(n - S, n)))  # every token of the tail block dies (the worker's table)
+    assert tail in d.worker.table.releasable_blocks(r).tolist()
     released = ad.stats["released_empty"]
     d.step()  # scheduled while the block is still the tail: kept; the token goes into a new block
     assert tail in t.blocks_of(r) and t.tail_block(r) != tail and ad.stats["released_empty"] == released

@@ -180,10 +180,10 @@ def test_shared_source_at_copy_time_is_caught(model):
     def spy(meta, r, p, *rest):
         orig(meta, r, p, *rest)
         plan = meta.plans[-1]
-        if not state:  # make another request reference the first source in the token table
-            other = next(x for x in ad.table.requests() if x != r)
-            src = plan.sources[0]
-            t = ad.table
+        if not state:  # make another request reference the first source in the worker's token table
+            other = next(x for x in w.table.requests() if x != r)
+            src = plan["sources"][0]
+            t = w.table
             t._ref_block(t._reqs[other], src)
             state["done"] = (other, src)
 

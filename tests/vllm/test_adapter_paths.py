@@ -22,25 +22,27 @@ def prompt(i: int, n: int, base: int = 0) -> list[int]:
 def make(model, *, S=4, N=64, H=0, in_place=True, caching=True, async_=False, lag=0, ratio=0.5, reclaim=True,
          batched=2048, engine=None, seed=0, **engine_kw):
     """An adapter, its worker and driver. ``engine``: a copy-engine class of the toolkit, built
-    with ``engine_kw`` (``table=True`` hands it the worker's table)."""
+    with ``engine_kw`` (``table=True`` hands it the worker's own table)."""
     if harness.vllm_version() is None:
         pytest.fail("vLLM not installed: run scripts/install_vllm.sh", pytrace=False)
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
+    from vtoken.vllm_adapter.messages import LoggedTable
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_, reclaim=reclaim,
                        planner_config=default_adapter_planner_config(headroom=H, in_place=in_place),
                        max_num_batched_tokens=batched, max_model_len=512, headroom_pool_fraction=4)
     factory = None
+    wt = LoggedTable(S, N)  # the worker's own table (the adapter's is its replica)
     if engine is not None:
         kw = dict(engine_kw)
         if kw.pop("table", False):
-            kw["table"] = ad.table
+            kw["table"] = wt  # a tampering engine works on what the worker executes
 
         def factory(kv, block_size, **lag_kw):
             return engine(kv, block_size, **lag_kw, **kw)
 
-    w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker if reclaim else None,
+    w = VTokenWorker(model, wt, N, S, check_relocations=RelocationChecker if reclaim else None,
                      policy="random", evict_ratio=ratio, seed=seed, copy_lag=lag, copy_engine_factory=factory)
     return ad, w, AdapterDriver(ad, w)
 
@@ -120,7 +122,7 @@ class _Watch:
         def on_launch(meta, r, p, tail, head):
             assert p.dests == list(head[:len(p.dests)]), (p.dests, head)  # the headroom's front
             launch(meta, r, p, tail, head)
-            self.launched.append(meta.plans[-1])
+            self.launched.append(ad.plans[meta.plans[-1]["id"]])  # the lifecycle's record
 
         def on_absorb(reported):
             plans = {pid: ad.plans[pid] for pid in reported if pid in ad.plans}

@@ -39,7 +39,7 @@ def test_a_window_block_vllm_freed_is_refused_by_the_worker():
     """The worker reads the window through vLLM's list and refuses a position whose block is
     null (vLLM must keep the window): a corrupted list is an error, not a silent misread."""
     from vtoken.errors import OrderError
-    from vtoken.vllm_adapter.worker import _WorkerRequest
+    from vtoken.vllm_adapter.worker_core import WorkerRequest as _WorkerRequest
 
     from vtoken.reports.vllm_runs import _model
     from vtoken.vllm_adapter.adapter import VTokenAdapter

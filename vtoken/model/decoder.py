@@ -37,7 +37,7 @@ from vtoken.model.config import DecoderConfig
 from vtoken.model.rope import RopeTable, apply_rope
 from ..errors import CallError
 
-__all__ = ["DecodeItem", "PagedDecoder", "Windowed", "greedy"]
+__all__ = ["DecodeItem", "PagedDecoder", "Windowed", "attend", "greedy"]
 
 
 class DecodeItem(NamedTuple):
@@ -49,6 +49,35 @@ class DecodeItem(NamedTuple):
     position: int
     write_slot: int
     read_slots: torch.Tensor
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal: bool, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one request's chunk over the keys it reads: the one implementation of the
+    decoder and of vLLM's engine path (``vtoken.vllm_engine.attention``), plain torch.
+
+    q ``[m, Hq, D]`` over k, v ``[T, Hkv, D]`` (``Hq`` a multiple of ``Hkv``) -> (out ``[m, Hq*D]``,
+    stat ``[T]``): ``stat[j]`` the probability key j received, summed over the m queries,
+    averaged over the Hq heads (what H2O and Scissorhands score). Causal: query i is the i-th
+    of the *last* m keys; ``window`` (> 0): a query also sees only its last ``window`` keys."""
+    m, t, hq, d = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
+    hk = k.shape[1]
+    g = hq // hk
+    # Fold the query-group and query-row dims together so both products are plain
+    # bmm over the KV heads (no broadcast expand copying K/V per query head).
+    qh = q.reshape(m, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * m, d)
+    scores = torch.bmm(qh, k.permute(1, 2, 0)).view(hk, g, m, t) * scale
+    if causal or window:
+        qpos = torch.arange(t - m, t, device=scores.device).unsqueeze(1)
+        kpos = torch.arange(t, device=scores.device).unsqueeze(0)
+        hide = kpos > qpos if causal else None  # a later key
+        if window:  # a key outside the window
+            hide = kpos <= qpos - window if hide is None else hide | (kpos <= qpos - window)
+        scores = scores.masked_fill(hide, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs.view(hk, g * m, t), v.permute(1, 0, 2)).view(hk, g, m, d)
+    stat = probs.sum(dim=2).reshape(hq, t).mean(dim=0)
+    return out.permute(2, 0, 1, 3).reshape(m, hq * d), stat
 
 
 class RMSNorm(nn.Module):
@@ -182,27 +211,8 @@ class PagedDecoder(nn.Module):
     # ------------------------------------------------------------------ core
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal: bool, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[m, Hq, D]`` over k, v ``[T, Hkv, D]`` -> (out ``[m, Hq*D]``, stat ``[T]``): ``stat[j]``
-        the probability key j received, summed over the m queries, averaged over the Hq heads.
-        Causal: query i is the i-th of the *last* m keys."""
-        c = self.config
-        m, t = q.shape[0], k.shape[0]
-        hk, g, d = c.num_kv_heads, c.group_size, c.head_dim
-        # Fold the query-group and query-row dims together so both products are plain
-        # bmm over the KV heads (no broadcast expand copying K/V per query head).
-        qh = q.reshape(m, hk, g, d).permute(1, 2, 0, 3).reshape(hk, g * m, d)
-        scores = torch.bmm(qh, k.permute(1, 2, 0)).view(hk, g, m, t) * self.scale
-        if causal or window:
-            qpos = torch.arange(t - m, t, device=scores.device).unsqueeze(1)
-            kpos = torch.arange(t, device=scores.device).unsqueeze(0)
-            hide = kpos > qpos if causal else None  # a later key
-            if window:  # a key outside the window
-                hide = kpos <= qpos - window if hide is None else hide | (kpos <= qpos - window)
-            scores = scores.masked_fill(hide, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs.view(hk, g * m, t), v.permute(1, 0, 2)).view(hk, g, m, d)
-        stat = probs.sum(dim=2).reshape(c.num_heads, t).mean(dim=0)
-        return out.permute(2, 0, 1, 3).reshape(m, c.num_heads * c.head_dim), stat
+        """:func:`attend` with this model's scale."""
+        return attend(q, k, v, self.scale, causal, window)
 
     def _forward(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
                  write_slots: torch.Tensor, groups: Sequence[_Group],

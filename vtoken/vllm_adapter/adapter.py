@@ -103,7 +103,7 @@ from .fence import FenceLedger, StepClock
 from .harness import VllmHarness
 from .headroom import Headroom
 from .hooks import scheduler_class
-from .messages import StepMeta
+from .messages import StepMeta, replay
 from .mirror import BlockMirror
 from .plans import PlanBook
 from .port import VllmPort
@@ -164,9 +164,9 @@ class VTokenAdapter:
         need_instance("VTokenAdapter", "scheduler", scheduler, Scheduler, none_ok=True)
         import vllm
 
-        from . import VLLM_VERSION
+        from . import SUPPORTED_VLLM
 
-        check_supported_vllm(getattr(vllm, "__version__", None), VLLM_VERSION)  # refused before anything is built
+        check_supported_vllm(getattr(vllm, "__version__", None), SUPPORTED_VLLM)  # refused before anything is built
         global _RUNNING
         _RUNNING = RequestStatus.RUNNING
         sched, config = self._scheduler(config, scheduler)
@@ -199,6 +199,7 @@ class VTokenAdapter:
         self._arrival: dict[str, int] = {}  # request -> arrival order (deterministic iteration)
         self.requests: dict[str, Any] = {}  # every vLLM Request made (outputs stay readable)
         self.steps = 0  # non-empty steps scheduled
+        self.worker_stats: dict = {}  # the worker's counters, as its last report gave them
         self.retained: list[tuple[int, int, int]] = []  # (seq, retained blocks, running requests)
 
     def _scheduler(self, c: AdapterConfig, scheduler):
@@ -329,7 +330,17 @@ class VTokenAdapter:
         return bool(self.scheduler.deferred_frees or self.port.deferred)
 
     def attach_worker(self, worker) -> None:
+        """The worker the harness drives (``drain_idle`` host-syncs it). Its token table is its
+        own: the adapter's is a replica (refused: ``ConfigError``, one object for both)."""
+        if getattr(worker, "table", None) is self.table:
+            raise ConfigError("inconsistent", "VTokenAdapter.attach_worker: the worker writes the adapter's own token "
+                                              "table; give it a table of its own (the adapter keeps a replica)")
         self.worker = worker
+
+    def _needs_steps(self) -> bool:
+        """Plans in flight: their copies end only on steps to come (``hooks``: ``has_requests``)."""
+        book = getattr(self, "book", None)  # None while the adapter is being built
+        return bool(book is not None and book.plans)
 
     def block(self, block_id: int):
         return self.pool.blocks[block_id]
@@ -367,7 +378,9 @@ class VTokenAdapter:
         return self._arrival.get(r, 1 << 62)
 
     def running(self, r: str) -> bool:
-        req = self.requests.get(r)
+        """Is ``r`` RUNNING in vLLM's scheduler (requests added there directly, as vLLM's engine
+        does, included)?"""
+        req = self.scheduler.requests.get(r)
         return req is not None and req.status == _RUNNING
 
     def current(self, r: str) -> bool:
@@ -405,7 +418,9 @@ class VTokenAdapter:
         return self.mirror.detach_many(r, [blocks[b] for b in ids]) if ids else []
 
     def _on_list_start(self, r: str, seq: int) -> None:
-        """A request's block list (re)started (new or resumed): a new incarnation."""
+        """A request's block list (re)started (new or resumed): a new incarnation. A request
+        vLLM's engine added directly gets its arrival order here."""
+        self._arrival.setdefault(r, len(self._arrival))
         self.hashes.restart(r)
 
     # ------------------------------------------------------------------ hooks (``hooks``)
@@ -453,7 +468,8 @@ class VTokenAdapter:
         self.mirror.observe(sched_out, self.clock.seq)  # the clock already counted this step
         self._take_changes()
         if sched_out.total_num_scheduled_tokens <= 0:
-            sched_out.vtoken = StepMeta(seq=0, reclaim=self.reclaim)
+            # plans in flight with nothing scheduled: the worker host-waits their copies now
+            sched_out.vtoken = StepMeta(seq=0, reclaim=self.reclaim, drain=bool(self.book.plans))
             self.reserve.after_empty_step()
             if self.checks:
                 self.checker.after_hook("after schedule (empty step)")
@@ -526,11 +542,27 @@ class VTokenAdapter:
         self.book.forget(r)
         self.mirror.forget(r)
 
-    def _before_update(self, sched_out) -> None:
-        """A step's output is about to be processed: the clock advances and the adapter's
-        deferred frees now due go back (where vLLM drains its own)."""
+    def _before_update(self, sched_out, out=None) -> None:
+        """A step's output is about to be processed: the clock advances, the adapter's
+        deferred frees now due go back (where vLLM drains its own), and the worker's table
+        changes are replayed on the replica (before vLLM frees the requests that finished)."""
         self.clock.processing(sched_out)
         self.port.drain()
+        rep = getattr(out, "vtoken_report", None)
+        if rep is not None:
+            self._replay(rep)
+
+    def _replay(self, rep) -> None:
+        """The worker's table changes, on the replica (``messages.replay``); a change the
+        replica refuses means the two tables diverged (``table_in_step``)."""
+        from ..errors import TableError
+
+        try:
+            replay(self.table, rep.ops)
+        except TableError as e:
+            raise AdapterAssumptionError("table_in_step", f"the worker's table change does not replay on the "
+                                                          f"scheduler side's replica: {e}") from e
+        self.worker_stats = dict(rep.stats)
 
     def _after_update(self, sched_out, out) -> None:
         rep = getattr(out, "vtoken_report", None)
@@ -565,7 +597,9 @@ class VTokenAdapter:
         """At idle (nothing scheduled, nothing in flight): let the worker host-sync its
         copies and absorb the report, so copies that outlived their step are fenced too."""
         if self.book.plans and self.worker is not None:
-            self._absorb(self.worker.synchronize())
+            rep = self.worker.synchronize()
+            self._replay(rep)
+            self._absorb(rep)
             if self.checks:
                 self.checker.check_pool("after synchronize")
                 self.checker.check_table()

@@ -31,7 +31,7 @@ ASSUMPTIONS: dict[str, str] = {
                         "bytes (hash-and-compare)",
     "outputs_equal": "reclamation does not change the output of a request computed alike (same "
                      "eviction decisions, same prefix-cache hits and preemptions), token for token",
-    "vllm_version": "the installed vLLM is the version the adapter was audited on (its contracts "
+    "vllm_version": "the installed vLLM is a version the adapter was audited on (its contracts "
                     "and vLLM's own tests hold there; another version is audited first with "
                     "`vtoken audit --vllm VERSION`)",
     "kv_groups": "the token table mirrors one KV cache group whose blocks vLLM keeps until the "
@@ -54,15 +54,18 @@ class AdapterAssumptionError(AssertionError):
 ALLOW_ENV = "VTOKEN_ALLOW_UNSUPPORTED_VLLM"
 
 
-def check_supported_vllm(installed: str | None, supported: str) -> None:
-    """Refuse, at start, a vLLM the adapter was not audited on (``vllm_version``), unless
-    ``$VTOKEN_ALLOW_UNSUPPORTED_VLLM`` names exactly that version (what ``vtoken audit --vllm``
-    sets in the side environment it audits)."""
+def check_supported_vllm(installed: str | None, supported) -> None:
+    """Refuse, at start, a vLLM the adapter was not audited on (``vllm_version``: not one of
+    ``supported``, a version or a tuple of them), unless ``$VTOKEN_ALLOW_UNSUPPORTED_VLLM``
+    names exactly that version (what ``vtoken audit --vllm`` sets in the side environment it
+    audits)."""
     import os
 
-    if installed == supported or (installed is not None and os.environ.get(ALLOW_ENV) == installed):
+    ok = (supported,) if isinstance(supported, str) else tuple(supported)
+    if installed in ok or (installed is not None and os.environ.get(ALLOW_ENV) == installed):
         return
-    raise AdapterAssumptionError("vllm_version", f"vLLM {installed} is installed; the adapter supports {supported} "
+    raise AdapterAssumptionError("vllm_version", f"vLLM {installed} is installed; the adapter supports "
+                                 f"{', '.join(ok)} "
                                  f"(audit a candidate with `vtoken audit --vllm {installed}`; to run it anyway "
                                  f"set {ALLOW_ENV}={installed})")
 

@@ -1,7 +1,9 @@
 """Where vtoken sits in vLLM's scheduler: ``scheduler_class(base)`` returns ``VToken<Base>``,
 whose ``schedule()`` calls the adapter before and after vLLM's own code,
 ``update_from_output()`` before and after it, ``_free_request_blocks()`` and
-``reset_prefix_cache()`` before it. The hooks only call out; everything else is vLLM's.
+``reset_prefix_cache()`` before it; ``has_requests()`` also says yes while plans are in flight
+(they end only on later steps, which vLLM's engine takes only while it has requests). The hooks
+only call out; everything else is vLLM's.
 Owns: nothing (the subclass holds only the attached adapter).
 May call: the adapter's hook methods and vLLM's base class.
 Costs: three attribute lookups per call when no adapter is attached.
@@ -31,11 +33,16 @@ def scheduler_class(base: type) -> type:
         def update_from_output(self, scheduler_output, model_runner_output):
             ad = self.vtoken_adapter
             if ad is not None:
-                ad._before_update(scheduler_output)
+                ad._before_update(scheduler_output, model_runner_output)
             result = super().update_from_output(scheduler_output, model_runner_output)
             if ad is not None:
                 ad._after_update(scheduler_output, model_runner_output)
             return result
+
+        def has_requests(self, *args, **kwargs):
+            ad = self.vtoken_adapter
+            # plans in flight need steps to end (vLLM's engine stops stepping when it has no requests)
+            return super().has_requests(*args, **kwargs) or (ad is not None and ad._needs_steps())
 
         def reset_prefix_cache(self, reset_running_requests: bool = False, *args, **kwargs):
             ad = self.vtoken_adapter

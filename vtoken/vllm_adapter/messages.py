@@ -1,16 +1,48 @@
-"""What the scheduler side and the worker tell each other, step by step: :class:`StepMeta`
-on ``sched_out.vtoken`` (the step's plans, :class:`vtoken.lifecycle.Plan` records, and its
-releases, to execute after its forward); the worker's :class:`WorkerReport` on
-``ModelRunnerOutput.vtoken_report`` (a ``vtoken.lifecycle.Outcome`` per finished plan, each request's
-full-context length). No behaviour.
-Owns: the plain records only (plan blocks belong to the adapter, see ``plans``).
-May call: nothing.
-Costs: none beyond building the records.
+"""What the scheduler side and the worker tell each other, step by step, as plain data.
+
+vLLM's engine runs its scheduler and its workers in different processes: the
+``SchedulerOutput`` is pickled to the workers and the ``ModelRunnerOutput`` back. So
+everything here is built of ids, ints, lists, dicts and numpy arrays, never a live object of
+either side, and the in-process paths (the harness driver, vLLM's one-process engine) send
+the same records (the driver round-trips them through pickle).
+
+- :class:`StepMeta` on ``sched_out.vtoken``: the step's plans (:func:`plan_order`, to copy
+  after this step's forward), its releases (blocks whose tokens all died), and ``drain``
+  (nothing is scheduled and plans fly: host-wait every copy now).
+- :class:`WorkerReport` on ``ModelRunnerOutput.vtoken_report``: how each finished plan ended
+  (``vtoken.lifecycle.Outcome``), each request's full-context length, the worker's counters,
+  and ``ops``: every change the worker made to its token table this step, in order. The
+  scheduler side keeps a replica of the worker's table and replays ``ops`` on it
+  (:func:`replay`), so both tables run the same operations in the same order.
+
+Owns: the records, :class:`LoggedTable` (a ``TokenTable`` that logs its own changes) and
+:func:`replay`; no behaviour of either side.
+May call: vtoken.table, numpy.
+Costs: building a record is O(what it carries); a logged change costs O(its arguments) more
+than the change itself (a token sync logs only the block-list entries it read).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import OrderError
+from ..table import TokenTable
+
+__all__ = ["plan_order", "StepMeta", "WorkerReport", "LoggedTable", "replay"]
+
+
+def plan_order(plan, snapshot: dict | None = None) -> dict:
+    """One plan as the worker receives it: the lifecycle's ``Plan`` reduced to plain data
+    (``id``, ``req_id``, ``sources``, ``dests``, ``fills``, ``moves``: int64 ``(k, 5)``: token,
+    src_block, src_offset, dst_block, dst_offset; ``seq``). ``snapshot``: a copy of the plan's
+    snapshot for the worker to complete (digests, its events, ``post``) and send back in the
+    outcome; None when none is recorded."""
+    return {"id": int(plan.id), "req_id": plan.req_id, "sources": [int(b) for b in plan.sources],
+            "dests": [int(b) for b in plan.dests], "fills": [int(b) for b in plan.fills],
+            "moves": np.array(plan.moves, dtype=np.int64).reshape(-1, 5), "seq": int(plan.seq), "snapshot": snapshot}
 
 
 @dataclass
@@ -18,12 +50,105 @@ class StepMeta:
     """What the adapter attaches to a ``SchedulerOutput`` (``sched_out.vtoken``)."""
 
     seq: int  # the fence clock's seq of this step (fence.StepClock; 0: an empty step, nothing attached)
-    plans: list = field(default_factory=list)  # lifecycle.Plan, to copy after this step's forward
+    plans: list = field(default_factory=list)  # plan_order dicts, to copy after this step's forward
     releases: dict = field(default_factory=dict)  # req_id -> [block ids] released (all tokens dead)
     reclaim: bool = True
+    drain: bool = False  # nothing scheduled, plans in flight: the worker host-waits every copy
 
 
 @dataclass
 class WorkerReport:
     plans: dict = field(default_factory=dict)  # plan id -> vtoken.lifecycle.Outcome (plans finished now)
     faithful: dict = field(default_factory=dict)  # req -> leading tokens computed with full context
+    ops: list = field(default_factory=list)  # the worker's table changes, in order (replay)
+    stats: dict = field(default_factory=dict)  # the worker's counters so far (steps, relocations, hash checks, ...)
+
+
+class LoggedTable(TokenTable):
+    """The worker's token table: a ``TokenTable`` that appends each change it made to
+    ``ops`` (only changes that succeeded: a refused call changes nothing and logs nothing).
+    ``take_ops()`` hands the log over and starts a new one. The entries are plain tuples:
+    ``("sync", req, total_len, j0, [block ids j0..])``, ``("evict", req, ids)``,
+    ``("apply", req, moves)``, ``("release", req, ids)``, ``("free", req)``."""
+
+    def __init__(self, block_size: int, num_blocks: int, device="cpu"):
+        super().__init__(block_size, num_blocks, device=device)
+        self.ops: list = []
+
+    def take_ops(self) -> list:
+        out, self.ops = self.ops, []
+        return out
+
+    def sync_new_tokens(self, req_id, block_ids, total_len):
+        new = req_id not in self
+        n = 0 if new else self.length(req_id)
+        slots = super().sync_new_tokens(req_id, block_ids, total_len)
+        total = int(total_len)
+        if total > n:  # the entries read: those receiving new tokens
+            j0, j1 = n // self.S, (total - 1) // self.S + 1
+            self.ops.append(("sync", req_id, total, j0, [int(b) for b in list(block_ids[j0:j1])]))
+        elif new:  # an empty entry made
+            self.ops.append(("sync", req_id, 0, 0, []))
+        return slots
+
+    def evict_token(self, req_id, token_id):
+        self.evict_tokens(req_id, [token_id])
+
+    def evict_tokens(self, req_id, token_ids):
+        super().evict_tokens(req_id, token_ids)
+        self.ops.append(("evict", req_id, np.array(token_ids, dtype=np.int64).reshape(-1)))
+
+    def apply_moves(self, req_id, moves):
+        emptied = super().apply_moves(req_id, moves)
+        self.ops.append(("apply", req_id, np.array(moves, dtype=np.int64).reshape(-1, 5)))
+        return emptied
+
+    def release_empty_blocks(self, req_id, block_ids):
+        out = super().release_empty_blocks(req_id, block_ids)
+        self.ops.append(("release", req_id, [int(b) for b in out]))
+        return out
+
+    def free_request(self, req_id):
+        out = super().free_request(req_id)
+        self.ops.append(("free", req_id))
+        return out
+
+
+class _Segment(list):
+    """A block list of which only entries ``[j0, j0 + len(seg))`` are known: what a logged
+    sync read (``TokenTable.sync_new_tokens`` reads no other entry), so a replayed sync costs
+    O(new tokens), not O(the request's blocks). A list to the table; its own items unused."""
+
+    def __init__(self, j0: int, seg: list):
+        super().__init__()
+        self.j0, self.seg = j0, seg
+
+    def __len__(self) -> int:
+        return self.j0 + len(self.seg)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            lo, hi, _ = i.indices(len(self))
+            return self.seg[max(lo - self.j0, 0):max(hi - self.j0, 0)]
+        return self.seg[i - self.j0]
+
+
+def replay(table: TokenTable, ops: list) -> None:
+    """Run the worker's logged changes on ``table`` (the scheduler side's replica), in order.
+    A change the replica refuses raises the table's own error: the two tables had diverged."""
+    for op in ops:
+        kind, r = op[0], op[1]
+        if kind == "sync":
+            _, _, total, j0, seg = op
+            table.sync_new_tokens(r, _Segment(j0, seg) if j0 else seg, total)
+        elif kind == "evict":
+            table.evict_tokens(r, op[2])
+        elif kind == "apply":
+            table.apply_moves(r, op[2])
+        elif kind == "release":
+            table.release_empty_blocks(r, op[2])
+        elif kind == "free":
+            table.free_request(r)
+        else:
+            raise OrderError("state_mismatch", f"replay: unknown table op {kind!r} (the worker and the scheduler "
+                                               f"side run different vtoken versions?)")

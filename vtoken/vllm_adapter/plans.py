@@ -22,16 +22,34 @@ plus the planner's own cost per plan; per report O(blocks of the reported plans)
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from typing import Protocol
 
 from .assumptions import AdapterAssumptionError
 from .mirror import unaccounted
-from .messages import StepMeta
+from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
 from ..planner import Proposal, plan_snapshot, propose, reclaim_bounds, should_reclaim, trigger_inputs
+
+
+def merge_snapshot(plan: Plan, done: dict) -> None:
+    """Fold the worker's completed copy of ``plan``'s snapshot into the plan's own: the
+    digests it took, the events it recorded (re-timed, in their order, on this side's clock:
+    they happened after everything recorded before the plan left), and what apply wrote
+    (``evicted_in_flight``, ``dests_used``, ``post``)."""
+    snap = plan.snapshot
+    digests = done.get("plan", {}).get("digests")
+    if digests is not None:
+        snap["plan"]["digests"] = digests
+    for ev in done.get("schedule", [])[len(snap["schedule"]):]:
+        plan.record(ev["kind"], **{k: v for k, v in ev.items() if k not in ("t", "kind")})
+    for key in ("evicted_in_flight", "dests_used", "post"):
+        if key in done:
+            snap[key] = done[key]
 
 
 class RequestSide(Protocol):
@@ -164,7 +182,9 @@ class PlanBook:
         self.hashes.drop_sources(sources + fills)
         self.fence.open(plan)
         self.checker.touch([r])
-        meta.plans.append(plan)
+        # to the worker as plain data; a snapshot goes as a copy the worker completes and sends back
+        order = plan_order(plan, copy.deepcopy(plan.snapshot) if plan.snapshot is not None else None)
+        meta.plans.append(order)
 
     def forget(self, r: str) -> None:
         """``r``'s list was freed (preemption, finish; its plans were orphaned by the
@@ -216,6 +236,8 @@ class PlanBook:
         stats["moves"] += int(res.moved)
         stats["sources_freed"] += len(plan.sources)
         self.fence.close(plan, self.fence.clock.processed, res.copy_done)
+        if plan.snapshot is not None and res.snapshot is not None:
+            merge_snapshot(plan, res.snapshot)
         self.lifecycle.end(plan, res)
         if plan.snapshot is not None and plan.snapshot["post"] is not None:
             self.lifecycle.history.append(plan)  # its snapshot completed by the copy side (snapshot_applied)

@@ -2,54 +2,41 @@
 
 ``VTokenWorker.execute(scheduler_output)`` plays vLLM's model runner for
 ``adapter.VTokenAdapter``, running :class:`~vtoken.model.PagedDecoder` over a real
-:class:`~vtoken.kvcache.KVCache`. Per output, in order:
-
-1. finished / preempted requests: their table entry is reset (``free_request``);
-2. pre-attention: ``KVCopyEngine.wait_before_attention()``, completed earlier copies applied;
-3. the scheduler side's releases leave the table (``release_empty_blocks``);
-4. block lists (new, appended, replaced on resume) give the new tokens' slots
-   (``sync_new_tokens``); a prefix-cache hit is synced without compute;
-5. compute, in the output's request order: a decode step evicts first (keeping ``ceil((1 -
-   evict_ratio) * n)`` tokens, never the newest), reads the live tokens through
-   ``slot_mapping`` and writes the new token's K/V; a prefill chunk attends causally over the
-   live tokens before it plus itself; a request whose chunk reaches its last known token
-   samples one token (greedy);
-6. stage 4: the step's plans (``sched_out.vtoken.plans``) are copied after the forward and
-   applied once seen done: the lifecycle's copy side (``vtoken.lifecycle.Copies``, the one the
-   decode engine's manager runs too); tokens evicted meanwhile stay dead.
+:class:`~vtoken.kvcache.KVCache`. The step is :class:`~.worker_core.WorkerCore`'s (the one
+vLLM's own model runner drives too, ``vtoken.vllm_engine``): requests that left, copies seen
+done, releases and block lists first (``begin``); then, in the output's request order, each
+request's chunk (a decode step evicts first, then its tokens get their slots), computed here
+(a decode reads the live tokens through ``slot_mapping`` and writes the new token's K/V; a
+prefill chunk attends causally over the live tokens before it plus itself; a request whose
+chunk reaches its last known token samples one token, greedy) and its attention statistics
+handed to the policy; then stage 4, the step's plans copied after the forward (``end``).
 
 It returns a ``ModelRunnerOutput`` with the sampled tokens and a :class:`WorkerReport` as
-``vtoken_report``. With the same evictions, runs with and without reclamation give the same
-tokens.
+``vtoken_report`` (plain data: outcomes, full-context lengths, counters, the table's changes).
+With the same evictions, runs with and without reclamation give the same tokens.
 
-Owns: the K/V cache (``KVCache``), the copy engine and the copy side (``Copies``: the plans
-received and not yet reported), per request the full-context length; it writes the token
-table the adapter reads.
-May call: ``vtoken.table``, ``vtoken.lifecycle`` (``Copies``), ``vtoken.copy_engine``,
-``vtoken.model``, ``vtoken.policies``, torch; vLLM's output types; the relocation checker
+Owns: the K/V cache (``KVCache``) and its ``WorkerCore`` (its own token table, the copy
+engine and copy side, the policy).
+May call: ``vtoken.model``, ``WorkerCore``, torch; vLLM's output types; the relocation checker
 only as a factory the toolkit passes in (``check_relocations``).
-Costs: a step is the decoder's forward over the scheduled tokens plus O(moves) per plan
-applied; the per-request work is for scheduled requests only.
+Costs: a step is the decoder's forward over the scheduled tokens plus the core's cost.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..copy_engine import KVCopyEngine, checker_factory
-from .messages import WorkerReport
+from ..copy_engine import checker_factory
 from ..errors import OrderError
 from ..fields import need_choice, need_device, need_instance, need_int, need_number, refuse
 from ..model.decoder import DecodeItem, PagedDecoder, Windowed, _Group, greedy
-from ..lifecycle import Copies
-from ..policies import make_policy
 from ..table import TokenTable
 from .layout import WorkerLayout
+from .messages import LoggedTable, WorkerReport
+from .worker_core import WorkerCore
 
 __all__ = ["VTokenWorker", "WorkerReport", "check_worker_config"]
 
@@ -92,25 +79,15 @@ def check_worker_config(*, model, table, num_blocks, block_size, policy, policy_
     return out
 
 
-@dataclass
-class _WorkerRequest:
-    prompt: list
-    outputs: list
-    blocks: list  # positional block ids (append-only, replaced on resume)
-    evicting: bool = False
-    wblocks: list = None  # the sliding-window group's positional block ids (a hybrid layout)
-
-    @property
-    def tokens(self) -> list:
-        return self.prompt + self.outputs
-
-
 class VTokenWorker:
     """Executes the adapter's ``SchedulerOutput``s with a real decoder and K/V cache.
 
     Args:
         model: the ``PagedDecoder`` (its config fixes the K/V geometry).
-        table: the adapter's ``TokenTable`` (the worker is its only writer).
+        table: the worker's own token table (a ``messages.LoggedTable``, or a plain
+            ``TokenTable`` whose geometry it takes: the worker then makes its own). The adapter
+            keeps a replica, kept equal by replaying the worker's reported changes; the two are
+            never one object (``AdapterDriver`` refuses that).
         num_blocks, block_size: vLLM's pool geometry (block ids index the cache directly).
         policy, policy_kwargs, evict_ratio, seed: eviction (``vtoken.policies``).
         check_relocations: None, or the relocation checker's factory ``(kv, table, out_dir=)
@@ -121,7 +98,9 @@ class VTokenWorker:
         layout: vLLM's KV cache groups as the worker reads them (``layout.WorkerLayout``; None:
             one full-attention group). With a sliding-window group, the model's windowed layers
             write and read that group's blocks by position, the last ``window`` tokens.
-    Arguments are checked first (:func:`check_worker_config`).
+    Arguments are checked first (:func:`check_worker_config`). The table bookkeeping, eviction
+    and the copy side are :class:`~.worker_core.WorkerCore`'s (shared with vLLM's engine path);
+    this class computes with the decoder.
     """
 
     def __init__(self, model: PagedDecoder, table: TokenTable, num_blocks: int, block_size: int, *,
@@ -132,120 +111,48 @@ class VTokenWorker:
                                 policy_kwargs=policy_kwargs, evict_ratio=evict_ratio, seed=seed,
                                 check_relocations=check_relocations, snapshot_dir=snapshot_dir, copy_lag=copy_lag,
                                 device=device, copy_engine_factory=copy_engine_factory, layout=layout)
-        self.layout = layout if layout is not None else WorkerLayout()
-        self.window_layers = self.layout.window_layers(model.config.num_layers)
-        num_blocks, block_size, evict_ratio, seed, copy_lag = (c[k] for k in ("num_blocks", "block_size", "evict_ratio",
-                                                                              "seed", "copy_lag"))
+        if not isinstance(table, LoggedTable):  # its own table, of the same geometry
+            table = LoggedTable(table.S, table.num_blocks, device=table.device)
         self.model = model
-        self.table = table
-        self.S = int(block_size)
-        self.kv = model.make_kv_cache(num_blocks, block_size, device=device)
-        self.copy_engine = (copy_engine_factory or KVCopyEngine)(self.kv, self.S, lag=copy_lag)
-        self.checker = None
-        engine = self.copy_engine
-        if check_relocations:  # the toolkit's checker, handed in (the system never imports it)
-            self.checker = check_relocations(self.kv, table, out_dir=snapshot_dir)
-            engine = self.checker.wrap(self.copy_engine)
-        self.engine = engine
-        # the copy side of every plan's life; the relocation checker re-hashes each applied plan
-        self.copies = Copies(table, engine, after_apply=self.checker.after_apply if self.checker else None)
-        kw = dict(policy_kwargs or {})
-        if policy == "random":
-            kw.setdefault("seed", seed)
-        self.policy_name = policy
-        self.policy = make_policy(policy, **kw)
-        self.evict_ratio = float(evict_ratio)
-        self.reqs: dict[str, _WorkerRequest] = {}
-        self.faithful: dict[str, int] = {}
-        self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
-                          relocations=0, moves=0, aborted=0, releases=0)
+        self.S = c["block_size"]
+        self.kv = model.make_kv_cache(c["num_blocks"], self.S, device=device)
+        self.core = WorkerCore(self.kv, table, self.S, policy=policy, policy_kwargs=policy_kwargs,
+                               evict_ratio=c["evict_ratio"], seed=c["seed"], check_relocations=check_relocations,
+                               snapshot_dir=snapshot_dir, copy_lag=c["copy_lag"],
+                               copy_engine_factory=copy_engine_factory, layout=layout)
+        self.layout = self.core.layout
+        self.window_layers = self.layout.window_layers(model.config.num_layers)
 
-    # ------------------------------------------------------------------ helpers
-    @property
-    def hash_checks(self) -> int:
-        return self.checker.passed if self.checker is not None else 0
+    # the core's rooms, read by tests and the toolkit
+    table = property(lambda self: self.core.table)
+    copy_engine = property(lambda self: self.core.copy_engine)
+    engine = property(lambda self: self.core.engine)
+    checker = property(lambda self: self.core.checker)
+    copies = property(lambda self: self.core.copies)
+    policy = property(lambda self: self.core.policy)
+    reqs = property(lambda self: self.core.reqs)
+    faithful = property(lambda self: self.core.faithful)
+    stats = property(lambda self: self.core.stats)
+    evict_ratio = property(lambda self: self.core.evict_ratio)
+    hash_checks = property(lambda self: self.core.hash_checks)
+    hash_failures = property(lambda self: self.core.hash_failures)
 
-    @property
-    def hash_failures(self) -> int:
-        return self.checker.failed if self.checker is not None else 0
-
-    def _drop(self, r: str, forget: bool) -> None:
-        if r in self.table:
-            self.table.free_request(r)
-        self.copies.forget(r)  # its copies in flight end aborted (a resumed incarnation is another request)
-        self.policy.forget(r)
-        if self.checker is not None:
-            self.checker.forget_request(r)
-        self.faithful.pop(r, None)
-        w = self.reqs.get(r)
-        if w is not None:
-            w.evicting = False
-            w.blocks = []
-        if forget:
-            self.reqs.pop(r, None)
+    def evict_tokens(self, r: str, token_ids) -> None:
+        """Evict tokens of ``r`` between or inside steps (``WorkerCore.evict_tokens``)."""
+        self.core.evict_tokens(r, token_ids)
 
     # ------------------------------------------------------------------ the step
     def execute(self, sched_out):
         """Run one ``SchedulerOutput``; returns a ``ModelRunnerOutput`` (with ``vtoken_report``)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        meta = getattr(sched_out, "vtoken", None)
         rep = WorkerReport()
-        t = self.table
-        self.stats["steps"] += 1
-        # 1. requests that left
-        for r in sched_out.finished_req_ids:
-            self._drop(r, forget=True)
-        for r in sched_out.preempted_req_ids or ():
-            self._drop(r, forget=False)
-        # 2. pre-attention hook: device wait on copies not yet observed done; apply finished ones
-        self.engine.wait_before_attention()
-        self._poll(rep, force=False)
-        # 3. releases
-        if meta is not None:
-            for r, blocks in meta.releases.items():
-                if r in t:
-                    t.release_empty_blocks(r, blocks)
-                    self.stats["releases"] += len(blocks)
-        # 4. block lists (and token ids of new / resumed requests)
-        starts: dict[str, int] = {}
-        g, wg = self.layout.table, self.layout.window_group
-        for d in sched_out.scheduled_new_reqs:
-            self.reqs[d.req_id] = _WorkerRequest(list(d.prompt_token_ids), [], list(d.block_ids[g]),
-                                                 wblocks=list(d.block_ids[wg]) if wg is not None else None)
-            starts[d.req_id] = d.num_computed_tokens
-        c = sched_out.scheduled_cached_reqs
-        for i, r in enumerate(c.req_ids):
-            w = self.reqs[r]
-            nb = c.new_block_ids[i]
-            ids = list(nb[g]) if nb else []
-            wids = list(nb[wg]) if nb and wg is not None else []
-            n_out = c.num_output_tokens[i]
-            if r in c.resumed_req_ids:
-                if r in t:
-                    self._drop(r, forget=False)
-                w.blocks = ids
-                w.wblocks = wids if wg is not None else None
-                if n_out > 0 and r in c.all_token_ids:
-                    w.outputs = list(c.all_token_ids[r][-n_out:])
-            else:
-                w.blocks += ids
-                if wg is not None:
-                    w.wblocks += wids
-                if n_out < len(w.outputs):
-                    del w.outputs[n_out:]
-            starts[r] = c.num_computed_tokens[i]
-        # 5. compute, in the output's request order
+        starts = self.core.begin(sched_out, rep)
         sampled: dict[str, list[int]] = {}
-        for r, k in sched_out.num_scheduled_tokens.items():
+        for r, k in sched_out.num_scheduled_tokens.items():  # compute, in the output's request order
             tok = self._run_request(r, starts[r], int(k), rep)
             sampled[r] = [tok] if tok is not None else []
-        t.flush()
-        # 6. stage 4: this step's plans, after the forward
-        if meta is not None:
-            for ap in meta.plans:
-                self._launch(ap, rep)
-        rep.faithful = dict(self.faithful)
+        self.core.end(sched_out, rep)
         ids = list(sched_out.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[sampled[r] for r in ids])
@@ -253,54 +160,29 @@ class VTokenWorker:
         return out
 
     def _run_request(self, r: str, start: int, k: int, rep: WorkerReport) -> Optional[int]:
-        t = self.table
+        ch = self.core.chunk(r, start, k)
         w = self.reqs[r]
         toks = w.tokens
-        if r not in t:
-            t.sync_new_tokens(r, w.blocks, 0)  # creates the (empty) entry
-        n = t.length(r)
-        if n < start:  # a prefix-cache hit: these tokens' K/V is in cached blocks already
-            t.sync_new_tokens(r, w.blocks, start)
-            self.stats["cached_tokens"] += start - n
-            n = start
-        if n != start:
-            raise OrderError("state_mismatch", f"worker: request {r!r} has {n} tokens in its table, the scheduler says the "
-                               f"chunk starts at {start}")
-        if start + k > len(toks):
-            raise OrderError("state_mismatch", f"worker: request {r!r}: chunk [{start}, {start + k}) beyond its "
-                               f"{len(toks)} known tokens")
-        decode = k == 1 and start >= len(w.prompt) and start > 0
-        if decode and self.evict_ratio > 0:
-            self._evict(r, n)
-        read = t.slot_mapping(r).clone()
-        live_before = t.live_tokens(r)
-        write = t.sync_new_tokens(r, w.blocks, start + k)
-        t.flush()
         model, kv = self.model, self.kv
-        if decode and w.wblocks is None:
-            logits, stats = model.decode_step(kv, [DecodeItem(int(toks[start]), start, int(write[0]), read)])
-            lg, st = logits[0], stats[0]
-            self.stats["decode_tokens"] += 1
+        if ch.decode and w.wblocks is None:
+            logits, stats = model.decode_step(kv, [DecodeItem(int(toks[start]), start, int(ch.write[0]), ch.read)])
         else:  # a prefill chunk, or any chunk of a hybrid model (its windowed layers read their own group)
             ids = torch.as_tensor(toks[start:start + k], dtype=torch.int64)
             pos = torch.arange(start, start + k, dtype=torch.int64)
-            ws = torch.from_numpy(np.ascontiguousarray(write)).to(kv.device)
-            keys = torch.cat([read.to(kv.device), ws])
+            ws = torch.from_numpy(np.ascontiguousarray(ch.write)).to(kv.device)
+            keys = torch.cat([ch.read.to(kv.device), ws])
             windowed = self._windowed(r, w, start, k) if w.wblocks is not None else None
             with torch.inference_mode():
                 logits, stats = model._forward(kv, ids, pos, ws, [_Group(0, k, keys, True)], slice(k - 1, k),
                                                windowed=windowed)
-            lg, st = logits[0], stats[0]
-            self.stats["decode_tokens" if decode else "prefill_tokens"] += k
-        obs_ids = np.concatenate([live_before, np.arange(start, start + k, dtype=np.int64)])
-        self.policy.observe(r, obs_ids, st.numpy())
-        if start + k >= len(toks):
-            nxt = int(greedy(lg))
-            w.outputs.append(nxt)
+        self.core.observe(ch, stats[0].numpy())
+        if ch.last:
+            nxt = int(greedy(logits[0]))
+            self.core.sampled(r, nxt)
             return nxt
         return None
 
-    def _window_slots(self, r: str, w: _WorkerRequest, lo: int, hi: int) -> torch.Tensor:
+    def _window_slots(self, r: str, w, lo: int, hi: int) -> torch.Tensor:
         """The sliding-window group's slots of positions ``[lo, hi)``, by position through its
         block list. A position whose block vLLM already freed (null) is refused: vLLM must keep
         the window (``OrderError``, nothing computed)."""
@@ -313,7 +195,7 @@ class VTokenWorker:
                              f"some position of [{lo}, {hi}) (its blocks {w.wblocks})")
         return torch.from_numpy(blocks[idx] * S + pos % S).to(self.kv.device)
 
-    def _windowed(self, r: str, w: _WorkerRequest, start: int, k: int) -> Windowed:
+    def _windowed(self, r: str, w, start: int, k: int) -> Windowed:
         """The windowed layers of a hybrid model for the chunk ``[start, start + k)``: they write
         the chunk and attend over the last ``window`` positions of the sliding-window group."""
         win = self.layout.window
@@ -321,57 +203,6 @@ class VTokenWorker:
         keys = self._window_slots(r, w, lo, start + k)
         return Windowed(self.window_layers, keys[start - lo:], [_Group(0, k, keys, True, win)])
 
-    def _evict(self, r: str, n: int) -> None:
-        t = self.table
-        keep = max(1, math.ceil(n * (1.0 - self.evict_ratio) - 1e-9))
-        if t.num_live(r) <= keep:
-            return
-        victims = self.policy.select_victims(r, t.live_tokens(r), keep)
-        if len(victims) == 0:
-            return
-        self.evict_tokens(r, victims)
-
-    def evict_tokens(self, r: str, token_ids) -> None:
-        """Evict tokens of ``r`` (metadata only, between or inside steps): the one way tokens die
-        in the worker's table. Records the request's full-context length and tells the relocation
-        checker. ``TableError`` (table unchanged) for ids not live in ``r``."""
-        t = self.table
-        ids = np.asarray(token_ids, dtype=np.int64) if not isinstance(token_ids, np.ndarray) else token_ids
-        n = t.length(r)
-        t.evict_tokens(r, ids)
-        if r not in self.faithful:
-            self.faithful[r] = n  # tokens [0, n) were computed before any eviction
-        self.stats["evicted"] += len(ids)
-        if self.checker is not None:
-            self.checker.note_evicted(r, ids)
-
-    # ------------------------------------------------------------------ relocation (stage 4)
-    def _launch(self, plan, rep: WorkerReport) -> None:
-        """Issue the plan's copy (the copy side refuses it at once when its request is gone or a
-        block is shared) and poll it once."""
-        now = self.copies.launch(plan)
-        if now is not None:
-            self._report(plan, now, rep)
-        else:
-            self._poll(rep, force=False, only=(plan.id,))
-
-    def _poll(self, rep: WorkerReport, force: bool, only=None) -> None:
-        for plan, out in self.copies.poll(force=force, only=only):
-            self._report(plan, out, rep)
-
-    def _report(self, plan, out, rep: WorkerReport) -> None:
-        rep.plans[plan.id] = out
-        if out.status == "applied":
-            self.stats["relocations"] += 1
-            self.stats["moves"] += out.moved
-        else:
-            self.stats["aborted"] += 1
-
     def synchronize(self) -> WorkerReport:
         """Host-wait every copy still in flight and apply it (idle / teardown)."""
-        rep = WorkerReport()
-        self._poll(rep, force=True)
-        if hasattr(self.copy_engine, "synchronize"):
-            self.copy_engine.synchronize()
-        rep.faithful = dict(self.faithful)
-        return rep
+        return self.core.synchronize()

@@ -1,0 +1,333 @@
+"""The worker's half of the adapter, whatever runs the forward: the one implementation the
+harness's decoder (``worker.VTokenWorker``) and vLLM's own model runner (``vtoken.vllm_engine``)
+both drive.
+
+Per ``SchedulerOutput``, in order:
+
+1. :meth:`WorkerCore.begin`: finished and preempted requests leave the table
+   (``free_request``); the pre-attention hook (``KVCopyEngine.wait_before_attention``) and
+   the copies seen done applied (all of them, host-waited, when the step says ``drain``); the
+   scheduler side's releases leave the table; the block lists (new, appended, replaced on
+   resume) recorded. Returns where each scheduled request's chunk starts.
+2. :meth:`WorkerCore.chunk`, per scheduled request: a decode step evicts first (keeping
+   ``ceil((1 - evict_ratio) * n)`` tokens, or ``budget`` when one is set, never the newest), then the chunk's tokens get their
+   slots (``sync_new_tokens``; a prefix-cache hit is synced without compute). Returns a
+   :class:`Chunk`: the slots to read (the live tokens, logical order) and to write.
+3. the caller computes (its own attention reads exactly ``read`` then the chunk, writes
+   ``write``) and hands each chunk's attention statistics to :meth:`observe` (the policy's).
+4. :meth:`WorkerCore.end`: stage 4, the step's plans (``messages.plan_order``) copied after the forward
+   and applied once seen done (the lifecycle's copy side, ``vtoken.lifecycle.Copies``, the one
+   the decode engine's manager runs too); tokens evicted meanwhile stay dead. The report
+   carries each finished plan's ``Outcome``, the full-context lengths, the worker's counters
+   and its table's changes (``messages.LoggedTable``): the scheduler side replays them on its
+   replica.
+
+Owns: its token table (a ``LoggedTable``: the worker is its only writer), the copy engine
+and the copy side (the plans received and not yet reported, as plans of its own), the
+relocation checker it builds, the policy, per request its positional block lists, known token
+ids and full-context length. The K/V storage is the caller's (``kv``, a ``KVCache`` or a view
+with its interface).
+May call: ``vtoken.table``, ``vtoken.lifecycle`` (``Copies``), ``vtoken.copy_engine``,
+``vtoken.policies``, numpy, torch; the relocation checker only as a factory the toolkit
+passes in (``check_relocations``).
+Costs: per step O(requests scheduled + requests that left + blocks released) plus the
+policy's and the table's cost per scheduled chunk, plus O(moves) per plan applied.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..copy_engine import KVCopyEngine
+from ..errors import OrderError
+from ..lifecycle import Copies, Plan
+from ..policies import make_policy
+from .layout import WorkerLayout
+from .messages import WorkerReport
+
+__all__ = ["WorkerCore", "Chunk", "WorkerRequest"]
+
+
+@dataclass
+class WorkerRequest:
+    prompt: list
+    outputs: list
+    blocks: list  # positional block ids (append-only, replaced on resume)
+    wblocks: Optional[list] = None  # the sliding-window group's positional block ids (a hybrid layout)
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.outputs
+
+
+@dataclass
+class Chunk:
+    """One scheduled request's work this step: tokens ``[start, start + k)``; ``read`` the
+    slots of its live tokens before the chunk (logical order, a tensor on the table's
+    device), ``write`` the chunk's slots (position order); ``obs_ids`` the token ids the
+    attention statistics cover (``read``'s tokens, then the chunk's); ``decode``: one new
+    token after the prompt; ``last``: the chunk reaches the last known token (one is sampled)."""
+
+    req_id: str
+    start: int
+    k: int
+    decode: bool
+    last: bool
+    read: torch.Tensor
+    write: np.ndarray
+    obs_ids: np.ndarray = field(repr=False)
+
+
+class WorkerCore:
+    """The worker's half (see the module docstring). Arguments are the worker's, checked by
+    its caller (``worker.check_worker_config``)."""
+
+    def __init__(self, kv, table, block_size: int, *, policy: str, policy_kwargs: dict | None, evict_ratio: float,
+                 seed: int, check_relocations, snapshot_dir, copy_lag: int, copy_engine_factory,
+                 layout: WorkerLayout | None, budget: int | None = None):
+        self.layout = layout if layout is not None else WorkerLayout()
+        self.table, self.kv, self.S = table, kv, int(block_size)
+        self.copy_engine = (copy_engine_factory or KVCopyEngine)(kv, self.S, lag=copy_lag)
+        self.checker = None
+        engine = self.copy_engine
+        if check_relocations:  # the toolkit's checker, handed in (the system never imports it)
+            self.checker = check_relocations(kv, table, out_dir=snapshot_dir)
+            engine = self.checker.wrap(self.copy_engine)
+        self.engine = engine
+        # the copy side of every plan's life; the relocation checker re-hashes each applied plan
+        self.copies = Copies(table, engine, after_apply=self.checker.after_apply if self.checker else None)
+        kw = dict(policy_kwargs or {})
+        if policy == "random":
+            kw.setdefault("seed", seed)
+        self.policy_name = policy
+        self.policy = make_policy(policy, **kw)
+        self.evict_ratio = float(evict_ratio)
+        self.budget = None if budget is None else int(budget)  # tokens kept per request (instead of the ratio)
+        self.reqs: dict[str, WorkerRequest] = {}
+        self.faithful: dict[str, int] = {}
+        self.unlisted: list = []  # (request, list index) nulled since the runner last took them
+        self._clock = itertools.count()  # the worker's own clock for the events of snapshots it completes
+        self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
+                          relocations=0, moves=0, aborted=0, releases=0)
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def hash_checks(self) -> int:
+        return self.checker.passed if self.checker is not None else 0
+
+    @property
+    def hash_failures(self) -> int:
+        return self.checker.failed if self.checker is not None else 0
+
+    def counters(self) -> dict:
+        """The worker's counters so far, plain (what rides on every report)."""
+        return dict(self.stats, hash_checks=self.hash_checks, hash_failures=self.hash_failures)
+
+    # ------------------------------------------------------------------ 1. before the forward
+    def drop(self, r: str, forget: bool) -> None:
+        """``r`` left (finished: ``forget``; preempted or resumed: its record stays): its table
+        entry goes, its copies in flight end aborted, the policy forgets it."""
+        if r in self.table:
+            self.table.free_request(r)
+        self.copies.forget(r)  # its copies in flight end aborted (a resumed incarnation is another request)
+        self.policy.forget(r)
+        if self.checker is not None:
+            self.checker.forget_request(r)
+        self.faithful.pop(r, None)
+        w = self.reqs.get(r)
+        if w is not None:
+            w.blocks = []
+        if forget:
+            self.reqs.pop(r, None)
+
+    def begin(self, sched_out, rep: WorkerReport) -> dict[str, int]:
+        """Steps 1-4 of the module docstring; returns ``{request: its chunk's start}``."""
+        meta = getattr(sched_out, "vtoken", None)
+        t = self.table
+        self.stats["steps"] += 1
+        self.unlisted = []  # a runner following them took the last step's at its end
+        for r in sched_out.finished_req_ids:
+            self.drop(r, forget=True)
+        for r in sched_out.preempted_req_ids or ():
+            self.drop(r, forget=False)
+        # pre-attention hook: device wait on copies not yet observed done; apply finished ones
+        self.engine.wait_before_attention()
+        self.poll(rep, force=bool(meta is not None and meta.drain))
+        if meta is not None:
+            for r, blocks in meta.releases.items():
+                if r in t:
+                    t.release_empty_blocks(r, blocks)
+                    self._unlist(r, blocks)
+                    self.stats["releases"] += len(blocks)
+        return self._lists(sched_out)
+
+    def _unlist(self, r: str, blocks) -> None:
+        """Blocks ``r`` no longer has in its list (released, or a plan's emptied sources): their
+        entries become the null block 0, as the scheduler side's list did (never popped: the
+        list stays positional). Recorded in ``unlisted`` for a runner whose own block-table
+        rows must follow (``vtoken.vllm_engine``). O(the request's blocks) per block."""
+        w = self.reqs.get(r)
+        if w is None:
+            return
+        for b in blocks:
+            try:
+                i = w.blocks.index(int(b))
+            except ValueError:
+                continue  # not in its list (a destination it held outside it)
+            w.blocks[i] = 0
+            self.unlisted.append((r, i))
+
+    def _lists(self, sched_out) -> dict[str, int]:
+        """Block lists (and token ids of new / resumed requests) as the output sends them."""
+        t, starts = self.table, {}
+        g, wg = self.layout.table, self.layout.window_group
+        for d in sched_out.scheduled_new_reqs:
+            self.reqs[d.req_id] = WorkerRequest(list(d.prompt_token_ids or ()), [], list(d.block_ids[g]),
+                                                wblocks=list(d.block_ids[wg]) if wg is not None else None)
+            starts[d.req_id] = d.num_computed_tokens
+        c = sched_out.scheduled_cached_reqs
+        for i, r in enumerate(c.req_ids):
+            w = self.reqs[r]
+            nb = c.new_block_ids[i]
+            ids = list(nb[g]) if nb else []
+            wids = list(nb[wg]) if nb and wg is not None else []
+            n_out = c.num_output_tokens[i]
+            if r in c.resumed_req_ids:
+                if r in t:
+                    self.drop(r, forget=False)
+                w.blocks = ids
+                w.wblocks = wids if wg is not None else None
+                if n_out > 0 and r in c.all_token_ids:
+                    w.outputs = list(c.all_token_ids[r][-n_out:])
+            else:
+                w.blocks += ids
+                if wg is not None:
+                    w.wblocks += wids
+                if n_out < len(w.outputs):
+                    del w.outputs[n_out:]
+            starts[r] = c.num_computed_tokens[i]
+        return starts
+
+    def chunk(self, r: str, start: int, k: int, known: int | None = None) -> Chunk:
+        """Step 2 for one scheduled request: tokens ``[start, start + k)``. ``known``: how many
+        of its tokens the caller knows (default: its prompt and outputs recorded here); a chunk
+        beyond them, or a table that disagrees with ``start``, is refused (``OrderError``)."""
+        t = self.table
+        w = self.reqs[r]
+        if r not in t:
+            t.sync_new_tokens(r, w.blocks, 0)  # creates the (empty) entry
+        n = t.length(r)
+        if n < start:  # a prefix-cache hit: these tokens' K/V is in cached blocks already
+            t.sync_new_tokens(r, w.blocks, start)
+            self.stats["cached_tokens"] += start - n
+            n = start
+        if n != start:
+            raise OrderError("state_mismatch", f"worker: request {r!r} has {n} tokens in its table, the scheduler says "
+                                               f"the chunk starts at {start}")
+        known = len(w.prompt) + len(w.outputs) if known is None else int(known)
+        if start + k > known:
+            raise OrderError("state_mismatch", f"worker: request {r!r}: chunk [{start}, {start + k}) beyond its "
+                                               f"{known} known tokens")
+        decode = k == 1 and start >= len(w.prompt) and start > 0
+        if decode and (self.evict_ratio > 0 or self.budget is not None):
+            self._evict(r, n)
+        read = t.slot_mapping(r).clone()
+        live_before = t.live_tokens(r)
+        write = t.sync_new_tokens(r, w.blocks, start + k)
+        t.flush()
+        self.stats["decode_tokens" if decode else "prefill_tokens"] += k
+        obs = np.concatenate([live_before, np.arange(start, start + k, dtype=np.int64)])
+        return Chunk(r, int(start), int(k), decode, start + k >= known, read, write, obs)
+
+    def observe(self, chunk: Chunk, stats) -> None:
+        """Step 3's end: the chunk's attention statistics (one per ``obs_ids``) to the policy."""
+        self.policy.observe(chunk.req_id, chunk.obs_ids, np.asarray(stats))
+
+    def sampled(self, r: str, token: int) -> None:
+        """The token sampled for ``r`` at its last chunk (its outputs, for resumes and bounds)."""
+        self.reqs[r].outputs.append(int(token))
+
+    def _evict(self, r: str, n: int) -> None:
+        t = self.table
+        if self.budget is not None:
+            keep = self.budget
+        else:
+            keep = max(1, math.ceil(n * (1.0 - self.evict_ratio) - 1e-9))
+        if t.num_live(r) <= keep:
+            return
+        victims = self.policy.select_victims(r, t.live_tokens(r), keep)
+        if len(victims) == 0:
+            return
+        self.evict_tokens(r, victims)
+
+    def evict_tokens(self, r: str, token_ids) -> None:
+        """Evict tokens of ``r`` (metadata only, between or inside steps): the one way tokens die
+        in the worker's table. Records the request's full-context length and tells the relocation
+        checker. ``TableError`` (table unchanged) for ids not live in ``r``."""
+        t = self.table
+        ids = np.asarray(token_ids, dtype=np.int64) if not isinstance(token_ids, np.ndarray) else token_ids
+        n = t.length(r)
+        t.evict_tokens(r, ids)
+        if r not in self.faithful:
+            self.faithful[r] = n  # tokens [0, n) were computed before any eviction
+        self.stats["evicted"] += len(ids)
+        if self.checker is not None:
+            self.checker.note_evicted(r, ids)
+
+    # ------------------------------------------------------------------ 4. after the forward
+    def end(self, sched_out, rep: WorkerReport) -> WorkerReport:
+        """Stage 4 (this step's plans, after the forward) and the report's plain parts."""
+        self.table.flush()
+        meta = getattr(sched_out, "vtoken", None)
+        if meta is not None:
+            for order in meta.plans:
+                self.launch(order, rep)
+        return self.finish_report(rep)
+
+    def finish_report(self, rep: WorkerReport) -> WorkerReport:
+        rep.faithful = dict(self.faithful)
+        rep.ops = self.table.take_ops()
+        rep.stats = self.counters()
+        # the scheduler side consumes these on its replica; the worker's own would only grow
+        self.table.take_changed(), self.table.take_emptied(), self.table.take_lone_dead()
+        return rep
+
+    def launch(self, order, rep: WorkerReport) -> None:
+        """Issue a plan's copy (the copy side refuses it at once when its request is gone or a
+        block is shared) and poll it once. The plan is the worker's own record of the order."""
+        plan = Plan(order["id"], order["req_id"], list(order["sources"]), list(order["dests"]),
+                    np.asarray(order["moves"], dtype=np.int64).reshape(-1, 5), list(order["fills"]), seq=order["seq"],
+                    snapshot=order["snapshot"], clock=self._clock.__next__)
+        now = self.copies.launch(plan)
+        if now is not None:
+            self._report(plan, now, rep)
+        else:
+            self.poll(rep, force=False, only=(plan.id,))
+
+    def poll(self, rep: WorkerReport, force: bool, only=None) -> None:
+        for plan, out in self.copies.poll(force=force, only=only):
+            self._report(plan, out, rep)
+
+    def _report(self, plan: Plan, out, rep: WorkerReport) -> None:
+        out.snapshot = plan.snapshot  # completed here (digests, events, post): the scheduler side merges it
+        rep.plans[plan.id] = out
+        if out.status == "applied":
+            self._unlist(plan.req_id, plan.sources)
+            self.stats["relocations"] += 1
+            self.stats["moves"] += out.moved
+        else:
+            self.stats["aborted"] += 1
+
+    def synchronize(self) -> WorkerReport:
+        """Host-wait every copy still in flight and apply it (idle / teardown)."""
+        rep = WorkerReport()
+        self.poll(rep, force=True)
+        if hasattr(self.copy_engine, "synchronize"):
+            self.copy_engine.synchronize()
+        return self.finish_report(rep)
