@@ -19,6 +19,7 @@ def main(argv=None) -> int:
         "bench": "vtoken.cli.bench:main_bench",
         "audit": "vtoken.reports.audit:main_audit",
         "decode": "vtoken.cli.decode:main_decode",
+        "engine": "vtoken.cli.engine:main_engine",
         "simulate": "vtoken.cli.simulate:main_simulate",
         "fuzz": "vtoken.fuzz.campaign:main_fuzz",
         "mutate": "vtoken.fuzz.mutation:main",

@@ -90,7 +90,7 @@ class WorkerCore:
 
     def __init__(self, kv, table, block_size: int, *, policy: str, policy_kwargs: dict | None, evict_ratio: float,
                  seed: int, check_relocations, snapshot_dir, copy_lag: int, copy_engine_factory,
-                 layout: WorkerLayout | None, budget: int | None = None):
+                 layout: WorkerLayout | None, budget: int | None = None, policy_key=None):
         self.layout = layout if layout is not None else WorkerLayout()
         self.table, self.kv, self.S = table, kv, int(block_size)
         self.copy_engine = (copy_engine_factory or KVCopyEngine)(kv, self.S, lag=copy_lag)
@@ -110,8 +110,13 @@ class WorkerCore:
         self.evict_ratio = float(evict_ratio)
         self.budget = None if budget is None else int(budget)  # tokens kept per request (instead of the ratio)
         self.reqs: dict[str, WorkerRequest] = {}
+        # the id a request's policy state is kept under: its own, or ``policy_key(new request data)``
+        # (vLLM's engine gives requests ids with a random suffix: a seeded policy keys on something stable)
+        self.policy_key = policy_key
+        self.pkey: dict[str, object] = {}
         self.faithful: dict[str, int] = {}
         self.unlisted: list = []  # (request, list index) nulled since the runner last took them
+        self.emptied_sources: list = []  # sources of plans applied this step (the table let go of them)
         self._clock = itertools.count()  # the worker's own clock for the events of snapshots it completes
         self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
                           relocations=0, moves=0, aborted=0, releases=0)
@@ -136,7 +141,7 @@ class WorkerCore:
         if r in self.table:
             self.table.free_request(r)
         self.copies.forget(r)  # its copies in flight end aborted (a resumed incarnation is another request)
-        self.policy.forget(r)
+        self.policy.forget(self.pkey.get(r, r))
         if self.checker is not None:
             self.checker.forget_request(r)
         self.faithful.pop(r, None)
@@ -145,13 +150,14 @@ class WorkerCore:
             w.blocks = []
         if forget:
             self.reqs.pop(r, None)
+            self.pkey.pop(r, None)
 
     def begin(self, sched_out, rep: WorkerReport) -> dict[str, int]:
         """Steps 1-4 of the module docstring; returns ``{request: its chunk's start}``."""
         meta = getattr(sched_out, "vtoken", None)
         t = self.table
         self.stats["steps"] += 1
-        self.unlisted = []  # a runner following them took the last step's at its end
+        self.unlisted, self.emptied_sources = [], []  # a runner following them took the last step's at its end
         for r in sched_out.finished_req_ids:
             self.drop(r, forget=True)
         for r in sched_out.preempted_req_ids or ():
@@ -191,6 +197,8 @@ class WorkerCore:
             self.reqs[d.req_id] = WorkerRequest(list(d.prompt_token_ids or ()), [], list(d.block_ids[g]),
                                                 wblocks=list(d.block_ids[wg]) if wg is not None else None)
             starts[d.req_id] = d.num_computed_tokens
+            if self.policy_key is not None:
+                self.pkey[d.req_id] = self.policy_key(d)
         c = sched_out.scheduled_cached_reqs
         for i, r in enumerate(c.req_ids):
             w = self.reqs[r]
@@ -247,7 +255,8 @@ class WorkerCore:
 
     def observe(self, chunk: Chunk, stats) -> None:
         """Step 3's end: the chunk's attention statistics (one per ``obs_ids``) to the policy."""
-        self.policy.observe(chunk.req_id, chunk.obs_ids, np.asarray(stats))
+        r = chunk.req_id
+        self.policy.observe(self.pkey.get(r, r), chunk.obs_ids, np.asarray(stats))
 
     def sampled(self, r: str, token: int) -> None:
         """The token sampled for ``r`` at its last chunk (its outputs, for resumes and bounds)."""
@@ -261,7 +270,7 @@ class WorkerCore:
             keep = max(1, math.ceil(n * (1.0 - self.evict_ratio) - 1e-9))
         if t.num_live(r) <= keep:
             return
-        victims = self.policy.select_victims(r, t.live_tokens(r), keep)
+        victims = self.policy.select_victims(self.pkey.get(r, r), t.live_tokens(r), keep)
         if len(victims) == 0:
             return
         self.evict_tokens(r, victims)
@@ -319,6 +328,7 @@ class WorkerCore:
         rep.plans[plan.id] = out
         if out.status == "applied":
             self._unlist(plan.req_id, plan.sources)
+            self.emptied_sources += plan.sources
             self.stats["relocations"] += 1
             self.stats["moves"] += out.moved
         else:

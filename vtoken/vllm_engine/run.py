@@ -68,6 +68,11 @@ def _engine_kwargs(spec: dict, stats_path: str) -> dict:
     if spec["mode"] != "plain":
         s = dict(spec["settings"], reclaim=spec["mode"] == "vtoken", stats_path=stats_path)
         kw.update(engine_args(**s))
+    else:  # vLLM unchanged, its scheduler watched (read only) for the counters
+        from . import SCHEDULER_CLS
+        from .scheduler import OBSERVE_KEY
+
+        kw.update(scheduler_cls=SCHEDULER_CLS, additional_config={OBSERVE_KEY: {"stats_path": stats_path}})
     return kw
 
 
@@ -90,17 +95,21 @@ def run(spec: dict) -> dict:
     llm = LLM(**_engine_kwargs(spec, stats_path))
     t_init = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_of(spec)]
-    sp = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True, detokenize=False)
+    # a seed per request: greedy sampling ignores it; a seeded policy (Random) keys on it
+    sps = [SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True, detokenize=False,
+                          seed=spec["seed"] * 100_003 + i) for i in range(len(prompts))]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = llm.generate(prompts, sps, use_tqdm=False)
     t_gen = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    cached = [int(o.num_cached_tokens or 0) for o in outs]
+    ids = [o.request_id for o in outs]
     _finish(llm)
     stats = json.loads(Path(stats_path).read_text()) if Path(stats_path).exists() else None
     return {"mode": spec["mode"], "vllm_version": vllm.__version__, "engine": _engine_name(),
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"), "init_s": round(t_init, 2),
             "generate_s": round(t_gen, 3), "generated": sum(len(t) for t in tokens), "outputs": tokens,
-            "stats": stats, "spec": {k: v for k, v in spec.items() if k != "model"}}
+            "cached_tokens": cached, "request_ids": ids, "stats": stats, "spec": {k: v for k, v in spec.items() if k != "model"}}
 
 
 def _engine_name() -> str:
@@ -153,3 +162,46 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def computed_alike(a: dict, b: dict) -> list[int]:
+    """The requests two runs of one workload computed alike (README, "What outputs equal
+    guarantees"): the same prefix-cache hit at their start and no preemption in either run."""
+    def preempted(run):
+        return ((run["stats"] or {}).get("scheduler") or {}).get("preempted", {})
+
+    pa, pb = preempted(a), preempted(b)
+    return [i for i in range(min(len(a["outputs"]), len(b["outputs"])))
+            if a["cached_tokens"][i] == b["cached_tokens"][i]
+            and not pa.get(a["request_ids"][i]) and not pb.get(b["request_ids"][i])]
+
+
+def compare(spec: dict, *, python: str | None = None, mp: bool = False, modes=("naive-evict", "vtoken"),
+            timeout: float = 900) -> dict:
+    """The same workload under each of ``modes`` (each in a fresh process, :func:`run_subprocess`)
+    and the verdict, plain data: per mode its run; for vtoken the relocations, hash checks and
+    failures, whether its scheduler side closed clean (every block back); requests compared
+    and equal (token for token) against the first mode; retained blocks per mode."""
+    runs = {m: run_subprocess(dict(spec, mode=m), python=python, mp=mp, timeout=timeout) for m in modes}
+    main = runs[modes[-1]]
+    stats = main["stats"] or {}
+    worker, adapter = stats.get("worker", {}), stats.get("adapter", {})
+    out = {"engine": main["engine"], "vllm_version": main["vllm_version"],
+           "multiprocessing": main["multiprocessing"] == "1",
+           "policy": (spec.get("settings") or {}).get("policy", "h2o"), "mode": main["mode"],
+           "relocations": int(worker.get("relocations", 0)), "moves": int(worker.get("moves", 0)),
+           "hash_checks": int(worker.get("hash_checks", 0)), "hash_failures": int(worker.get("hash_failures", 0)),
+           "evicted": int(worker.get("evicted", 0)), "plans": int(adapter.get("plans", 0)),
+           "closed": {m: (r["stats"] or {}).get("closed") for m, r in runs.items()},
+           "retained_blocks": {m: round((r["stats"] or {}).get("retained_mean", 0.0), 2) for m, r in runs.items()},
+           "generate_s": {m: r["generate_s"] for m, r in runs.items()},
+           "generated": {m: r["generated"] for m, r in runs.items()}}
+    if len(modes) > 1:
+        idx = computed_alike(runs[modes[0]], main)
+        ref, got = runs[modes[0]]["outputs"], main["outputs"]
+        same = sum(ref[i] == got[i] for i in idx)
+        out.update(compared_with=modes[0], requests=len(ref), requests_compared=len(idx), requests_equal=same,
+                   outputs_equal=len(ref) == len(got) and same == len(idx))
+    out["passed"] = bool(out["hash_failures"] == 0 and all(v is True for v in out["closed"].values())
+                         and out.get("outputs_equal", True))
+    return out

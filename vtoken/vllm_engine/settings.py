@@ -112,7 +112,11 @@ class EngineSettings:
         return cls.of(extra[KEY])
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain JSON values that rebuild these settings (``of``)."""
+        d = asdict(self)
+        if self.budget is not None:
+            d["evict_ratio"] = None  # the budget decides; a ratio beside it is refused
+        return d
 
     def planner_config(self) -> PlannerConfig:
         return PlannerConfig(**self.planner)

@@ -48,6 +48,15 @@ else:  # pragma: no cover - a CUDA build of vLLM
 __all__ = ["Worker", "EngineSide"]
 
 
+def policy_key(new_request):
+    """The key a request's policy state lives under: its sampling seed when it has one (vLLM's
+    engine ids carry a random suffix, so a seeded policy, Random, would draw differently in
+    every run), else its id."""
+    sp = new_request.sampling_params
+    seed = getattr(sp, "seed", None)
+    return ("seed", int(seed)) if seed is not None else new_request.req_id
+
+
 class EngineSide:
     """The worker half over vLLM's model runner (see the module docstring)."""
 
@@ -73,7 +82,7 @@ class EngineSide:
                                policy_kwargs=settings.policy_kwargs, evict_ratio=settings.evict_ratio,
                                seed=settings.seed, check_relocations=checker, snapshot_dir=settings.snapshot_dir,
                                copy_lag=settings.copy_lag, copy_engine_factory=None, layout=None,
-                               budget=settings.budget)
+                               budget=settings.budget, policy_key=policy_key)
         self.rep: WorkerReport | None = None
         self.chunks: dict = {}
 
@@ -97,6 +106,22 @@ class EngineSide:
             STEP.clear()
         self.core.end(sched_out, self.rep)
         self._rows()
+        if self.settings.checks:
+            self._poison_sources()
+
+    def _poison_sources(self) -> None:
+        """Sources of the plans applied this step hold nothing anyone may read again (the table
+        no longer maps them; they go back to vLLM's pool at their fence): their K/V becomes NaN,
+        so a stale read (a slot mapping that missed the move) shows in the outputs, not only in
+        a hash. The worker still holds them here: vLLM frees them after this step's report."""
+        blocks = self.core.emptied_sources
+        if not blocks:
+            return
+        import torch
+
+        S = self.core.S
+        slots = (torch.as_tensor(blocks, dtype=torch.int64)[:, None] * S + torch.arange(S)).reshape(-1)
+        self.kv.fill_slots(slots, float("nan"))
 
     def _rows(self) -> None:
         """The runner's block-table rows follow the table: nulled list entries are nulled there."""

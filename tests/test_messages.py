@@ -1,0 +1,138 @@
+"""What crosses between the adapter's scheduler side and its worker is plain data, and the
+scheduler side's token table stays the worker's replica (``vllm_adapter.messages``)."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from vtoken.errors import TableError
+from vtoken.table import TokenTable
+from vtoken.vllm_adapter.messages import LoggedTable, StepMeta, WorkerReport, plan_order, replay
+
+
+def _drive(t: TokenTable, rng: np.random.Generator, state: dict, steps: int = 300) -> None:
+    """Random growth, evictions, compaction moves, releases and frees on ``t`` (S = 4); ``state``
+    keeps the free blocks and the positional lists across calls."""
+    S = t.S
+    free = state.setdefault("free", list(range(1, t.num_blocks)))
+    lists: dict = state.setdefault("lists", {})
+    for _ in range(steps):
+        op = rng.integers(0, 6)
+        live = [r for r in lists if r in t]
+        if op <= 1 or not live:  # a new request or growth
+            r = f"r{rng.integers(0, 6)}"
+            lst = lists.setdefault(r, [])
+            n = t.length(r) if r in t else 0
+            k = int(rng.integers(1, 7))
+            while len(lst) * S < n + k and free:
+                lst.append(free.pop(0))
+            if len(lst) * S >= n + k:
+                t.sync_new_tokens(r, lst, n + k)
+        elif op == 2:
+            r = live[rng.integers(0, len(live))]
+            ids = t.live_tokens(r)
+            if len(ids) > 1:
+                t.evict_tokens(r, rng.choice(ids[:-1], size=min(3, len(ids) - 1), replace=False))
+        elif op == 3:  # move a live token of a non-tail block into a fresh block
+            r = live[rng.integers(0, len(live))]
+            ids, slots = t.live_slots(r)
+            tail = t.tail_block(r)
+            cand = [(i, s) for i, s in zip(ids.tolist(), slots.tolist()) if s // S != tail]
+            if cand and free:
+                i, s = cand[0]
+                d = free.pop(0)
+                t.apply_moves(r, [[i, s // S, s % S, d, 0]])  # d is held outside the positional list
+        elif op == 4:
+            r = live[rng.integers(0, len(live))]
+            dead = [b for b in t.releasable_blocks(r).tolist() if b != t.tail_block(r)]
+            if dead:
+                t.release_empty_blocks(r, dead[:1])
+        else:
+            r = live[rng.integers(0, len(live))]
+            free.extend(t.free_request(r))
+            del lists[r]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_replaying_the_log_gives_the_same_table(seed):
+    """The replica replays every logged change of the worker's table and ends equal, step by
+    step; the log crosses a process boundary as it would (pickled)."""
+    w, rep = LoggedTable(4, 64), TokenTable(4, 64)
+    rng, state = np.random.default_rng(seed), {}
+    for _ in range(10):
+        _drive(w, rng, state, steps=30)
+        replay(rep, pickle.loads(pickle.dumps(w.take_ops())))
+        assert rep.export_state() == w.export_state()
+    assert w.take_ops() == []
+
+
+def test_a_refused_change_is_not_logged():
+    w = LoggedTable(4, 16)
+    w.sync_new_tokens("a", [1, 2], 6)
+    w.take_ops()
+    with pytest.raises(TableError):
+        w.evict_tokens("a", [99])
+    with pytest.raises(TableError):
+        w.sync_new_tokens("b", [0], 1)  # the null block
+    assert w.take_ops() == []
+
+
+def test_a_replica_that_diverged_refuses_the_replay():
+    """A change the replica cannot make (it diverged) raises the table's own error."""
+    w, rep = LoggedTable(4, 16), TokenTable(4, 16)
+    w.sync_new_tokens("a", [1, 2], 6)
+    replay(rep, w.take_ops())
+    rep.evict_tokens("a", [0])  # the replica changed behind the log
+    w.evict_tokens("a", [0])
+    with pytest.raises(TableError, match="dead_token"):
+        replay(rep, w.take_ops())
+
+
+def test_a_logged_sync_carries_only_the_entries_it_read():
+    """A decode step's sync logs one block-list entry, not the request's whole list."""
+    w = LoggedTable(4, 64)
+    blocks = list(range(1, 41))
+    w.sync_new_tokens("a", blocks, 150)
+    w.take_ops()
+    w.sync_new_tokens("a", blocks, 151)
+    (op,) = w.take_ops()
+    assert op[0] == "sync" and op[3] == 37 and op[4] == [38]
+    rep = LoggedTable(4, 64)
+    rep.sync_new_tokens("a", blocks, 150)
+    replay(rep, [op])
+    assert rep.length("a") == 151 and rep.export_request("a") == w.export_request("a")
+
+
+def test_the_messages_are_plain_data():
+    """A step's meta and the worker's report pickle round-trip to equal values (no live object)."""
+    from vtoken.lifecycle import Outcome, Plan
+
+    plan = Plan(7, "a", [3], [9], np.array([[0, 3, 1, 9, 0]]), fills=[4], seq=2)
+    meta = StepMeta(seq=2, plans=[plan_order(plan, {"schedule": []})], releases={"a": [5]}, drain=True)
+    back = pickle.loads(pickle.dumps(meta))
+    assert back.plans[0]["id"] == 7 and back.plans[0]["moves"].tolist() == [[0, 3, 1, 9, 0]]
+    assert back.plans[0]["fills"] == [4] and back.releases == {"a": [5]} and back.drain
+    assert not any(isinstance(v, Plan) for v in back.plans[0].values())
+    rep = WorkerReport(plans={7: Outcome("applied", used_dests=[9], moved=1)}, faithful={"a": 4},
+                       ops=[("evict", "a", np.array([1]))], stats={"steps": 1})
+    r2 = pickle.loads(pickle.dumps(rep))
+    assert r2.plans[7].status == "applied" and r2.faithful == {"a": 4} and r2.stats == {"steps": 1}
+
+
+def test_the_driver_refuses_a_worker_writing_the_adapters_own_table():
+    pytest.importorskip("vllm", reason="needs vLLM (make vllm)")
+    from vtoken.errors import ConfigError
+    from vtoken.model import DecoderConfig, PagedDecoder
+    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter
+    from vtoken.vllm_adapter.worker import VTokenWorker
+
+    ad = VTokenAdapter(block_size=4, num_blocks=32, reclaim=False)
+    w = VTokenWorker(PagedDecoder(DecoderConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                                                intermediate_size=64, vocab_size=64)), ad.table, 32, 4)
+    assert w.table is not ad.table  # given the adapter's table, the worker made its own
+    w.core.table = ad.table
+    with pytest.raises(ConfigError, match="own token table"):
+        AdapterDriver(ad, w)
