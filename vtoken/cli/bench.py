@@ -1,9 +1,12 @@
-"""``vtoken bench table|planner|decode|adapter``: the command. The measurements live in
-:mod:`vtoken.reports.bench` (table, planner), :func:`vtoken.cli.decode.bench_decode` and
-:mod:`vtoken.reports.bench_adapter`; each prints figures and, as its last line, one JSON object.
+"""``vtoken bench table|planner|decode|adapter|engine``: the command. The measurements live in
+:mod:`vtoken.reports.bench` (table, planner), :func:`vtoken.cli.decode.bench_decode`,
+:mod:`vtoken.reports.bench_adapter` and :mod:`vtoken.reports.bench_engine` (capacity in vLLM's
+real engine, run in the engine environment); each prints figures and, as its last line, one
+JSON object.
 
 Owns: nothing.
-May call: vtoken.reports.bench, .bench_adapter, .decode, vtoken.argtypes, argparse, json.
+May call: vtoken.reports.bench, .bench_adapter, .bench_engine, .decode, .engine (the engine's
+interpreter), vtoken.argtypes, argparse, json.
 Costs: those of the benchmark run.
 """
 
@@ -35,6 +38,15 @@ def main_bench(argv) -> int:
         ap.error("argument --repeats: only with adapter")
     if a.what == "adapter" and importlib.util.find_spec("vllm") is None:
         ap.error("argument what: adapter needs vLLM installed (make vllm)")
+    if a.what == "engine":  # vLLM's real engine: in the engine environment, a process per mode
+        from ..reports.bench_engine import bench_engine, table
+        from .engine import engine_python
+
+        kw = dict(seed=a.seed) if not a.quick else dict(seed=a.seed, requests=8, new_tokens=96, num_blocks=24)
+        res = bench_engine(python=engine_python(), **kw)
+        print(table(res), flush=True)
+        print(json.dumps(res, sort_keys=True))
+        return 0
     if a.what == "adapter":  # prints its own table, then the JSON line
         from .bench_adapter import main as bench_adapter_main
 
@@ -46,7 +58,7 @@ def main_bench(argv) -> int:
     return 0
 
 
-BENCHES = {"table": bench_table, "planner": bench_planner}
+BENCHES = {"table": bench_table, "planner": bench_planner, "engine": None}  # engine: handled in main_bench
 
 
 def _bench_decode(seed=0, quick=False):

@@ -21,16 +21,14 @@ import sys
 
 
 def engine_python(progress=lambda m: print(m, file=sys.stderr, flush=True)) -> str:
-    """An interpreter whose vLLM runs its whole engine: this one, else the engine environment."""
-    import importlib.util
+    """An interpreter whose vLLM runs its whole engine: this one, else the engine environment
+    (built now if it is not yet: ``make engine``)."""
+    from ..vllm_engine.envs import ENGINE_DIST, ENGINE_VERSION, engine_python as found
 
-    if importlib.util.find_spec("vllm") is not None:
-        try:
-            import vllm._C  # noqa: F401 - compiled kernels: the engine can run here
-            return sys.executable
-        except ImportError:
-            pass
-    from ..reports.vllm_envs import ENGINE_DIST, ENGINE_VERSION, ensure_env
+    py = found()
+    if py is not None:
+        return py
+    from ..reports.vllm_envs import ensure_env
 
     return ensure_env(ENGINE_VERSION, dist=ENGINE_DIST, progress=progress)["python"]
 
