@@ -55,6 +55,9 @@ def test_the_issue_operators_are_all_there():
     # dead tokens, one plan per request, the headroom; and a write onto a live slot
     assert names >= {"tail_unrecorded", "relaunch_after_reuse", "alias_other_post", "read_evicted_after_apply",
                      "read_dead_token", "second_plan_same_request", "plan_block_in_headroom", "overwrite_live_slot"}
+    # ownership across the whole snapshot (issue 40): every holder of a block, before and after apply
+    assert names >= {"dest_on_held_block", "in_flight_takes_held_block", "in_flight_plans_overlap",
+                     "hand_over_held_block", "write_into_held_block"}
     assert {op.invariant for op in mutants.OPERATORS} == {"I1", "I2", "I3", "I4"}
 
 
@@ -126,7 +129,10 @@ def test_every_rule_is_exercised_by_an_operator(sample):
                      ("I4.headroom", "plan_block_in_headroom"), ("I2.overwrite", "overwrite_live_slot"),
                      ("I4.duplicate_block", "list_block_twice"), ("I4.emptied", "source_not_emptied"),
                      ("I4.dests_used", "wrong_dests_used"), ("I4.fill_kept", "fill_dropped_after"),
-                     ("I1.unmoved", "move_unmoved_token")):
+                     ("I1.unmoved", "move_unmoved_token"), ("I4.in_flight_dest", "dest_on_held_block"),
+                     ("I4.in_flight_source", "in_flight_takes_held_block"),
+                     ("I4.plans_overlap", "in_flight_plans_overlap"), ("I4.handed_over", "hand_over_held_block"),
+                     ("I4.foreign_write", "write_into_held_block")):
         assert op in cov[rule], (rule, cov[rule])
 
 
