@@ -1,6 +1,11 @@
 """The checkers' own mutation test: valid snapshots from real runs, violations planted in
 them by operators, and every checker measured on what it accepts and rejects.
 
+What this cannot see: a violation no operator plants (the operators are what it
+measures; a rule no operator reaches is listed as not exercised); paths it cannot collect
+(the adapter's without vLLM: refused loudly, never skipped); a false positive on a
+snapshot shape no collected run produces (the valid snapshots are those runs').
+
 Why here (``invariants/``) and not in ``fuzz/``: this measures the checkers, not the
 system. It ships with them (``vtoken check-mutants``, the audit, ``pytest -m
 invariants``), imports only the checkers and the system's public drivers, and depends on

@@ -9,17 +9,6 @@ assert it). A malformed snapshot raises :class:`vtoken.errors.SnapshotError` nam
 field; otherwise :func:`check_snapshot` returns a :class:`Violation` per broken rule
 instance (``[]``: the snapshot satisfies I1-I4).
 
-Notation: ``R`` = the plan's request, ``n`` its pre length, ``pre[t]`` / ``post[t]`` token
-``t``'s ``(slot, live)`` before / after the plan (slot = ``block * S + offset``), ``E`` the
-recorded ``evicted_in_flight`` (taken as empty with ``evictions_in_flight=False``: no
-eviction can have happened), *shared* = ``shared_blocks`` united with every block that
-two or more requests of ``pre`` list in their ``blocks``, ``F`` = the plan's fills
-(``plan.fills``, absent == ``[]``: the request's own blocks whose holes take moved tokens,
-in-place compaction), ``D`` = the plan's fresh destination blocks (``plan.dests`` and the
-blocks its moves write that are not fills). A *hole* of a fill is a slot of it holding no
-live token of ``R`` in ``pre``. Every rule about out-of-place plans (``F`` empty) is as it
-was before fills existed.
-
 What this cannot see (its reach; the same for :mod:`vtoken.invariants.z3_checks`):
 
 - only what one snapshot records: one plan, the requests its writer lists (the system's
@@ -36,6 +25,17 @@ What this cannot see (its reach; the same for :mod:`vtoken.invariants.z3_checks`
   schedule does not record (a read the writer did not log) is invisible;
 - the pool: reference counts, the free queue and leaks are :mod:`vtoken.invariants.ownership`'s
   (a block no one frees is not a violation of any snapshot).
+
+Notation: ``R`` = the plan's request, ``n`` its pre length, ``pre[t]`` / ``post[t]`` token
+``t``'s ``(slot, live)`` before / after the plan (slot = ``block * S + offset``), ``E`` the
+recorded ``evicted_in_flight`` (taken as empty with ``evictions_in_flight=False``: no
+eviction can have happened), *shared* = ``shared_blocks`` united with every block that
+two or more requests of ``pre`` list in their ``blocks``, ``F`` = the plan's fills
+(``plan.fills``, absent == ``[]``: the request's own blocks whose holes take moved tokens,
+in-place compaction), ``D`` = the plan's fresh destination blocks (``plan.dests`` and the
+blocks its moves write that are not fills). A *hole* of a fill is a slot of it holding no
+live token of ``R`` in ``pre``. Every rule about out-of-place plans (``F`` empty) is as it
+was before fills existed.
 
 What can be derived is derived, not read from a field: sharedness from every request's
 ``blocks``; the *tail* (the block still written) from the tokens: token ``n - 1`` never
@@ -149,7 +149,8 @@ non-decreasing; equal times are in list order).
 
 Owns: nothing (pure functions).
 May call: vtoken.snapshot (validate), collections; never z3.
-Costs: linear in the snapshot (moves, tokens, events x their tokens), no solver.
+Costs: linear in the snapshot (moves, tokens, events x their tokens; a plan block's allocs x its frees),
+no solver.
 """
 
 from __future__ import annotations

@@ -6,6 +6,15 @@ returns a :class:`Violation` for every counterexample found (an empty list: the 
 satisfies the checks). A malformed snapshot raises :class:`vtoken.errors.SnapshotError`
 naming the field, never a KeyError or TypeError.
 
+What this cannot see: what :mod:`vtoken.invariants.snapshot_checks` cannot (the same rules
+over the same snapshot; its "What this cannot see" is this module's too): one plan's
+snapshot only, the requests its writer lists (the system lists only the plan's own), other
+in-flight plans at plan time only (their ends are not here), a request's own frees (never
+recorded, so a hand-over of its block after apply is seen in ``post`` only), K/V bytes only
+through ``plan.digests``, time only as the schedule's order. Z3 is asked about the facts
+this module derives from the snapshot, so a fact it does not derive is not asked; it names
+at most ``MAX_PER_QUESTION`` counterexamples per question (detection is not capped).
+
 The rules are those of the plain-Python checker :mod:`vtoken.invariants.snapshot_checks`
 (its docstring is the reference list, with rule names); the two implementations must agree
 on every snapshot (the same violated invariants; every rule named here is one it names).
@@ -80,7 +89,7 @@ Owns: one reusable Z3 solver per thread (``threading.local``).
 May call: z3, vtoken.snapshot (validate), vtoken.errors, invariants.snapshot_checks (Violation),
 numpy.
 Costs: one parse and one check per snapshot when it holds (about 0.3 s for 4096 moves); per question
-when it fails.
+when it fails. The ownership facts: requests x the in-flight plans' blocks, and a plan block's events.
 """
 
 from __future__ import annotations
@@ -1086,8 +1095,8 @@ def _z3_handed_in_post(d: _Snap, ask: _Ask, v, roles: dict, frees: dict, apply) 
     landed = {db for t, db in zip(m[:, 0].tolist(), m[:, 3].tolist()) if not (0 <= t < n and d.recorded_evicted[t])}
     kept = set(d.fills) | landed
 
-    def after(x):  # schedule index x comes once the plan let go of the block
-        return lambda b: (f"(or false {' '.join(f'(< {f} {x})' for f in frees.get(b, []))})" if roles[b] == "source"
+    def after(x):  # schedule index x comes once the plan let go of the block (a source's first free counts)
+        return lambda b: (f"(or false {' '.join(f'(<= {f} {x})' for f in frees.get(b, []))})" if roles[b] == "source"
                           else "false" if apply is None else f"(<= {apply} {x})")
 
     items, dis = [], []
