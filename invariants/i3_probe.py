@@ -1,5 +1,10 @@
 """The I3 probe: one sentinel copy on a late relocation stream, read the way attention reads.
 
+What this cannot see: anything but the copy engine's ordering on a CUDA device (no probe
+on the CPU); only its own sentinel plan, on a cache it overwrites -- not a live decode's
+plans, not the planner's choices, not block ownership; an ordering bug that the delay
+(``sleep_cycles``) does not expose.
+
 Toolkit code (it checks the copy engine; the engine does not carry it). CUDA only.
 
 Owns: one copy engine per probe; the caller's KVCache, whose first 2n blocks' slots it overwrites.

@@ -1,6 +1,11 @@
 """The checkers' own mutation test: valid snapshots from real runs, violations planted in
 them by operators, and every checker measured on what it accepts and rejects.
 
+What this cannot see: a violation no operator plants (the operators are what it
+measures; a rule no operator reaches is listed as not exercised); paths it cannot collect
+(the adapter's without vLLM: refused loudly, never skipped); a false positive on a
+snapshot shape no collected run produces (the valid snapshots are those runs').
+
 Why here (``invariants/``) and not in ``fuzz/``: this measures the checkers, not the
 system. It ships with them (``vtoken check-mutants``, the audit, ``pytest -m
 invariants``), imports only the checkers and the system's public drivers, and depends on
@@ -1076,6 +1081,134 @@ def op_move_unmoved_token(s, rng) -> bool:
     return True
 
 
+# ------------------------------------------------- ownership across the whole snapshot (issue 40)
+def _next_plan_id(s) -> int:
+    return max({p["id"] for p in s["in_flight"]} | {s["plan"]["id"]}) + 1
+
+
+def _plan_blocks(s) -> set:
+    plan = s["plan"]
+    return set(plan["sources"]) | set(plan["dests"]) | set(_fills(s)) | {mv[3] for mv in plan["moves"]}
+
+
+def _add_request(s, name: str, where: str = "pre") -> int:
+    """Request ``name`` holding one fresh block with one live token; returns the block."""
+    b = _fresh(s, 1)[0]
+    s[where]["requests"][name] = {"length": 1, "blocks": [b], "tail_block": None, "tokens": [[b, 0, True]]}
+    return b
+
+
+def _while_held(s, events: list[dict]) -> None:
+    """Insert ``events`` where the plan still holds its blocks but its copy is done when it
+    was fenced: right before its apply (after the fence; before the sources' free), at the
+    apply's time, or at the end of the schedule when it has no apply."""
+    i = _plan_event(s, "apply")
+    if i is None:
+        _append(s, events, same_time=True)
+        return
+    t = s["schedule"][i]["t"]
+    s["schedule"][i:i] = [dict(ev, t=t) for ev in events]
+
+
+def op_dest_on_held_block(s, rng) -> bool:
+    """Another plan still in flight copies into a block a request reads: one of the
+    request's blocks (outside the plan where it has one), its tail, or a third request's."""
+    pre, ours = _pre(s), _plan_blocks(s)
+    held = sorted((set(pre["blocks"]) | ({_tail(s)} - {None})) - ours) or sorted(pre["blocks"])
+    if held and rng.random() < 0.6:
+        b = rng.choice(held)
+    else:  # a third request's block
+        b = _add_request(s, _other_request(s))
+    entry = {"id": _next_plan_id(s), "request": _other_request(s), "sources": _fresh(s, 1), "dests": [b], "fills": []}
+    s["in_flight"] = s["in_flight"] + [entry]
+    return True
+
+
+def op_in_flight_takes_held_block(s, rng) -> bool:
+    """A plan of another request (listed, or an orphan whose request left) still in flight
+    holds one of the request's blocks as a source or a fill: its end frees a block the request reads."""
+    pre, ours = _pre(s), _plan_blocks(s)
+    held = sorted(set(pre["blocks"]) - ours) or sorted(pre["blocks"])
+    if not held:
+        return False
+    x = _other_request(s)
+    own, dst = _fresh(s, 2)
+    if rng.random() < 0.5:  # x listed, holding its own source; else an orphan (x left)
+        s["pre"]["requests"][x] = {"length": 1, "blocks": [own], "tail_block": None, "tokens": [[own, 0, True]]}
+    entry = {"id": _next_plan_id(s), "request": x, "sources": [own], "dests": [dst], "fills": []}
+    role = rng.choice(("sources", "fills"))
+    entry[role] = entry[role] + [rng.choice(held)]
+    s["in_flight"] = s["in_flight"] + [entry]
+    return True
+
+
+def op_in_flight_plans_overlap(s, rng) -> bool:
+    """Two plans in flight hold one block (any roles), or one holds a block in two roles."""
+    roles = ("sources", "dests", "fills")
+    b, c, e = _fresh(s, 3)
+    pid, x = _next_plan_id(s), _other_request(s)
+    first = {"id": pid, "request": x, "sources": [c], "dests": [], "fills": []}
+    ra = rng.choice(roles)
+    how = rng.choice(("two_new", "with_existing", "two_roles") if s["in_flight"] else ("two_new", "two_roles"))
+    if how == "two_roles":
+        rb = rng.choice([r for r in roles if r != ra])
+        first[ra], first[rb] = first[ra] + [b], first[rb] + [b]
+    elif how == "with_existing":  # a block an in-flight plan holds, taken by a new one
+        q = rng.choice(s["in_flight"])
+        theirs = q["sources"] + q["dests"] + q.get("fills", [])
+        if theirs:
+            b = rng.choice(theirs)
+        else:
+            q["dests"] = q["dests"] + [b]
+        first[ra] = first[ra] + [b]
+    else:
+        second = {"id": pid + 1, "request": f"{x}b", "sources": [e], "dests": [], "fills": []}
+        first[ra] = first[ra] + [b]
+        second[rng.choice(roles)].append(b)
+        s["in_flight"] = s["in_flight"] + [first, second]
+        return True
+    s["in_flight"] = s["in_flight"] + [first]
+    return True
+
+
+def op_hand_over_held_block(s, rng) -> bool:
+    """A block of the plan gets a second holder: allocated to a request (or a destination
+    freed) while the plan still holds it, or listed by another request after the plan
+    with no free and alloc to it in the schedule (a fill or a destination handed over)."""
+    plan, post = s["plan"], _post(s)
+    blocks = sorted(_plan_blocks(s))
+    if not blocks:
+        return False
+    how = rng.choice(("alloc", "free_dest", "post") if post is not None else ("alloc", "free_dest"))
+    dests = sorted(_plan_blocks(s) - set(plan["sources"]) - set(_fills(s)))
+    if how == "free_dest" and dests:
+        _while_held(s, [{"kind": "free", "blocks": [rng.choice(dests)]}])
+    elif how == "post":
+        kept = [b for b in blocks if b in _fills(s) or b in (s.get("dests_used") or [])] or blocks
+        x = _other_request(s)
+        s["post"]["requests"][x] = {"length": 0, "blocks": [rng.choice(kept)], "tail_block": None, "tokens": []}
+    else:
+        to = plan["request"] if rng.random() < 0.3 else _other_request(s)
+        _while_held(s, [{"kind": "alloc", "request": to, "blocks": [rng.choice(blocks)]}])
+    return True
+
+
+def op_write_into_held_block(s, rng) -> bool:
+    """A request writes into a block the plan holds and it does not: anyone into a
+    destination before apply, another request into a source or a fill."""
+    plan, S = s["plan"], s["block_size"]
+    dests = sorted(_plan_blocks(s) - set(plan["sources"]) - set(_fills(s)))
+    opts = [("dest", b) for b in dests] + [("own", b) for b in plan["sources"] + _fills(s)]
+    if not opts:
+        return False
+    kind, b = rng.choice(opts)
+    own = kind == "dest" and rng.random() < 0.5
+    who = plan["request"] if own else _other_request(s)
+    tok = (_post(s) or _pre(s))["length"] if own else 0
+    _while_held(s, [{"kind": "write", "request": who, "token": tok, "slot": b * S + rng.randrange(S)}])
+    return True
+
+
 @dataclass(frozen=True)
 class Operator:
     name: str
@@ -1135,6 +1268,16 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("wrong_dests_used", "I4", op_wrong_dests_used, "dests_used not the blocks the moves landed in"),
     Operator("fill_dropped_after", "I4", op_fill_dropped_after, "a fill no longer the request's after the plan"),
     Operator("move_unmoved_token", "I1", op_move_unmoved_token, "an unmoved token moves or comes alive"),
+    # ownership across the whole snapshot: every holder of a block, before and after apply
+    Operator("dest_on_held_block", "I4", op_dest_on_held_block,
+             "an in-flight plan's destination is a block a request reads"),
+    Operator("in_flight_takes_held_block", "I4", op_in_flight_takes_held_block,
+             "an in-flight plan (another request's, or an orphan) holds a request's block as source or fill"),
+    Operator("in_flight_plans_overlap", "I4", op_in_flight_plans_overlap, "two in-flight plans hold one block"),
+    Operator("hand_over_held_block", "I4", op_hand_over_held_block,
+             "a block of the plan handed to a request (or a destination freed) without the plan letting go"),
+    Operator("write_into_held_block", "I4", op_write_into_held_block,
+             "a request writes into a block the plan holds and it does not"),
 )
 
 

@@ -1,5 +1,13 @@
 """The block ownership ledger: every reference a pool counts has exactly one owner.
 
+What this cannot see: only the one moment it is called with, and only the claims it is
+given -- an owner that forgot a block, or claims one it does not hold, is believed (the
+caller builds the claims from its own books); a block freed and taken again between two
+calls; which owner may *write* a block (a plan copying into a block a request reads is the
+snapshot checkers' ``in_flight_dest`` / ``foreign_write``, not this ledger's); K/V bytes and
+token slots (``table_checks``, ``relocation_hash``). It is a pool-level ledger: the snapshot
+checkers derive their own holders from a snapshot and do not call it.
+
 Allocator-level accounting (``check_block_accounting``) says references cover what the
 token table uses; it cannot see a reference nobody will ever drop (a leak) or an owner
 whose reference is gone (an early free). This check takes the pool's own view (which

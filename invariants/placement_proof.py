@@ -1,5 +1,10 @@
 """A bounded proof of the planner's placement rule (``vtoken.placement.place``).
 
+What this cannot see: ``place`` alone, up to its bound (``n_blocks * S`` symbolic bits, 8 x 16
+by default: a pattern needing more is not covered); not the in-place placement into fills'
+holes (``holes``), not ``propose``'s choice of sources and destinations, not the moves a
+plan carries or their copy (the snapshot checkers and the planner machine see those).
+
 For ``n_blocks`` source blocks of ``S`` tokens (``n_blocks * S`` candidates, logical order =
 block order then offset order) the liveness of every candidate is a symbolic Bool, so one
 proof covers all ``2**(n_blocks*S)`` liveness patterns. The *real* function runs on Z3

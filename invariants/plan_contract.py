@@ -8,6 +8,11 @@ public read API, then the reference rules (``plan_errors``) and optimality
 (absent: none) go into the plan, and ``in_flight`` must list every in-flight plan's
 sources, destinations and fills.
 
+What this cannot see: a proposal only, before launch -- nothing of its copy, apply, frees
+or end (the snapshot checkers and ``relocation_hash`` see those); it trusts the ``in_flight``
+list the caller passes (a plan left out is not checked against); optimality only against
+the reference's own brute force over the same headroom; the K/V bytes not at all.
+
 Owns: nothing (a pure check).
 May call: vtoken.spec.planner, invariants.table_checks; the table's public read API.
 Costs: O(request length) per plan, plus ``best_reduction``'s brute force: a check mode, not a hot

@@ -1,6 +1,14 @@
 """Hash-and-compare around every relocation event: I1 (token conservation) and I2 (the
 read path points at the moves' destinations), checked online, byte-exact.
 
+What this cannot see: anything between relocation events (it compares at launch, at copy
+done and at apply; a read of the wrong bytes between them that leaves them right again is
+missed); slots outside its guard (``guard="local"``: a write onto another request's token
+away from the plan's blocks); a fingerprint collision (bound in
+:func:`device_fingerprint`) or, with ``sample=0``, an xxh3 spot check; block ownership and
+the pool (who holds a block: ``ownership`` and the snapshot checkers); plans whose copy
+it was not wrapped around.
+
 What is compared
 ----------------
 At launch, before the copy is issued, :meth:`RelocationChecker.before_copy` hashes the

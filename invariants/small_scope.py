@@ -1,5 +1,10 @@
 """Exhaustive small-scope checking of the real planner against the Z3 invariant checks.
 
+What this cannot see: states beyond its bound (``max_S``, ``max_requests``, ``max_blocks``);
+real copies and their timing (``NullCopyEngine``: a copy is done at the next poll, so an
+early read or free of a real engine is ``i3_probe``'s and the fuzzers'); the vLLM adapter's
+paths; and whatever the Z3 snapshot checker cannot see (its "What this cannot see").
+
 Every state up to a bound is built with the real ``TokenTable``, ``BlockAllocator`` and
 ``ReclamationManager`` (``record_snapshots=True``, ``NullCopyEngine``): a block size
 ``S <= max_S``, up to ``max_requests`` requests holding up to ``max_blocks`` blocks in all,

@@ -9,6 +9,23 @@ assert it). A malformed snapshot raises :class:`vtoken.errors.SnapshotError` nam
 field; otherwise :func:`check_snapshot` returns a :class:`Violation` per broken rule
 instance (``[]``: the snapshot satisfies I1-I4).
 
+What this cannot see (its reach; the same for :mod:`vtoken.invariants.z3_checks`):
+
+- only what one snapshot records: one plan, the requests its writer lists (the system's
+  writers list only the plan's own request in ``pre`` and ``post``, so a third request's
+  blocks, and a block two requests share, are seen only where a snapshot lists them), the
+  other plans in flight at plan time (their moves, their ends and their frees are in their
+  own snapshots, not here), and the events the writer recorded;
+- a request's own frees (a finish, an all-dead release) and an orphan's frees are not
+  recorded: so a block a request or an in-flight plan holds is known held at plan time
+  only, and a hand-over of a request's block after apply is seen in ``post``, not along
+  the schedule;
+- the K/V bytes themselves only through ``plan.digests`` (a copy that writes the wrong bytes
+  with no digests recorded passes), and time only as the schedule's order: a race the
+  schedule does not record (a read the writer did not log) is invisible;
+- the pool: reference counts, the free queue and leaks are :mod:`vtoken.invariants.ownership`'s
+  (a block no one frees is not a violation of any snapshot).
+
 Notation: ``R`` = the plan's request, ``n`` its pre length, ``pre[t]`` / ``post[t]`` token
 ``t``'s ``(slot, live)`` before / after the plan (slot = ``block * S + offset``), ``E`` the
 recorded ``evicted_in_flight`` (taken as empty with ``evictions_in_flight=False``: no
@@ -108,9 +125,32 @@ non-decreasing; equal times are in list order).
   - [headroom] the headroom holds free blocks only: none of the plan's sources or fills,
     no block of a request of ``pre``, no block of an in-flight plan.
 
+- **I4, ownership** across the whole snapshot: who holds each block, derived from the
+  snapshot alone. At plan time each request of ``pre`` holds its ``blocks`` (``R`` its tail
+  too) and each in-flight plan its sources, fills and destinations; requests may share a
+  block (read only), and a plan's source or fill is also its own request's. Along the
+  schedule the plan holds a source until its first ``free`` and a fill or a destination
+  until its ``apply`` (all the schedule without one); ``post`` is the state after it.
+
+  - [in_flight_dest] no in-flight plan's destination is a block a request holds (its copy
+    would write over tokens the request reads: ``R``'s live block or tail, a third
+    request's block);
+  - [in_flight_source] an in-flight plan's source or fill is held by no request but its own
+    (its apply, or its end as an orphan, frees a block another request reads); an orphan,
+    whose request is not in ``pre``, holds no request's block;
+  - [plans_overlap] no block is held by two in-flight plans, nor by one in two roles;
+  - [handed_over] no ``alloc`` hands out a block the plan holds, and no ``free`` frees one
+    of its destinations, before the plan lets go of it; after the plan no other request
+    lists a block of the plan in ``post`` unless the schedule allocated it to that request
+    once the plan let go of it -- after a free of it when ``R`` holds it after the plan (a
+    fill, a destination a move not in ``E`` landed in);
+  - [foreign_write] no ``write`` lands in a block the plan holds by a request that does not
+    hold it: any request's into a destination, another request's into a source or fill.
+
 Owns: nothing (pure functions).
 May call: vtoken.snapshot (validate), collections; never z3.
-Costs: linear in the snapshot (moves, tokens, events x their tokens), no solver.
+Costs: linear in the snapshot (moves, tokens, events x their tokens; a plan block's allocs x its frees),
+no solver.
 """
 
 from __future__ import annotations
@@ -127,7 +167,8 @@ RULES = {
     "I2": ("pre_unique", "post_unique", "null", "dangling", "overwrite"),
     "I3": ("early", "stale_read", "dead_read"),
     "I4": ("consistent", "emptied", "blocks", "duplicate_id", "duplicate_block", "dst_once", "decrease", "dests_used",
-           "free_before_apply", "fill_kept", "tail_block", "one_plan", "headroom"),
+           "free_before_apply", "fill_kept", "tail_block", "one_plan", "headroom", "in_flight_dest", "in_flight_source",
+           "plans_overlap", "handed_over", "foreign_write"),
 }
 __all__ = ["ALL_CHECKS", "RULES", "Violation", "check_snapshot", "derived_shared"]
 
@@ -210,6 +251,7 @@ class _View:
         if self.post:
             self._post_others(snap, plan)
         self.pre_by_name = {str(rid): o for rid, o in reqs.items()}
+        self.post_reqs = snap["post"]["requests"] if self.post else {}  # every request's post (ownership rules)
         self.headroom = set(snap["headroom"])
         self.in_flight = list(snap["in_flight"])
         self.schedule = list(snap["schedule"])
@@ -600,6 +642,8 @@ def _i4_rest(d: _View, v) -> None:
         for b in sorted(fills - d.post_blocks):
             v("fill_kept", f"fill block {b} is no longer a block of request {d.req!r} after the plan", x=b)
     _i4_derived(d, v)
+    for rule in _OWNERSHIP_RULES:
+        rule(d, v)
 
 
 def _i4_derived(d: _View, v) -> None:
@@ -651,6 +695,162 @@ def _held(d: _View) -> dict:
         for b in p["sources"] + p["dests"] + p.get("fills", []):
             held.setdefault(b, f"a block of in-flight plan {p['id']}")
     return held
+
+
+# ---------------------------------------------------------------------------------- I4: ownership
+# Who holds each block, derived from the snapshot alone. At plan time (the moment ``pre``,
+# ``in_flight`` and ``headroom`` describe): each request of ``pre`` holds its ``blocks`` (``R``
+# its tail too), each in-flight plan its sources, fills and destinations. Legal co-holders are
+# requests among themselves (a shared block: read, never written), and a plan's source or
+# fill with the plan's own request (it reads them until the copy ends). Along the schedule,
+# the plan holds a source until its first ``free``, a fill or a destination until its
+# ``apply`` (the whole schedule without one). ``post`` is the state at apply: a block of the
+# plan another request lists there is held twice unless the schedule freed it and then
+# allocated it to that request. The writers record no free of a request's own blocks (a
+# finish, an all-dead release) nor an orphan's frees, and no end of another in-flight plan:
+# so a request's or an in-flight plan's holding is known at plan time only (see "What this
+# cannot see").
+def _request_holds(d: _View) -> dict:
+    """block -> the names of the requests of ``pre`` holding it at plan time (``R``: its tail too)."""
+    held: dict = {}
+    for rid, o in d.pre_by_name.items():
+        for b in set(o["blocks"]) | (d.tails if rid == str(d.req) else set()):
+            held.setdefault(b, []).append(rid)
+    return held
+
+
+def _orphan_note(d: _View, p: dict) -> str:
+    return "" if str(p["request"]) in d.pre_by_name else ", not in the snapshot: an orphan of a request that left"
+
+
+def _in_flight_dest(d: _View, v) -> None:
+    """[in_flight_dest] no in-flight plan's destination is a block a request holds at plan time
+    (its copy writes over tokens that request reads: a live block, ``R``'s tail, a third
+    request's block)."""
+    held = _request_holds(d)
+    for p in d.in_flight:
+        for b in sorted(set(p["dests"])):
+            if b in held:
+                v("in_flight_dest", f"in-flight plan {p['id']} (request {p['request']!r}) copies into block {b}, which "
+                                    f"request {held[b][0]!r} holds: the copy writes over a block it reads",
+                  in_flight=p["id"], x=b, request=held[b][0])
+
+
+def _in_flight_source(d: _View, v) -> None:
+    """[in_flight_source] an in-flight plan's source or fill is held at plan time by no request
+    but its own (its apply, or its end as an orphan, frees that block while another request
+    reads it); an orphan (its request not in ``pre``) holds none of any request's blocks."""
+    held = _request_holds(d)
+    for p in d.in_flight:
+        for role in ("sources", "fills"):
+            for b in sorted(set(p.get(role, []))):
+                other = [x for x in held.get(b, ()) if x != str(p["request"])]
+                if other:
+                    v("in_flight_source", f"in-flight plan {p['id']} (request {p['request']!r}{_orphan_note(d, p)}) "
+                                          f"holds block {b} as a {role[:-1]}, which request {other[0]!r} holds: its "
+                                          f"end frees a block that request reads", in_flight=p["id"], x=b,
+                      request=other[0])
+
+
+def _plans_overlap(d: _View, v) -> None:
+    """[plans_overlap] no block is held by two in-flight plans, nor by one in two roles."""
+    seen: dict = {}
+    for p in d.in_flight:
+        for role in ("sources", "dests", "fills"):
+            for b in sorted(set(p.get(role, []))):
+                if b in seen:
+                    q, r = seen[b]
+                    who = (f"in-flight plan {p['id']} as both a {r[:-1]} and a {role[:-1]}" if q is p else
+                           f"in-flight plans {q['id']} (a {r[:-1]}) and {p['id']} (a {role[:-1]})")
+                    v("plans_overlap", f"block {b} is held by {who}", in_flight=p["id"], x=b)
+                else:
+                    seen[b] = (p, role)
+
+
+def _plan_windows(d: _View) -> dict:
+    """block -> (role, stop): the plan holds each of its blocks from plan time until schedule
+    index ``stop`` (exclusive): a source until its first free, a fill or a destination until
+    the apply (``len(schedule)``: no event ends it)."""
+    end = len(d.schedule)
+    first_free: dict = {}
+    for i, ev in enumerate(d.schedule):
+        if ev["kind"] == "free":
+            for b in ev["blocks"]:
+                first_free.setdefault(b, i)
+    applied = end if d.apply is None else d.apply
+    win: dict = {}
+    for b in d.sources:
+        win.setdefault(b, ("source", first_free.get(b, end)))
+    for b in d.fills:
+        win.setdefault(b, ("fill", applied))
+    for b in sorted(d.dst_all):
+        win.setdefault(b, ("destination", applied))
+    return win
+
+
+def _handed_over(d: _View, v) -> None:
+    """[handed_over] a block the plan holds is not handed to a request (``alloc``), nor a
+    destination freed, before the plan lets go of it (:func:`_plan_windows`); and after the
+    plan no other request lists a block of the plan in ``post`` unless the schedule handed
+    it over (:func:`_handed_in_post`)."""
+    win = _plan_windows(d)
+    for i, ev in enumerate(d.schedule):
+        if ev["kind"] not in ("alloc", "free"):
+            continue
+        for b in ev["blocks"]:
+            role, stop = win.get(b, (None, -1))
+            # a source's or fill's free is [free_before_apply]'s; a destination is never freed by the plan
+            if i < stop and (ev["kind"] == "alloc" or role == "destination"):
+                what = f"handed to request {ev['request']!r}" if ev["kind"] == "alloc" else "freed"
+                v("handed_over", f"block {b}, a {role} plan {d.pid} still holds, is {what} at t={ev['t']} "
+                                 f"(schedule[{i}]) before the plan lets go of it", event=i, x=b)
+    _handed_in_post(d, v, win)
+
+
+def _handed_in_post(d: _View, v, win: dict) -> None:
+    """The ``post`` half of [handed_over]: another request lists a block of the plan after it
+    only when the schedule allocated the block to that request once the plan let go of it --
+    and, for a block ``R`` holds after the plan (a fill, a destination a move landed in), after
+    a free of it too (``R`` does not hand a block over without freeing it)."""
+    ev_gone = d.recorded_evicted
+    kept = d.fill_set | ({mv[3] for mv in d.moves if mv[0] not in ev_gone} - d.fill_set)
+    frees: dict = {}
+    handed = set()  # (request, block) handed over by the schedule
+    for i, ev in enumerate(d.schedule):
+        if ev["kind"] == "free":
+            for b in ev["blocks"]:
+                frees.setdefault(b, []).append(i)
+        elif ev["kind"] == "alloc":
+            for b in ev["blocks"]:
+                stop = win.get(b, (None, len(d.schedule)))[1]
+                freed = any(stop <= j < i for j in frees.get(b, ()))
+                if b in win and i >= stop and (freed or b not in kept):
+                    handed.add((str(ev["request"]), b))
+    for rid, o in d.post_reqs.items():
+        if str(rid) == str(d.req):
+            continue
+        for b in sorted(set(o["blocks"]) & set(win)):
+            if (str(rid), b) not in handed:
+                v("handed_over", f"after the plan, request {rid!r} lists block {b} ({win[b][0]} of plan {d.pid}) "
+                                 f"which the schedule never handed to it: held twice", x=b, request=str(rid))
+
+
+def _foreign_write(d: _View, v) -> None:
+    """[foreign_write] no ``write`` lands in a block the plan holds (:func:`_plan_windows`) by a
+    request that does not hold it: any request into a destination, a request other than ``R``
+    into a source or a fill."""
+    win = _plan_windows(d)
+    for i, ev in enumerate(d.schedule):
+        if ev["kind"] != "write":
+            continue
+        b = ev["slot"] // d.S
+        role, stop = win.get(b, (None, -1))
+        if i < stop and (role == "destination" or str(ev["request"]) != str(d.req)):
+            v("foreign_write", f"new token {ev['token']} of request {ev['request']!r} written at t={ev['t']} "
+                               f"(schedule[{i}]) into block {b}, a {role} plan {d.pid} holds", event=i, x=b)
+
+
+_OWNERSHIP_RULES = (_in_flight_dest, _in_flight_source, _plans_overlap, _handed_over, _foreign_write)
 
 
 _CHECKERS = {"I1": _i1, "I2": lambda d: _i2(d) + _overwrites(d), "I3": _i3, "I4": _i4}

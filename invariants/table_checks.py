@@ -4,6 +4,13 @@ They take plain data so the same checks run on the implementation, on the refere
 and on snapshots loaded from disk. Each returns nothing and raises
 :class:`InvariantViolation` naming the invariant and the first offending token or block.
 
+What this cannot see: one state (or one move list) at a time -- nothing about time, the
+copy, or what happens between two states (a destination read early, a source freed
+early: I3, the snapshot checkers and ``i3_probe``); no K/V bytes (``relocation_hash``);
+who holds each reference (``check_block_accounting`` compares counts: an owner whose
+reference is gone while the count still matches is ``ownership``'s); it reports the
+first offending token or block only.
+
 - :func:`check_unique_mapping`: I2 -- every live token at exactly one in-range slot, no slot
   claimed by two tokens (a shared-prefix slot may be claimed by several requests only for
   the same logical token, in a block they all reference).

@@ -6,6 +6,11 @@ name. ``run_contracts()`` runs them and never raises: a broken contract comes ba
 ``{"name", "passed": False, "detail"}`` whose detail names the assumption and where it
 lives in vLLM (symbol and file), so an upgrade audit can tell what to re-check.
 
+What this cannot see: an assumption no contract states (each is one the adapter names);
+vLLM behaviour outside the small CPU scheduler and pool the harness builds (GPU workers,
+other configurations); the adapter's own correctness (the adapter machine and the snapshot
+checkers check that).
+
     from vtoken.invariants.vllm_contracts import run_contracts
     for r in run_contracts():
         print(r["name"], r["passed"], r["detail"])

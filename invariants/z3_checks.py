@@ -6,6 +6,15 @@ returns a :class:`Violation` for every counterexample found (an empty list: the 
 satisfies the checks). A malformed snapshot raises :class:`vtoken.errors.SnapshotError`
 naming the field, never a KeyError or TypeError.
 
+What this cannot see: what :mod:`vtoken.invariants.snapshot_checks` cannot (the same rules
+over the same snapshot; its "What this cannot see" is this module's too): one plan's
+snapshot only, the requests its writer lists (the system lists only the plan's own), other
+in-flight plans at plan time only (their ends are not here), a request's own frees (never
+recorded, so a hand-over of its block after apply is seen in ``post`` only), K/V bytes only
+through ``plan.digests``, time only as the schedule's order. Z3 is asked about the facts
+this module derives from the snapshot, so a fact it does not derive is not asked; it names
+at most ``MAX_PER_QUESTION`` counterexamples per question (detection is not capped).
+
 The rules are those of the plain-Python checker :mod:`vtoken.invariants.snapshot_checks`
 (its docstring is the reference list, with rule names); the two implementations must agree
 on every snapshot (the same violated invariants; every rule named here is one it names).
@@ -80,7 +89,7 @@ Owns: one reusable Z3 solver per thread (``threading.local``).
 May call: z3, vtoken.snapshot (validate), vtoken.errors, invariants.snapshot_checks (Violation),
 numpy.
 Costs: one parse and one check per snapshot when it holds (about 0.3 s for 4096 moves); per question
-when it fails.
+when it fails. The ownership facts: requests x the in-flight plans' blocks, and a plan block's events.
 """
 
 from __future__ import annotations
@@ -158,6 +167,8 @@ class _Snap:
                 if live and b not in shared:
                     self.others.append((rid, t, b * S + o))
         self.pre_by_name = {str(rid): r for rid, r in snap["pre"]["requests"].items()}
+        self.pre_reqs = snap["pre"]["requests"]  # every request's lists: the ownership rules
+        self.post_reqs = snap["post"]["requests"] if snap.get("post") is not None else {}
         self.post_others = []  # (request, token, slot): other requests' live tokens after the plan
         if snap.get("post") is not None:
             self._post_others(snap, shared)
@@ -965,7 +976,168 @@ def _check_i4(d: _Snap, ask: _Ask) -> list[Violation]:
     _i4_counts(d, ask, v)
     _i4_dests_used(d, ask, v)
     _i4_frees(d, ask, v)
+    for rule in _OWNERSHIP_RULES:
+        rule(d, ask, v)
     return out
+
+
+# ---------------------------------------------------------------------------------- I4: ownership
+# Who holds each block, as facts Z3 is asked about: ``lists@ r b`` (request r of ``pre`` holds
+# block b at plan time, ``R`` its tail too; a table closed over the blocks asked about) with a
+# symbolic request ``r@`` Z3 must find; the plan's hold on each of its blocks as comparisons
+# of event indices (a source until its first free, a fill or a destination until the apply).
+def _pre_lists(d: _Snap) -> tuple[list, list]:
+    """(request names, the set of blocks each holds at plan time), in ``pre``'s order."""
+    names, held = [], []
+    for rid, r in d.pre_reqs.items():
+        names.append(str(rid))
+        held.append(set(r["blocks"]) | (d.tails if str(rid) == str(d.req) else set()))
+    return names, held
+
+
+def _lists_prelude(held: list, blocks) -> str:
+    """The fact table ``lists@`` over ``blocks`` and a symbolic request index ``r@``."""
+    facts = "".join(f"(assert {'' if b in h else '(not '}(lists@ {r} {b}){'' if b in h else ')'})"
+                    for r, h in enumerate(held) for b in sorted(set(blocks)))
+    return f"(declare-fun lists@ (Int Int) Bool)(declare-const r@ Int)(assert (<= 0 r@))(assert (< r@ {len(held)})){facts}"
+
+
+def _z3_in_flight_dest(d: _Snap, ask: _Ask, v) -> None:
+    """I4 ``in_flight_dest``: some request ``r@`` holds an in-flight plan's destination."""
+    items = [(p, b) for p in d.in_flight for b in sorted(set(p["dests"]))]
+    if not items:
+        return
+    names, held = _pre_lists(d)
+    dis = [f"(and (= IDX {k}) (lists@ r@ {b}))" for k, (_p, b) in enumerate(items)]
+    for k, model in ask.index("o", dis, prelude=_lists_prelude(held, [b for _p, b in items]), extra=("r@",)):
+        p, b = items[k]
+        x = names[model["r"]]
+        v("in_flight_dest", f"in-flight plan {p['id']} (request {p['request']!r}) copies into block {b}, which "
+                            f"request {x!r} holds: the copy writes over a block it reads", in_flight=p["id"], x=b,
+          request=x, **model)
+
+
+def _z3_in_flight_source(d: _Snap, ask: _Ask, v) -> None:
+    """I4 ``in_flight_source``: some request ``r@`` other than its own holds an in-flight plan's
+    source or fill (its own: -1 for an orphan whose request is not in ``pre``)."""
+    names, held = _pre_lists(d)
+    items = [(p, role, b, names.index(str(p["request"])) if str(p["request"]) in names else -1)
+             for p in d.in_flight for role in ("sources", "fills") for b in sorted(set(p.get(role, [])))]
+    if not items:
+        return
+    dis = [f"(and (= IDX {k}) (lists@ r@ {b}) (not (= r@ {own})))" for k, (_p, _r, b, own) in enumerate(items)]
+    for k, model in ask.index("o", dis, prelude=_lists_prelude(held, [it[2] for it in items]), extra=("r@",)):
+        p, role, b, own = items[k]
+        x = names[model["r"]]
+        orphan = "" if own >= 0 else ", not in the snapshot: an orphan of a request that left"
+        v("in_flight_source", f"in-flight plan {p['id']} (request {p['request']!r}{orphan}) holds block {b} as a "
+                              f"{role[:-1]}, which request {x!r} holds: its end frees a block that request reads",
+          in_flight=p["id"], x=b, request=x, **model)
+
+
+def _z3_plans_overlap(d: _Snap, ask: _Ask, v) -> None:
+    """I4 ``plans_overlap``: the in-flight plans' (plan, role, block) holdings name pairwise distinct blocks."""
+    items = [(p, role, b) for p in d.in_flight for role in ("sources", "dests", "fills")
+             for b in sorted(set(p.get(role, [])))]
+    res = ask.distinct({"plans_overlap": [b for _p, _r, b in items]})
+    if "plans_overlap" in res:
+        a, c, model = res["plans_overlap"]
+        (p, ra, b), (q, rc, _b2) = items[a], items[c]
+        who = (f"in-flight plan {p['id']} as both a {ra[:-1]} and a {rc[:-1]}" if p is q else
+               f"in-flight plans {p['id']} (a {ra[:-1]}) and {q['id']} (a {rc[:-1]})")
+        v("plans_overlap", f"block {b} is held by {who}", in_flight=q["id"], x=b, **model)
+
+
+def _z3_roles(d: _Snap) -> dict:
+    """block -> the role in which the plan holds it (a source first, then a fill, then a destination)."""
+    roles: dict = {}
+    for role, blocks in (("source", d.sources), ("fill", d.fills),
+                         ("destination", sorted(set(d.dests) | set(d.fresh_dst_blocks)))):
+        for b in blocks:
+            roles.setdefault(b, role)
+    return roles
+
+
+def _z3_holds_at(role: str, frees: list, apply, i) -> str:
+    """The plan still holds a block of ``role`` at schedule index ``i``: a source while no free
+    of it came before, a fill or a destination before the apply."""
+    if role == "source":
+        return f"(and true {' '.join(f'(not (< {f} {i}))' for f in frees)})"
+    return "true" if apply is None else f"(< {i} {apply})"
+
+
+def _z3_handed_over(d: _Snap, ask: _Ask, v) -> None:
+    """I4 ``handed_over`` along the schedule: an ``alloc`` of a block the plan holds, a ``free``
+    of one of its destinations, while the plan holds it; then :func:`_z3_handed_in_post`."""
+    roles = _z3_roles(d)
+    _launch, _fence, apply = _plan_events(d)
+    frees: dict = {}
+    for i, ev in enumerate(d.schedule):
+        for b in ev["blocks"] if ev["kind"] == "free" else ():
+            frees.setdefault(b, []).append(i)
+    items = [(i, ev, b) for i, ev in enumerate(d.schedule) if ev["kind"] in ("alloc", "free") for b in ev["blocks"]
+             if b in roles and (ev["kind"] == "alloc" or roles[b] == "destination")]
+    dis = [f"(and (= IDX {k}) {_z3_holds_at(roles[b], frees.get(b, []), apply, i)})"
+           for k, (i, _ev, b) in enumerate(items)]
+    for k, model in ask.index("o", dis):
+        i, ev, b = items[k]
+        what = f"handed to request {ev['request']!r}" if ev["kind"] == "alloc" else "freed"
+        v("handed_over", f"block {b}, a {roles[b]} plan {d.pid} still holds, is {what} at t={ev['t']} "
+                         f"(schedule[{i}]) before the plan lets go of it", event=i, x=b, **model)
+    _z3_handed_in_post(d, ask, v, roles, frees, apply)
+
+
+def _z3_handed_in_post(d: _Snap, ask: _Ask, v, roles: dict, frees: dict, apply) -> None:
+    """I4 ``handed_over`` after the plan: another request lists a block of the plan in ``post``
+    and no ``alloc`` of it to that request comes once the plan let go of it (after a free of
+    it too, for a block ``R`` holds after the plan: a fill, a destination an applied move landed in)."""
+    m, n = d.moves, d.n
+    landed = {db for t, db in zip(m[:, 0].tolist(), m[:, 3].tolist()) if not (0 <= t < n and d.recorded_evicted[t])}
+    kept = set(d.fills) | landed
+
+    def after(x):  # schedule index x comes once the plan let go of the block (a source's first free counts)
+        return lambda b: (f"(or false {' '.join(f'(<= {f} {x})' for f in frees.get(b, []))})" if roles[b] == "source"
+                          else "false" if apply is None else f"(<= {apply} {x})")
+
+    items, dis = [], []
+    for rid, r in d.post_reqs.items():
+        if str(rid) == str(d.req):
+            continue
+        for b in sorted(set(r["blocks"]) & set(roles)):
+            allocs = [i for i, ev in enumerate(d.schedule)
+                      if ev["kind"] == "alloc" and str(ev["request"]) == str(rid) and b in ev["blocks"]]
+            ok = []
+            for a in allocs:
+                freed = f"(or false {' '.join(f'(and {after(f)(b)} (< {f} {a}))' for f in frees.get(b, []))})"
+                ok.append(f"(and {after(a)(b)} {freed if b in kept else 'true'})")
+            dis.append(f"(and (= IDX {len(items)}) (not (or false {' '.join(ok)})))")
+            items.append((rid, b))
+    for k, model in ask.index("o", dis):
+        rid, b = items[k]
+        v("handed_over", f"after the plan, request {rid!r} lists block {b} ({roles[b]} of plan {d.pid}) which the "
+                         f"schedule never handed to it: held twice", x=b, request=str(rid), **model)
+
+
+def _z3_foreign_write(d: _Snap, ask: _Ask, v) -> None:
+    """I4 ``foreign_write``: a ``write`` into a block the plan holds, by any request into a
+    destination, by a request other than ``R`` into a source or a fill."""
+    S, roles = d.S, _z3_roles(d)
+    _launch, _fence, apply = _plan_events(d)
+    frees: dict = {}
+    for i, ev in enumerate(d.schedule):
+        for b in ev["blocks"] if ev["kind"] == "free" else ():
+            frees.setdefault(b, []).append(i)
+    items = [(i, ev, ev["slot"] // S) for i, ev in enumerate(d.schedule)
+             if ev["kind"] == "write" and ev["slot"] // S in roles]
+    dis = [f"(and (= IDX {k}) {_z3_holds_at(roles[b], frees.get(b, []), apply, i)} "
+           f"{_b(roles[b] == 'destination' or str(ev['request']) != str(d.req))})" for k, (i, ev, b) in enumerate(items)]
+    for k, model in ask.index("o", dis):
+        i, ev, b = items[k]
+        v("foreign_write", f"new token {ev['token']} of request {ev['request']!r} written at t={ev['t']} "
+                           f"(schedule[{i}]) into block {b}, a {roles[b]} plan {d.pid} holds", event=i, x=b, **model)
+
+
+_OWNERSHIP_RULES = (_z3_in_flight_dest, _z3_in_flight_source, _z3_plans_overlap, _z3_handed_over, _z3_foreign_write)
 
 
 # ---------------------------------------------------------------------------------- API
