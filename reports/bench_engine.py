@@ -13,7 +13,8 @@ Per mode: **capacity**, the largest batch (``max_num_seqs``) that runs the workl
 without a preemption, found by bisection on ``[1, requests]`` (a run with no preemption at ``b``
 raises the floor, one with any lowers the ceiling); and the **workload run** at ``max_num_seqs =
 requests`` (what vLLM does unbounded): its peak of requests running, its preemptions and its
-generated tokens per second. The paper reports 5 -> 8 and 11 -> 22 requests at its budgets (the
+generated tokens per second (timed as served: the runtime checks and hash-and-compare off unless
+``--checks``). The paper reports 5 -> 8 and 11 -> 22 requests at its budgets (the
 simulator here reaches the ideal, 10 / 22). ``capacity_ratio`` = vtoken / Naive-Evict capacity;
 ``throughput_ratio`` = vtoken / Naive-Evict tokens per second of the workload run. Every engine
 of a mode is built in one process for the mode, one after the other.
@@ -30,11 +31,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 
 MODES = ("plain", "naive-evict", "vtoken")
 DEFAULT = dict(requests=24, new_tokens=256, prompt_len=64, prompt_jitter=0, block_size=32, num_blocks=64,
-               policy="h2o", evict_ratio=0.5, seed=0)
+               policy="h2o", evict_ratio=0.5, seed=0, checks=False)
 
 
 def _run(mode: str, cfg: dict, max_num_seqs: int) -> dict:
@@ -44,7 +46,8 @@ def _run(mode: str, cfg: dict, max_num_seqs: int) -> dict:
     spec = dict(mode=mode, requests=cfg["requests"], new_tokens=cfg["new_tokens"], prompt_len=cfg["prompt_len"],
                 prompt_jitter=cfg["prompt_jitter"], block_size=cfg["block_size"], num_blocks=cfg["num_blocks"],
                 max_num_seqs=max_num_seqs, max_model_len=cfg["prompt_len"] + cfg["new_tokens"] + 64,
-                seed=cfg["seed"], settings={"policy": cfg["policy"], "evict_ratio": cfg["evict_ratio"]})
+                seed=cfg["seed"], settings={"policy": cfg["policy"], "evict_ratio": cfg["evict_ratio"],
+                                            "checks": cfg["checks"], "check_relocations": cfg["checks"]})
     res = run(spec)
     sched = (res["stats"] or {}).get("scheduler", {})
     return {"max_num_seqs": max_num_seqs, "preemptions": int(sched.get("preemptions", 0)),
@@ -88,7 +91,8 @@ def bench_engine(python: str | None = None, **kw) -> dict:
     env.setdefault("OMP_NUM_THREADS", "1")
     for mode in MODES:
         p = subprocess.run([python or sys.executable, "-m", "vtoken.reports.bench_engine", "--one-mode", mode,
-                            "--config", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=3600)
+                            "--config", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=3600,
+                           cwd=tempfile.gettempdir())  # -m: no checkout's vtoken from the working directory
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         if p.returncode != 0 or not lines:
             tail = "\n".join((p.stdout + p.stderr).splitlines()[-30:])
@@ -107,7 +111,7 @@ def table(res: dict) -> str:
     c = res["config"]
     lines = [f"capacity at {c['num_blocks']} KV blocks of {c['block_size']} tokens: {c['requests']} requests x "
              f"({c['prompt_len']} + {c['new_tokens']}) tokens, {c['policy']} evicting {c['evict_ratio']:.0%} "
-             f"(vLLM {res['vllm_version']})",
+             f"(vLLM {res['vllm_version']}; checks {'on' if c['checks'] else 'off'})",
              f"{'mode':>12} | capacity (no preemption) | workload: peak running, preemptions, tokens/s"]
     for mode, m in res["modes"].items():
         lines.append(f"{mode:>12} | {m['capacity']:>24} | {m['peak_running']:>4}, {m['preemptions']:>4}, "
@@ -129,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--evict-ratio", type=fraction_in(0, 1), default=DEFAULT["evict_ratio"])
     ap.add_argument("--policy", default=DEFAULT["policy"], choices=["h2o", "streaming", "scissorhands", "random"])
     ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--checks", action="store_true", help="the runtime checks and hash-and-compare on")
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
     ap.add_argument("--json", action="store_true", help="(the last stdout line is one JSON object either way)")
     ap.add_argument("--python", default=None, help="the engine environment's interpreter (default: this one)")
@@ -139,7 +144,7 @@ def main(argv=None) -> int:
         print(json.dumps(one_mode(a.one_mode, json.loads(a.config))), flush=True)
         return 0
     kw = {k: getattr(a, k) for k in ("requests", "new_tokens", "prompt_len", "block_size", "num_blocks", "evict_ratio",
-                                     "policy", "seed")}
+                                     "policy", "seed", "checks")}
     if a.quick:
         kw.update(requests=8, new_tokens=96, num_blocks=24)
     res = bench_engine(python=a.python, **kw)

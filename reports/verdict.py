@@ -88,6 +88,8 @@ CHECK_IMPACT = {
                             "prefix hit served K/V a fresh prefill does not write (prefix-cache poisoning)",
     "vllm-own-tests": "vLLM's own tests of the scheduler and block pool fail, or behave differently with vtoken "
                       "plugged in",
+    "vllm-engine": "in vLLM's real engine (its model runner, sampler and block tables) vtoken's outputs differ from "
+                   "Naive-Evict's, a relocation failed its hash check, or blocks were not given back",
     "waste-and-retained": "the simulation shows no reclamation benefit",
 }
 

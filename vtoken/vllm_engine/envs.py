@@ -30,10 +30,12 @@ def cache_root() -> Path:
 
 
 def env_dir(version: str, root: Optional[Path] = None, dist: str = "vllm") -> Path:
-    """``<cache>/<dist>-<version>``; ``ValueError`` for an unknown distribution (the version's
+    """``<cache>/<dist>-<version>``; ``ConfigError`` for an unknown distribution (the version's
     syntax is the builder's to check)."""
     if dist not in DISTS:
-        raise ValueError(f"{dist!r} is not a vLLM distribution ({', '.join(DISTS)})")
+        from ..errors import ConfigError
+
+        raise ConfigError("out_of_range", f"{dist!r} is not a vLLM distribution ({', '.join(DISTS)})")
     return Path(root or cache_root()) / f"{dist}-{version}"
 
 

@@ -144,18 +144,33 @@ def run_subprocess(spec: dict, *, python: str | None = None, mp: bool = False, t
     e = dict(os.environ, **(env or {}))
     e.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0")
     e.setdefault("OMP_NUM_THREADS", "1")
+    # ``-m`` puts the working directory first on the path: the first PYTHONPATH entry (a shadow
+    # tree's vtoken), else a neutral folder, never a checkout that happens to be the caller's
+    cwd = (e.get("PYTHONPATH") or "").split(os.pathsep)[0] or tempfile.gettempdir()
     p = subprocess.run([python or sys.executable, "-m", "vtoken.vllm_engine.run", json.dumps(spec)],
-                       capture_output=True, text=True, timeout=timeout, env=e)
+                       capture_output=True, text=True, timeout=timeout, env=e, cwd=cwd)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
+    last = json.loads(lines[-1]) if lines else {}
+    if p.returncode != 0 or not lines or "error" in last:
         tail = "\n".join((p.stdout + "\n" + p.stderr).splitlines()[-40:])
-        raise OrderError("did_not_finish", f"engine run ({spec.get('mode')}) failed, exit {p.returncode}:\n{tail}")
-    return json.loads(lines[-1])
+        why = f"{last['cause']} (raised as {last['error']})" if "error" in last else tail
+        raise OrderError("did_not_finish", f"engine run ({spec.get('mode')}) failed, exit {p.returncode}: {why}")
+    return last
 
 
 def main(argv=None) -> int:
+    """Run one spec; the last stdout line is one JSON object: the run, or ``{"error": ...}`` (the
+    exception that stopped it, its root cause first) with exit 1."""
     argv = sys.argv[1:] if argv is None else argv
-    out = run(json.loads(argv[0]) if argv else {})
+    try:
+        out = run(json.loads(argv[0]) if argv else {})
+    except Exception as e:  # noqa: BLE001 - reported as data, the parent raises it
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        print(json.dumps({"error": f"{type(e).__name__}: {e}", "cause": f"{type(cause).__module__}."
+                                                                     f"{type(cause).__name__}: {cause}"}), flush=True)
+        return 1
     print(json.dumps(out), flush=True)
     return 0
 
@@ -177,12 +192,12 @@ def computed_alike(a: dict, b: dict) -> list[int]:
 
 
 def compare(spec: dict, *, python: str | None = None, mp: bool = False, modes=("naive-evict", "vtoken"),
-            timeout: float = 900) -> dict:
+            timeout: float = 900, env: dict | None = None) -> dict:
     """The same workload under each of ``modes`` (each in a fresh process, :func:`run_subprocess`)
     and the verdict, plain data: per mode its run; for vtoken the relocations, hash checks and
     failures, whether its scheduler side closed clean (every block back); requests compared
     and equal (token for token) against the first mode; retained blocks per mode."""
-    runs = {m: run_subprocess(dict(spec, mode=m), python=python, mp=mp, timeout=timeout) for m in modes}
+    runs = {m: run_subprocess(dict(spec, mode=m), python=python, mp=mp, timeout=timeout, env=env) for m in modes}
     main = runs[modes[-1]]
     stats = main["stats"] or {}
     worker, adapter = stats.get("worker", {}), stats.get("adapter", {})
