@@ -403,3 +403,24 @@ def test_planted_gpu_faults_are_caught_through_the_runner():
     s = run_all(gpu, runs=2, progress=False)
     assert s["gpu_faults_not_run"] == [] and s["planted"] == len(gpu), s
     assert s["min_rate"] == 1.0, [(r["fault"], r.get("rate"), [x.get("error") for x in r["runs"]]) for r in s["results"]]
+
+
+def test_engine_attention_compute_on_cuda_equals_cpu():
+    """vtoken's attention in vLLM's engine is plain torch (``token_attention.attend_rows``): on the
+    device it computes what it computes on the CPU (float32: to rounding), and its writes land."""
+    from vtoken.vllm_engine.token_attention import attend_rows, token_rows
+
+    g = torch.Generator().manual_seed(0)
+    cpu = torch.randn(32, 16, 2, 128, generator=g).permute(0, 2, 1, 3)  # vLLM's [B, H, N, 2D], LBNHC strides
+    q, k, v = torch.randn(4, 4, 64, generator=g), torch.randn(4, 2, 64, generator=g), torch.randn(4, 2, 64, generator=g)
+    groups = [("a", 0, 3, torch.tensor([5, 77, 300, 40, 41, 42])), ("b", 3, 4, torch.tensor([9, 10, 43]))]
+    write = torch.tensor([40, 41, 42, 43])
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        cache = cpu.to(dev)
+        out, stats = torch.zeros(4, 4, 64, device=dev), {}
+        attend_rows(token_rows(cache), q.to(dev), k.to(dev), v.to(dev), write.to(dev), groups, 0.125, out, stats)
+        outs[dev] = (out.cpu(), stats, cache.cpu())
+    assert torch.allclose(outs["cpu"][0], outs["cuda"][0], atol=1e-5)
+    assert all(torch.allclose(outs["cpu"][1][r], outs["cuda"][1][r], atol=1e-5) for r in ("a", "b"))
+    assert torch.equal(outs["cpu"][2], outs["cuda"][2])  # the same K/V written at the same slots

@@ -4,8 +4,8 @@ vLLM's kernels read positions ``0..seq_len-1`` through the block table and retur
 weights, so evicted tokens cannot be skipped through their inputs. This backend replaces them
 for the engines vtoken runs in (selected per process by ``plugin.install``): per attention layer
 it writes the step's new K/V at the slots the worker's token table chose and reads exactly the
-live slots of each request (then the chunk itself, causally), with :func:`vtoken.model.decoder.
-attend`, the decoder's own attention (plain torch: the same code on CPU and CUDA). The
+live slots of each request (then the chunk itself, causally): ``token_attention.attend_rows``,
+with the decoder's own attention (plain torch: the same code on CPU and CUDA). The
 probability each key received is summed over the layers into the step's statistics, which the
 worker hands to the eviction policy (H2O, Scissorhands).
 
@@ -19,7 +19,7 @@ The metadata builder orders them as vLLM's batch does (``input_batch.req_ids``) 
 vLLM's own slot mapping (positional, through the worker's block-table rows) names the slots the
 token table chose: a row that disagrees with the table is refused (``OrderError``).
 Owns: :data:`STEP`'s per-step contents (published by the worker, cleared after the forward).
-May call: torch, ``vtoken.model.decoder.attend``, vLLM's attention interfaces.
+May call: torch, ``token_attention``, vLLM's attention interfaces.
 Costs: per layer O(keys read) gathers and the attention itself per request; the builder
 O(requests + new tokens) per step.
 """
@@ -35,9 +35,9 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, Attention
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ..errors import ConfigError, OrderError
-from ..model.decoder import attend
+from .token_attention import attend_rows, token_rows
 
-__all__ = ["STEP", "StepPlan", "VTokenAttentionBackend", "LAYOUT", "token_rows"]
+__all__ = ["STEP", "StepPlan", "VTokenAttentionBackend", "LAYOUT", "token_rows"]  # token_rows: token_attention's
 
 LAYOUT = KVCacheLayout.LBNHC  # a token's K|V of one layer is one contiguous row
 
@@ -59,17 +59,6 @@ class StepPlan:
 
 
 STEP = StepPlan()
-
-
-def token_rows(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The ``[blocks * block_size, heads, 2 * head_size]`` view of one layer's cache (a view:
-    writes land in vLLM's tensor); refused (``ConfigError``) when the layout makes it a copy."""
-    b, h, n, c = kv_cache.shape
-    try:
-        return kv_cache.permute(0, 2, 1, 3).view(b * n, h, c)
-    except RuntimeError:
-        raise ConfigError("unsupported", f"vtoken's attention needs vLLM's KV cache in the {LAYOUT.name} layout "
-                                         f"(strides {kv_cache.stride()} for shape {tuple(kv_cache.shape)})") from None
 
 
 @dataclass
@@ -142,17 +131,7 @@ class VTokenAttentionImpl(AttentionImpl):
         rows = self._rows.get(kv_cache.data_ptr())
         if rows is None:
             rows = self._rows[kv_cache.data_ptr()] = token_rows(kv_cache)
-        d = self.head_size
-        new = torch.cat([key[:n], value[:n]], dim=-1).to(rows.dtype)  # [n, Hkv, 2D]: K | V
-        rows.index_copy_(0, md.write_slots, new)
-        q = query[:n]
-        for r, lo, hi, keys in md.rows:
-            kv = rows.index_select(0, keys.to(rows.device))
-            o, stat = attend(q[lo:hi], kv[..., :d].to(q.dtype), kv[..., d:].to(q.dtype), self.scale, True)
-            output[lo:hi] = o.view(hi - lo, self.num_heads, d).to(output.dtype)
-            acc = STEP.stats.get(r)
-            s = stat.float().cpu()
-            STEP.stats[r] = s if acc is None else acc + s
+        attend_rows(rows, query[:n], key[:n], value[:n], md.write_slots, md.rows, self.scale, output, STEP.stats)
         return output
 
 

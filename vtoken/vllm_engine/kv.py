@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kvcache import KVCache
-from .attention import token_rows
+from .token_attention import token_rows
 
 __all__ = ["EngineKV"]
 
