@@ -30,8 +30,11 @@ def main_bench(argv) -> int:
     ap.add_argument("--profile", action="store_true", help="adapter: add the cProfile top-10 of evict50 at the largest R")
     ap.add_argument("--repeats", type=positive_int, default=None,
                     help="adapter: the whole measurement N times, ratio = the median of the N ratios (default 1)")
+    ap.add_argument("--checks", action="store_true", help="engine: the runtime checks and hash-and-compare on")
     ap.add_argument("--json", action="store_true", help="(the last stdout line is one JSON object either way)")
     a = ap.parse_args(argv)
+    if a.checks and a.what != "engine":
+        ap.error("argument --checks: only with engine")
     if a.profile and a.what != "adapter":
         ap.error("argument --profile: only with adapter")
     if a.repeats is not None and a.what != "adapter":
@@ -42,7 +45,9 @@ def main_bench(argv) -> int:
         from ..reports.bench_engine import bench_engine, table
         from .engine import engine_python
 
-        kw = dict(seed=a.seed) if not a.quick else dict(seed=a.seed, requests=8, new_tokens=96, num_blocks=24)
+        kw = dict(seed=a.seed, checks=a.checks)
+        if a.quick:
+            kw.update(requests=8, new_tokens=96, num_blocks=24)
         res = bench_engine(python=engine_python(), **kw)
         print(table(res), flush=True)
         print(json.dumps(res, sort_keys=True))
