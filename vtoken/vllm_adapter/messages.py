@@ -96,7 +96,8 @@ class LoggedTable(TokenTable):
 
     def evict_tokens(self, req_id, token_ids):
         super().evict_tokens(req_id, token_ids)
-        self.ops.append(("evict", req_id, np.array(token_ids, dtype=np.int64).reshape(-1)))
+        # a list of Python ints: one evicted token (the decode step) replays on the table's scalar path
+        self.ops.append(("evict", req_id, np.asarray(token_ids, dtype=np.int64).reshape(-1).tolist()))
 
     def apply_moves(self, req_id, moves):
         emptied = super().apply_moves(req_id, moves)
@@ -134,7 +135,8 @@ class _Segment(list):
 
 
 def replay(table: TokenTable, ops: list) -> None:
-    """Run the worker's logged changes on ``table`` (the scheduler side's replica), in order.
+    """Run the worker's logged changes on ``table`` (the scheduler side's replica), in order,
+    then flush its read-side mirror (so what it queues stays bounded by one step's changes).
     A change the replica refuses raises the table's own error: the two tables had diverged."""
     for op in ops:
         kind, r = op[0], op[1]
@@ -152,3 +154,4 @@ def replay(table: TokenTable, ops: list) -> None:
         else:
             raise OrderError("state_mismatch", f"replay: unknown table op {kind!r} (the worker and the scheduler "
                                                f"side run different vtoken versions?)")
+    table.flush()
