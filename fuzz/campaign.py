@@ -381,6 +381,13 @@ RUN_ERRORS = {
 }
 
 
+def run_error_text(e: dict) -> str:
+    """One of ``run_errors`` in words: ``worker_died (worker 0, machine table): killed by ...``."""
+    who = [f"worker {e['worker']}"] if e.get("worker") is not None else []
+    who += [f"machine {e['machine']}"] if e.get("machine") else []
+    return e["reason"] + (f" ({', '.join(who)})" if who else "") + f": {e['detail']}"
+
+
 def _handle_msg(msg, summary: dict, hard: Counter, t_start: float, progress: bool, track: dict) -> int:
     """Fold one worker message into ``summary`` / ``hard`` / ``track`` (per worker: the machine
     it runs, "done" seen); 1 for a worker's "done", else 0."""
@@ -801,9 +808,7 @@ def _report(s: dict, a) -> None:
               f"{Path(a.out) / 'summary.json'}" + (f", failures in {Path(a.out) / 'failures'}" if s["failures"] else ""),
               flush=True, file=text)
     for e in s["run_errors"]:
-        who = ", ".join(x for x in (f"worker {e['worker']}" if e["worker"] is not None else "",
-                                    f"machine {e['machine']}" if e["machine"] else "") if x)
-        print(f"vtoken fuzz: {e['reason']}" + (f" ({who})" if who else "") + f": {e['detail']}", file=sys.stderr)
+        print(f"vtoken fuzz: {run_error_text(e)}", file=sys.stderr)
     if a.json:
         print(json.dumps({k: s.get(k) for k in ("workers", "ops", "seconds", "ops_per_s_per_worker", "failures",
                                                 "hard_states", "hard_states_by_config", "interrupted", "ops_by_machine",

@@ -9,6 +9,9 @@ first ``sync_new_tokens``, the first operation every example of the table machin
 - ``DbClobberingAltTable``: replaces the campaign's example-database folder (named in
   ``VTOKEN_TEST_CLOBBER_DB``) by a file, once, then behaves as ``AltTable`` (the database
   stops accepting writes mid-campaign).
+
+``IdleMachine`` is a state machine that runs and checks nothing (a planted-fault run on it
+ran 0 operations).
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
+
+from hypothesis.stateful import rule
 
 from tests.alt_table import AltTable
+from vtoken.fuzz.step_draws import SwarmRules
 
 
 class SegfaultingAltTable(AltTable):
@@ -38,3 +45,26 @@ class DbClobberingAltTable(AltTable):
             with open(path, "w") as f:
                 f.write("not a folder\n")
         return super().sync_new_tokens(req_id, block_ids, total_len)
+
+
+class IdleMachine(SwarmRules):
+    """A machine whose examples check nothing (its ``ops`` never moves): a detection run on it
+    that finds nothing is no clean run."""
+
+    ops = 0
+
+    @rule()
+    def nothing(self):
+        pass
+
+
+class SegfaultingMachine(SwarmRules):
+    """A machine whose first step kills its process with SIGSEGV, half a second in (so what
+    the worker reported before, a queue's background thread sends, has left the process)."""
+
+    ops = 0
+
+    @rule()
+    def crash(self):
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSEGV)

@@ -255,3 +255,20 @@ def test_a_machine_that_ran_nothing_is_no_green_campaign(tmp_path):
     assert s["ops"] == 0 and s["failures"] == 0 and s["green"] is False
     assert s["run_errors"] == [{"reason": "zero_ops", "worker": None, "machine": "table",
                                 "detail": "ran no checked operation"}]
+
+
+@pytest.mark.parametrize("extra", ["SegfaultingMachine", "IdleMachine"])
+def test_the_audits_campaign_fails_when_a_worker_died_or_a_machine_ran_nothing(extra, tmp_path, monkeypatch):
+    """Issue 40 #3: the audit's check asked only ``failures == 0 and ops > 0`` over all
+    machines, so a worker killed after one machine's batch, or a machine with no checked
+    operation beside one that ran, passed. Now the check fails and names the reason."""
+    from vtoken.fuzz import campaign
+    from vtoken.reports import audit
+
+    monkeypatch.setattr(campaign, "MACHINES", {"table": campaign.MACHINES["table"],
+                                               "extra": f"tests.crashing_impls:{extra}"})
+    monkeypatch.setattr(audit, "vllm_version", lambda: None)
+    res = audit.check_fuzz({"fuzz_examples": 5, "seed": 0, "out": tmp_path})
+    assert res.metrics["ops_by_machine"].get("table", 0) > 0, res.detail  # the real machine ran first
+    reason = "worker_died (worker 0, machine extra)" if extra == "SegfaultingMachine" else "zero_ops (machine extra)"
+    assert res.passed is False and f"NOT GREEN: {reason}" in res.detail, res.detail
