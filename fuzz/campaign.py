@@ -212,6 +212,14 @@ def test_replay():
 '''
 
 
+def _headline(failure: str) -> str:
+    """The line of a failure's report that says what failed: its exception's line (the last
+    ``Name: message`` line at the left margin), not Hypothesis's closing hint on how to reproduce it."""
+    lines = failure.strip().splitlines()
+    said = [l for l in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Failure)\b", l)]
+    return (said[-1] if said else lines[-1] if lines else "")[:300]
+
+
 def _steps_in(text: str) -> int:
     return len(re.findall(r"^\s*state\.(?!teardown|observable|check)\w+\(", text, flags=re.M))
 
@@ -331,7 +339,7 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=
             stem, files = _failure_files(name, k, n_fail, failure, db_spec, hard_states.LAST_SNAPSHOT)
             if out is not None:
                 _write_files(out, files)
-            q.put(("failure", k, name, stem, _steps_in(failure), failure.strip().splitlines()[-1][:300],
+            q.put(("failure", k, name, stem, _steps_in(failure), _headline(failure),
                    files if out is None else None))
             names.remove(name)  # its database entry would replay the same failure every batch
         broken = db.problem() if db is not None else None
