@@ -14,6 +14,12 @@ database, their messages come back over a Ray queue, and the failures' files are
 here, by the campaign, from what the workers send (a worker on another node has another
 disk). Ray is an optional extra (``pip install 'vtoken[ray]'``).
 
+A campaign is green only when it ran: a worker that dies (a signal, an out-of-memory kill, an
+exit, a failed Ray task), a machine that ran no checked operation, or an example database
+that stops taking writes is named in the summary's ``run_errors`` (``worker_died``,
+``zero_ops``, ``db_write_failed``, ``db_lost``: :data:`RUN_ERRORS`) and ``vtoken fuzz`` exits
+non-zero (:func:`main_fuzz`).
+
 Nothing found is lost to a kill: a failure is written to ``--out`` (the minimised example,
 its plan snapshot when the machine made one, and a pytest file that replays it) the moment
 the worker sees it, the database holds the example as soon as Hypothesis finds it, and the

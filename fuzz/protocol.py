@@ -3,7 +3,7 @@
 The toolkit's reference model (``vtoken.spec``), machines and invariant checks are not tied
 to vtoken's own ``TokenTable``: any class that offers the operations and observations below
 can be checked by them (``vtoken fuzz --impl module:Class``, ``pytest -m invariants
---vtoken-impl module:Class``; see ``docs/CHECK_YOUR_KV_MANAGER.md``).
+--vtoken-impl module:Class``; see ``docs/check-your-kv-manager.md``).
 
 A token table (:class:`TokenTableProtocol`) is built as ``Class(block_size, num_blocks)``
 and offers, with the semantics of ``vtoken.spec.SpecTokenTable`` (its docstrings are the
@@ -23,7 +23,9 @@ contract, error codes and check order included):
   our code}`` on the class (or passed in) translates them.
 
 A planner (:class:`PlannerProtocol`) offers ``propose(view, max_dests) -> plan | None`` on
-the spec planner's *view* and *plan* (``vtoken.spec.planner``'s docstring); a class attribute
+the spec planner's *view* and *plan* (``vtoken.spec.planner``'s docstring), checked on the
+views a real caller passes (plans in flight, ``excluded`` blocks, dead tokens:
+:class:`PlannerContractMachine`); a class attribute
 ``OPTIMAL = True`` claims the best reduction (then it is checked too), and an attribute
 ``in_place = True`` (the planner's configuration, as vtoken's ``PlannerConfig.in_place``;
 absent: False) says its plans may move tokens into the holes of the request's own blocks
@@ -34,7 +36,7 @@ absent: False) says its plans may move tokens into the holes of the request's ow
 so a failure names the operation that diverged.
 
 Owns: per machine its implementation under test, a SpecTokenTable and the recorded operations.
-May call: fuzz.table_machine, vtoken.spec, vtoken.errors, hypothesis, importlib (``load_impl``).
+May call: fuzz.table_machine, fuzz.hard_states, vtoken.spec, vtoken.errors, hypothesis, importlib (``load_impl``).
 Costs: per step the spec comparison, O(all tokens); ``best_reduction`` per proposal.
 """
 
