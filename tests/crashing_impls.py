@@ -16,6 +16,7 @@ ran 0 operations).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -27,9 +28,14 @@ from tests.alt_table import AltTable
 from vtoken.fuzz.step_draws import SwarmRules
 
 
+def _segfault():
+    faulthandler.disable()  # (pytest's dump of the crash would only clutter the test's output)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
 class SegfaultingAltTable(AltTable):
     def sync_new_tokens(self, req_id, block_ids, total_len):
-        os.kill(os.getpid(), signal.SIGSEGV)
+        _segfault()
 
 
 class ExitingAltTable(AltTable):
@@ -67,4 +73,4 @@ class SegfaultingMachine(SwarmRules):
     @rule()
     def crash(self):
         time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGSEGV)
+        _segfault()
