@@ -447,8 +447,8 @@ def _judge(summary: dict, track: dict, ends: dict) -> None:
         return
     for k in range(summary["workers"]):
         end = ends.get(k)
-        if k in track["done"] and end is None:
-            continue
+        if k in track["done"] and (end is None or "still running" in end):
+            continue  # it finished its work; only its exit was slow (then stopped)
         detail = end or "exited with status 0 without finishing its work (it never said 'done')"
         _run_error(summary, "worker_died", k, track["running"].get(k), detail)
         summary["worker_errors"].append(f"worker {k}: {detail}")
@@ -633,8 +633,8 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
 
     _collect(pool, handle, write, bar, summary, t_start)
     _judge(summary, track, summary.pop("_ends"))
-    summary["green"] = not (summary["failures"] or summary["run_errors"] or summary["interrupted"])
     _recover_failures(summary, out, t_start)
+    summary["green"] = not (summary["failures"] or summary["run_errors"] or summary["interrupted"])
     write()
     return summary
 
