@@ -14,6 +14,12 @@ database, their messages come back over a Ray queue, and the failures' files are
 here, by the campaign, from what the workers send (a worker on another node has another
 disk). Ray is an optional extra (``pip install 'vtoken[ray]'``).
 
+A campaign is green only when it ran: a worker that dies (a signal, an out-of-memory kill, an
+exit, a failed Ray task), a machine that ran no checked operation, or an example database
+that stops taking writes is named in the summary's ``run_errors`` (``worker_died``,
+``zero_ops``, ``db_write_failed``, ``db_lost``: :data:`RUN_ERRORS`) and ``vtoken fuzz`` exits
+non-zero (:func:`main_fuzz`).
+
 Nothing found is lost to a kill: a failure is written to ``--out`` (the minimised example,
 its plan snapshot when the machine made one, and a pytest file that replays it) the moment
 the worker sees it, the database holds the example as soon as Hypothesis finds it, and the
@@ -39,6 +45,7 @@ import random
 import re
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -92,6 +99,63 @@ def make_db(spec):
     from hypothesis.database import DirectoryBasedExampleDatabase
 
     return DirectoryBasedExampleDatabase(spec)
+
+
+def watched_db(spec):
+    """The campaign's database as a worker hands it to Hypothesis (None: no database), every
+    write checked. Hypothesis's directory database swallows the ``OSError`` of a save (a folder
+    replaced by a file, a full disk), so a campaign would go on with nothing saved: here a save
+    that does not land is recorded, and :meth:`problem` (asked after each batch) also probes
+    that a folder database is still a writable folder. Redis errors raise as they are."""
+    if spec is None:
+        return None
+    from hypothesis.database import ExampleDatabase
+
+    class Watched(ExampleDatabase):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.broken = inner, None
+
+        def fetch(self, key):
+            return self.inner.fetch(key)
+
+        def save(self, key, value):
+            self.inner.save(key, value)
+            self._landed(key, value)
+
+        def delete(self, key, value):
+            self.inner.delete(key, value)
+
+        def move(self, src, dest, value):
+            self.inner.move(src, dest, value)
+            self._landed(dest, value)
+
+        def _landed(self, key, value):
+            if self.broken is None and value not in set(self.inner.fetch(key)):
+                self.broken = f"a saved example did not reach the example database {spec}"
+
+        def problem(self) -> str | None:
+            """Why the database no longer takes writes, or None (one probe file for a folder)."""
+            return self.broken or _folder_problem(spec)
+
+    return Watched(make_db(spec))
+
+
+def _folder_problem(spec) -> str | None:
+    """Why the folder database ``spec`` cannot take a write now (gone, not a folder, not
+    writable), or None; a ``redis://`` spec: None. Costs one probe file created and removed."""
+    if str(spec).startswith("redis://"):
+        return None
+    path = Path(spec)
+    if not path.is_dir():
+        return f"the example database {spec} is no longer a folder" + (" (a file is there)" if path.exists() else "")
+    try:
+        fd, name = tempfile.mkstemp(dir=path, prefix=".vtoken-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        return f"cannot write to the example database {spec}: {type(e).__name__}: {e}"[:300]
+    return None
 
 
 class DatabaseError(RuntimeError):
@@ -154,6 +218,14 @@ def test_replay():
 '''
 
 
+def _headline(failure: str) -> str:
+    """The line of a failure's report that says what failed: its exception's line (the last
+    ``Name: message`` line at the left margin), not Hypothesis's closing hint on how to reproduce it."""
+    lines = failure.strip().splitlines()
+    said = [l for l in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Failure)\b", l)]
+    return (said[-1] if said else lines[-1] if lines else "")[:300]
+
+
 def _steps_in(text: str) -> int:
     return len(re.findall(r"^\s*state\.(?!teardown|observable|check)\w+\(", text, flags=re.M))
 
@@ -188,12 +260,46 @@ def _write_files(out, files: dict) -> None:
         f.write_text(text)
 
 
+class _DbLost(Exception):
+    """The database went away mid-batch (a Redis connection lost): the worker says so and stops."""
+
+
+def _run_batch(k, name, m, cfg, q) -> str | None:
+    """One batch of machine ``name`` under settings ``cfg``: its ops, seconds and hard states
+    sent as a "progress" message; the failure's text (everything Hypothesis reported), or None.
+    :class:`_DbLost` when the exception is the database's, never a machine's failure."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from . import hard_states
+
+    ops0, hard0 = m.ops, Counter(hard_states.COUNTS)
+    hard_states.tag(None)  # a machine tags its examples' configurations itself
+    t0 = time.time()
+    try:
+        run_state_machine_as_test(m, settings=cfg)
+        failure = None
+    except Exception as e:  # a failing example: everything Hypothesis reported
+        lost = _db_error(e)
+        if lost is not None:
+            raise _DbLost(lost) from None
+        failure = "".join(traceback.format_exception(e))
+    hard = Counter(hard_states.COUNTS)
+    hard.subtract(hard0)
+    q.put(("progress", k, name, m.ops - ops0, time.time() - t0, dict(+hard)))
+    return failure
+
+
 def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=None, paths=()):
     """One campaign worker: the machines in rotation until ``deadline`` (or ``examples`` each).
     ``out`` None (a Ray task): failure files travel in the "failure" message for the campaign
     to write; else they are written at once, before the message. ``paths``: the campaign's
     import path entries this process lacks go in front (a Ray worker starts with its own
-    path, so an ``impl:`` module the campaign imports from a folder it added would not load)."""
+    path, so an ``impl:`` module the campaign imports from a folder it added would not load).
+
+    Messages, in order: "batch" (the machine it starts), "progress", "failure", and last
+    "done". A worker that stops early says why first: "db_error" (the database's exception)
+    or "db_write_failed" (the database stopped taking writes: checked before the first batch
+    and after each). A worker that never says "done" died: the campaign reports it."""
     sys.path[:0] = [p for p in paths if p not in sys.path and os.path.isdir(p)]
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
@@ -209,14 +315,16 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=
     PHASES = _phases()
     load_profile(profile)
     hypothesis.core.threadlocal._hypothesis_global_random = random.Random(seed * 1000 + k)
-    db = make_db(db_spec)
+    db = watched_db(db_spec)
     machines = {n: load_machine(n) for n in names}
     base = settings()
-    n_fail = 0
-    i = 0
+    n_fail = i = 0
     names = list(names)
     left = {n: examples for n in names} if examples is not None else None
-    while names and (time.time() < deadline if left is None else any(left.get(n, 0) > 0 for n in names)):
+    broken = db.problem() if db is not None else None
+    if broken:
+        q.put(("db_write_failed", k, None, broken))
+    while not broken and names and (time.time() < deadline if left is None else any(left.get(n, 0) > 0 for n in names)):
         name = names[i % len(names)]
         i += 1
         n_batch = batch
@@ -225,33 +333,24 @@ def _worker(k, names, deadline, seed, db_spec, out, q, batch, profile, examples=
                 continue
             n_batch = min(batch, left[name])
             left[name] -= n_batch
-        m = machines[name]
-        ops0, hard0 = m.ops, Counter(hard_states.COUNTS)
-        hard_states.tag(None)  # a machine tags its examples' configurations itself
-        t0 = time.time()
+        q.put(("batch", k, name))
+        cfg = settings(base, database=db, max_examples=n_batch, print_blob=True, phases=PHASES)
         try:
-            from hypothesis.stateful import run_state_machine_as_test
-
-            run_state_machine_as_test(m, settings=settings(base, database=db, max_examples=n_batch, print_blob=True,
-                                                           phases=PHASES))
-            failure = None
-        except Exception as e:  # a failing example: everything Hypothesis reported
-            lost = _db_error(e)
-            if lost is not None:  # the database went away: say so and stop, record no failure
-                q.put(("db_error", k, name, lost))
-                break
-            failure = "".join(traceback.format_exception(e))
-        hard = Counter(hard_states.COUNTS)
-        hard.subtract(hard0)
-        q.put(("progress", k, name, m.ops - ops0, time.time() - t0, dict(+hard)))
+            failure = _run_batch(k, name, machines[name], cfg, q)
+        except _DbLost as e:  # the database went away: say so and stop, record no failure
+            q.put(("db_error", k, name, str(e)))
+            break
         if failure is not None:
             n_fail += 1
             stem, files = _failure_files(name, k, n_fail, failure, db_spec, hard_states.LAST_SNAPSHOT)
             if out is not None:
                 _write_files(out, files)
-            q.put(("failure", k, name, stem, _steps_in(failure), failure.strip().splitlines()[-1][:300],
+            q.put(("failure", k, name, stem, _steps_in(failure), _headline(failure),
                    files if out is None else None))
             names.remove(name)  # its database entry would replay the same failure every batch
+        broken = db.problem() if db is not None else None
+        if broken:  # what it finds would no longer be kept: stop, and the campaign is not green
+            q.put(("db_write_failed", k, name, broken))
     q.put(("done", k))
 
 
@@ -281,16 +380,42 @@ def _resolve_machines(machines) -> tuple[list, dict]:
     return names, missing
 
 
-def _handle_msg(msg, summary: dict, hard: Counter, t_start: float, progress: bool) -> int:
-    """Fold one worker message into ``summary`` / ``hard``; 1 for a worker's "done", else 0."""
-    if msg[0] == "progress":
+def _run_error(summary: dict, reason: str, worker=None, machine=None, detail: str = "") -> None:
+    """Record one reason the campaign is not green (see :data:`RUN_ERRORS`)."""
+    summary["run_errors"].append({"reason": reason, "worker": worker, "machine": machine, "detail": detail})
+
+
+# Why a campaign that found no failure is still not green, as ``run_errors`` names them:
+RUN_ERRORS = {
+    "worker_died": "a worker ended without finishing: a signal (a crash, an out-of-memory kill), an exit, "
+                   "a Ray task failure",
+    "zero_ops": "a machine ran no checked operation",
+    "db_write_failed": "the example database stopped taking writes (what was found would not be kept)",
+    "db_lost": "the example database stopped answering mid-campaign",
+}
+
+
+def run_error_text(e: dict) -> str:
+    """One of ``run_errors`` in words: ``worker_died (worker 0, machine table): killed by ...``."""
+    who = [f"worker {e['worker']}"] if e.get("worker") is not None else []
+    who += [f"machine {e['machine']}"] if e.get("machine") else []
+    return e["reason"] + (f" ({', '.join(who)})" if who else "") + f": {e['detail']}"
+
+
+def _handle_msg(msg, summary: dict, hard: Counter, t_start: float, progress: bool, track: dict) -> int:
+    """Fold one worker message into ``summary`` / ``hard`` / ``track`` (per worker: the machine
+    it runs, "done" seen); 1 for a worker's "done", else 0."""
+    kind, k = msg[0], msg[1]
+    if kind == "batch":
+        track["running"][k] = msg[2]
+    elif kind == "progress":
         _, k, name, ops, secs, h = msg
         summary["ops"] += ops
         summary["ops_by_machine"][name] = summary["ops_by_machine"].get(name, 0) + ops
         secs_by = summary.setdefault("seconds_by_machine", {})
         secs_by[name] = secs_by.get(name, 0.0) + secs
         hard.update(h)
-    elif msg[0] == "failure":
+    elif kind == "failure":
         _, k, name, stem, nsteps, last, files = msg
         if files:  # from a Ray worker: written here
             _write_files(summary["out"], files)
@@ -300,14 +425,37 @@ def _handle_msg(msg, summary: dict, hard: Counter, t_start: float, progress: boo
                                            "error": last, "found_after_s": time.time() - t_start})
         if progress:
             print(f"\nFAILURE in {name} (worker {k}): {last}\n  -> {stem}.txt", flush=True)
-    elif msg[0] == "db_error":
+    elif kind in ("db_error", "db_write_failed"):
         _, k, name, why = msg
-        summary["db_error"] = f"{why} (worker {k}, machine {name})"
+        if kind == "db_error":
+            summary["db_error"] = f"{why} (worker {k}, machine {name})"
+        _run_error(summary, "db_lost" if kind == "db_error" else kind, k, name, why)
         if progress:
-            print(f"\nDATABASE LOST (worker {k}, machine {name}): {why}", flush=True)
-    elif msg[0] == "done":
+            print(f"\nDATABASE {'LOST' if kind == 'db_error' else 'NOT WRITABLE'} (worker {k}, machine {name}): "
+                  f"{why}", flush=True)
+    elif kind == "done":
+        track["done"].add(k)
         return 1
     return 0
+
+
+def _judge(summary: dict, track: dict, ends: dict) -> None:
+    """Add to ``summary["run_errors"]`` every worker that died and every machine that ran
+    nothing (not asked of an interrupted campaign: its workers were stopped on purpose).
+    ``ends``: per worker, how it ended abnormally (the pool's :meth:`join`), or None."""
+    if summary["interrupted"]:
+        return
+    for k in range(summary["workers"]):
+        end = ends.get(k)
+        if k in track["done"] and (end is None or "still running" in end):
+            continue  # it finished its work; only its exit was slow (then stopped)
+        detail = end or "exited with status 0 without finishing its work (it never said 'done')"
+        _run_error(summary, "worker_died", k, track["running"].get(k), detail)
+        summary["worker_errors"].append(f"worker {k}: {detail}")
+    found = {r["machine"] for r in summary["failure_reports"]}  # a failure is that machine's verdict
+    for name in summary["machines"]:
+        if summary["ops_by_machine"].get(name, 0) == 0 and name not in found:
+            _run_error(summary, "zero_ops", None, name, "ran no checked operation")
 
 
 def _recover_failures(summary: dict, out: Path, t_start: float) -> None:
@@ -355,10 +503,31 @@ class _LocalWorkers:
         for p in self.procs:
             p.terminate()
 
-    def join(self) -> list[str]:
-        for p in self.procs:
+    def join(self) -> dict:
+        """Wait for the processes (10 s each); ``{worker: how it ended}`` for each that did not
+        exit with status 0 (killed by a signal, a non-zero status, or still running: then
+        terminated)."""
+        ends = {}
+        for k, p in enumerate(self.procs):
             p.join(timeout=10)
-        return []
+            if p.exitcode is None:
+                p.terminate()
+                p.join(timeout=5)
+                ends[k] = "still running 10 s after the campaign ended (terminated)"
+            elif p.exitcode != 0:
+                ends[k] = exit_detail(p.exitcode)
+        return ends
+
+
+def exit_detail(code: int) -> str:
+    """A process's exit status in words: ``killed by signal 11 (SIGSEGV)``, ``exited with status 1``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-code} ({name})"
+    return f"exited with status {code}"
 
 
 class _RayWorkers:
@@ -386,16 +555,23 @@ class _RayWorkers:
         for r in self.refs:
             self.ray.cancel(r, force=True)
 
-    def join(self) -> list[str]:
-        """Wait for the tasks (10 s); the errors of those that raised, one line each."""
+    def join(self) -> dict:
+        """Wait for the tasks (10 s); ``{worker: how it ended}`` for each that raised or died
+        (Ray's error in one line: ``WorkerCrashedError: ...`` for a process killed under it)
+        or had not finished (then cancelled)."""
         ready, _ = self.ray.wait(self.refs, num_returns=len(self.refs), timeout=10)
-        errors = []
-        for r in ready:
+        ends = {}
+        for k, r in enumerate(self.refs):
+            if r not in ready:
+                self.ray.cancel(r, force=True)
+                ends[k] = "Ray task still running 10 s after the campaign ended (cancelled)"
+                continue
             try:
                 self.ray.get(r)
             except Exception as e:  # a worker that crashed: reported, never a machine's failure
-                errors.append(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:300])
-        return errors
+                lines = [l for l in str(e).strip().splitlines() if l.strip()] or [""]
+                ends[k] = f"Ray task failed: {type(e).__name__}: {lines[0][:200]}"[:300]
+        return ends
 
 
 def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machines=None, batch=50,
@@ -409,11 +585,16 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     ``machines_unavailable`` with the reason. ``ray``: an address (``auto``) or None; with it
     the workers are Ray tasks on that cluster (:func:`ray_cluster`; an initialised Ray is
     used as it is), else local processes.
+
+    A campaign is ``green`` only when it ran: no failure, and no ``run_errors`` (a worker that
+    died, a machine that ran no operation, an example database that stopped taking writes or
+    answering: :data:`RUN_ERRORS`, each with the worker and machine it concerns).
     """
     check_db(db)  # DatabaseError before anything is written or run
     ray_mod = ray_cluster(ray) if ray is not None else None  # RayUnavailable before anything is written
     out = Path(out)
     names, missing = _resolve_machines(machines)
+    _make_db_folder(db)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + minutes * 60
 
@@ -426,16 +607,17 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     summary = {"machines": names, "workers": workers, "seed": seed, "db": db, "ops": 0, "seconds": 0.0,
                "failures": 0, "failure_reports": [], "hard_states": {}, "interrupted": False,
                "ops_by_machine": {}, "machines_unavailable": missing, "examples_per_machine": examples,
-               "db_error": None, "out": str(out), "ray": None, "worker_errors": []}
+               "db_error": None, "out": str(out), "ray": None, "worker_errors": [], "run_errors": [],
+               "green": False}
     if ray_mod is not None:
         summary["ray"] = {"address": ray, "nodes": len([n for n in ray_mod.nodes() if n.get("Alive")]),
                           "cpus": ray_mod.cluster_resources().get("CPU", 0)}
     hard = Counter()
-    done = 0
+    track = {"running": {}, "done": set()}
     from vtoken.progress import bar as progress_bar
 
     bar = progress_bar(total=None if examples else round(minutes * 60), desc="fuzz", unit="s") if progress else None
-    handle = (lambda msg: _handle_msg(msg, summary, hard, t_start, progress))
+    handle = (lambda msg: _handle_msg(msg, summary, hard, t_start, progress, track))
 
     def write():
         summary["seconds"] = time.time() - t_start
@@ -449,8 +631,22 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
         summary["hard_states_by_config"] = by_tag(hard)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
+    _collect(pool, handle, write, bar, summary, t_start)
+    _judge(summary, track, summary.pop("_ends"))
+    _recover_failures(summary, out, t_start)
+    summary["green"] = not (summary["failures"] or summary["run_errors"] or summary["interrupted"])
+    write()
+    return summary
+
+
+def _collect(pool, handle, write, bar, summary: dict, t_start: float) -> None:
+    """Fold the workers' messages into the summary (rewritten after each) until every worker
+    said "done" or none is alive; on Ctrl-C stop them (``interrupted``). Then join them
+    (``summary["_ends"]``: how each that did not finish cleanly ended) and read what they said
+    before they stopped."""
+    done = 0
     try:
-        while done < workers:
+        while done < summary["workers"]:
             try:
                 msg = pool.q.get(timeout=1.0)
             except pool.empty:
@@ -466,7 +662,7 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
     except KeyboardInterrupt:
         summary["interrupted"] = True
         pool.stop()
-    summary["worker_errors"] = pool.join()
+    summary["_ends"] = pool.join()
     while True:  # what the workers said before they stopped
         try:
             handle(pool.q.get(timeout=0.2))
@@ -474,9 +670,17 @@ def run_campaign(minutes=1.0, workers=1, seed=0, db=None, out="fuzz-out", machin
             break
     if bar is not None:
         bar.close()
-    _recover_failures(summary, out, t_start)
-    write()
-    return summary
+
+
+def _make_db_folder(db) -> None:
+    """A folder database exists before the workers start (so a folder that disappears or turns
+    into a file later is told from one never made); :class:`DatabaseError` if it cannot be."""
+    if db is None or str(db).startswith("redis://"):
+        return
+    try:
+        Path(db).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DatabaseError(f"cannot make the example database folder {db}: {type(e).__name__}: {e}"[:400]) from None
 
 
 def _fuzz_parser() -> argparse.ArgumentParser:
@@ -555,6 +759,11 @@ def _checked_args(ap, a) -> list:
 
 
 def main_fuzz(argv) -> int:
+    """``vtoken fuzz``. Exit status: 0 a green campaign (it ran, every machine did checked work,
+    nothing found); 1 a failure found (or an asked machine unavailable); 2 the example database
+    failed mid-campaign (``db_lost``, ``db_write_failed``); 3 the campaign did not run what it
+    was asked (``worker_died``, ``zero_ops``); 130 interrupted. Each reason is named in the
+    summary's ``run_errors`` and printed."""
     ap = _fuzz_parser()
     a = ap.parse_args(argv)
     machines = _checked_args(ap, a)
@@ -577,10 +786,32 @@ def main_fuzz(argv) -> int:
               f"{'partial results: ' + str(summary) if summary.exists() else 'no summary written'}",
               file=sys.stderr, flush=True)
         return 130
-    text = sys.stderr if a.json else sys.stdout  # --json: stdout holds the JSON alone
+    except DatabaseError as e:
+        print(f"vtoken fuzz: {e}", file=sys.stderr, flush=True)
+        return 2
+    _report(s, a)
+    if s["interrupted"]:
+        return 130
+    reasons = {e["reason"] for e in s["run_errors"]}
+    if reasons & {"db_lost", "db_write_failed"}:
+        print(f"vtoken fuzz: the example database {a.db} failed mid-campaign: "
+              f"{s['db_error'] or next(e['detail'] for e in s['run_errors'] if e['reason'] == 'db_write_failed')}; "
+              f"the campaign stopped (not a failure of a machine)", file=sys.stderr, flush=True)
+        return 2
+    asked_missing = a.machines and s["machines_unavailable"]
+    if s["failures"] or asked_missing:
+        return 1
+    return 3 if s["run_errors"] else 0
+
+
+def _report(s: dict, a) -> None:
+    """Print the campaign's summary: the text (stderr with ``--json``, whose stdout holds the
+    JSON line alone), each run error on stderr, then the JSON line."""
+    text = sys.stderr if a.json else sys.stdout
+    not_green = sorted({e["reason"] for e in s["run_errors"]})
     print(f"ops {s['ops']} in {s['seconds']:.0f} s: {s['ops_per_s_per_worker']:.0f} ops/s per worker, "
-          f"{s['failures']} failure(s); hard states: " + ", ".join(f"{k} {v}" for k, v in s["hard_states"].items()),
-          file=text)
+          f"{s['failures']} failure(s); hard states: " + ", ".join(f"{k} {v}" for k, v in s["hard_states"].items())
+          + (f"; NOT GREEN: {', '.join(not_green)}" if not_green else ""), file=text)
     for config, states in s.get("hard_states_by_config", {}).items():
         print(f"  {config}: " + ", ".join(f"{k} {v}" for k, v in states.items()), file=text)
     for m, why in s["machines_unavailable"].items():
@@ -590,17 +821,10 @@ def main_fuzz(argv) -> int:
         print(f"interrupted after {s['seconds']:.0f} s ({done}; {s['failures']} failure(s)); partial results: "
               f"{Path(a.out) / 'summary.json'}" + (f", failures in {Path(a.out) / 'failures'}" if s["failures"] else ""),
               flush=True, file=text)
-    for err in s["worker_errors"]:
-        print(f"a worker crashed (not a failure of a machine): {err}", file=text)
+    for e in s["run_errors"]:
+        print(f"vtoken fuzz: {run_error_text(e)}", file=sys.stderr)
     if a.json:
         print(json.dumps({k: s.get(k) for k in ("workers", "ops", "seconds", "ops_per_s_per_worker", "failures",
-                                                "hard_states", "hard_states_by_config", "interrupted", "ops_by_machine", "ops_per_s_by_machine",
-                                                "machines_unavailable", "db_error", "ray", "worker_errors")}))
-    if s["interrupted"]:
-        return 130
-    if s["db_error"]:
-        print(f"vtoken fuzz: the example database {a.db} failed mid-campaign: {s['db_error']}; the campaign "
-              f"stopped (not a failure of a machine)", file=sys.stderr, flush=True)
-        return 2
-    asked_missing = a.machines and s["machines_unavailable"]
-    return 1 if s["failures"] or asked_missing else 0
+                                                "hard_states", "hard_states_by_config", "interrupted", "ops_by_machine",
+                                                "ops_per_s_by_machine", "machines_unavailable", "db_error", "ray",
+                                                "worker_errors", "run_errors", "green")}))

@@ -35,6 +35,11 @@ HARD_STATES = (
     "plan and growth in one step",
     "copy pending across preempt and resume",  # the request resumed while its old incarnation's copy flies
     "copy failed in the adapter",  # aborted with the table kept: sources and fills back to the request
+    # the planner protocol's machine (a user's planner), on the views a real caller passes
+    "in-flight block a plan could take",  # the request's own unshared block, held by its plan in flight
+    "excluded block a plan could take",  # a block the caller forbids that the table alone would allow
+    "dead token in a candidate block",  # a block a plan may empty or fill holds dead tokens of the request
+    "token evicted while its copy flies",  # the plan's move of it must not be applied
 )
 
 # which machine reaches which (a campaign reports the states of the machines it ran)
@@ -42,16 +47,31 @@ BY_MACHINE = {
     "table": ("block exactly full", "token at a block boundary", "allocator exhausted"),
     "planner": ("headroom exhausted", "plan overlapping an in-flight one", "copy failing part-way",
                 "finish while a copy is in flight"),
-    "adapter": HARD_STATES[7:],
+    "adapter": HARD_STATES[7:14],
+    "planner protocol": HARD_STATES[14:],
 }
 assert sorted(sum(BY_MACHINE.values(), ())) == sorted(HARD_STATES)
 
+# a user's class (impl:module:Class) runs the machine of its protocol: a token table the table
+# machine (its states), a planner the planner protocol's machine, which drives a planner through
+# the planner machine's states and those of the views a caller passes
+BY_KIND = {"table": BY_MACHINE["table"], "planner": BY_MACHINE["planner"] + BY_MACHINE["planner protocol"]}
+
 
 def states_of(machines) -> tuple:
-    """The hard states the named machines reach, in HARD_STATES order (unknown names: none)."""
-    # a user's implementation (impl:...) runs the table and planner machines' protocols
-    mine = {h for m in machines
-            for h in (BY_MACHINE["table"] + BY_MACHINE["planner"] if m.startswith("impl:") else BY_MACHINE.get(m, ()))}
+    """The hard states the named machines reach, in HARD_STATES order (unknown names: none;
+    ``impl:module:Class``: those of its protocol's machine, the class loaded to know which)."""
+    mine = set()
+    for m in machines:
+        if m.startswith("impl:"):
+            from .protocol import ProtocolError, kind_of, load_impl
+
+            try:
+                mine.update(BY_KIND[kind_of(load_impl(m[len("impl:"):]))])
+            except ProtocolError:  # (the campaign checked it loads: only a caller's typo gets here)
+                mine.update(BY_KIND["table"] + BY_KIND["planner"])
+        else:
+            mine.update(BY_MACHINE.get(m, ()))
     return tuple(h for h in HARD_STATES if h in mine)
 
 

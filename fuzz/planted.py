@@ -8,7 +8,10 @@ proves it did), once per seed ``0..R-1``. A fault's *rate* is detections / R; ea
 bounded by ``--budget`` seconds. Per fault the report gives the rate, the median and max
 seconds to detection, the shrunk example's size (steps) and the time spent shrinking.
 The last stdout line with ``--json`` is one JSON object: ``planted`` (faults run),
-``detected`` (caught at least once), ``min_rate``, ``median_s``, ``max_s``, ``runs``.
+``detected`` (caught at least once), ``min_rate``, ``median_s``, ``max_s``, ``runs``,
+``run_errors``. A run that crashed (its process killed or exiting non-zero: ``worker_died``)
+or checked no operation (``zero_ops``) is neither a detection nor a clean miss: it is named
+in ``run_errors`` and the command exits 1.
 
 A run is a function of (code, fault, seed): the machines run under Hypothesis with that
 seed (``derandomize`` off, no example database), the decode detector seeds its prompts
@@ -85,7 +88,8 @@ def _detect_machine(machine_path: str, seed: int, budget_s: float, shrink: bool 
     The first failing test case is timed through Hypothesis's observability callbacks, so
     the time to detection and the time spent shrinking are reported separately. With
     ``shrink`` off (every seed but the first: the rate needs detections, one shrunk example
-    per fault is enough to read) the run stops at the first failure."""
+    per fault is enough to read) the run stops at the first failure. A run that detects
+    nothing and checked no operation (``ops`` 0) is no clean run: ``run_error: zero_ops``."""
     import importlib
     import traceback
 
@@ -113,6 +117,7 @@ def _detect_machine(machine_path: str, seed: int, budget_s: float, shrink: bool 
     t0 = time.perf_counter()
     err = None
     rounds = 0
+    ops0 = getattr(machine, "ops", 0)
     while err is None and time.perf_counter() - t0 < budget_s:
         test = get_state_machine_test(machine, settings=settings(
             settings(), database=None, derandomize=False, max_examples=200,
@@ -125,14 +130,16 @@ def _detect_machine(machine_path: str, seed: int, budget_s: float, shrink: bool 
             err = e
         rounds += 1
     t_end = time.perf_counter()
-    if err is None:
-        return {"detected": False, "seconds": t_end - t0, "rounds": rounds}
+    ops = getattr(machine, "ops", 0) - ops0
+    if err is None:  # not detected: a clean run only if the machine did checked work
+        return {"detected": False, "seconds": t_end - t0, "rounds": rounds, "ops": ops,
+                **({"run_error": "zero_ops"} if ops == 0 else {})}
     t_detect = (first_fail[0] if first_fail else t_end) - t0
     text = "".join(traceback.format_exception(err))
     last = text.strip().splitlines()[-1]
     error = last if "state." not in last else next((l for l in text.splitlines() if "Error" in l), "")
     return {"detected": True, "seconds": t_detect, "shrink_seconds": t_end - t0 - t_detect, "steps": _steps(text),
-            "shrunk": shrink,
+            "shrunk": shrink, "ops": ops,
             "rounds": rounds, "error": error[:240], "example": text[-4000:]}
 
 
@@ -334,6 +341,10 @@ def _summarize(r: dict) -> dict:
     shrunk = [x["steps"] for x in det if x.get("shrunk")]
     r["steps"] = shrunk[0] if shrunk else max((x.get("steps", 0) for x in det), default=None)
     r["error"] = next((x.get("error", "") for x in det), r.get("error", "not detected"))
+    # a run that crashed or checked nothing is neither a detection nor a clean miss: named
+    r["run_errors"] = ([r["run_error"]] if r.get("run_error") else []) + [
+        {"reason": x["run_error"], "detail": f"seed {x['seed']}: no checked operation ran"}
+        for x in runs if x.get("run_error")]
     for x in runs:
         x.pop("example", None)
     return r
@@ -364,13 +375,14 @@ def _start_fault(n: str, work: Path, snap: Path, seeds: str, budget_s: float, re
         cwd=sh, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), sh, log)
 
 
-def _finish_fault(n: str, sh: Path, log, runs: int, progress: bool) -> dict:
-    """The summarized result of fault ``n``'s finished run; closes ``log`` and removes the shadow ``sh``."""
+def _finish_fault(n: str, sh: Path, log, runs: int, progress: bool, code: int | None = 0) -> dict:
+    """The summarized result of fault ``n``'s finished run (``code``: its exit status); closes
+    ``log`` and removes the shadow ``sh``."""
     import shutil
 
     out = _read_log(log)
     shutil.rmtree(sh, ignore_errors=True)
-    return _result_of(n, out, runs, progress)
+    return _result_of(n, out, runs, progress, code)
 
 
 def _read_log(log) -> str:
@@ -381,14 +393,22 @@ def _read_log(log) -> str:
     return out
 
 
-def _result_of(n: str, out: str, runs: int, progress: bool) -> dict:
-    """Fault ``n``'s summarized result from its detection run's output ``out``."""
+def _result_of(n: str, out: str, runs: int, progress: bool, code: int | None = 0) -> dict:
+    """Fault ``n``'s summarized result from its detection run's output ``out`` and exit status
+    ``code``. A run that did not exit cleanly (a signal, a non-zero status: ``worker_died``) is
+    never read as detections or misses: its rows are dropped and the reason named."""
+    from .campaign import exit_detail
+
     lines = [l for l in out.strip().splitlines() if l.startswith('{"fault"')]
-    r = json.loads(lines[-1]) if lines else {"fault": n, "detector": BY_NAME[n].detector, "runs": [],
-                                            "error": f"detector crashed: {out.strip()[-400:]}"}
+    r = json.loads(lines[-1]) if lines and code == 0 else {
+        "fault": n, "detector": BY_NAME[n].detector, "runs": [], "error": f"detector crashed: {out.strip()[-400:]}"}
+    if code != 0 or not lines:
+        why = exit_detail(code) if isinstance(code, int) and code != 0 else "no result line"
+        r["run_error"] = {"reason": "worker_died", "detail": f"the detection run {why}: {out.strip()[-200:]}"[:300]}
     r = _summarize(r)
     if progress:
-        mark = "DETECTED" if r["rate"] >= 0.9 else ("WEAK    " if r["detections"] else "MISSED  ")
+        mark = ("CRASHED " if r.get("run_error") else "NOT RUN " if r["run_errors"] else
+                "DETECTED" if r["rate"] >= 0.9 else "WEAK    " if r["detections"] else "MISSED  ")
         med = "-" if r["median_s"] is None else f"{r['median_s']:.1f}"
         mx = "-" if r["max_s"] is None else f"{r['max_s']:.1f}"
         print(f"{mark} {n:34s} {r['detections']}/{runs}  median {med:>6} s  max {mx:>6} s  "
@@ -399,7 +419,7 @@ def _result_of(n: str, out: str, runs: int, progress: bool) -> dict:
 def _fault_on_ray(n: str, snap_tar: bytes, seeds: str, budget_s: float):
     """A Ray task: fault ``n``'s detection run on whichever node runs it, over a shadow built
     from the campaign's snapshot (a tar, so no shared disk is assumed). Returns ``(output,
-    None)`` or ``(None, the result row)`` when the patch does not apply."""
+    None, exit status)`` or ``(None, the result row, None)`` when the patch does not apply."""
     import io
     import shutil
     import tarfile
@@ -412,10 +432,10 @@ def _fault_on_ray(n: str, snap_tar: bytes, seeds: str, budget_s: float):
         rows: list = []
         job = _start_fault(n, work, snap, seeds, budget_s, rows, progress=False)
         if job is None:
-            return None, rows[0]
+            return None, rows[0], None
         p, _, log = job
         p.wait()
-        return _read_log(log), None
+        return _read_log(log), None, p.returncode
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -436,12 +456,12 @@ def _run_on_ray(ray, names, snap: Path, seeds: str, budget_s: float, runs: int, 
         done, _ = ray.wait(list(refs), num_returns=1)
         n = refs.pop(done[0])
         try:
-            out, row = ray.get(done[0])
+            out, row, code = ray.get(done[0])
         except Exception as e:  # the task itself failed: the fault's run is a crash, reported as such
-            out, row = f"ray task failed: {type(e).__name__}: {e}", None
+            out, row, code = f"ray task failed: {type(e).__name__}: {e}", None, None
         if row is not None and progress:
             print(f"BROKEN   {n:34s} {row['error'].splitlines()[0]}", flush=True)
-        results.append(row if row is not None else _result_of(n, out, runs, progress))
+        results.append(row if row is not None else _result_of(n, out, runs, progress, code))
         if bar is not None:
             bar.update(1)
     return results
@@ -494,7 +514,7 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
                 if p.poll() is None:
                     continue
                 del running[n]
-                results.append(_finish_fault(n, sh, log, runs, progress))
+                results.append(_finish_fault(n, sh, log, runs, progress, p.returncode))
                 if bar is not None:
                     bar.update(1)
     finally:
@@ -518,6 +538,8 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
         "by_detector": {d: sum(1 for r in results if r["detector"] == d) for d in sorted({r["detector"] for r in results})},
         "results": results,
         "gpu_faults_not_run": gpu,
+        # runs that crashed or checked nothing: neither detected nor clean, the summary fails
+        "run_errors": [{"fault": r["fault"], **e} for r in results for e in r.get("run_errors", [])],
     }
 
 
@@ -544,16 +566,20 @@ def main_planted(args) -> int:
     print(f"\n{s['detected']}/{s['planted']} planted faults detected; lowest detection rate {s['min_rate']:.2f} "
           f"over {runs} seed(s); median time to detection "
           f"{'-' if s['median_s'] is None else round(s['median_s'], 2)} s (max "
-          f"{'-' if s['max_s'] is None else round(s['max_s'], 1)} s); {s['wall_s']:.0f} s in all")
+          f"{'-' if s['max_s'] is None else round(s['max_s'], 1)} s); {s['wall_s']:.0f} s in all"
+          + (f"; NOT GREEN: {len(s['run_errors'])} run(s) crashed or checked nothing "
+             f"({', '.join(sorted({e['reason'] for e in s['run_errors']}))})" if s["run_errors"] else ""))
     if s["gpu_faults_not_run"]:
         print(f"not run here (no CUDA device): {', '.join(s['gpu_faults_not_run'])}")
+    for e in s["run_errors"]:
+        print(f"vtoken fuzz: {e['reason']} ({e['fault']}): {e['detail']}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "planted.json"), "w") as f:
         json.dump(s, f, indent=1, default=str)
     if args.json:
         print(json.dumps({k: s[k] for k in ("planted", "detected", "runs", "min_rate", "median_s", "max_s",
-                                            "wall_s", "by_detector")}, default=str))
-    return 0 if s["planted"] and s["min_rate"] >= 0.9 else 1
+                                            "wall_s", "by_detector", "run_errors")}, default=str))
+    return 0 if s["planted"] and s["min_rate"] >= 0.9 and not s["run_errors"] else 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The toolkit's reference model (``vtoken.spec``), machines and invariant checks are not tied
 to vtoken's own ``TokenTable``: any class that offers the operations and observations below
 can be checked by them (``vtoken fuzz --impl module:Class``, ``pytest -m invariants
---vtoken-impl module:Class``; see ``docs/CHECK_YOUR_KV_MANAGER.md``).
+--vtoken-impl module:Class``; see ``docs/check-your-kv-manager.md``).
 
 A token table (:class:`TokenTableProtocol`) is built as ``Class(block_size, num_blocks)``
 and offers, with the semantics of ``vtoken.spec.SpecTokenTable`` (its docstrings are the
@@ -23,7 +23,9 @@ contract, error codes and check order included):
   our code}`` on the class (or passed in) translates them.
 
 A planner (:class:`PlannerProtocol`) offers ``propose(view, max_dests) -> plan | None`` on
-the spec planner's *view* and *plan* (``vtoken.spec.planner``'s docstring); a class attribute
+the spec planner's *view* and *plan* (``vtoken.spec.planner``'s docstring), checked on the
+views a real caller passes (plans in flight, ``excluded`` blocks, dead tokens:
+:class:`PlannerContractMachine`); a class attribute
 ``OPTIMAL = True`` claims the best reduction (then it is checked too), and an attribute
 ``in_place = True`` (the planner's configuration, as vtoken's ``PlannerConfig.in_place``;
 absent: False) says its plans may move tokens into the holes of the request's own blocks
@@ -34,12 +36,13 @@ absent: False) says its plans may move tokens into the holes of the request's ow
 so a failure names the operation that diverged.
 
 Owns: per machine its implementation under test, a SpecTokenTable and the recorded operations.
-May call: fuzz.table_machine, vtoken.spec, vtoken.errors, hypothesis, importlib (``load_impl``).
+May call: fuzz.table_machine, fuzz.hard_states, vtoken.spec, vtoken.errors, hypothesis, importlib (``load_impl``).
 Costs: per step the spec comparison, O(all tokens); ``best_reduction`` per proposal.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import sys
@@ -52,7 +55,9 @@ from hypothesis.stateful import initialize, precondition, rule
 
 from vtoken.errors import TABLE_CODES, TableError
 
+from .hard_states import hard
 from .step_draws import SwarmRules, pick, integer
+from .table_machine import some_of
 
 __all__ = ["TokenTableProtocol", "PlannerProtocol", "Conforming", "ProtocolError", "load_impl", "kind_of", "check_impl",
            "table_machine_for", "planner_machine_for"]
@@ -279,17 +284,42 @@ def table_machine_for(cls, codes: Optional[dict] = None, name: Optional[str] = N
 
 
 # ---------------------------------------------------------------------------------- planners
+class _Flight:
+    """A launched plan the contract machine keeps until its copy ends: the blocks it holds
+    (``in_flight`` of every later view) and its moves. ``orphaned``: its request left."""
+
+    def __init__(self, rid, plan):
+        self.rid, self.orphaned = rid, False
+        self.sources, self.fills, self.dests = list(plan["sources"]), list(plan["fills"]), list(plan["dests"])
+        self.moves = [list(mv) for mv in plan["moves"]]
+
+    def blocks(self) -> list:
+        return self.sources + self.fills + self.dests
+
+
 class PlannerContractMachine(SwarmRules):
-    """A planner under test proposes plans on states the reference table reaches (requests
-    growing, sharing prefixes, evicting); every proposal must obey ``spec.planner``'s rules
-    and reduce the block count (with ``OPTIMAL``: by the best reduction). Valid plans are
-    applied to the reference state, so later proposals see compacted layouts."""
+    """A planner under test proposes plans on the views a real caller passes: requests growing,
+    sharing prefixes, evicting (dead tokens, whole dead blocks); plans in flight (their
+    sources, fills and destinations in ``in_flight``, a request asked again while its own plan
+    copies); blocks the caller forbids (``excluded``: shared in its own pool, or not held for
+    the request); an exhausted headroom. Every proposal must obey ``spec.planner``'s rules and
+    reduce the block count (with ``OPTIMAL``: by the best reduction).
+
+    The machine plays the caller's lifecycle (as vtoken's ``ReclamationManager``): a valid
+    plan is applied at once, launched (in flight until a ``complete`` rule ends it), or
+    dropped; a copy may fail (the plan aborts, nothing changes), a source may become shared
+    meanwhile (the plan aborts), tokens it moves may die meanwhile (they stay dead where they
+    were), and its request may finish (the plan is orphaned; its blocks are freed when the
+    copy ends). At most one plan per request copies at a time. Applied plans change the
+    reference state, so later proposals see compacted layouts. The hard states a planner is
+    driven through are counted (:func:`~vtoken.fuzz.hard_states.hard`) as for vtoken's own."""
 
     planner_cls: Any = None
     ops = 0
 
-    @initialize(S=st.sampled_from([1, 2, 4]), nb=st.integers(8, 20), B=st.integers(1, 4), headroom=st.integers(0, 3))
-    def setup(self, S, nb, B, headroom):
+    @initialize(S=st.sampled_from([1, 2, 4]), nb=st.integers(8, 20), B=st.integers(1, 4), headroom=st.integers(0, 3),
+                data=st.data())
+    def setup(self, S, nb, B, headroom, data):
         from vtoken.spec import SpecTokenTable
 
         self.S, self.nb, self.B = S, nb, B
@@ -297,15 +327,35 @@ class PlannerContractMachine(SwarmRules):
         self.free = list(range(1, nb))
         self.headroom = [self.free.pop() for _ in range(min(headroom, len(self.free)))]
         self.pos: dict[int, list] = {}
+        self.flights: list[_Flight] = []
+        self.rewritten: set = set()  # fills a plan wrote into: no prefix hit lands on them (the caller drops their hash)
         self.next_id = 0
         self.planner = self.planner_cls()
         note(f"S={S} num_blocks={nb} B={B} headroom={self.headroom}")
+        # a few requests to start from, so most examples reach fragmentation, plans and copies
+        for _ in range(integer(data, 1, 2, "initial_requests")):
+            self.add_request(integer(data, 2, 4, "nblocks"), data)
+            self.fragment(data, self.next_id - 1)
 
+    # ------------------------------------------------------------------ the caller's state
     def _take(self, n):
         if n > len(self.free):
             return None
         out, self.free = self.free[:n], self.free[n:]
+        self.rewritten.difference_update(out)
         return out
+
+    def _flying(self, rid=None) -> list:
+        """The plans in flight whose request is still here (``rid``'s; None: every request's)."""
+        return [f for f in self.flights if not f.orphaned and (rid is None or f.rid == rid)]
+
+    def _held_by_flights(self) -> set:
+        return {b for f in self.flights for b in f.sources + f.fills}
+
+    def _release(self, blocks) -> None:
+        """Blocks no request references and no plan in flight holds go back to the pool."""
+        held = {b for bl in self.spec.blocks.values() for b in bl} | self._held_by_flights()
+        self.free += [b for b in dict.fromkeys(blocks) if b not in held and b not in self.free]
 
     @precondition(lambda self: len(self.pos) < 3)
     @rule(nblocks=st.integers(1, 4), data=st.data())
@@ -322,12 +372,14 @@ class PlannerContractMachine(SwarmRules):
     @precondition(lambda self: self.pos and len(self.pos) < 3)
     @rule(data=st.data())
     def add_shared_request(self, data):
+        """A prefix-cache hit on the parent's leading full blocks (possibly a source a plan is
+        copying out of: that plan must abort), then private growth."""
         parent = pick(data, sorted(self.pos), "parent")
         full = len(self.spec.tokens[parent]) // self.S
         k = integer(data, 0, min(full, 2), "shared_blocks")
         prefix = self.pos[parent][:k]
-        if 0 in prefix:
-            return
+        if 0 in prefix or set(prefix) & (self.rewritten | {b for f in self.flights for b in f.fills + f.dests}):
+            return  # a freed position, or a block whose bytes a plan rewrites: no prefix hit
         extra = self._take(integer(data, 1, 2, "private_blocks"))
         if extra is None:
             return
@@ -340,61 +392,205 @@ class PlannerContractMachine(SwarmRules):
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def evict(self, data):
+        """A policy's eviction: a few tokens, or each with probability 1/2 (whole blocks die),
+        never the last live one."""
         rid = pick(data, sorted(self.pos), "rid")
         live = self.spec.live_tokens(rid)
         if len(live) < 2:
             return
-        ids = data.draw(st.lists(st.sampled_from(live[:-1]), unique=True, min_size=1, max_size=len(live) - 1),
-                        label="victims")
+        if pick(data, [False, True], "scatter"):
+            ids = [t for t in live[:-1] if integer(data, 0, 1, f"dies {t}")]
+        else:
+            ids = some_of(data, live[:-1], 4, "victims")
+        self._evict(rid, ids)
+
+    def _evict(self, rid, ids) -> None:
+        """Tokens ``ids`` of ``rid`` die (in the reference state: what the caller's table does)."""
+        if not ids:
+            return
+        if set(ids) & {mv[0] for f in self._flying(rid) for mv in f.moves}:
+            hard("token evicted while its copy flies")  # its move is not applied when the copy lands
         self.spec.evict_tokens(rid, ids)
 
     @precondition(lambda self: self.pos)
-    @rule(data=st.data(), limit=st.booleans())
-    def propose(self, data, limit):
-        from vtoken.spec.planner import best_reduction, plan_errors
+    @rule(data=st.data())
+    def fragment(self, data, rid=None):
+        """Heavy eviction that leaves a request's full blocks partly live (what H2O does to old
+        blocks), sometimes all dead: the layouts plans are made of."""
+        rid = pick(data, sorted(self.pos), "rid") if rid is None else rid
+        by_block: dict = {}
+        for t in self.spec.live_tokens(rid)[:-1]:
+            by_block.setdefault(self.spec.tokens[rid][t]["block"], []).append(t)
+        ids = []
+        for b in sorted(by_block):
+            toks = by_block[b]
+            keep = pick(data, [max(1, len(toks) // 2), max(1, len(toks) // 2), 1, 0], f"keep in {b}")
+            ids += toks[keep:] if pick(data, [True, False], f"from the end of {b}") else toks[:len(toks) - keep]
+        self._evict(rid, ids)
 
-        rid = pick(data, sorted(self.pos), "rid")
+    @precondition(lambda self: self._flying_live())
+    @rule(data=st.data())
+    def evict_moving(self, data):
+        """A policy evicts tokens a plan in flight is moving: they stay dead where they are."""
+        f = pick(data, self._flying_live(), "plan")
+        moving = [mv[0] for mv in f.moves if self.spec.tokens[f.rid][mv[0]]["live"]]
+        if len(moving) < len(self.spec.live_tokens(f.rid)):  # never the request's last live token
+            self._evict(f.rid, some_of(data, moving, len(moving), "victims"))
+
+    def _flying_live(self) -> list:
+        return [f for f in self.flights if not f.orphaned and any(self.spec.tokens[f.rid][mv[0]]["live"]
+                                                                  for mv in f.moves)]
+
+    @precondition(lambda self: self.pos)
+    @rule(data=st.data(), limit=st.booleans(), then=st.sampled_from(["launch", "launch", "launch", "apply", "drop"]))
+    def propose(self, data, limit, then):
+        """Ask the planner for a plan of one request (mostly one with its own plan in flight,
+        when there is one) on the view a caller builds; check it; then launch, apply or drop it."""
+        from vtoken.spec.planner import best_reduction
+
+        rid = self._pick(data)
+        view = self._view(data, rid)
+        max_dests = integer(data, 0, len(self.headroom), "max_dests") if limit else len(self.headroom)
+        self._count_hard(rid, view)
+        PlannerContractMachine.ops += 1
+        plan = self.planner.propose(copy.deepcopy(view), max_dests)  # a planner that edits its view changes nothing here
+        best = best_reduction(view, max_dests)
+        optimal = getattr(self.planner_cls, "OPTIMAL", False)
+        if plan is None:
+            if optimal:
+                assert best == 0, f"propose: returned no plan, but a valid plan reduces by {best}: view={view}"
+            return
+        plan = self._checked(view, plan, max_dests, best, optimal)
+        if then == "drop" or self._flying(rid):  # one plan per request copies at a time
+            return
+        f = _Flight(rid, plan)
+        used = {m[3] for m in f.moves} - set(f.fills)
+        self.headroom = [b for b in self.headroom if b not in used]
+        f.dests = [b for b in f.dests if b in used]
+        self.flights.append(f)
+        self.rewritten.update(f.fills)
+        if then == "apply":  # a copy that completed at once (a synchronous engine)
+            self._end(f, failed=False)
+
+    def _pick(self, data):
+        """A request to plan for: one whose plan copies (half the time where there is one), one a
+        plan could shrink, or any, so the states that catch planners are reached often."""
+        busy = sorted({f.rid for f in self._flying()})
+        kinds = [busy, busy, [r for r in sorted(self.pos) if self._reducible(r)], sorted(self.pos)]
+        return pick(data, pick(data, [v for v in kinds if v], "which requests"), "rid")
+
+    def _reducible(self, rid) -> bool:
+        """A heuristic of where to look (never a check): the request's own unshared blocks but
+        the tail, not in flight, hold their live tokens in fewer blocks than they are."""
+        n = len(self.spec.tokens[rid])
+        tail = self.pos[rid][(n - 1) // self.S] if n else None
+        flying = {b for f in self.flights for b in f.blocks()}
+        own = [b for b in self.spec.blocks[rid] if self.spec.refs(b) == 1 and b != tail and b not in flying]
+        live = sum(1 for t in self.spec.tokens[rid] if t["live"] and t["block"] in own)
+        return len(own) > -(-live // self.S)
+
+    def _view(self, data, rid) -> dict:
+        """The view of ``rid`` a caller passes: its tokens (dead ones too), blocks and their
+        references, its tail, every block a plan in flight holds, the headroom, and half the time
+        ``excluded``: some blocks a plan could otherwise take."""
+        from vtoken.spec.planner import eligible_sources
+
         toks = self.spec.tokens[rid]
         blocks = sorted(self.spec.blocks[rid])
         n = len(toks)
         view = {"S": self.S, "num_blocks": self.nb, "max_sources": self.B,
                 "tokens": [[t["block"], t["offset"], t["live"]] for t in toks], "blocks": blocks,
                 "refs": {b: self.spec.refs(b) for b in blocks},
-                "tail": self.pos[rid][(n - 1) // self.S] if n else None, "in_flight": [],
+                "tail": self.pos[rid][(n - 1) // self.S] if n else None,
+                "in_flight": sorted({b for f in self.flights for b in f.blocks()}),
                 "headroom": list(self.headroom), "in_place": bool(getattr(self.planner, "in_place", False))}
-        max_dests = integer(data, 0, len(self.headroom), "max_dests") if limit else len(self.headroom)
-        PlannerContractMachine.ops += 1
-        plan = self.planner.propose(view, max_dests)
-        best = best_reduction(view, max_dests)
-        if plan is None:
-            if getattr(self.planner_cls, "OPTIMAL", False):
-                assert best == 0, f"propose: returned no plan, but a valid plan reduces by {best}: view={view}"
-            return
+        could = eligible_sources(view)
+        if could and pick(data, [False, True], "excluded"):
+            view["excluded"] = sorted(some_of(data, could, len(could), "excluded"))
+        return view
+
+    def _count_hard(self, rid, view) -> None:
+        """The hard states this proposal is asked in (see fuzz.hard_states)."""
+        from vtoken.spec.planner import eligible_sources
+
+        if not view["headroom"]:
+            hard("headroom exhausted")
+        if self._flying(rid):
+            hard("plan overlapping an in-flight one")
+        own = {b for b in view["blocks"] if view["refs"][b] == 1 and b != view["tail"]}
+        if own & set(view["in_flight"]):
+            hard("in-flight block a plan could take")
+        if own & set(view.get("excluded", ())) - set(view["in_flight"]):
+            hard("excluded block a plan could take")
+        cand = set(eligible_sources(view))
+        if any(not live and b in cand for b, _, live in view["tokens"]):
+            hard("dead token in a candidate block")
+
+    def _checked(self, view, plan, max_dests, best, optimal) -> dict:
+        """The proposal as plain data, held to the contract (AssertionError naming the rule)."""
+        from vtoken.spec.planner import plan_errors
+
         plan = {"sources": list(plan["sources"]), "fills": list(plan.get("fills", [])), "dests": list(plan["dests"]),
                 "moves": [list(m) for m in plan["moves"]]}
         errs = plan_errors(view, plan)
         assert not errs, f"propose: the plan breaks the contract: {errs}\n plan={plan}\n view={view}"
         assert len(plan["dests"]) <= max_dests, f"propose: {len(plan['dests'])} destinations, max_dests={max_dests}"
-        if getattr(self.planner_cls, "OPTIMAL", False):
+        if optimal:
             red = len(plan["sources"]) - len(plan["dests"])
             assert red == best, f"propose: the plan reduces by {red}, the best valid plan by {best}: view={view}"
-        # apply it to the reference state: what a copy engine and the table would do
-        emptied = self.spec.apply_moves(rid, plan["moves"])
-        rest = sorted(set(plan["sources"]) - set(emptied))
-        self.spec.release_empty_blocks(rid, rest)
-        used = {m[3] for m in plan["moves"]} - set(plan["fills"])  # fills are the request's own already
-        self.headroom = [b for b in self.headroom if b not in used]
-        self.free += plan["sources"]
-        self.pos[rid] = [0 if b in plan["sources"] else b for b in self.pos[rid]]
+        return plan
+
+    # ------------------------------------------------------------------ the lifecycle of a plan in flight
+    def _end(self, f: _Flight, failed: bool) -> None:
+        """Plan ``f``'s copy ended: applied to the reference state (the moves of tokens still
+        live), or aborted (``failed``, or a source became shared: nothing changes), or, its
+        request gone, its sources and fills freed. Unused destinations go back to the headroom."""
+        self.flights.remove(f)
+        if f.orphaned or failed or any(self.spec.refs(b) > 1 for b in f.sources):
+            if not f.orphaned and not failed:
+                event("plan aborted: a source became shared while it copied")
+            self.headroom += f.dests
+            if f.orphaned:
+                self._release(f.sources + f.fills)
+            return
+        live = set(self.spec.live_tokens(f.rid))
+        moves = [mv for mv in f.moves if mv[0] in live]  # tokens evicted during the copy stay dead
+        emptied = self.spec.apply_moves(f.rid, moves)
+        self.spec.release_empty_blocks(f.rid, sorted(set(f.sources) - set(emptied)))
+        into = {mv[3] for mv in moves}
+        self.headroom += [b for b in f.dests if b not in into]
+        self._release(f.sources)
+        self.pos[f.rid] = [0 if b in f.sources else b for b in self.pos[f.rid]]
         event("plan applied")
+
+    @precondition(lambda self: self.flights)
+    @rule(data=st.data())
+    def complete(self, data):
+        """The caller polls: a copy ends, or is still running (half the time, so plans stay in
+        flight across several steps); an ended plan applies (or aborts, a source shared
+        meanwhile; or frees its blocks, orphaned)."""
+        f = pick(data, self.flights, "plan")
+        if pick(data, [True, False], "copy done"):
+            self._end(f, failed=False)
+
+    @precondition(lambda self: self._flying())
+    @rule(data=st.data())
+    def fail_copy(self, data):
+        """A copy fails part-way: its plan aborts and the reference state is as before."""
+        hard("copy failing part-way")
+        self._end(pick(data, self._flying(), "plan"), failed=True)
 
     @precondition(lambda self: self.pos)
     @rule(data=st.data())
     def finish(self, data):
-        rid = pick(data, sorted(self.pos), "rid")
-        blocks = self.spec.free_request(rid)
-        others = {b for r, bl in self.spec.blocks.items() for b in bl}
-        self.free += [b for b in blocks if b not in others]
+        """A request finishes (or is preempted), maybe while its plan copies: the plan is
+        orphaned, its sources and fills freed only when the copy ends."""
+        busy = sorted({f.rid for f in self._flying()})
+        rid = pick(data, busy if busy and pick(data, [True, False], "busy one") else sorted(self.pos), "rid")
+        for f in self._flying(rid):
+            hard("finish while a copy is in flight")
+            f.orphaned = True
+        self._release(self.spec.free_request(rid))
         del self.pos[rid]
 
     @rule()

@@ -7,7 +7,11 @@ option it does nothing). For each ``--vtoken-impl`` (repeatable) it adds test it
 - a token table (``vtoken.fuzz.protocol.TokenTableProtocol``): the table conformance
   machine, every rule run on your class and on the reference model side by side, with the
   invariant checks (I2 unique mapping, block accounting) after every step;
-- a planner (``PlannerProtocol``): the planner contract machine.
+- a planner (``PlannerProtocol``): the planner contract machine, on the views a real caller
+  passes (plans in flight, excluded blocks, dead tokens; ``vtoken.fuzz.protocol``).
+
+After the run, the terminal summary gives each item's hard states (``vtoken.fuzz.hard_states``)
+and how often the machine reached each, as ``vtoken fuzz`` does.
 
 Runs use the ``ci`` Hypothesis profile (derandomized: one verdict per commit of yours) with
 an example database under ``.vtoken/examples`` in the rootdir, so a failure found once is
@@ -30,9 +34,12 @@ examples).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
+
+_HARD = pytest.StashKey[list]()  # (item name, {hard state: count}) per ImplCheck run
 
 
 def pytest_addoption(parser):
@@ -65,6 +72,19 @@ class ImplCheck(pytest.Item):
         return table_machine_for(cls) if self.kind == "table" else planner_machine_for(cls)
 
     def runtest(self):
+        from vtoken.fuzz import hard_states
+
+        before = Counter(hard_states.COUNTS)
+        try:
+            self._run()
+        finally:  # reached states are reported whether the class passed or not
+            got = Counter(hard_states.COUNTS)
+            got.subtract(before)
+            counts = {h: got.get(h, 0) for h in hard_states.BY_KIND[self.kind]}
+            self.user_properties.append(("vtoken_hard_states", counts))
+            self.config.stash.setdefault(_HARD, []).append((self.name, counts))
+
+    def _run(self):
         from hypothesis import Phase, settings
         from hypothesis.database import DirectoryBasedExampleDatabase
         from hypothesis.stateful import run_state_machine_as_test
@@ -158,3 +178,9 @@ def pytest_collection_modifyitems(session, config, items):
         except ProtocolError as e:
             raise pytest.UsageError(f"--vtoken-impl {str(e).removeprefix('--impl ')}") from None
         items.append(ImplCheck.from_parent(session, name=f"vtoken-impl[{spec}]::{kind}-machine", impl=spec, kind=kind))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Each ``--vtoken-impl`` item's hard states and how often its machine reached them."""
+    for name, counts in config.stash.get(_HARD, []):
+        terminalreporter.write_line(f"{name}: hard states: " + ", ".join(f"{h} {n}" for h, n in counts.items()))

@@ -229,7 +229,7 @@ def check_invariants(ctx) -> CheckResult:
 def check_fuzz(ctx) -> CheckResult:
     """A seeded campaign of a fixed number of examples per machine: the same work, hence the
     same verdict, for a given commit on any machine (a time box would not be)."""
-    from vtoken.fuzz.campaign import run_campaign
+    from vtoken.fuzz.campaign import run_campaign, run_error_text
 
     n = ctx["fuzz_examples"]
     summary = run_campaign(minutes=0, workers=1, seed=ctx["seed"], out=ctx["out"] / "fuzz", db=None,
@@ -238,10 +238,15 @@ def check_fuzz(ctx) -> CheckResult:
     if vllm_version() is not None and "adapter" in missing:  # vLLM is here: the adapter machine must run
         return CheckResult("fuzz-campaign", False, f"the adapter machine cannot run: {missing['adapter']}",
                            metrics=summary)
-    ok = summary["failures"] == 0 and summary["ops"] > 0
+    # a campaign passes only when it ran: a dead worker, a machine with no checked operation
+    # (run_errors) fails the check as a failure does
+    errors = summary.get("run_errors", [])
+    ok = summary["failures"] == 0 and summary["ops"] > 0 and not errors
     detail = (f"{n} seeded examples per machine ({', '.join(summary['machines'])}; seed {ctx['seed']}): "
               f"{summary['ops']} conformance-checked operations in {summary['seconds']:.0f} s, "
               f"{summary['failures']} failures")
+    if errors:
+        detail += "; NOT GREEN: " + "; ".join(run_error_text(e) for e in errors)
     if missing:
         detail += "; not run: " + "; ".join(f"{m} ({why})" for m, why in missing.items())
     return CheckResult("fuzz-campaign", ok, detail, metrics=summary)

@@ -7,6 +7,10 @@ are not its tail nor in flight; it needs ceil(live tokens of the sources / S) de
 from the headroom, filled one after another in logical order; its reduction is sources
 minus destinations. For k sources the fewest live tokens are the k blocks with the fewest,
 so trying every k over the blocks sorted by live count finds the best plan.
+
+Planted-bug variants: ``TailMovingAltPlanner`` (moves the tail), ``BlindAltPlanner`` (ignores
+``in_flight`` and ``excluded``), ``InFlightBlindAltPlanner`` and ``ExcludedBlindAltPlanner``
+(one of the two each).
 """
 
 
@@ -46,3 +50,25 @@ class TailMovingAltPlanner(AltPlanner):
 
     def propose(self, view, max_dests):
         return super().propose(dict(view, tail=None), max_dests)
+
+
+class BlindAltPlanner(AltPlanner):
+    """Planted bug: ignores what the caller forbids beyond the table, the blocks of plans in
+    flight (``in_flight``) and the blocks it excludes (``excluded``: shared in its own pool)."""
+
+    def propose(self, view, max_dests):
+        return super().propose(dict(view, in_flight=[], excluded=[]), max_dests)
+
+
+class InFlightBlindAltPlanner(AltPlanner):
+    """Planted bug: ignores ``in_flight`` only (plans a block a copy is still moving)."""
+
+    def propose(self, view, max_dests):
+        return super().propose(dict(view, in_flight=[]), max_dests)
+
+
+class ExcludedBlindAltPlanner(AltPlanner):
+    """Planted bug: ignores ``excluded`` only (moves a block the caller's pool shares)."""
+
+    def propose(self, view, max_dests):
+        return super().propose(dict(view, excluded=[]), max_dests)

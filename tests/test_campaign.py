@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_campaign_runs_clean_and_counts(tmp_path):
     s = run_campaign(minutes=0.1, workers=1, out=tmp_path / "out", db=str(tmp_path / "db"),
                      machines=["table"], progress=False, batch=20, profile="ci")
-    assert s["failures"] == 0 and s["ops"] > 100
+    assert s["failures"] == 0 and s["ops"] > 100 and s["green"] is True and s["run_errors"] == []
     assert s["hard_states"]["block exactly full"] > 0 and s["hard_states"]["allocator exhausted"] > 0
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["ops"] == s["ops"]
 
@@ -189,3 +189,86 @@ def test_workers_for_a_cuda_device_are_spawned_and_still_run(tmp_path, monkeypat
                      machines=["table"], progress=False, batch=20, profile="ci")
     assert methods, "the local workers did not ask how to start"
     assert s["failures"] == 0 and s["ops"] > 50 and not s["worker_errors"]
+
+
+# ---------------------------------------------------------------------------- a campaign is green only when it ran
+def _fuzz_cli(args, env=None, timeout=180):
+    """``vtoken fuzz ... --json`` from the repository root: (exit status, the JSON line, stderr)."""
+    r = subprocess.run([sys.executable, "-m", "vtoken", "fuzz", *args, "--json"], cwd=REPO, capture_output=True,
+                       text=True, timeout=timeout, env=dict(os.environ, PYTHONHASHSEED="0", **(env or {})))
+    lines = r.stdout.strip().splitlines()
+    return r.returncode, (json.loads(lines[-1]) if lines else {}), r.stderr
+
+
+@pytest.mark.parametrize("impl,words", [("SegfaultingAltTable", "killed by signal 11 (SIGSEGV)"),
+                                        ("ExitingAltTable", "exited with status 0 without finishing")])
+def test_a_worker_that_dies_makes_the_campaign_fail_naming_it(impl, words, tmp_path):
+    """Issue 40 #3: a table that kills its worker (as an out-of-memory kill would) made a green
+    campaign: exit 0, 0 ops, 0 failures, no worker error. Now: exit 3, ``worker_died`` for the
+    worker and the machine it ran, ``zero_ops`` for the machine, named on the summary line."""
+    spec = f"tests.crashing_impls:{impl}"
+    rc, d, err = _fuzz_cli(["--impl", spec, "--minutes", "0.5", "--out", str(tmp_path / "out")])
+    assert rc == 3, (rc, d, err[-2000:])
+    assert d["green"] is False and d["failures"] == 0 and d["ops"] == 0
+    died = [e for e in d["run_errors"] if e["reason"] == "worker_died"]
+    assert died and died[0]["worker"] == 0 and died[0]["machine"] == f"impl:{spec}" and words in died[0]["detail"], d
+    assert {"reason": "zero_ops", "worker": None, "machine": f"impl:{spec}",
+            "detail": "ran no checked operation"} in d["run_errors"]
+    assert "NOT GREEN: worker_died, zero_ops" in err and f"vtoken fuzz: worker_died (worker 0, machine impl:{spec})" in err
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["run_errors"] == d["run_errors"]
+
+
+def test_a_db_folder_replaced_by_a_file_mid_campaign_fails_it(tmp_path):
+    """Issue 40 #3: the ``--db`` folder replaced by a file mid-run was tolerated (Hypothesis's
+    folder database swallows the error; nothing more was saved). Now the worker stops and the
+    campaign exits 2 with ``db_write_failed``."""
+    db = tmp_path / "db"
+    db.mkdir()  # a database kept between nights
+    rc, d, err = _fuzz_cli(["--impl", "tests.crashing_impls:DbClobberingAltTable", "--minutes", "0.3", "--db", str(db),
+                            "--out", str(tmp_path / "out")], env={"VTOKEN_TEST_CLOBBER_DB": str(db)})
+    assert db.is_file(), "the table did not replace the folder"
+    assert rc == 2, (rc, d, err[-2000:])
+    bad = [e for e in d["run_errors"] if e["reason"] == "db_write_failed"]
+    assert bad and "is no longer a folder" in bad[0]["detail"] and d["green"] is False, d
+    assert "NOT GREEN: db_write_failed" in err
+
+
+def test_a_save_that_does_not_land_is_recorded(tmp_path):
+    """The worker's database: a save Hypothesis's folder database swallows is seen."""
+    from vtoken.fuzz.campaign import watched_db
+
+    db = watched_db(str(tmp_path / "db"))
+    (tmp_path / "db").mkdir()
+    db.save(b"k", b"v")
+    assert db.problem() is None and list(db.fetch(b"k")) == [b"v"]
+    shutil.rmtree(tmp_path / "db")
+    (tmp_path / "db").write_text("a file")
+    db2 = watched_db(str(tmp_path / "db"))
+    db2.save(b"k", b"w")
+    assert "did not reach the example database" in db2.problem()
+    assert "is no longer a folder (a file is there)" in watched_db(str(tmp_path / "db")).problem()
+
+
+def test_a_machine_that_ran_nothing_is_no_green_campaign(tmp_path):
+    """A time box that ends before any batch ran: every worker says done, no operation ran."""
+    s = run_campaign(minutes=1e-6, workers=1, out=tmp_path / "out", machines=["table"], progress=False, profile="ci")
+    assert s["ops"] == 0 and s["failures"] == 0 and s["green"] is False
+    assert s["run_errors"] == [{"reason": "zero_ops", "worker": None, "machine": "table",
+                                "detail": "ran no checked operation"}]
+
+
+@pytest.mark.parametrize("extra", ["SegfaultingMachine", "IdleMachine"])
+def test_the_audits_campaign_fails_when_a_worker_died_or_a_machine_ran_nothing(extra, tmp_path, monkeypatch):
+    """Issue 40 #3: the audit's check asked only ``failures == 0 and ops > 0`` over all
+    machines, so a worker killed after one machine's batch, or a machine with no checked
+    operation beside one that ran, passed. Now the check fails and names the reason."""
+    from vtoken.fuzz import campaign
+    from vtoken.reports import audit
+
+    monkeypatch.setattr(campaign, "MACHINES", {"table": campaign.MACHINES["table"],
+                                               "extra": f"tests.crashing_impls:{extra}"})
+    monkeypatch.setattr(audit, "vllm_version", lambda: None)
+    res = audit.check_fuzz({"fuzz_examples": 5, "seed": 0, "out": tmp_path})
+    assert res.metrics["ops_by_machine"].get("table", 0) > 0, res.detail  # the real machine ran first
+    reason = "worker_died (worker 0, machine extra)" if extra == "SegfaultingMachine" else "zero_ops (machine extra)"
+    assert res.passed is False and f"NOT GREEN: {reason}" in res.detail, res.detail

@@ -336,6 +336,8 @@ class _FakeQueue:
 
 
 class _FakeProcess:
+    exitcode = -15  # as a terminated worker's (the campaign was interrupted)
+
     def __init__(self, *a, **k):
         pass
 

@@ -112,6 +112,38 @@ def test_alt_planner_conforms_and_tail_moving_variant_is_caught():
 
 
 @pytest.mark.invariants
+@pytest.mark.parametrize("cls,rule", [("BlindAltPlanner", r"source_(in_flight|excluded)"),
+                                      ("InFlightBlindAltPlanner", "source_in_flight"),
+                                      ("ExcludedBlindAltPlanner", "source_excluded")])
+def test_a_planner_blind_to_what_the_caller_forbids_is_caught(cls, rule):
+    """Issue 40 #6: the planner machine always gave an empty ``in_flight`` and no ``excluded``,
+    so a planner ignoring both passed. Now the views carry plans in flight and excluded blocks."""
+    import tests.alt_planner as alt
+
+    with pytest.raises(AssertionError, match=rule):
+        run_state_machine_as_test(planner_machine_for(getattr(alt, cls)),
+                                  settings=settings(settings(), max_examples=200, phases=_FIND))
+
+
+@pytest.mark.invariants
+@pytest.mark.parametrize("cls", ["tests.alt_planner:AltPlanner", "tests.test_spec_fills:InPlacePlanner"])
+def test_a_users_planner_is_driven_through_every_hard_state(cls):
+    """Every hard state of a planner (the planner machine's and those of the views a caller
+    passes: in-flight and excluded blocks, dead tokens, evictions under a copy) is reached for
+    a user's planner, out of place and in place, and the class conforms."""
+    from collections import Counter
+
+    from vtoken.fuzz import hard_states
+
+    before = Counter(hard_states.COUNTS)
+    run_state_machine_as_test(planner_machine_for(load_impl(cls)), settings=settings(settings(), max_examples=400))
+    got = Counter(hard_states.COUNTS)
+    got.subtract(before)
+    counts = {h: got[h] for h in hard_states.BY_KIND["planner"]}
+    assert all(counts.values()), counts
+
+
+@pytest.mark.invariants
 def test_error_codes_are_translated_or_the_operation_named():
     from vtoken.fuzz.protocol import Conforming
     from vtoken.errors import TableError
@@ -154,6 +186,27 @@ def test_plugin_passes_alt_table_and_names_the_operation_for_the_leaky_one(tmp_p
     again = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                             str(replay)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 1, again.stdout[-2000:]  # the replay reproduces the failure
+
+
+def test_plugin_and_campaign_catch_a_planner_blind_to_in_flight_and_excluded(tmp_path):
+    """Issue 40 #6 end to end: ``pytest -m invariants --vtoken-impl`` and ``vtoken fuzz --impl``
+    fail on ``BlindAltPlanner`` naming the rule; the conforming ``AltPlanner``'s run reports
+    every planner hard state reached."""
+    bad = _pytest("tests.alt_planner:BlindAltPlanner", tmp_path)
+    assert bad.returncode == 1, f"exit {bad.returncode}:\n{bad.stdout[-3000:]}"
+    assert "BlindAltPlanner does not conform (planner machine)" in bad.stdout
+    assert "source_in_flight" in bad.stdout or "source_excluded" in bad.stdout, bad.stdout[-3000:]
+    (tmp_path / "ok").mkdir()
+    ok = _pytest("tests.alt_planner:AltPlanner", tmp_path / "ok")
+    assert ok.returncode == 0, ok.stdout[-3000:]
+    line = next(l for l in ok.stdout.splitlines() if "AltPlanner]::planner-machine: hard states:" in l)
+    assert " 0," not in line + "," and "in-flight block a plan could take" in line, line
+    r = subprocess.run([sys.executable, "-m", "vtoken", "fuzz", "--impl", "tests.alt_planner:BlindAltPlanner",
+                        "--minutes", "0.25", "--json", "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 1 and d["failures"] == 1, (r.returncode, d)
+    assert "source_in_flight" in r.stdout or "source_excluded" in r.stdout, r.stdout[-2000:]
 
 
 def test_fuzz_impl_cli_json(tmp_path):

@@ -77,3 +77,25 @@ def test_no_cluster_at_the_address_is_refused_before_any_work(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     assert "argument --ray: no Ray cluster at '127.0.0.1:1'" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_ray_worker_that_dies_fails_the_campaign(ray_local, tmp_path, monkeypatch, capsys):
+    """Issue 40 #3: with ``--ray`` a task whose process died (a table raising SIGSEGV, as an
+    out-of-memory kill would) was listed in ``worker_errors`` and the command still exited 0.
+    Now: ``worker_died`` per task (Ray's error named), ``zero_ops``, exit 3."""
+    from vtoken.fuzz.campaign import main_fuzz
+
+    root = str(campaign.Path(__file__).parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    monkeypatch.setenv("VTOKEN_DEVICE", "cpu")
+    spec = "tests.crashing_impls:SegfaultingAltTable"
+    rc = main_fuzz(["--impl", spec, "--ray", "auto", "--workers", "1", "--minutes", "0.5", "--json",
+                    "--out", str(tmp_path / "out")])
+    std = capsys.readouterr()
+    d = json.loads(std.out.strip().splitlines()[-1])
+    assert rc == 3, (rc, d)
+    died = [e for e in d["run_errors"] if e["reason"] == "worker_died"]
+    assert len(died) == 1 and died[0]["machine"] == f"impl:{spec}" and "WorkerCrashedError" in died[0]["detail"], d
+    assert any(e["reason"] == "zero_ops" for e in d["run_errors"]) and d["green"] is False
+    assert "NOT GREEN: worker_died, zero_ops" in std.err
