@@ -57,6 +57,7 @@ MACHINES = {
     "table": "vtoken.fuzz.table_machine:TableMachine",
     "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
     "adapter": "vtoken.fuzz.adapter_machine:AdapterMachine",  # needs vLLM (make vllm)
+    "engine": "vtoken.fuzz.engine_machine:EngineMachine",  # vLLM's real engine: the engine environment (make engine)
 }
 
 
@@ -758,6 +759,23 @@ def _checked_args(ap, a) -> list:
     return machines
 
 
+def _to_engine_environment(ap, argv) -> None:
+    """The engine machine runs where vLLM's engine runs: here, or the whole campaign re-executed
+    with the engine environment's interpreter (same arguments); refused in argparse's one line
+    when there is none (``make engine``)."""
+    from vtoken.vllm_engine.envs import engine_python, runs_engine_here
+
+    if runs_engine_here():
+        return
+    py = engine_python()
+    if py is None:
+        ap.error("argument --machines: the engine machine runs vLLM's real engine: build its environment first "
+                 "(make engine)")
+    print(f"vtoken fuzz: the engine machine runs in the engine environment: {py}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execv(py, [py, "-m", "vtoken", "fuzz", *argv])
+
+
 def main_fuzz(argv) -> int:
     """``vtoken fuzz``. Exit status: 0 a green campaign (it ran, every machine did checked work,
     nothing found); 1 a failure found (or an asked machine unavailable); 2 the example database
@@ -767,6 +785,8 @@ def main_fuzz(argv) -> int:
     ap = _fuzz_parser()
     a = ap.parse_args(argv)
     machines = _checked_args(ap, a)
+    if "engine" in (a.machines or ()):
+        _to_engine_environment(ap, argv)  # returns only where vLLM's engine runs here
     os.environ["VTOKEN_DEVICE"] = a.device
     if a.planted:
         from .planted import main_planted

@@ -32,8 +32,14 @@ import hypothesis.strategies as st
 from hypothesis import event, note
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
+from vtoken.vllm_engine.envs import runs_engine_here
+
+from .hard_states import hard, tag
 from .step_draws import SwarmRules, integer, pick
 
+if not runs_engine_here():  # a campaign lists the machine as unavailable here, with this reason
+    raise ImportError("vLLM's engine does not run in this environment: the engine machine runs in the engine "
+                      "environment (make engine; `vtoken fuzz --machines engine` goes there by itself)")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -75,6 +81,7 @@ class EngineMachine(SwarmRules):
     """vtoken and Naive-Evict in vLLM's engine, operation for operation (module docstring)."""
 
     ROUND_EXAMPLES = 10  # a measuring run (planted faults) checks its time budget this often
+    ops = 0  # operations checked (an add, an abort, an engine step of both), summed over the process's runs
     def __init__(self):
         super().__init__()
         self.vt = self.ne = None
@@ -91,6 +98,8 @@ class EngineMachine(SwarmRules):
         self.vt, self.ne = engines(key)
         self.ad = _scheduler(self.vt).vtoken_adapter
         self.base = f"{id(self)}-"  # request ids unique across the examples an engine serves
+        self.applied0 = self.ad.stats["applied"]
+        tag(f"{key[0]}, copy lag {key[2]}, prefix caching {'on' if key[3] else 'off'}")
         note(f"settings (policy, evict ratio, copy lag, prefix caching): {key}")
 
     # ---------------------------------------------------------------- operations
@@ -114,15 +123,24 @@ class EngineMachine(SwarmRules):
         for e in (self.vt, self.ne):
             e.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
         self.live.add(rid)
+        EngineMachine.ops += 1
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def abort(self, data):
-        rid = pick(data, sorted(self.live), "abort")
+        # the engine's own request ids carry a suffix of its own: "<ours>-<8 hex>"
+        copying = {str(p.req_id).rsplit("-", 1)[0] for p in self.ad.plans.values() if not p.orphaned}
+        flying = sorted(copying & self.live)
+        # half the time, when one is there, a request whose plan's copy flies (the orphan's path)
+        rid = pick(data, flying if flying and integer(data, 0, 1, "abort a copying request") else sorted(self.live),
+                   "abort")
+        if rid in flying:
+            hard("engine abort with a plan in flight")
         for e in (self.vt, self.ne):
             e.abort_request([rid])
         self.live.discard(rid)
         self.aborted.add(rid)
+        EngineMachine.ops += 1
         event("request aborted")
 
     @precondition(lambda self: self.live)
@@ -139,8 +157,11 @@ class EngineMachine(SwarmRules):
                 if o.finished:
                     self.outputs[name][o.request_id] = list(o.outputs[0].token_ids)
                     self.cached[name][o.request_id] = int(o.num_cached_tokens or 0)
+                    if name == "vt" and o.num_cached_tokens:
+                        hard("engine prefix-cache hit")
                     self.live.discard(o.request_id)
         self.check_vtoken()
+        EngineMachine.ops += 1
 
     # ---------------------------------------------------------------- checks
     def check_vtoken(self) -> None:
@@ -148,8 +169,11 @@ class EngineMachine(SwarmRules):
         ad.check_all()  # the runtime checks, the ownership ledger included
         w = ad.worker_stats
         assert not w.get("hash_failures"), f"hash-and-compare failed in the worker: {w}"
-        if ad.stats["plans"]:
-            event("plans launched")
+        if ad.stats["applied"] > self.applied0:
+            self.applied0 = ad.stats["applied"]
+            hard("engine plan applied")
+        if ad.plans and any(p.seq < ad.clock.processed for p in ad.plans.values()):
+            hard("engine copy in flight across a step")
         self._check_rows()
 
     def _check_rows(self) -> None:
@@ -177,14 +201,14 @@ class EngineMachine(SwarmRules):
         self._idle()
         both = set(self.outputs["vt"]) & set(self.outputs["ne"])
         alike = [r for r in sorted(both) if self.cached["vt"][r] == self.cached["ne"][r] and r not in self.aborted]
-        pre = set(self.ad.scheduler.vtoken_observer.preempted) if self.ad.scheduler.vtoken_observer else set()
+        obs = self.ad.scheduler.vtoken_observer
+        pre = {str(r).rsplit("-", 1)[0] for r in obs.preempted} if obs is not None else set()  # the engine's ids
         for r in alike:
             if r in pre:
                 continue
             a, b = self.outputs["vt"][r], self.outputs["ne"][r]
             assert a == b, f"request {r!r}: outputs differ from Naive-Evict's in the same engine: {a} vs {b}"
-        if alike:
-            event("outputs compared")
+            hard("engine outputs compared")
 
     def _idle(self) -> None:
         """Both engines idle: the vtoken engine's last steps taken (plans in flight end), then

@@ -40,6 +40,12 @@ HARD_STATES = (
     "excluded block a plan could take",  # a block the caller forbids that the table alone would allow
     "dead token in a candidate block",  # a block a plan may empty or fill holds dead tokens of the request
     "token evicted while its copy flies",  # the plan's move of it must not be applied
+    # the engine machine, vLLM's real engine with vtoken against Naive-Evict
+    "engine plan applied",  # a relocation landed in vLLM's own K/V tensors, hashed
+    "engine copy in flight across a step",  # a copy launched after one forward still flies at the next
+    "engine abort with a plan in flight",
+    "engine prefix-cache hit",  # a request started from cached blocks
+    "engine outputs compared",  # requests computed alike in both engines, compared token for token
 )
 
 # which machine reaches which (a campaign reports the states of the machines it ran)
@@ -48,7 +54,8 @@ BY_MACHINE = {
     "planner": ("headroom exhausted", "plan overlapping an in-flight one", "copy failing part-way",
                 "finish while a copy is in flight"),
     "adapter": HARD_STATES[7:14],
-    "planner protocol": HARD_STATES[14:],
+    "planner protocol": HARD_STATES[14:18],
+    "engine": HARD_STATES[18:],
 }
 assert sorted(sum(BY_MACHINE.values(), ())) == sorted(HARD_STATES)
 

@@ -54,7 +54,8 @@ from vtoken.invariants.relocation_hash import RelocationChecker
 
 MACHINES = {"table": "vtoken.fuzz.table_machine:TableMachine",
             "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
-            "adapter": "vtoken.fuzz.adapter_machine:AdapterMachine"}
+            "adapter": "vtoken.fuzz.adapter_machine:AdapterMachine",
+            "engine": "vtoken.fuzz.engine_machine:EngineMachine"}  # in the engine environment (make engine)
 DEFAULT_BUDGET_S = 60.0
 SHRINK_CAP_S = 30  # a shrunk example is for reading; past this the smallest found so far is reported
 
@@ -120,7 +121,7 @@ def _detect_machine(machine_path: str, seed: int, budget_s: float, shrink: bool 
     ops0 = getattr(machine, "ops", 0)
     while err is None and time.perf_counter() - t0 < budget_s:
         test = get_state_machine_test(machine, settings=settings(
-            settings(), database=None, derandomize=False, max_examples=200,
+            settings(), database=None, derandomize=False, max_examples=getattr(machine, "ROUND_EXAMPLES", 200),
             phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])))
         try:
             hseed(seed * 100_003 + rounds)(test)()
@@ -363,6 +364,17 @@ def _start_fault(n: str, work: Path, snap: Path, seeds: str, budget_s: float, re
         if progress:
             print(f"BROKEN   {n:34s} patch does not apply: {str(e).splitlines()[0]}", flush=True)
         return None
+    python = sys.executable
+    if BY_NAME[n].detector == "engine":  # vLLM's real engine runs in its own environment
+        from vtoken.vllm_engine.envs import engine_python
+
+        python = engine_python()
+        if python is None:
+            results.append({"fault": n, "detector": "engine", "runs": [],
+                            "error": "the engine environment is not built (make engine): not run"})
+            if progress:
+                print(f"NOT RUN  {n:34s} the engine environment is not built (make engine)", flush=True)
+            return None
     env = env_for(sh)
     env.setdefault("HYPOTHESIS_EXPERIMENTAL_OBSERVABILITY_NOCOVER", "1")
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
@@ -370,7 +382,7 @@ def _start_fault(n: str, work: Path, snap: Path, seeds: str, budget_s: float, re
     # nobody reads until it exits, and block forever
     log = open(work / f"{n}.log", "w+")
     return (subprocess.Popen(
-        [sys.executable, "-B", "-m", "vtoken.fuzz.planted", "--one", n, "--seeds", seeds,
+        [python, "-B", "-m", "vtoken.fuzz.planted", "--one", n, "--seeds", seeds,
          "--budget", str(budget_s), "--shadow", str(sh)],
         cwd=sh, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), sh, log)
 

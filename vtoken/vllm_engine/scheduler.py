@@ -84,7 +84,7 @@ class Scheduler(scheduler_class(_VllmScheduler)):
         self._vtoken_closed = None
         observe = ((getattr(self.vllm_config, "additional_config", None) or {}).get(OBSERVE_KEY) or {})
         self._stats_path = s.stats_path if s is not None else observe.get("stats_path")
-        self.vtoken_observer = Observer() if self._stats_path else None
+        self.vtoken_observer = Observer() if (self._stats_path or s is not None) else None  # O(1) a step
         if s is None:
             return
         from ..vllm_adapter.adapter import VTokenAdapter
@@ -100,7 +100,8 @@ class Scheduler(scheduler_class(_VllmScheduler)):
     def update_from_output(self, scheduler_output, model_runner_output):
         out = super().update_from_output(scheduler_output, model_runner_output)
         obs = self.vtoken_observer
-        if obs is not None and scheduler_output.total_num_scheduled_tokens and obs.steps % STATS_EVERY == 0:
+        if self._stats_path and obs is not None and scheduler_output.total_num_scheduled_tokens \
+                and obs.steps % STATS_EVERY == 0:
             self._write_stats()
         return out
 
@@ -134,6 +135,6 @@ class Scheduler(scheduler_class(_VllmScheduler)):
     def shutdown(self) -> None:
         if self.vtoken_adapter is not None:
             self.vtoken_close()
-        if self.vtoken_observer is not None:
+        if self._stats_path and self.vtoken_observer is not None:
             self._write_stats()
         super().shutdown()
