@@ -42,6 +42,7 @@ if not runs_engine_here():  # a campaign lists the machine as unavailable here, 
                       "environment (make engine; `vtoken fuzz --machines engine` goes there by itself)")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # an engine built per settings would flood a campaign's output
 
 POLICIES = ("h2o", "streaming", "scissorhands", "random")
 # copy lag 3: a copy launched after a step's forward is still in flight at the next step's reads

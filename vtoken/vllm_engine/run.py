@@ -144,6 +144,7 @@ def run_subprocess(spec: dict, *, python: str | None = None, mp: bool = False, t
     e = dict(os.environ, **(env or {}))
     e.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if mp else "0")
     e.setdefault("OMP_NUM_THREADS", "1")
+    e.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # ``-m`` puts the working directory first on the path: the first PYTHONPATH entry (a shadow
     # tree's vtoken), else a neutral folder, never a checkout that happens to be the caller's
     cwd = (e.get("PYTHONPATH") or "").split(os.pathsep)[0] or tempfile.gettempdir()
