@@ -95,6 +95,9 @@ def test_not_applicable_reasons(r, reason):
 
 
 # ---------------------------------------------------------------------------- divergences
+HELD = {"vtoken_stats": '{"deferred_free_calls": 3, "headroom_target": 4}'}  # the adapter kept blocks
+
+
 @pytest.mark.parametrize("test, error, cause, kind", [
     ("t.py::test_hybrid", "AdapterAssumptionError: assumption broken: ... [kv_groups]: block 7 (headroom) is in "
                           "request 'r''s list of KV cache group 1", "kv_groups", "bug"),
@@ -112,7 +115,9 @@ def test_not_applicable_reasons(r, reason):
     ("t.py::test_abort", "E   assert scheduler.has_requests()", "backpressure_hides_requests", "bug"),
 ])
 def test_divergence_rules_classify_by_cause(test, error, cause, kind):
-    d = vot.classify_divergence(test, rec(message=error.splitlines()[0], text=error))
+    r = rec(message=error.splitlines()[0], text=error)
+    r["properties"] = dict(HELD)
+    d = vot.classify_divergence(test, r)
     assert (d["cause"], d["kind"], d["test"]) == (cause, kind, test)
     assert d["reason"] == next(r["reason"] for r in vot.DIVERGENCE_RULES if r["cause"] == cause)
 
@@ -138,9 +143,12 @@ def test_rules_are_data_and_a_test_pattern_must_match_too():
     assert vot.classify_divergence("a.py::test_only_me", rec(message="boom"), rules)["cause"] == "c1"
     assert vot.classify_divergence("a.py::test_other", rec(message="boom"), rules)["cause"] == "c2"
     for r in vot.DIVERGENCE_RULES + vot.NOT_APPLICABLE_RULES:
-        assert set(r) <= {"cause", "kind", "reason", "test", "error", "props"}
-        assert "test" in r or "error" in r or "props" in r
+        assert set(r) <= {"cause", "kind", "reason", "test", "error", "props", "failure"}
+        assert "error" in r or "props" in r or "failure" in r
         assert r.get("kind", "bug") in ("bug", "inherent")
+    for r in vot.DIVERGENCE_RULES:  # a test's name narrows a rule, never decides it: what failed does
+        assert "failure" in r, r["cause"]
+        assert "test" not in r or "error" in r or "props" in r, r["cause"]
 
 
 def test_compare_finds_divergences_and_groups_them():

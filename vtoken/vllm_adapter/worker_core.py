@@ -46,6 +46,7 @@ import torch
 
 from ..copy_engine import KVCopyEngine
 from ..errors import OrderError
+from ..fields import refuse
 from ..lifecycle import Copies, Plan
 from ..policies import make_policy
 from .layout import WorkerLayout
@@ -154,6 +155,7 @@ class WorkerCore:
 
     def begin(self, sched_out, rep: WorkerReport) -> dict[str, int]:
         """Steps 1-4 of the module docstring; returns ``{request: its chunk's start}``."""
+        self._check_groups(sched_out)
         meta = getattr(sched_out, "vtoken", None)
         t = self.table
         self.stats["steps"] += 1
@@ -172,6 +174,18 @@ class WorkerCore:
                     self._unlist(r, blocks)
                     self.stats["releases"] += len(blocks)
         return self._lists(sched_out)
+
+    def _check_groups(self, sched_out) -> None:
+        """Refuse (``ConfigError``, before anything changes) a step whose block lists carry fewer
+        KV cache groups than the layout reads: a worker of another layout would fail mid-step or
+        read another group's blocks. O(requests scheduled)."""
+        need = self.layout.groups_needed()
+        lists = [d.block_ids for d in sched_out.scheduled_new_reqs]
+        lists += [nb for nb in sched_out.scheduled_cached_reqs.new_block_ids if nb]
+        short = next((ids for ids in lists if len(ids) < need), None)
+        if short is not None:
+            refuse("inconsistent", "VTokenWorker", "layout", f"a layout of the {len(short)} KV cache group(s) "
+                                                             f"vLLM's step carries", self.layout)
 
     def _unlist(self, r: str, blocks) -> None:
         """Blocks ``r`` no longer has in its list (released, or a plan's emptied sources): their
