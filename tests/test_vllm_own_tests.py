@@ -131,6 +131,55 @@ def test_a_starved_headroom_in_the_plugin_stats_is_a_tight_pool():
     assert vot.classify_divergence("t.py::test_new", r)["cause"] == "unclassified"
 
 
+CONFIG_ERROR = ("vtoken.errors.ConfigError: [bad_type] VTokenAdapter.planner_config must be a PlannerConfig or "
+                "None, got {'headroom': 64, 'in_place': False}")
+
+
+@pytest.mark.parametrize("test", [
+    "tests/v1/core/test_priority_preemption_bug.py::test_priority_scheduler_preempt_skipped_request",
+    "tests/v1/core/test_scheduler.py::test_preempt_during_execution",
+    "tests/v1/core/test_scheduler.py::test_reset_prefix_cache_twice",
+    "tests/v1/core/test_scheduler.py::test_kv_connector_unable_to_allocate[1]",
+])
+def test_a_vtoken_error_is_filed_by_what_failed_not_by_the_tests_name(test):
+    """With ``--adapter-settings '{"planner_config": {...}}'`` every scheduler-building test failed
+    with ConfigError[bad_type], and the rules filed most of them under causes matched by the test's
+    name (tight_pool_headroom, fence_defers_vllm_frees, ...)."""
+    r = rec(message=CONFIG_ERROR, text="    def test():\n>       scheduler = create_scheduler()\nE   " + CONFIG_ERROR)
+    r["properties"] = dict(HELD)  # even with the adapter holding blocks: the failure decides
+    d = vot.classify_divergence(test, r)
+    assert (d["cause"], d["kind"], d["failure"]) == ("vtoken_error:ConfigError[bad_type]", "bug",
+                                                     "ConfigError[bad_type]")
+    assert d["reason"].startswith("vtoken raised ConfigError[bad_type]") and "planner_config" in d["reason"]
+
+
+@pytest.mark.parametrize("r, failure", [
+    (rec(message="assert 3 == 5"), "AssertionError"),
+    (rec(message="AssertionError: Bug present"), "AssertionError"),
+    (rec(message=CONFIG_ERROR), "ConfigError[bad_type]"),
+    (rec(message="vtoken.vllm_adapter.assumptions.AdapterAssumptionError: assumption broken: a block the adapter "
+                 "holds [kv_groups]: block 7"), "AdapterAssumptionError[kv_groups]"),
+    (rec(message="vtoken.errors.OrderError: [not_set_up] x"), "OrderError[not_set_up]"),
+    (rec(message="pydantic_core._pydantic_core.ValidationError: 1 validation error for SchedulerConfig"),
+     "ValidationError"),
+    (rec(message='failed on teardown with "RuntimeError: x"'), "RuntimeError"),
+    (rec(message="KeyError: '[x] y'"), "KeyError"),  # a code only on vtoken's errors
+    (rec(message="", text="x = 1\nE   ZeroDivisionError: boom\nE   RuntimeError: during handling"),
+     "RuntimeError"),  # the last exception of the traceback
+    (rec(message="whatever"), "unknown"),
+])
+def test_failure_of_reads_the_exception_a_test_raised(r, failure):
+    assert vot.failure_of(r) == failure
+
+
+def test_the_vtoken_error_names_are_vtokens():
+    from vtoken import errors
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ours = {c.__name__ for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.VTokenError)}
+    assert set(vot.VTOKEN_ERRORS) == ours | {AdapterAssumptionError.__name__}
+
+
 def test_an_unknown_divergence_is_an_unclassified_bug():
     d = vot.classify_divergence("t.py::test_x", rec(message="boom", text="x = 1\nE   ZeroDivisionError: boom\n"))
     assert d["kind"] == "bug" and d["cause"] == "unclassified"
