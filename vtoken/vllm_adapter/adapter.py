@@ -262,7 +262,8 @@ class VTokenAdapter:
         pool size, prefix caching, async) is read off it (``VllmHarness.around``);
         ``settings`` are the adapter's own (``reclaim``, ``planner_config``, ``checks``, ...);
         vLLM's configuration (``config.VLLM_FIELDS``) is the scheduler's, given here it is
-        refused (``ConfigError``, ``unsupported``). Requests the caller adds with ``scheduler.add_request`` bypass ``add_request`` here."""
+        refused (``ConfigError``, ``unsupported``). Requests the caller adds with
+        ``scheduler.add_request`` bypass ``add_request`` here."""
         return cls(scheduler=scheduler, **settings)
 
     # ------------------------------------------------------------------ accessors
@@ -337,9 +338,9 @@ class VTokenAdapter:
         """The worker the harness drives (``drain_idle`` host-syncs it), checked where the two
         meet (``ConfigError``, nothing attached): its token table is its own (the adapter's is a
         replica: one object for both is refused), of the adapter's geometry, and its
-        ``layout`` is the adapter's ``worker_layout()`` (a worker reading another group as the
-        table's, or a window it does not have, is refused naming both layouts; so is any worker
-        when no group can hold the table: a sliding-window-only layout)."""
+        ``layout`` is the adapter's ``worker_layout()`` (a worker that would read another group
+        as the table's, or miss or invent a window group, is refused naming both layouts; so is
+        any worker when no group can hold the table: a sliding-window-only layout)."""
         own = "VTokenAdapter.attach_worker"
         table = getattr(worker, "table", None)
         if table is self.table:

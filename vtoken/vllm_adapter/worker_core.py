@@ -4,8 +4,9 @@ both drive.
 
 Per ``SchedulerOutput``, in order:
 
-1. :meth:`WorkerCore.begin`: finished and preempted requests leave the table
-   (``free_request``); the pre-attention hook (``KVCopyEngine.wait_before_attention``) and
+1. :meth:`WorkerCore.begin`: a step carrying fewer KV cache groups than the worker's layout
+   reads is refused first (``ConfigError``, nothing changed); finished and preempted requests
+   leave the table (``free_request``); the pre-attention hook (``KVCopyEngine.wait_before_attention``) and
    the copies seen done applied (all of them, host-waited, when the step says ``drain``); the
    scheduler side's releases leave the table; the block lists (new, appended, replaced on
    resume) recorded. Returns where each scheduled request's chunk starts.
