@@ -36,9 +36,12 @@ installed: a side environment of ``vllm_envs`` works) and returns what diverged:
    (not vLLM's, not the tests', not vtoken's), is "not applicable" with that reason
    (``NOT_APPLICABLE_RULES``); listed, never dropped.
 5. *Divergences*: tests that passed as shipped and did not pass with vtoken. Each is
-   classified by ``DIVERGENCE_RULES`` (data: a pattern on the test id and/or the error text
-   -> cause, kind ``bug`` | ``inherent``, reason), first match wins; an unknown one is
-   ``bug`` with reason ``unclassified: <first error line>``.
+   classified by what failed: ``failure_of`` reads the exception it raised (``Type`` or
+   ``Type[code]``), and ``DIVERGENCE_RULES`` (data: patterns on that, the error text and the
+   plugin's counters, narrowed by the test id but never decided by it -> cause, kind ``bug`` |
+   ``inherent``, reason), first match wins; a vtoken error no rule takes is
+   ``vtoken_error:<Type[code]>`` (``bug``), anything else ``bug`` with reason
+   ``unclassified: <first error line>``.
 
 The result (and ``out_dir/vllm_own_tests.json``, the two junit files beside it)::
 
@@ -47,7 +50,7 @@ The result (and ``out_dir/vllm_own_tests.json``, the two junit files beside it):
                  "not_applicable_tests": [{"test", "reason"}], "failed_tests": [{"test", "error"}]},
      "with_vtoken": {... the same, plus "adapters_attached": tests where the adapter was attached
                      to a scheduler, "adapter_refused": tests where it refused one},
-     "divergences": [{"test", "kind", "reason", "cause", "error"}],
+     "divergences": [{"test", "kind", "reason", "cause", "error", "failure"}],
      "causes": {cause: {"kind", "reason", "tests"}},
      "vtoken_only_passes": [test ids failing as shipped, passing with vtoken]}
 
@@ -103,10 +106,16 @@ NOT_APPLICABLE_RULES: list[dict] = [
 MODEL_ID_PATTERNS = [r"Invalid repository ID or local directory specified: '([^']+)'", r"repo_id = '([^']+)'",
                      r"huggingface\.co/([\w.-]+/[\w.-]+)/", r"model=\"([\w.-]+/[\w.-]+)\""]
 
-# Divergences: tests passing as shipped and not with vtoken. ``test``: regex on the test id,
-# ``error``: regex on the error text (junit message + traceback), ``props``: regex on the
-# test's junit properties as JSON (the plugin's ``vtoken_stats``); every key given must
-# match, first match wins. Measured on vLLM 0.33.0 by switching each adapter behaviour off
+# Divergences: tests passing as shipped and not with vtoken, classified by what failed. Every
+# failure is first read as ``failure_of``: the exception it raised, ``Type`` or ``Type[code]``
+# (vtoken's errors carry their code, the adapter's failed assumptions their check's name). A
+# rule's keys, every one given must match, first match wins: ``failure`` (regex on that),
+# ``error`` (regex on the error text: junit message + traceback), ``props`` (regex on the test's
+# junit properties as JSON: the plugin's ``vtoken_stats``, what the adapters did), ``test``
+# (regex on the test id: it only narrows, a rule never has it alone nor with ``failure`` alone
+# beside it: a test's name never decides the cause). A failure no rule takes is filed by its
+# exception: vtoken's own errors (``VTOKEN_ERRORS``) under ``vtoken_error:<Type[code]>``, the
+# rest ``unclassified``. Measured on vLLM 0.33.0 by switching each adapter behaviour off
 # in turn (headroom, the fence); kind "inherent": a consequence of vtoken's design that the
 # test asserts on (the reservation's blocks in a free count); "bug": vtoken changes what vLLM
 # does for a caller (admission, preemption, reset, idle accounting, a KV layout) where it
@@ -127,40 +136,47 @@ _TIGHT_POOL_REASON = ("a headroom (none by default: in-place plans need no desti
 _RESET_BLOCKED_REASON = ("reset_prefix_cache cannot succeed while the adapter keeps blocks allocated: the "
                          "headroom (unless given back first) or blocks its fence still holds; "
                          "reset_prefix_cache(reset_running_requests=True) then raises RuntimeError")
+_ASSERTED = r"^AssertionError$"  # the test's own assertion failed: vLLM behaved otherwise (not a vtoken error)
+_HELD = r'"(?:headroom_target|deferred_free_calls)": [1-9]'  # the adapter kept blocks allocated
 DIVERGENCE_RULES: list[dict] = [
     {"cause": "kv_groups", "kind": "bug",
-     "error": r"\[(?:kv_groups|single_full_attention_pool)\]",
+     "failure": r"^AdapterAssumptionError\[(?:kv_groups|single_full_attention_pool)\]$",
      "reason": "a block the adapter holds is in a list of a KV cache group it does not mirror "
                "(sliding window, chunked-local, Mamba, cross-attention), or (before multi-group "
                "support) a multi-group layout was refused at start"},
-    {"cause": "reset_prefix_cache_blocked", "kind": "bug",
+    {"cause": "reset_prefix_cache_blocked", "kind": "bug", "failure": r"^(?:RuntimeError|AssertionError)$",
      "error": r"Failed to reset KV cache|reset_prefix_cache\(\)",
      "reason": _RESET_BLOCKED_REASON},
-    {"cause": "reset_prefix_cache_blocked", "kind": "bug", "test": r"reset_prefix_cache",
-     "reason": _RESET_BLOCKED_REASON},
-    {"cause": "fence_defers_vllm_frees", "kind": "bug", "test": _DEFER_TESTS,
+    {"cause": "reset_prefix_cache_blocked", "kind": "bug", "test": r"reset_prefix_cache", "failure": _ASSERTED,
+     "props": _HELD, "reason": _RESET_BLOCKED_REASON},
+    {"cause": "fence_defers_vllm_frees", "kind": "bug", "test": _DEFER_TESTS, "failure": _ASSERTED,
+     "props": r'"deferred_free_calls": [1-9]',
      "reason": "vLLM's frees are deferred where vLLM frees at once (its defer_block_free is off): the "
                "adapter's fence must hold only its own blocks, so a freed or preempted request's blocks "
                "are not there for the allocation retry or the next admission (these tests pass with "
                "the fence on the adapter's own clock)"},
-    {"cause": "tight_pool_headroom", "kind": "bug", "test": _TIGHT_POOL_TESTS,
-     "reason": _TIGHT_POOL_REASON},
-    {"cause": "tight_pool_headroom", "kind": "bug", "props": r'"(?:headroom_yielded|backpressure_steps)": [1-9]',
-     "reason": _TIGHT_POOL_REASON},
-    {"cause": "headroom_held_at_idle", "kind": "bug",
+    {"cause": "tight_pool_headroom", "kind": "bug", "test": _TIGHT_POOL_TESTS, "failure": _ASSERTED,
+     "props": r'"headroom_target": [1-9]', "reason": _TIGHT_POOL_REASON},
+    {"cause": "tight_pool_headroom", "kind": "bug", "failure": _ASSERTED,
+     "props": r'"(?:headroom_yielded|backpressure_steps)": [1-9]', "reason": _TIGHT_POOL_REASON},
+    {"cause": "headroom_held_at_idle", "kind": "bug", "failure": _ASSERTED,
      "error": r"num_free_initially|num_gpu_blocks - 1|NUM_BLOCKS - 1|assert_scheduler_empty",
      "reason": "the headroom stays allocated with no request left: the pool never returns to its "
                "initial free count, vLLM's leak check (assert_scheduler_empty) fails and an idle "
                "engine reports the reservation as KV cache in use"},
-    {"cause": "headroom_in_free_counts", "kind": "inherent",
+    {"cause": "headroom_in_free_counts", "kind": "inherent", "failure": _ASSERTED,
      "error": r"get_num_free_blocks|num_free_blocks|get_usage|kv_cache_usage",
      "reason": "while requests run, the reservation's blocks are allocated: exact free-block "
                "counts and usage the test asserts are lower by the headroom"},
-    {"cause": "backpressure_hides_requests", "kind": "bug",
+    {"cause": "backpressure_hides_requests", "kind": "bug", "failure": r"^(?:AssertionError|KeyError)$",
      "error": r"has_requests\(\)|finish_requests|get_num_unfinished_requests|not in scheduler\.requests",
      "reason": "admission back-pressure hides held requests from vLLM: not in scheduler.requests, "
                "not counted by has_requests(), lost by finish_requests (aborts)"},
 ]
+# vtoken's error classes (``vtoken.errors`` and the adapter's ``AdapterAssumptionError``), by name:
+# a failure raising one is vtoken's doing, whatever the test's name
+VTOKEN_ERRORS = ("VTokenError", "TableError", "AllocatorError", "PlanError", "SnapshotError", "RelocationCheckError",
+                 "CallError", "CallTypeError", "CallIndexError", "OrderError", "ConfigError", "AdapterAssumptionError")
 
 # Published config.json shapes (no weights, no tokenizer) of the models vLLM's scheduler
 # tests build a ModelConfig for: all they read is the architecture, max_model_len and vocab.
@@ -426,17 +442,45 @@ def parse_junit(xml_text: str) -> dict[str, dict]:
     return out
 
 
-def _match(rule: dict, test: str, error: str, props: str = ""):
+def _match(rule: dict, test: str, error: str, props: str = "", failure: str = ""):
     m_err = None
     if "test" in rule and not re.search(rule["test"], test):
         return None
     if "props" in rule and not re.search(rule["props"], props):
+        return None
+    if "failure" in rule and not re.search(rule["failure"], failure):
         return None
     if "error" in rule:
         m_err = re.search(rule["error"], error)
         if m_err is None:
             return None
     return m_err or True
+
+
+# an exception named in a failure's text: ``[module.]Type[: rest]``
+_EXC = re.compile(r"(?:^|(?<=[\s\"'(]))(?:[A-Za-z_]\w*\.)*([A-Z]\w*(?:Error|Exception|Exit|Interrupt))(?::\s*(.*))?")
+
+
+def failure_of(rec: dict) -> str:
+    """What a failed test raised, read off its junit record: the exception's class name with
+    vtoken's ``[code]`` (a ``VTokenError``: ``ConfigError[bad_type]``) or the adapter's
+    ``[check]`` (``AdapterAssumptionError[kv_groups]``) when it carries one; ``AssertionError``
+    for a bare ``assert``; ``unknown`` when the text names no exception. The junit message (the
+    exception that ended the test) first, then the traceback's ``E`` lines, last first."""
+    msg = (rec.get("message") or "").strip()
+    cands = [msg.splitlines()[0]] if msg else []
+    cands += [ln[1:].strip() for ln in reversed((rec.get("text") or "").splitlines()) if ln.startswith("E ")]
+    for c in cands:
+        c = re.sub(r"^E\s+", "", c)  # a traceback line quoted as the message
+        if c.startswith("assert ") or c == "assert":
+            return "AssertionError"
+        m = _EXC.search(c)
+        if m is None:
+            continue
+        name, rest = m.group(1), m.group(2) or ""
+        code = re.search(r"\[(\w+)\]:", rest) if name == "AdapterAssumptionError" else re.match(r"\[(\w+)\]", rest)
+        return f"{name}[{code.group(1)}]" if code and name in VTOKEN_ERRORS else name
+    return "unknown"
 
 
 def not_applicable_reason(rec: dict, rules: list[dict] = NOT_APPLICABLE_RULES) -> Optional[str]:
@@ -465,17 +509,23 @@ def error_line(rec: dict) -> str:
 
 
 def classify_divergence(test: str, rec: dict, rules: list[dict] = DIVERGENCE_RULES) -> dict:
-    """``{"test", "kind", "reason", "cause", "error"}`` for a test that passed as shipped and
-    not with vtoken (``rec``: its with-vtoken junit record)."""
+    """``{"test", "kind", "reason", "cause", "error", "failure"}`` for a test that passed as
+    shipped and not with vtoken (``rec``: its with-vtoken junit record), by what failed
+    (``failure_of``, the error text, the adapters' counters; see ``DIVERGENCE_RULES``): the
+    first rule that matches; else a vtoken error under ``vtoken_error:<failure>`` (kind
+    ``bug``); else ``unclassified`` (``bug``)."""
     error = (rec.get("message") or "") + "\n" + (rec.get("text") or "")
     props = json.dumps(rec.get("properties") or {}, sort_keys=True).replace('\\"', '"')
-    first = error_line(rec)
+    first, failure = error_line(rec), failure_of(rec)
+    out = {"test": test, "error": first, "failure": failure}
     for rule in rules:
-        if _match(rule, test, error, props):
-            return {"test": test, "kind": rule["kind"], "reason": rule["reason"], "cause": rule["cause"],
-                    "error": first}
-    return {"test": test, "kind": "bug", "reason": f"unclassified: {first}", "cause": "unclassified",
-            "error": first}
+        if _match(rule, test, error, props, failure):
+            return {**out, "kind": rule["kind"], "reason": rule["reason"], "cause": rule["cause"]}
+    if failure.split("[")[0] in VTOKEN_ERRORS:
+        return {**out, "kind": "bug", "cause": f"vtoken_error:{failure}",
+                "reason": f"vtoken raised {failure} (the adapter refused its settings or the scheduler, or an "
+                          f"assumption broke): {first}"}
+    return {**out, "kind": "bug", "reason": f"unclassified: {first}", "cause": "unclassified"}
 
 
 def summarize(results: dict[str, dict]) -> dict:
@@ -520,14 +570,23 @@ def compare(shipped: dict[str, dict], vtoken: dict[str, dict], rules: list[dict]
 
 
 # ---------------------------------------------------------------------------- running
-def _probe(python: str) -> dict:
-    code = ("import json, importlib.util as u\n"
+def _probe(python: str, adapter_settings: Optional[dict] = None) -> dict:
+    """What ``python`` has; with ``adapter_settings``, also what its vtoken says of them
+    (``settings_error``: the ``ConfigError`` line of ``vllm_adapter.config.adapter_settings``
+    for an attached adapter, None when accepted). One subprocess."""
+    code = ("import json, sys, importlib.util as u\n"
             "d = {}\n"
             "try:\n import vllm; d['vllm'] = vllm.__version__\n"
             "except Exception as e: d['vllm'] = None; d['vllm_error'] = repr(e)[:300]\n"
             "for m in ('pytest', 'pytest_timeout', 'vtoken'): d[m] = u.find_spec(m) is not None\n"
+            "if len(sys.argv) > 1 and d['vtoken']:\n"
+            " try:\n"
+            "  from vtoken.vllm_adapter.config import adapter_settings\n"
+            "  adapter_settings(json.loads(sys.argv[1]), attach=True); d['settings_error'] = None\n"
+            " except Exception as e: d['settings_error'] = str(e).splitlines()[0][:500] if str(e) else repr(e)\n"
             "print(json.dumps(d))\n")
-    p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    argv = [python, "-c", code] + ([json.dumps(adapter_settings)] if adapter_settings is not None else [])
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     if p.returncode:
         raise RuntimeError(f"{python} cannot be probed: {p.stderr.strip()[-500:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -625,12 +684,14 @@ class PreflightError(RuntimeError):
         self.arg = arg
 
 
-def preflight(python: str, version: Optional[str] = None, with_vtoken: bool = True) -> tuple[dict, str]:
+def preflight(python: str, version: Optional[str] = None, with_vtoken: bool = True,
+              adapter_settings: Optional[dict] = None) -> tuple[dict, str]:
     """What ``python`` has (``_probe``: one subprocess importing vLLM; nothing written) and the
     version to test (``version`` or the one it has). Raises :class:`PreflightError` when it
-    has no vLLM, another version, no pytest, or (``with_vtoken``) no vtoken."""
+    has no vLLM, another version, no pytest, (``with_vtoken``) no vtoken, or when its vtoken
+    refuses ``adapter_settings`` (``--adapter-settings``: the refusal's one line)."""
     try:
-        probe = _probe(python)
+        probe = _probe(python, adapter_settings if with_vtoken else None)
     except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as e:
         raise PreflightError("--python", f"{python} cannot be run: {str(e)[-300:]}") from None
     if not probe.get("vllm"):
@@ -643,6 +704,8 @@ def preflight(python: str, version: Optional[str] = None, with_vtoken: bool = Tr
         raise PreflightError("--python", f"{python} has no pytest")
     if with_vtoken and not probe.get("vtoken"):
         raise PreflightError("--python", f"{python} cannot import vtoken (install this checkout there)")
+    if with_vtoken and probe.get("settings_error"):
+        raise PreflightError("--adapter-settings", probe["settings_error"])
     return probe, version
 
 
@@ -663,12 +726,15 @@ def run(version: str = None, python: str = sys.executable, out_dir: Path = None,
         targets: test files or node ids relative to the tree (default: ``tests/v1/core``).
         timeout: per-test seconds (only where pytest-timeout is installed), None for none.
         stand_ins: serve ``STAND_IN_CONFIGS`` from an offline HF cache of our own.
-        adapter_settings: keyword arguments for ``VTokenAdapter.attach`` (default: none).
+        adapter_settings: the attached adapter's settings (default: none), as JSON values:
+            ``AdapterConfig``'s fields, ``planner_config`` a nested dict of ``PlannerConfig``'s
+            (``vllm_adapter.config.adapter_settings``, checked in ``python`` first: a refusal
+            raises :class:`PreflightError` before any run).
         shipped: run the shipped suite (False: only the vtoken run, no comparison).
     """
     log = log or (lambda s: print(s, file=sys.stderr))
     t0 = time.monotonic()
-    probe, version = preflight(python, version, with_vtoken)
+    probe, version = preflight(python, version, with_vtoken, adapter_settings)
     tree = ensure_tests(version, log)
     # absolute: pytest runs with the extracted tree as its working directory, so a relative
     # --junitxml would land there (the audit passes reports/<ts>/vllm-own-tests: "no junit results")
@@ -771,7 +837,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=nonneg_int, default=300, help="per-test timeout in seconds (0: none)")
     ap.add_argument("--no-stand-ins", action="store_true", help="no stand-in model configs")
     ap.add_argument("--adapter-settings", type=json_object, default=None,
-                    help="JSON keyword arguments for VTokenAdapter.attach")
+                    help="JSON settings of the attached adapter (AdapterConfig's fields, planner settings nested: "
+                         "'{\"planner_config\": {\"headroom\": 64, \"in_place\": false}}'), checked by --python's "
+                         "vtoken before anything runs")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("targets", nargs="*", type=_target_arg,
                     help=f"test files / node ids under the tree (default {TESTS_ROOT})")
@@ -779,7 +847,7 @@ def main(argv=None) -> int:
     if a.no_vtoken and a.adapter_settings is not None:
         ap.error("argument --adapter-settings: not with --no-vtoken (no adapter is attached)")
     try:
-        preflight(a.python, a.version, not a.no_vtoken)
+        preflight(a.python, a.version, not a.no_vtoken, a.adapter_settings or None)
     except PreflightError as e:
         ap.error(f"argument {e.arg}: {e}")
     r = run(a.version, a.python, None if a.out is None else Path(a.out), not a.no_vtoken, a.jobs,

@@ -25,7 +25,9 @@ directly. Patching one helper would miss the others, so the plugin patches the c
   an adapter-built scheduler.
   ``isinstance`` checks of the tests still hold (the new class subclasses the old one).
 * settings: the adapter's defaults (reclamation on, ``PlannerConfig()``: in-place
-  compaction, so no headroom is reserved; runtime checks on) unless ``--vtoken-adapter-settings JSON`` says otherwise. No eviction
+  compaction, so no headroom is reserved; runtime checks on) unless ``--vtoken-adapter-settings JSON`` says otherwise
+  (``settings_arg``: the JSON shape of ``vtoken.vllm_adapter.config``, nested planner settings
+  included, checked before any test runs). No eviction
   acts: no worker is attached and the token table stays empty, so no block is ever
   released or relocated; what remains is everything the adapter does around vLLM anyway
   (the headroom reservation and admission back-pressure, the fence's own clock, the hooks
@@ -37,13 +39,15 @@ directly. Patching one helper would miss the others, so the plugin patches the c
 
 Per test, the plugin adds junit properties ``vtoken_adapters`` (adapters attached during
 the test), ``vtoken_refused`` (schedulers the adapter refused) and ``vtoken_stats`` (JSON: the adapters' summed counters that matter without
-eviction: ``headroom_yielded``, ``backpressure_steps``, ``preemptions``), so a report can
-tell a test that never built a scheduler (vtoken not in play) from one that did.
+eviction: ``headroom_yielded``, ``backpressure_steps``, ``preemptions``, ``deferred_free_calls``
+(frees the adapter's fence held), and ``headroom_target``, the largest reservation an adapter
+kept), so a report can tell a test that never built a scheduler (vtoken not in play) from one
+that did, and what vtoken did in it.
 
 Owns: the wrapped scheduler ``__init__``s (for the whole session: nothing unwraps them) and weak
 references to the adapters attached in the current test.
-May call: vllm (scheduler classes), vtoken.vllm_adapter (adapter, hooks, harness), vtoken.argtypes (the option's
-check), pytest.
+May call: vllm (scheduler classes), vtoken.vllm_adapter (adapter, hooks, harness, config: the option's check),
+vtoken.argtypes, pytest.
 Costs: one ``attach`` per scheduler a test builds, then the adapter's per-step cost.
 """
 
@@ -60,15 +64,32 @@ _WRAPPED = "_vtoken_wrapped_init"
 _CLASSES: dict = {}  # base scheduler class -> its VToken<base> class (one per base)
 _attached: list = []  # weak references to the adapters attached during the current test
 _refused: list = []  # schedulers the adapter refused during the current test (their error re-raised)
-_STATS = ("headroom_yielded", "backpressure_steps", "preemptions")
+_STATS = ("headroom_yielded", "backpressure_steps", "preemptions", "deferred_free_calls")
+
+
+def settings_arg(value: str) -> dict:
+    """``--vtoken-adapter-settings``: a JSON object of the attached adapter's settings, checked
+    by ``vtoken.vllm_adapter.config.adapter_settings`` (``AdapterConfig``'s fields, a nested
+    ``planner_config`` object of ``PlannerConfig``'s; vLLM's configuration is each scheduler's
+    own, refused here); a refusal is argparse's, so pytest reports it as a usage error naming
+    the option before any test runs. Returns the settings as given (``attach`` takes them)."""
+    import argparse
+
+    from vtoken.argtypes import json_object
+    from vtoken.errors import ConfigError
+    from vtoken.vllm_adapter.config import adapter_settings
+
+    try:
+        return adapter_settings(json_object(value), attach=True)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def pytest_addoption(parser):
-    from vtoken.argtypes import json_object
-
-    # a JSON object, checked as the command line is parsed (pytest's usage error, before any test)
-    parser.addoption("--vtoken-adapter-settings", type=json_object, default={},
-                     help="JSON keyword arguments for VTokenAdapter.attach (default: the adapter's defaults)")
+    # checked as the command line is parsed (pytest's usage error, before any test)
+    parser.addoption("--vtoken-adapter-settings", type=settings_arg, default={},
+                     help="JSON settings of VTokenAdapter.attach, e.g. '{\"planner_config\": {\"headroom\": 64, "
+                          "\"in_place\": false}}' (default: the adapter's defaults)")
 
 
 def _vtoken_class(base: type) -> type:
@@ -145,6 +166,14 @@ def install(settings: dict | None = None) -> None:
         Scheduler.__init_subclass__ = classmethod(__init_subclass__)
 
 
+def _headroom_target(ad) -> int:
+    """The reservation ``ad`` keeps while requests run (0: none; unknown: 0)."""
+    try:
+        return int(ad.reserve.target())
+    except Exception:  # noqa: BLE001 - a test may have torn the pool down: report none
+        return 0
+
+
 def pytest_configure(config):
     install(config.getoption("--vtoken-adapter-settings") or {})
     config.addinivalue_line("markers", "vtoken_in_place: vLLM's schedulers run with the vtoken adapter attached")
@@ -160,6 +189,8 @@ def pytest_runtest_setup(item):
 def pytest_runtest_teardown(item):
     ads = [a for a in (r() for r in _attached) if a is not None]
     stats = {k: sum(int(a.stats.get(k, 0)) for a in ads) for k in _STATS}
+    # what the divergence rules read besides the failure: the largest reservation an adapter kept
+    stats["headroom_target"] = max((_headroom_target(a) for a in ads), default=0)
     item.user_properties.append(("vtoken_adapters", len(_attached)))
     item.user_properties.append(("vtoken_refused", len(_refused)))
     item.user_properties.append(("vtoken_stats", json.dumps(stats, sort_keys=True)))

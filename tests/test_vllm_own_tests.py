@@ -95,6 +95,9 @@ def test_not_applicable_reasons(r, reason):
 
 
 # ---------------------------------------------------------------------------- divergences
+HELD = {"vtoken_stats": '{"deferred_free_calls": 3, "headroom_target": 4}'}  # the adapter kept blocks
+
+
 @pytest.mark.parametrize("test, error, cause, kind", [
     ("t.py::test_hybrid", "AdapterAssumptionError: assumption broken: ... [kv_groups]: block 7 (headroom) is in "
                           "request 'r''s list of KV cache group 1", "kv_groups", "bug"),
@@ -112,7 +115,9 @@ def test_not_applicable_reasons(r, reason):
     ("t.py::test_abort", "E   assert scheduler.has_requests()", "backpressure_hides_requests", "bug"),
 ])
 def test_divergence_rules_classify_by_cause(test, error, cause, kind):
-    d = vot.classify_divergence(test, rec(message=error.splitlines()[0], text=error))
+    r = rec(message=error.splitlines()[0], text=error)
+    r["properties"] = dict(HELD)
+    d = vot.classify_divergence(test, r)
     assert (d["cause"], d["kind"], d["test"]) == (cause, kind, test)
     assert d["reason"] == next(r["reason"] for r in vot.DIVERGENCE_RULES if r["cause"] == cause)
 
@@ -124,6 +129,55 @@ def test_a_starved_headroom_in_the_plugin_stats_is_a_tight_pool():
     assert vot.classify_divergence("t.py::test_new", r)["cause"] == "tight_pool_headroom"
     r["properties"]["vtoken_stats"] = '{"backpressure_steps": 0, "headroom_yielded": 0, "preemptions": 0}'
     assert vot.classify_divergence("t.py::test_new", r)["cause"] == "unclassified"
+
+
+CONFIG_ERROR = ("vtoken.errors.ConfigError: [bad_type] VTokenAdapter.planner_config must be a PlannerConfig or "
+                "None, got {'headroom': 64, 'in_place': False}")
+
+
+@pytest.mark.parametrize("test", [
+    "tests/v1/core/test_priority_preemption_bug.py::test_priority_scheduler_preempt_skipped_request",
+    "tests/v1/core/test_scheduler.py::test_preempt_during_execution",
+    "tests/v1/core/test_scheduler.py::test_reset_prefix_cache_twice",
+    "tests/v1/core/test_scheduler.py::test_kv_connector_unable_to_allocate[1]",
+])
+def test_a_vtoken_error_is_filed_by_what_failed_not_by_the_tests_name(test):
+    """With ``--adapter-settings '{"planner_config": {...}}'`` every scheduler-building test failed
+    with ConfigError[bad_type], and the rules filed most of them under causes matched by the test's
+    name (tight_pool_headroom, fence_defers_vllm_frees, ...)."""
+    r = rec(message=CONFIG_ERROR, text="    def test():\n>       scheduler = create_scheduler()\nE   " + CONFIG_ERROR)
+    r["properties"] = dict(HELD)  # even with the adapter holding blocks: the failure decides
+    d = vot.classify_divergence(test, r)
+    assert (d["cause"], d["kind"], d["failure"]) == ("vtoken_error:ConfigError[bad_type]", "bug",
+                                                     "ConfigError[bad_type]")
+    assert d["reason"].startswith("vtoken raised ConfigError[bad_type]") and "planner_config" in d["reason"]
+
+
+@pytest.mark.parametrize("r, failure", [
+    (rec(message="assert 3 == 5"), "AssertionError"),
+    (rec(message="AssertionError: Bug present"), "AssertionError"),
+    (rec(message=CONFIG_ERROR), "ConfigError[bad_type]"),
+    (rec(message="vtoken.vllm_adapter.assumptions.AdapterAssumptionError: assumption broken: a block the adapter "
+                 "holds [kv_groups]: block 7"), "AdapterAssumptionError[kv_groups]"),
+    (rec(message="vtoken.errors.OrderError: [not_set_up] x"), "OrderError[not_set_up]"),
+    (rec(message="pydantic_core._pydantic_core.ValidationError: 1 validation error for SchedulerConfig"),
+     "ValidationError"),
+    (rec(message='failed on teardown with "RuntimeError: x"'), "RuntimeError"),
+    (rec(message="KeyError: '[x] y'"), "KeyError"),  # a code only on vtoken's errors
+    (rec(message="", text="x = 1\nE   ZeroDivisionError: boom\nE   RuntimeError: during handling"),
+     "RuntimeError"),  # the last exception of the traceback
+    (rec(message="whatever"), "unknown"),
+])
+def test_failure_of_reads_the_exception_a_test_raised(r, failure):
+    assert vot.failure_of(r) == failure
+
+
+def test_the_vtoken_error_names_are_vtokens():
+    from vtoken import errors
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ours = {c.__name__ for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.VTokenError)}
+    assert set(vot.VTOKEN_ERRORS) == ours | {AdapterAssumptionError.__name__}
 
 
 def test_an_unknown_divergence_is_an_unclassified_bug():
@@ -138,9 +192,12 @@ def test_rules_are_data_and_a_test_pattern_must_match_too():
     assert vot.classify_divergence("a.py::test_only_me", rec(message="boom"), rules)["cause"] == "c1"
     assert vot.classify_divergence("a.py::test_other", rec(message="boom"), rules)["cause"] == "c2"
     for r in vot.DIVERGENCE_RULES + vot.NOT_APPLICABLE_RULES:
-        assert set(r) <= {"cause", "kind", "reason", "test", "error", "props"}
-        assert "test" in r or "error" in r or "props" in r
+        assert set(r) <= {"cause", "kind", "reason", "test", "error", "props", "failure"}
+        assert "error" in r or "props" in r or "failure" in r
         assert r.get("kind", "bug") in ("bug", "inherent")
+    for r in vot.DIVERGENCE_RULES:  # a test's name narrows a rule, never decides it: what failed does
+        assert "failure" in r, r["cause"]
+        assert "test" not in r or "error" in r or "props" in r, r["cause"]
 
 
 def test_compare_finds_divergences_and_groups_them():

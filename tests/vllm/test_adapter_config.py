@@ -24,7 +24,10 @@ ADAPTER_BAD = [
     ("headroom_pool_fraction", 0, "out_of_range"),
     ("prefix_caching", 1, "bad_type"), ("async_scheduling", "yes", "bad_type"), ("reclaim", None, "bad_type"),
     ("checks", 0, "bad_type"), ("evict_unfaithful_hashes", "no", "bad_type"), ("paranoid_checks", 1.0, "bad_type"),
-    ("planner_config", {"headroom": 4}, "bad_type"), ("scheduler", object(), "bad_type"),
+    ("planner_config", {"headrom": 4}, "unsupported"), ("planner_config", [4], "bad_type"),
+    ("scheduler", object(), "bad_type"),
+    ("max_num_batched_tokens", 8, "inconsistent"),  # below max_num_seqs (16): vLLM refuses it (test_config_meet)
+    ("sliding_window", 32, "inconsistent"), ("sliding_window", 0, "out_of_range"), ("kv_layout", "mamba", "out_of_range"),
     ("table_device", "nonsense", "out_of_range"), ("table_device", 0, "bad_type"),
 ]
 

@@ -139,9 +139,11 @@ class VTokenAdapter:
     Args:
         config: an :class:`~.config.AdapterConfig` (every setting, validated when it was
             made); or, instead, its fields as keywords (``VTokenAdapter(num_blocks=64)``),
-            which build one. A bad field raises :class:`~vtoken.errors.ConfigError` naming it
-            and its value before anything is built; a config and keywords together are
-            refused (``inconsistent``: use ``dataclasses.replace``).
+            which build one (``AdapterConfig.of``: ``planner_config`` may be a dict of
+            ``PlannerConfig`` fields, as JSON settings give it). A bad or unknown field raises
+            :class:`~vtoken.errors.ConfigError` naming it and its value before anything is
+            built; a config and keywords together are refused (``inconsistent``: use
+            ``dataclasses.replace``).
         scheduler: None (the adapter builds vLLM's scheduler from the config) or a vLLM
             ``Scheduler`` built elsewhere (``attach``): kept, its geometry read off it.
 
@@ -160,8 +162,9 @@ class VTokenAdapter:
             raise ConfigError("inconsistent", f"VTokenAdapter: a config and the settings {sorted(settings)} "
                                               f"together; pass one (dataclasses.replace(config, ...))")
         need_instance("VTokenAdapter", "config", config, AdapterConfig, none_ok=True)
-        config = config if config is not None else AdapterConfig(**settings)  # every field refused first
         need_instance("VTokenAdapter", "scheduler", scheduler, Scheduler, none_ok=True)
+        # every field refused first; with a scheduler given, vLLM's configuration is its own
+        config = config if config is not None else AdapterConfig.of(settings, attach=scheduler is not None)
         import vllm
 
         from . import SUPPORTED_VLLM
@@ -257,8 +260,10 @@ class VTokenAdapter:
         helpers): the instance is kept and its class becomes ``VToken<its class>``
         (``hooks.scheduler_class``; already such a class: kept as is); the geometry (block size,
         pool size, prefix caching, async) is read off it (``VllmHarness.around``);
-        ``settings`` are the adapter's own (``reclaim``, ``planner_config``, ``checks``, ...).
-        Requests the caller adds with ``scheduler.add_request`` bypass ``add_request`` here."""
+        ``settings`` are the adapter's own (``reclaim``, ``planner_config``, ``checks``, ...);
+        vLLM's configuration (``config.VLLM_FIELDS``) is the scheduler's, given here it is
+        refused (``ConfigError``, ``unsupported``). Requests the caller adds with
+        ``scheduler.add_request`` bypass ``add_request`` here."""
         return cls(scheduler=scheduler, **settings)
 
     # ------------------------------------------------------------------ accessors
@@ -330,11 +335,32 @@ class VTokenAdapter:
         return bool(self.scheduler.deferred_frees or self.port.deferred)
 
     def attach_worker(self, worker) -> None:
-        """The worker the harness drives (``drain_idle`` host-syncs it). Its token table is its
-        own: the adapter's is a replica (refused: ``ConfigError``, one object for both)."""
-        if getattr(worker, "table", None) is self.table:
-            raise ConfigError("inconsistent", "VTokenAdapter.attach_worker: the worker writes the adapter's own token "
+        """The worker the harness drives (``drain_idle`` host-syncs it), checked where the two
+        meet (``ConfigError``, nothing attached): its token table is its own (the adapter's is a
+        replica: one object for both is refused), of the adapter's geometry, and its
+        ``layout`` is the adapter's ``worker_layout()`` (a worker that would read another group
+        as the table's, or miss or invent a window group, is refused naming both layouts; so is
+        any worker when no group can hold the table: a sliding-window-only layout)."""
+        own = "VTokenAdapter.attach_worker"
+        table = getattr(worker, "table", None)
+        if table is self.table:
+            raise ConfigError("inconsistent", f"{own}: the worker writes the adapter's own token "
                                               "table; give it a table of its own (the adapter keeps a replica)")
+        geo = (getattr(table, "S", None), getattr(table, "num_blocks", None))
+        if geo != (self.S, self.N):
+            raise ConfigError("inconsistent", f"{own}: the worker's token table is block size {geo[0]} x {geo[1]} "
+                                              f"blocks, the adapter's {self.S} x {self.N}")
+        from .layout import describe
+
+        lay, groups = getattr(worker, "layout", None), describe(self.harness.managers)
+        if self.group is None:
+            raise ConfigError("unsupported", f"{own}: the adapter's KV cache groups {groups} have none the token "
+                                             f"table can mirror; a worker (layout {lay!r}) would read a sliding-window "
+                                             f"group as the table's")
+        want = self.worker_layout()
+        if lay != want:
+            raise ConfigError("inconsistent", f"{own}: the worker's layout {lay!r} is not the adapter's {want!r} "
+                                              f"(KV cache groups {groups}); build it with layout=adapter.worker_layout()")
         self.worker = worker
 
     def _needs_steps(self) -> bool:

@@ -155,11 +155,33 @@ def _kv_cache_config(block_size: int, num_blocks: int, kv_layout: str = "full", 
     )
 
 
+def _check_harness(**kw) -> dict:
+    """``VllmHarness``'s fields, checked before anything is built (``ConfigError`` naming
+    ``VllmHarness.<field>`` and the value); returns them as plain values. Integers >= 1 (vLLM's
+    ``Field(ge=1)`` / ``gt=0`` and its pool's ``num_gpu_blocks > 0``), switches bools,
+    ``kv_layout`` and ``sliding_window`` as ``config.check_window``, and the combinations vLLM's
+    ``SchedulerConfig`` refuses (``config.check_vllm_limits``). O(1)."""
+    from ..fields import need_bool, need_int
+    from .config import check_vllm_limits, check_window
+
+    own, out = "VllmHarness", dict(kw)
+    for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        out[name] = need_int(own, name, kw[name], 1)
+    for name in ("prefix_caching", "async_scheduling", "enable_chunked_prefill", "log_stats"):
+        out[name] = need_bool(own, name, kw[name])
+    out["sliding_window"] = check_window(own, kw["kv_layout"], kw["sliding_window"])
+    check_vllm_limits(own, max_num_seqs=out["max_num_seqs"], max_num_batched_tokens=out["max_num_batched_tokens"],
+                      max_model_len=out["max_model_len"], chunked_prefill=out["enable_chunked_prefill"])
+    return out
+
+
 class VllmHarness:
     """One real vLLM scheduler + KV-cache manager over the groups of ``kv_layout`` (default one
     full-attention group; ``hybrid``: full attention + a sliding window of ``sliding_window``
     tokens, default two blocks). ``table_group``: the group the token table mirrors
-    (``layout.table_group``; None when no group qualifies)."""
+    (``layout.table_group``; None when no group qualifies). Every field is checked before
+    anything is built (``_check_harness``: ``ConfigError`` naming ``VllmHarness.<field>``; what
+    vLLM's own configuration refuses is refused there first)."""
 
     def __init__(
         self,
@@ -176,44 +198,40 @@ class VllmHarness:
         kv_layout: str = "full",
         sliding_window: int | None = None,
     ) -> None:
+        c = _check_harness(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           max_model_len=max_model_len, async_scheduling=async_scheduling,
+                           enable_chunked_prefill=enable_chunked_prefill, log_stats=log_stats, kv_layout=kv_layout,
+                           sliding_window=sliding_window)
         ensure_cpu_env()
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
+        block_size, num_blocks = c["block_size"], c["num_blocks"]
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.prefix_caching = prefix_caching
-        self.async_scheduling = async_scheduling
+        self.prefix_caching = c["prefix_caching"]
+        self.async_scheduling = async_scheduling = c["async_scheduling"]
 
-        self.vllm_config = _vllm_config(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            prefix_caching=prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            async_scheduling=async_scheduling,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
-        from ..fields import need_choice
-
-        need_choice("VllmHarness", "kv_layout", kv_layout, KV_LAYOUTS)
-        self.sliding_window = int(sliding_window) if sliding_window is not None else 2 * block_size
+        self.vllm_config = _vllm_config(**{k: c[k] for k in (
+            "block_size", "num_blocks", "prefix_caching", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+            "async_scheduling", "enable_chunked_prefill")})
+        self.sliding_window = c["sliding_window"] if c["sliding_window"] is not None else 2 * block_size
         self.kv_cache_config = _kv_cache_config(block_size, num_blocks, kv_layout, self.sliding_window)
         cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = cls(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
             block_size=block_size,
-            log_stats=log_stats,
+            log_stats=c["log_stats"],
             structured_output_manager=StructuredOutputManager(self.vllm_config),
         )
         self._hash_fn = _init_hashing()
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 
         self._block_hasher = (
-            get_request_block_hasher(block_size, self._hash_fn) if prefix_caching else None
+            get_request_block_hasher(block_size, self._hash_fn) if self.prefix_caching else None
         )
         # Steps scheduled but whose fake worker output is not applied yet (FIFO), each
         # with the ids of the requests that sample a token in it.

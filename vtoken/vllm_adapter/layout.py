@@ -63,6 +63,31 @@ class WorkerLayout:
     window_group: int | None = None
     window: int = 0
 
+    def __post_init__(self):
+        """Every field checked here (``ConfigError`` naming ``WorkerLayout.<field>``), plain ints
+        kept: ``table`` >= 0; ``window_group`` None or >= 0 and not ``table``; ``window`` 0
+        without a window group, >= 1 with one (a window of no token reads nothing). Whether
+        the groups exist is vLLM's: checked where the worker meets the adapter
+        (``VTokenAdapter.attach_worker``) and vLLM's step (``WorkerCore.begin``). O(1)."""
+        from ..fields import need_int, refuse
+
+        own, put = "WorkerLayout", lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 - frozen
+        put("table", need_int(own, "table", self.table, 0))
+        put("window_group", need_int(own, "window_group", self.window_group, 0, none_ok=True))
+        put("window", need_int(own, "window", self.window, 0))
+        if self.window_group is None and self.window:
+            refuse("inconsistent", own, "window", "0 without a window_group", self.window)
+        if self.window_group is not None:
+            if self.window_group == self.table:
+                refuse("inconsistent", own, "window_group", f"a group other than the table's ({self.table})",
+                       self.window_group)
+            if self.window < 1:
+                refuse("out_of_range", own, "window", "an integer >= 1 with a window_group", self.window)
+
+    def groups_needed(self) -> int:
+        """How many KV cache groups a step must carry for this layout: its highest index + 1."""
+        return max(self.table, -1 if self.window_group is None else self.window_group) + 1
+
     def window_layers(self, num_layers: int) -> frozenset:
         """The windowed layers of an ``num_layers``-layer model: every second one (1, 3, ...),
         as Gemma and GPT-OSS interleave them; none without a window group."""

@@ -4,8 +4,9 @@ both drive.
 
 Per ``SchedulerOutput``, in order:
 
-1. :meth:`WorkerCore.begin`: finished and preempted requests leave the table
-   (``free_request``); the pre-attention hook (``KVCopyEngine.wait_before_attention``) and
+1. :meth:`WorkerCore.begin`: a step carrying fewer KV cache groups than the worker's layout
+   reads is refused first (``ConfigError``, nothing changed); finished and preempted requests
+   leave the table (``free_request``); the pre-attention hook (``KVCopyEngine.wait_before_attention``) and
    the copies seen done applied (all of them, host-waited, when the step says ``drain``); the
    scheduler side's releases leave the table; the block lists (new, appended, replaced on
    resume) recorded. Returns where each scheduled request's chunk starts.
@@ -46,6 +47,7 @@ import torch
 
 from ..copy_engine import KVCopyEngine
 from ..errors import OrderError
+from ..fields import refuse
 from ..lifecycle import Copies, Plan
 from ..policies import make_policy
 from .layout import WorkerLayout
@@ -154,6 +156,7 @@ class WorkerCore:
 
     def begin(self, sched_out, rep: WorkerReport) -> dict[str, int]:
         """Steps 1-4 of the module docstring; returns ``{request: its chunk's start}``."""
+        self._check_groups(sched_out)
         meta = getattr(sched_out, "vtoken", None)
         t = self.table
         self.stats["steps"] += 1
@@ -172,6 +175,18 @@ class WorkerCore:
                     self._unlist(r, blocks)
                     self.stats["releases"] += len(blocks)
         return self._lists(sched_out)
+
+    def _check_groups(self, sched_out) -> None:
+        """Refuse (``ConfigError``, before anything changes) a step whose block lists carry fewer
+        KV cache groups than the layout reads: a worker of another layout would fail mid-step or
+        read another group's blocks. O(requests scheduled)."""
+        need = self.layout.groups_needed()
+        lists = [d.block_ids for d in sched_out.scheduled_new_reqs]
+        lists += [nb for nb in sched_out.scheduled_cached_reqs.new_block_ids if nb]
+        short = next((ids for ids in lists if len(ids) < need), None)
+        if short is not None:
+            refuse("inconsistent", "VTokenWorker", "layout", f"a layout of the {len(short)} KV cache group(s) "
+                                                             f"vLLM's step carries", self.layout)
 
     def _unlist(self, r: str, blocks) -> None:
         """Blocks ``r`` no longer has in its list (released, or a plan's emptied sources): their

@@ -11,14 +11,17 @@ message naming ``vtoken.<key>`` and the value; nothing is built.
 Keys (defaults in :class:`EngineSettings`): ``policy`` (``h2o``, ``streaming``,
 ``scissorhands``, ``random``), ``policy_kwargs``, ``evict_ratio`` in [0, 1) or ``budget``
 (tokens kept per request, >= 1; the two exclusive), ``reclaim`` (False: Naive-Evict, the same
-evictions with whole-block frees only), ``planner`` (``PlannerConfig`` fields, nested),
+evictions with whole-block frees only), ``planner`` (``PlannerConfig`` fields, nested: the shape
+the adapter's JSON settings take under ``planner_config``, through the same
+``vllm_adapter.config.planner_config_of``, so the same object is accepted or refused alike),
 ``checks`` (the scheduler side's runtime checks), ``check_relocations`` (hash-and-compare of
 every relocation in the worker), ``copy_lag`` (a copy completes on its n-th poll), ``seed``,
 ``max_plans_per_step``, ``check_full_every``, ``paranoid_checks``, ``headroom_pool_fraction``,
 ``stats_path`` (where the scheduler writes its counters and the worker's as JSON), ``snapshot_dir``
 (where a failing relocation's snapshot goes).
 Owns: nothing but its values (frozen).
-May call: ``vtoken.fields``, ``vtoken.planner`` (``PlannerConfig``), ``vtoken.policies``.
+May call: ``vtoken.fields``, ``vtoken.planner`` (``PlannerConfig``), ``vtoken.policies``,
+``vtoken.vllm_adapter.config`` (the planner settings' parser).
 Costs: O(keys) per construction.
 """
 
@@ -31,6 +34,7 @@ from typing import Any, Optional
 from ..errors import ConfigError
 from ..fields import need_bool, need_choice, need_instance, need_int, need_number, refuse
 from ..planner import PlannerConfig
+from ..vllm_adapter.config import planner_config_of
 
 _OWN = "vtoken"
 KEY = "vtoken"  # the key of vllm_config.additional_config
@@ -74,11 +78,7 @@ class EngineSettings:
         for name in ("stats_path", "snapshot_dir"):
             need_instance(_OWN, name, getattr(self, name), str, none_ok=True)
         planner = dict(need_instance(_OWN, "planner", self.planner, dict))
-        try:
-            PlannerConfig(**planner)
-        except TypeError as e:  # an unknown field name
-            raise ConfigError("unsupported", f"{_OWN}.planner: {e} (fields: "
-                                             f"{', '.join(f.name for f in fields(PlannerConfig))})") from None
+        planner_config_of(_OWN, "planner", planner)  # the adapter's JSON shape and refusals (one parser)
         put("planner", planner)
 
     # ------------------------------------------------------------------ conversions
