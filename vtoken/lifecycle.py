@@ -31,7 +31,8 @@ Owns: the records and holdings above, one reference per held block, per headroom
 per block of a plan in flight.
 May call: vtoken.errors, vtoken.snapshot (``request_state``), numpy; never spec/, invariants/,
 fuzz/ or reports/.
-Costs: O(1) per plan opened or closed plus O(its blocks); ``release`` O(blocks) plus the pool's
+Costs: O(1) per plan opened or closed plus O(its blocks) (a launch whose destinations are not the
+headroom's front, which no path plans, O(headroom)); ``release`` O(blocks) plus the pool's
 free; ``Copies.poll`` O(plans in flight) plus, per plan applied, O(moves + sources + fills).
 """
 
@@ -346,11 +347,11 @@ class Lifecycle:
         """``req_id`` finished or was preempted: its plans in flight become orphans (their blocks
         are released when they end, at ``fence`` at the earliest) and every block held for it is
         released now, at ``fence``. Returns the blocks released. O(held + plans of the request)."""
-        for p in self.in_flight.values():
-            if p.req_id == req_id and not p.orphaned:
-                p.orphaned = True
-                p.gone_fence = int(fence)
-        self.busy.pop(req_id, None)
+        for pid in self.busy.pop(req_id, ()):  # its plans not yet orphaned (O(its plans), not O(in flight))
+            p = self.in_flight[pid]
+            assert p.req_id == req_id and not p.orphaned, f"plan {pid} busy for {req_id!r} but {p.req_id!r}'s"
+            p.orphaned = True
+            p.gone_fence = int(fence)
         ids = self.held.drop_request(req_id)
         self._free(ids, fence)
         return ids
@@ -427,7 +428,9 @@ class Lifecycle:
         busy = [b for b in blocks if self.busy_mask[b]]
         if busy:
             raise PlanError("overlap", f"plan {plan.id}: blocks {busy} belong to a plan in flight")
-        if not set(plan.dests) <= set(self.headroom):
+        k = len(plan.dests)
+        front = self.headroom[:k] == plan.dests  # the usual case, planned from the front just now: O(dests)
+        if not front and not set(plan.dests) <= set(self.headroom):
             raise PlanError("stale_plan", f"plan {plan.id}: destinations {plan.dests} are no longer in the headroom")
         r = plan.req_id
         mine = self.held.get(r, {})
@@ -439,8 +442,7 @@ class Lifecycle:
         index = detach(r, rest) if rest else []  # the path refuses (nothing changed) a block it does not list
         self.held.take(r, from_held)
         plan.list_index = {**dict.fromkeys(from_held, -1), **dict(zip(rest, index))}
-        k = len(plan.dests)
-        if self.headroom[:k] == plan.dests:  # the usual case: planned from the front just now
+        if front:
             del self.headroom[:k]
         else:
             gone = set(plan.dests)

@@ -563,7 +563,7 @@ class VTokenAdapter:
         self.tail_wait.pop(r, None)
         self.checker.touch([r])
         # its held blocks go back at the fence of its list, its plans in flight become orphans
-        self.stats["orphaned_plans"] += sum(1 for p in self.book.plans.values() if p.req_id == r and not p.orphaned)
+        self.stats["orphaned_plans"] += len(self.lifecycle.busy.get(r, ()))  # its plans not yet orphaned
         self.lifecycle.finish(r, fence)
         self.book.forget(r)
         self.mirror.forget(r)
