@@ -530,6 +530,68 @@ class TokenTable:
         pool.pend_new.append(g)
         return np.array([s], dtype=np.int64)
 
+    def sync_one_each(self, req_ids: Sequence, block_ids: Sequence[int]) -> np.ndarray:
+        """``sync_new_tokens(req_ids[i], ..., length + 1)`` for every ``i`` at once: each request
+        (distinct, in the table) gains its next token, placed in ``block_ids[i]`` (the block its
+        positional list holds at the token's index) at offset ``length % S``. What a decode step
+        does to every running request; one call instead of one per request (the scheduler side's
+        replica replays a step's growth so). The same checks as the single call, every request
+        checked before anything changes, and a slot named by two of them is ``slot_conflict``:
+        ``bad_request_id``, ``unknown_request``, ``not_integer``, ``block_out_of_range``,
+        ``null_block``, ``slot_conflict``. Returns the slots, in order. O(requests)."""
+        reqs = [self._req(r) for r in req_ids]
+        if len(set(map(id, reqs))) != len(reqs):
+            raise TableError("slot_conflict", f"sync_one_each: a request named twice in {list(req_ids)!r}")
+        b = _index_array(block_ids, "sync_one_each: block_ids")
+        if len(b) != len(reqs):
+            raise TableError("not_integer", f"sync_one_each: {len(reqs)} requests but {len(b)} blocks")
+        if not len(b):
+            return np.empty(0, dtype=np.int64)
+        S = self.S
+        n = np.fromiter((r.n for r in reqs), dtype=np.int64, count=len(reqs))
+        bad_range = (b < 0) | (b >= self.num_blocks)
+        bs = np.where(bad_range, 1, b)
+        s = bs * S + n % S
+        mine = np.fromiter((int(x) in r.blocks for x, r in zip(bs.tolist(), reqs)), dtype=bool, count=len(reqs))
+        placed = self.placed[s]
+        conflict = np.where(self.refs[bs] - mine > 0, placed != n, placed != -1)
+        if len(np.unique(s)) != len(s):
+            _, first = np.unique(s, return_index=True)
+            dup = np.ones(len(s), dtype=bool)
+            dup[first] = False
+            conflict |= dup
+        bad = bad_range | (b == NULL_BLOCK) | conflict
+        if bad.any():
+            i = int(np.argmax(bad))
+            rid, t, blk = req_ids[i], int(n[i]), int(b[i])
+            if bad_range[i]:
+                raise TableError("block_out_of_range", f"request {rid!r}: token {t} -> block {_fmt(blk)} outside "
+                                                       f"[0, {self.num_blocks})")
+            if blk == NULL_BLOCK:
+                raise TableError("null_block", f"request {rid!r}: token {t} would land in the null block")
+            raise TableError("slot_conflict", f"request {rid!r}: token {t} -> block {blk} offset {t % S} is held by "
+                                              f"token {int(placed[i])} or named twice")
+        # ---- apply (nothing below can fail)
+        pool = self._pool
+        gidx = np.empty(len(reqs), dtype=np.int64)
+        for i, (rid, r, t, si, bi, own) in enumerate(zip(req_ids, reqs, n.tolist(), s.tolist(), b.tolist(),
+                                                         mine.tolist())):
+            if t + 1 > r.cap:
+                self._grow(r, t + 1)
+            if not own:
+                self._ref_block(r, bi)
+                self._changed.add(rid)
+            r.slot[t] = si
+            r.live[t] = True
+            r.n, r.n_live = t + 1, r.n_live + 1
+            gidx[i] = r.base + t
+        self.placed[s] = n
+        self._claim(s)
+        pool.pend_idx.append(gidx)
+        pool.pend_val.append(s.copy())
+        pool.pend_new.append(gidx)
+        return s
+
     def _grow(self, r: _Req, need: int) -> None:
         """Make room for ``need`` tokens in the host arrays and the device segment."""
         if need <= r.cap:
@@ -583,6 +645,43 @@ class TokenTable:
         self._pool.pend_dead.append(ids + r.base)
         r.map_dirty = True
         self._changed.add(req_id)
+
+    def evict_one_each(self, req_ids: Sequence, token_ids: Sequence[int]) -> None:
+        """``evict_tokens(req_ids[i], [token_ids[i]])`` for every ``i`` at once (distinct requests,
+        one token each: a decode step's evictions). Every token checked before anything changes:
+        ``bad_request_id``, ``unknown_request``, ``not_integer``, ``unknown_token``, ``dead_token``,
+        and ``duplicate_token`` for a request named twice. O(requests)."""
+        reqs = [self._req(r) for r in req_ids]
+        if len(set(map(id, reqs))) != len(reqs):
+            raise TableError("duplicate_token", f"evict_one_each: a request named twice in {list(req_ids)!r}")
+        t = _index_array(token_ids, "evict_one_each: token_ids")
+        if len(t) != len(reqs):
+            raise TableError("not_integer", f"evict_one_each: {len(reqs)} requests but {len(t)} tokens")
+        if not len(t):
+            return
+        for rid, r, x in zip(req_ids, reqs, t.tolist()):
+            if not 0 <= x < r.n:
+                raise TableError("unknown_token", f"request {rid!r}: evict token {_fmt(x)} (length {r.n})")
+            if not r.live[x]:
+                raise TableError("dead_token", f"request {rid!r}: evict token {x} (length {r.n})")
+        # ---- apply (nothing below can fail)
+        slots = np.empty(len(reqs), dtype=np.int64)
+        pool = self._pool
+        for i, (rid, r, x) in enumerate(zip(req_ids, reqs, t.tolist())):
+            r.live[x] = False
+            r.n_live -= 1
+            slots[i] = r.slot[x]
+            pool.pend_dead.append(r.base + x)
+            r.map_dirty = True
+            self._changed.add(rid)
+        np.subtract.at(self.claims, slots, 1)
+        assert self.claims[slots].min() >= 0, "a slot unclaimed more often than claimed"
+        gone = np.unique(slots[self.claims[slots] == 0])
+        np.subtract.at(self.n_b, gone // self.S, 1)
+        self._live_slots -= len(gone)
+        for rid, si in zip(req_ids, slots.tolist()):
+            if self.n_b[si // self.S] == 0:
+                self._emptied.add(rid)
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
         """``evict_tokens`` of one id, ``t`` a Python int (any size): same checks, scalar code."""

@@ -69,7 +69,8 @@ class LoggedTable(TokenTable):
     ``ops`` (only changes that succeeded: a refused call changes nothing and logs nothing).
     ``take_ops()`` hands the log over and starts a new one. The entries are plain tuples:
     ``("sync", req, total_len, j0, [block ids j0..])``, ``("evict", req, ids)``,
-    ``("apply", req, moves)``, ``("release", req, ids)``, ``("free", req)``."""
+    ``("sync1", [req], [block])`` and ``("evict1", [req], [token])`` (a decode step's one token
+    each), ``("apply", req, moves)``, ``("release", req, ids)``, ``("free", req)``."""
 
     def __init__(self, block_size: int, num_blocks: int, device="cpu"):
         super().__init__(block_size, num_blocks, device=device)
@@ -90,6 +91,15 @@ class LoggedTable(TokenTable):
         elif new:  # an empty entry made
             self.ops.append(("sync", req_id, 0, 0, []))
         return slots
+
+    def sync_one_each(self, req_ids, block_ids):
+        slots = super().sync_one_each(req_ids, block_ids)
+        self.ops.append(("sync1", list(req_ids), [int(b) for b in block_ids]))
+        return slots
+
+    def evict_one_each(self, req_ids, token_ids):
+        super().evict_one_each(req_ids, token_ids)
+        self.ops.append(("evict1", list(req_ids), [int(x) for x in token_ids]))
 
     def evict_token(self, req_id, token_id):
         self.evict_tokens(req_id, [token_id])
@@ -145,6 +155,10 @@ def replay(table: TokenTable, ops: list) -> None:
             table.sync_new_tokens(r, _Segment(j0, seg) if j0 else seg, total)
         elif kind == "evict":
             table.evict_tokens(r, op[2])
+        elif kind == "sync1":  # a decode step's growth, one token each
+            table.sync_one_each(r, op[2])
+        elif kind == "evict1":  # a decode step's one-token evictions
+            table.evict_one_each(r, op[2])
         elif kind == "apply":
             table.apply_moves(r, op[2])
         elif kind == "release":

@@ -121,6 +121,7 @@ class VTokenWorker:
                                snapshot_dir=snapshot_dir, copy_lag=c["copy_lag"],
                                copy_engine_factory=copy_engine_factory, layout=layout)
         self.layout = self.core.layout
+        self._chunks: dict = {}  # this step's chunks, computed before its forward (``WorkerCore.chunks``)
         self.window_layers = self.layout.window_layers(model.config.num_layers)
 
     # the core's rooms, read by tests and the toolkit
@@ -148,6 +149,8 @@ class VTokenWorker:
 
         rep = WorkerReport()
         starts = self.core.begin(sched_out, rep)
+        # every request's chunk first (one table call for the step's one-token evictions and growths)
+        self._chunks = self.core.chunks([(r, starts[r], int(k)) for r, k in sched_out.num_scheduled_tokens.items()])
         sampled: dict[str, list[int]] = {}
         for r, k in sched_out.num_scheduled_tokens.items():  # compute, in the output's request order
             tok = self._run_request(r, starts[r], int(k), rep)
@@ -160,7 +163,7 @@ class VTokenWorker:
         return out
 
     def _run_request(self, r: str, start: int, k: int, rep: WorkerReport) -> Optional[int]:
-        ch = self.core.chunk(r, start, k)
+        ch = self._chunks.pop(r, None) or self.core.chunk(r, start, k)
         w = self.reqs[r]
         toks = w.tokens
         model, kv = self.model, self.kv

@@ -238,11 +238,54 @@ class WorkerCore:
         return starts
 
     def chunk(self, r: str, start: int, k: int, known: int | None = None) -> Chunk:
-        """Step 2 for one scheduled request: tokens ``[start, start + k)``. ``known``: how many
-        of its tokens the caller knows (default: its prompt and outputs recorded here); a chunk
-        beyond them, or a table that disagrees with ``start``, is refused (``OrderError``)."""
-        t = self.table
-        w = self.reqs[r]
+        """:meth:`chunks` for one request."""
+        return self.chunks([(r, start, k)], None if known is None else {r: known})[r]
+
+    def chunks(self, items: list, known: dict | None = None) -> dict[str, Chunk]:
+        """Step 2 for the scheduled requests ``items`` (``(request, start, k)``: tokens ``[start,
+        start + k)``), in two passes: each request's entry, prefix-cache hit and decode-step
+        eviction, then their reads and growth. Requests are independent, so this is the same as
+        one request after the other; it lets a decode step's one-token evictions and one-token
+        growths go to the table as one call each (``evict_one_each``, ``sync_one_each``: the
+        scheduler side's replica replays them so too). ``known``: per request how many of its
+        tokens the caller knows (default: its prompt and outputs recorded here); a chunk beyond
+        them, or a table that disagrees with ``start``, is refused (``OrderError``)."""
+        t, one_victim, decode = self.table, [], {}
+        for r, start, k in items:
+            n = self._entry(r, start)
+            w = self.reqs[r]
+            limit = len(w.prompt) + len(w.outputs) if known is None or r not in known else int(known[r])
+            if start + k > limit:
+                raise OrderError("state_mismatch", f"worker: request {r!r}: chunk [{start}, {start + k}) beyond its "
+                                                   f"{limit} known tokens")
+            decode[r] = (k == 1 and start >= len(w.prompt) and start > 0, start + k >= limit)
+            if decode[r][0] and (self.evict_ratio > 0 or self.budget is not None):
+                victims = self._victims(r, n)
+                if len(victims) == 1:
+                    one_victim.append((r, int(victims[0])))
+                elif len(victims):
+                    self.evict_tokens(r, victims)
+        if one_victim:
+            self._evict_one_each(one_victim)
+        reads = {r: (t.slot_mapping(r).clone(), t.live_tokens(r)) for r, _, _ in items}
+        ones = [(r, start) for r, start, k in items if k == 1 and start < len(self.reqs[r].blocks) * self.S]
+        writes = dict(zip((r for r, _ in ones), t.sync_one_each(
+            [r for r, _ in ones], [self.reqs[r].blocks[start // self.S] for r, start in ones]))) if ones else {}
+        out = {}
+        for r, start, k in items:
+            write = np.array([writes[r]]) if r in writes else t.sync_new_tokens(r, self.reqs[r].blocks, start + k)
+            is_decode, last = decode[r]
+            self.stats["decode_tokens" if is_decode else "prefill_tokens"] += k
+            read, live_before = reads[r]
+            obs = np.concatenate([live_before, np.arange(start, start + k, dtype=np.int64)])
+            out[r] = Chunk(r, int(start), int(k), is_decode, last, read, write, obs)
+        t.flush()
+        return out
+
+    def _entry(self, r: str, start: int) -> int:
+        """``r``'s table entry made (empty) and its prefix-cache hit synced; its length, which
+        must be ``start``."""
+        t, w = self.table, self.reqs[r]
         if r not in t:
             t.sync_new_tokens(r, w.blocks, 0)  # creates the (empty) entry
         n = t.length(r)
@@ -253,20 +296,7 @@ class WorkerCore:
         if n != start:
             raise OrderError("state_mismatch", f"worker: request {r!r} has {n} tokens in its table, the scheduler says "
                                                f"the chunk starts at {start}")
-        known = len(w.prompt) + len(w.outputs) if known is None else int(known)
-        if start + k > known:
-            raise OrderError("state_mismatch", f"worker: request {r!r}: chunk [{start}, {start + k}) beyond its "
-                                               f"{known} known tokens")
-        decode = k == 1 and start >= len(w.prompt) and start > 0
-        if decode and (self.evict_ratio > 0 or self.budget is not None):
-            self._evict(r, n)
-        read = t.slot_mapping(r).clone()
-        live_before = t.live_tokens(r)
-        write = t.sync_new_tokens(r, w.blocks, start + k)
-        t.flush()
-        self.stats["decode_tokens" if decode else "prefill_tokens"] += k
-        obs = np.concatenate([live_before, np.arange(start, start + k, dtype=np.int64)])
-        return Chunk(r, int(start), int(k), decode, start + k >= known, read, write, obs)
+        return n
 
     def observe(self, chunk: Chunk, stats) -> None:
         """Step 3's end: the chunk's attention statistics (one per ``obs_ids``) to the policy."""
@@ -277,18 +307,22 @@ class WorkerCore:
         """The token sampled for ``r`` at its last chunk (its outputs, for resumes and bounds)."""
         self.reqs[r].outputs.append(int(token))
 
-    def _evict(self, r: str, n: int) -> None:
+    def _victims(self, r: str, n: int) -> np.ndarray:
+        """The tokens ``r`` evicts at a decode step of length ``n`` (the policy's choice, keeping
+        ``budget`` or ``ceil((1 - evict_ratio) * n)``, never the newest)."""
         t = self.table
-        if self.budget is not None:
-            keep = self.budget
-        else:
-            keep = max(1, math.ceil(n * (1.0 - self.evict_ratio) - 1e-9))
+        keep = self.budget if self.budget is not None else max(1, math.ceil(n * (1.0 - self.evict_ratio) - 1e-9))
         if t.num_live(r) <= keep:
-            return
-        victims = self.policy.select_victims(self.pkey.get(r, r), t.live_tokens(r), keep)
-        if len(victims) == 0:
-            return
-        self.evict_tokens(r, victims)
+            return np.empty(0, dtype=np.int64)
+        return self.policy.select_victims(self.pkey.get(r, r), t.live_tokens(r), keep)
+
+    def _evict_one_each(self, pairs: list) -> None:
+        """One token each of distinct requests, in one table call (``evict_tokens``' bookkeeping per request)."""
+        t = self.table
+        lengths = [t.length(r) for r, _ in pairs]
+        t.evict_one_each([r for r, _ in pairs], [x for _, x in pairs])
+        for (r, x), n in zip(pairs, lengths):
+            self._evicted(r, n, np.array([x], dtype=np.int64))
 
     def evict_tokens(self, r: str, token_ids) -> None:
         """Evict tokens of ``r`` (metadata only, between or inside steps): the one way tokens die
@@ -298,6 +332,10 @@ class WorkerCore:
         ids = np.asarray(token_ids, dtype=np.int64) if not isinstance(token_ids, np.ndarray) else token_ids
         n = t.length(r)
         t.evict_tokens(r, ids)
+        self._evicted(r, n, ids)
+
+    def _evicted(self, r: str, n: int, ids: np.ndarray) -> None:
+        """``ids`` of ``r`` (of length ``n``) died: its full-context length, the counters, the checker."""
         if r not in self.faithful:
             self.faithful[r] = n  # tokens [0, n) were computed before any eviction
         self.stats["evicted"] += len(ids)

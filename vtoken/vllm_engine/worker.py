@@ -90,7 +90,7 @@ class EngineSide:
         """Steps 1 (and the chunks of 2) of the module docstring."""
         self.rep = WorkerReport()
         starts = self.core.begin(sched_out, self.rep)
-        self.chunks = {r: self.core.chunk(r, starts[r], int(k)) for r, k in sched_out.num_scheduled_tokens.items()}
+        self.chunks = self.core.chunks([(r, starts[r], int(k)) for r, k in sched_out.num_scheduled_tokens.items()])
         STEP.publish(self.runner, self.chunks)
 
     def after(self, sched_out) -> None:

@@ -1,0 +1,99 @@
+"""``TokenTable.sync_one_each`` / ``evict_one_each`` (a decode step's growth and evictions in one
+call each) do exactly what the single calls do one by one, refuse what they refuse, and change
+nothing when they refuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vtoken.errors import TableError
+from vtoken.table import TokenTable
+
+
+def _pair(seed: int, R: int = 6, S: int = 4):
+    """Two equal tables with R requests of random lengths (request r owns blocks 10r+1..)."""
+    rng = np.random.default_rng(seed)
+    a, b = TokenTable(S, 128), TokenTable(S, 128)
+    lists = {}
+    for i in range(R):
+        r = f"r{i}"
+        lists[r] = list(range(10 * i + 1, 10 * i + 10))
+        n = int(rng.integers(1, 20))
+        for t in (a, b):
+            t.sync_new_tokens(r, lists[r], n)
+    shared = [1, 2]  # r5 shares r0's first two blocks (a prefix hit): its first 8 tokens there
+    for t in (a, b):
+        t.free_request("r5")
+        t.sync_new_tokens("r5", shared + [60, 61, 62], 8)
+    lists["r5"] = shared + [60, 61, 62]
+    return a, b, lists, rng
+
+
+def _same(a, b):
+    assert a.export_state() == b.export_state()
+    assert a.take_changed() == b.take_changed() and a.take_emptied() == b.take_emptied()
+    assert a.waste_ratio() == b.waste_ratio() and a.num_live_slots == b.num_live_slots
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_batched_growth_and_evictions_equal_the_single_calls(seed):
+    a, b, lists, rng = _pair(seed)
+    for _ in range(30):
+        reqs = [r for r in lists if rng.random() < 0.7]
+        victims = []
+        for r in reqs:
+            live = a.live_tokens(r)
+            if len(live) > 1 and rng.random() < 0.6:
+                victims.append((r, int(rng.choice(live[:-1]))))
+        for r, x in victims:
+            a.evict_tokens(r, [x])
+        b.evict_one_each([r for r, _ in victims], [x for _, x in victims])
+        _same(a, b)
+        grow = [r for r in reqs if (a.length(r) + 1) <= len(lists[r]) * a.S]
+        want = [a.sync_new_tokens(r, lists[r], a.length(r) + 1)[0] for r in grow]
+        got = b.sync_one_each(grow, [lists[r][b.length(r) // b.S] for r in grow])
+        assert got.tolist() == want
+        _same(a, b)
+    a.flush(), b.flush()
+    for r in lists:  # the read path (the device mirror) agrees too
+        assert a.slot_mapping(r).tolist() == b.slot_mapping(r).tolist()
+
+
+@pytest.mark.parametrize("case", ["twice", "null", "range", "conflict", "unknown"])
+def test_a_refused_batched_growth_changes_nothing(case):
+    _, t, lists, _ = _pair(0)
+    before = t.export_state()
+    reqs = ["r0", "r1"]
+    blocks = [lists[r][t.length(r) // t.S] for r in reqs]
+    if case == "twice":
+        reqs, blocks = ["r0", "r0"], [blocks[0]] * 2
+    elif case == "null":
+        blocks[1] = 0
+    elif case == "range":
+        blocks[1] = 999
+    elif case == "conflict":
+        blocks[1] = lists["r0"][0]  # another request's block: its slot is held
+    else:
+        reqs = ["r0", "nobody"]
+    code = {"twice": "slot_conflict", "null": "null_block", "range": "block_out_of_range", "conflict": "slot_conflict",
+            "unknown": "unknown_request"}[case]
+    with pytest.raises(TableError, match=code):
+        t.sync_one_each(reqs, blocks)
+    assert t.export_state() == before
+
+
+@pytest.mark.parametrize("case", ["dead", "unknown_token", "twice"])
+def test_a_refused_batched_eviction_changes_nothing(case):
+    _, t, _, _ = _pair(1)
+    t.evict_tokens("r1", [0])
+    before = t.export_state()
+    reqs, toks = ["r0", "r1"], [0, 0 if case == "dead" else 1]
+    if case == "unknown_token":
+        toks[1] = 10_000
+    if case == "twice":
+        reqs = ["r0", "r0"]
+    with pytest.raises(TableError, match={"dead": "dead_token", "unknown_token": "unknown_token",
+                                          "twice": "duplicate_token"}[case]):
+        t.evict_one_each(reqs, toks)
+    assert t.export_state() == before
