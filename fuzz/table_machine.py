@@ -338,6 +338,48 @@ class TableMachine(SwarmRules):
                 assert both(lambda: self.impl.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))[2] is None
 
     @precondition(lambda self: self.pos)
+    @rule(data=st.data())
+    def decode_step_batched(self, data):
+        """A decode step as the worker and the scheduler side's replica make it: every request's
+        next token in one ``sync_one_each``, then one victim each (some requests) in one
+        ``evict_one_each``. The reference makes the same changes one request at a time: it
+        decides which are valid (a refused one leaves it unchanged and stays out of the batch),
+        and the batch must succeed with the same slots."""
+        grown, slots, blocks = [], [], []
+        for rid in self.rids():
+            n = self.impl.length(rid)
+            if -(-(n + 1) // self.S) > len(self.pos[rid]):
+                new = self._alloc(1)
+                if new is None:
+                    continue
+                self.pos[rid] += new
+                self.held[rid] += new
+            block = self.pos[rid][n // self.S]
+            if block in blocks:  # the batch names each block once: this one grows on its own, on both
+                self._sync(rid, n + 1)
+                continue
+            try:
+                got = self.spec.sync_new_tokens(rid, self.pos[rid], n + 1)
+            except SpecError:
+                continue  # refused by the reference (unchanged): not in the batch
+            grown.append(rid)
+            slots += list(got)
+            blocks.append(block)
+        TableMachine.ops += 1
+        assert list(self.impl.sync_one_each(grown, blocks)) == slots, "batched growth placed tokens elsewhere"
+        pairs = []
+        for rid in grown:
+            live = self.spec.live_tokens(rid)
+            if len(live) > 1 and data.draw(st.booleans(), label=f"evict one of {rid}"):
+                x = pick(data, live[:-1], "victim")
+                self.spec.evict_tokens(rid, [x])
+                pairs.append((rid, x))
+        if pairs:
+            TableMachine.ops += 1
+            self.impl.evict_one_each([r for r, _ in pairs], [x for _, x in pairs])
+            event("batched decode step with evictions")
+
+    @precondition(lambda self: self.pos)
     @rule(data=st.data(), first=st.sampled_from(["evict", "grow", "moves"]))
     def step_then_grow(self, data, first):
         """One scheduler step with no read in between: an update of the request (an eviction,

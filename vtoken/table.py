@@ -536,9 +536,11 @@ class TokenTable:
         positional list holds at the token's index) at offset ``length % S``. What a decode step
         does to every running request; one call instead of one per request (the scheduler side's
         replica replays a step's growth so). The same checks as the single call, every request
-        checked before anything changes, and a slot named by two of them is ``slot_conflict``:
-        ``bad_request_id``, ``unknown_request``, ``not_integer``, ``block_out_of_range``,
-        ``null_block``, ``slot_conflict``. Returns the slots, in order. O(requests)."""
+        checked before anything changes; two requests naming one block is ``slot_conflict`` (one
+        after the other the first's token could decide the second's check: never in a decode
+        step, whose blocks are each request's own tail): ``bad_request_id``, ``unknown_request``,
+        ``not_integer``, ``block_out_of_range``, ``null_block``, ``slot_conflict``. Returns the
+        slots, in order. O(requests)."""
         reqs = [self._req(r) for r in req_ids]
         if len(set(map(id, reqs))) != len(reqs):
             raise TableError("slot_conflict", f"sync_one_each: a request named twice in {list(req_ids)!r}")
@@ -547,6 +549,8 @@ class TokenTable:
             raise TableError("not_integer", f"sync_one_each: {len(reqs)} requests but {len(b)} blocks")
         if not len(b):
             return np.empty(0, dtype=np.int64)
+        if len(np.unique(b)) != len(b):  # one after the other, a request's token may decide another's check
+            raise TableError("slot_conflict", f"sync_one_each: a block named twice in {b.tolist()} (sync one by one)")
         S = self.S
         n = np.fromiter((r.n for r in reqs), dtype=np.int64, count=len(reqs))
         bad_range = (b < 0) | (b >= self.num_blocks)
@@ -555,11 +559,6 @@ class TokenTable:
         mine = np.fromiter((int(x) in r.blocks for x, r in zip(bs.tolist(), reqs)), dtype=bool, count=len(reqs))
         placed = self.placed[s]
         conflict = np.where(self.refs[bs] - mine > 0, placed != n, placed != -1)
-        if len(np.unique(s)) != len(s):
-            _, first = np.unique(s, return_index=True)
-            dup = np.ones(len(s), dtype=bool)
-            dup[first] = False
-            conflict |= dup
         bad = bad_range | (b == NULL_BLOCK) | conflict
         if bad.any():
             i = int(np.argmax(bad))
@@ -679,9 +678,10 @@ class TokenTable:
         gone = np.unique(slots[self.claims[slots] == 0])
         np.subtract.at(self.n_b, gone // self.S, 1)
         self._live_slots -= len(gone)
-        for rid, si in zip(req_ids, slots.tolist()):
-            if self.n_b[si // self.S] == 0:
-                self._emptied.add(rid)
+        _, last = np.unique(slots[::-1], return_index=True)  # one after the other, a shared slot's last
+        for i in (len(slots) - 1 - last).tolist():  # evictor is the one that emptied its block
+            if self.n_b[slots[i] // self.S] == 0:
+                self._emptied.add(req_ids[i])
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
         """``evict_tokens`` of one id, ``t`` a Python int (any size): same checks, scalar code."""

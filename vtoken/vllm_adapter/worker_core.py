@@ -269,8 +269,10 @@ class WorkerCore:
             self._evict_one_each(one_victim)
         reads = {r: (t.slot_mapping(r).clone(), t.live_tokens(r)) for r, _, _ in items}
         ones = [(r, start) for r, start, k in items if k == 1 and start < len(self.reqs[r].blocks) * self.S]
-        writes = dict(zip((r for r, _ in ones), t.sync_one_each(
-            [r for r, _ in ones], [self.reqs[r].blocks[start // self.S] for r, start in ones]))) if ones else {}
+        targets = [self.reqs[r].blocks[start // self.S] for r, start in ones]
+        if len(set(targets)) != len(targets):  # a block named twice (never a decode step's): one by one
+            ones, targets = [], []
+        writes = dict(zip((r for r, _ in ones), t.sync_one_each([r for r, _ in ones], targets))) if ones else {}
         out = {}
         for r, start, k in items:
             write = np.array([writes[r]]) if r in writes else t.sync_new_tokens(r, self.reqs[r].blocks, start + k)
