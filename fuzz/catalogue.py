@@ -126,8 +126,8 @@ CATALOGUE: list[Fault] = [
               "            back = plan.sources + plan.fills\n"),)),
     Fault("finish_frees_inflight_sources", "8 source reused before its copy completes",
           "finishing a request frees the blocks its in-flight copy reads and writes (sources and fills)", "planner",
-          (_p(LC, "Lifecycle.finish", "                p.gone_fence = int(fence)\n",
-              "                p.gone_fence = int(fence)\n                self.port.free(p.sources + p.fills, fence)\n"),
+          (_p(LC, "Lifecycle.finish", "            p.gone_fence = int(fence)\n",
+              "            p.gone_fence = int(fence)\n            self.port.free(p.sources + p.fills, fence)\n"),
            _p(LC, "Lifecycle.end", "            else:\n                self._free(back, gone)\n",
               "            elif alive:\n                self._free(back, gone)\n"))),
     Fault("resumed_applies_old_plan", "8 a plan applied to another incarnation (copy across preempt and resume)",
@@ -202,16 +202,23 @@ CATALOGUE: list[Fault] = [
                          "                self._free(plan.sources, plan.seq, plan=plan)\n"))),
     Fault("adapter_stale_prefix_hash", "7 prefix-cache poisoning",
           "a source's prefix-cache hash moves to the destination (or first fill) at launch (the tokens moved, the hash follows)",
-          "adapter", (_p(PL, "PlanBook.launch", "        self.hashes.drop_sources(sources + fills)\n",
+          "adapter", (_p(PL, "PlanBook.launch", "        keep = self.hashes.park(plan.id, r, sources, fills, plan.list_index)\n",
                          "        self.hashes.drop_sources(fills)\n"
                          "        dests = [pool_blocks[d] for d in p.dests]\n"
                          "        for blk in sources:\n"
                          "            to = (dests or fills)[:1]\n"
                          "            if to and to[0].block_hash is None and blk.block_hash is not None:\n"
                          "                self.harness.pool.move_block_hashes(blk, to[0])\n"
-                         "            else:\n                self.hashes.drop_sources([blk])\n"),)),
+                         "            else:\n                self.hashes.drop_sources([blk])\n"
+                         "        keep = []\n"),)),
     Fault("adapter_source_keeps_hash", "7/I4 in-flight prefix hit on a source",
-          "a source keeps its prefix-cache hash while its copy flies (vLLM can hand it out as a hit)", "adapter",
+          "a source keeps its prefix-cache hash while its copy flies (not parked: vLLM can hand it out as a hit)",
+          "adapter",
+          (_p(PH, "PrefixHashRules.park", "            hashes = self.pool._remove_cached_block_hashes(blk)\n",
+              "            hashes = []\n"),)),
+    Fault("adapter_fill_keeps_hash", "7 prefix-cache poisoning (a hash kept on changed bytes)",
+          "a plan's fills keep their prefix-cache hash though their holes take moved tokens: a later request "
+          "repeating the sequence hits bytes a fresh prefill does not write", "prefix",
           (_p(PH, "PrefixHashRules.drop_sources", "            self.pool.evict_blocks(hashed)\n", "            pass\n"),)),
     Fault("adapter_pop_not_null", "positional block list broken",
           "a source is popped from vLLM's block list instead of null-substituted", "adapter",

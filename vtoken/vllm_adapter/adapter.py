@@ -457,6 +457,7 @@ class VTokenAdapter:
         (a reset with a plan in flight fails, as it does with a request running)."""
         if self.reserve.give_back():
             self.stats["headroom_yielded"] += 1
+        self.hashes.unpark_all()  # a reset clears every hash: a parked one must not come back after it
 
     def _before_schedule(self) -> None:
         self.reserve.before_schedule()

@@ -34,15 +34,17 @@ from ..table import TokenTable
 __all__ = ["plan_order", "StepMeta", "WorkerReport", "LoggedTable", "replay"]
 
 
-def plan_order(plan, snapshot: dict | None = None) -> dict:
+def plan_order(plan, snapshot: dict | None = None, keep=()) -> dict:
     """One plan as the worker receives it: the lifecycle's ``Plan`` reduced to plain data
     (``id``, ``req_id``, ``sources``, ``dests``, ``fills``, ``moves``: int64 ``(k, 5)``: token,
     src_block, src_offset, dst_block, dst_offset; ``seq``). ``snapshot``: a copy of the plan's
     snapshot for the worker to complete (digests, its events, ``post``) and send back in the
-    outcome; None when none is recorded."""
+    outcome; None when none is recorded. ``keep``: sources whose prefix-cache hash comes back
+    when the plan ends (their bytes must stay as they are after the copy)."""
     return {"id": int(plan.id), "req_id": plan.req_id, "sources": [int(b) for b in plan.sources],
             "dests": [int(b) for b in plan.dests], "fills": [int(b) for b in plan.fills],
-            "moves": np.array(plan.moves, dtype=np.int64).reshape(-1, 5), "seq": int(plan.seq), "snapshot": snapshot}
+            "moves": np.array(plan.moves, dtype=np.int64).reshape(-1, 5), "seq": int(plan.seq), "snapshot": snapshot,
+            "keep": [int(b) for b in keep]}
 
 
 @dataclass

@@ -179,11 +179,11 @@ class PlanBook:
             self.lifecycle.launch(plan, detach=self.requests.detach_listed)
         except PlanError as e:  # a block the scheduler side does not hold for r: refused, nothing changed
             raise AdapterAssumptionError("table_in_step", f"step {meta.seq}: {e}") from e
-        self.hashes.drop_sources(sources + fills)
+        keep = self.hashes.park(plan.id, r, sources, fills, plan.list_index)
         self.fence.open(plan)
         self.checker.touch([r])
         # to the worker as plain data; a snapshot goes as a copy the worker completes and sends back
-        order = plan_order(plan, copy.deepcopy(plan.snapshot) if plan.snapshot is not None else None)
+        order = plan_order(plan, copy.deepcopy(plan.snapshot) if plan.snapshot is not None else None, keep=keep)
         meta.plans.append(order)
 
     def forget(self, r: str) -> None:
@@ -212,7 +212,11 @@ class PlanBook:
             self.requests.look_again(plan.req_id)  # it may release again now that no plan flies
             if res.status == "applied":
                 self._applied(plan, res)
-            else:  # aborted: nothing moved (or the request is gone)
+            else:  # aborted: nothing moved (or the request is gone); the sources' bytes as they were
+                if res.table_kept and not plan.orphaned:
+                    self.hashes.unpark(plan.id)  # back to the request, held outside its list: held blocks carry none
+                else:
+                    self.hashes.restore(plan.id)  # freed: a later request may hit them
                 self.fence.drop(plan)
                 self.lifecycle.end(plan, res)
 
@@ -227,8 +231,9 @@ class PlanBook:
             if blocks[b].block_hash is not None:
                 raise AdapterAssumptionError(
                     "prefix_hash", f"source block {b} of plan {plan.id} (request {plan.req_id!r}) carries "
-                    f"a prefix-cache hash at its free: its hash was dropped at launch, so it was re-hashed while in "
-                    f"flight")
+                    f"a prefix-cache hash at its end: its hash was parked or dropped at launch, so it was re-hashed "
+                    f"while in flight")
+        self.hashes.restore(plan.id)  # the copy only read them: a later request may hit them once free
         used = len(set(res.used_dests) & set(plan.dests))
         stats["dests_returned"] += len(plan.dests) - used
         stats["dests_used"] += used

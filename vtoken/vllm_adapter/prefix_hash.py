@@ -1,16 +1,25 @@
 """Prefix-hash hygiene: a block keeps its prefix-cache hash only while its bytes are what its
-token ids promise.
+token ids promise; a hash is dropped only when the bytes change or the block is reused.
 
-- a plan's sources and fills lose their hash at launch and are never hashed again
-  (:meth:`PrefixHashRules.drop_sources`): a block in flight must never become a prefix hit;
+- a plan's fills lose their hash at launch (their holes take moved tokens: the bytes change);
+  its sources' hashes are *parked* at launch (:meth:`PrefixHashRules.park`: out of vLLM's map,
+  so no prefix hit lands on a block in flight) and put back when the plan ends
+  (:meth:`PrefixHashRules.restore`) when they go back to the pool (the plan applied, or ended
+  with its request gone): a copy only reads its sources, so their bytes are still what a fresh
+  prefill writes, and a later request repeating the prompt hits them once they are free (until
+  vLLM hands them out again, which drops the hash). Sources an aborted copy hands back to a
+  request still running are held outside its list and carry no hash (:meth:`unpark`). Only a
+  source computed with full context is parked; the others' hashes are dropped;
 - a released block keeps its hash only if computed with full context (:meth:`on_release`);
 - any block hashed after the request's first eviction is unfaithful (its tokens attended to
   fewer tokens than a fresh prefill): :meth:`evict_unfaithful` drops those once the worker
   reports the full-context length, and at preemption or finish.
 
 Owns: per request the full-context length (``faithful``) and how far its list was scanned
-(``scanned``); the record of kept hashes (``kept``). The hashes themselves are vLLM's.
-May call: ``BlockPool.evict_blocks`` and the manager's cached-block counts only.
+(``scanned``); the record of kept hashes (``kept``); per plan in flight its sources' parked
+hashes (``parked``). The hashes themselves are vLLM's.
+May call: ``BlockPool.evict_blocks``, ``_remove_cached_block_hashes`` / ``_insert_block_hash``
+(parking; the contract ``hash_parking``) and the manager's cached-block counts only.
 Costs: each positional block is scanned once per incarnation; per step O(requests that
 evicted), an O(1) test each.
 """
@@ -29,6 +38,7 @@ class PrefixHashRules:
         self.faithful: dict[str, int] = {}  # req -> tokens computed with full context (worker report)
         self.scanned: dict[str, int] = {}  # req -> positional index scanned for unfaithful hashes
         self.kept: list[tuple[int, str]] = []  # (block, why) hashes kept on released blocks
+        self.parked: dict[int, list] = {}  # plan id -> [(source block id, its hashes, num_tokens)]
 
     def restart(self, r: str) -> None:
         """A new block list for ``r`` (new or resumed): nothing of it was scanned."""
@@ -92,9 +102,50 @@ class PrefixHashRules:
             self.stats["hashes_evicted"] += 1
 
     def drop_sources(self, blocks) -> None:
-        """A plan launches with ``blocks`` as its sources and fills: no prefix hit may land on
-        one in flight, and a fill's bytes change (one ``evict_blocks`` call for the plan)."""
+        """``blocks`` lose their hash for good (one ``evict_blocks`` call): a plan's fills, whose
+        bytes change, and sources not computed with full context."""
         hashed = {blk.block_id for blk in blocks if blk.block_hash is not None}
         if hashed:
             self.pool.evict_blocks(hashed)
             self.stats["source_hashes_dropped"] += len(hashed)
+
+    def park(self, plan_id: int, r: str, sources, fills, list_index: dict) -> list[int]:
+        """Plan ``plan_id`` of ``r`` launches: its fills' hashes dropped, its sources' taken out
+        of vLLM's map until :meth:`restore` (a faithful source: computed with full context, by
+        its list index; the others dropped too). Returns the sources parked (their bytes must
+        stay as they are: nobody may poison or overwrite them)."""
+        drop, parked = list(fills), []
+        for blk in sources:
+            if blk.block_hash is None:
+                continue
+            if not self.is_faithful(r, list_index.get(blk.block_id, -1)):
+                drop.append(blk)
+                continue
+            n = blk.block_hash_num_tokens
+            hashes = self.pool._remove_cached_block_hashes(blk)
+            if hashes:
+                parked.append((blk.block_id, hashes, n))
+        self.drop_sources(drop)
+        if parked:
+            self.parked[plan_id] = parked
+            self.stats["source_hashes_parked"] = self.stats.get("source_hashes_parked", 0) + len(parked)
+        return [b for b, _, _ in parked]
+
+    def restore(self, plan_id: int) -> None:
+        """Plan ``plan_id`` ended: its sources' parked hashes go back into vLLM's map (bytes
+        unchanged). A parked block that carries a hash now was re-hashed while it flew
+        (``prefix_hash``: raised by the caller's check before this)."""
+        for b, hashes, n in self.parked.pop(plan_id, ()):
+            blk = self.pool.blocks[b]
+            for i, h in enumerate(hashes):
+                self.pool._insert_block_hash(h, blk, n if i == 0 else None)
+            self.stats["source_hashes_restored"] = self.stats.get("source_hashes_restored", 0) + 1
+
+    def unpark(self, plan_id: int) -> None:
+        """Plan ``plan_id`` ended with its sources back with its request, held outside its list
+        (an aborted copy): their parked hashes are dropped (held blocks carry none)."""
+        self.parked.pop(plan_id, None)
+
+    def unpark_all(self) -> None:
+        """vLLM reset its prefix cache: nothing parked goes back."""
+        self.parked.clear()

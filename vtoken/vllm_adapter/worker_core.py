@@ -118,7 +118,8 @@ class WorkerCore:
         self.pkey: dict[str, object] = {}
         self.faithful: dict[str, int] = {}
         self.unlisted: list = []  # (request, list index) nulled since the runner last took them
-        self.emptied_sources: list = []  # sources of plans applied this step (the table let go of them)
+        self.emptied_sources: list = []  # sources of plans applied this step whose bytes nobody reads again
+        self._keep: dict[int, set] = {}  # plan id -> its sources whose prefix-cache hash comes back
         self._clock = itertools.count()  # the worker's own clock for the events of snapshots it completes
         self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
                           relocations=0, moves=0, aborted=0, releases=0)
@@ -368,6 +369,7 @@ class WorkerCore:
         plan = Plan(order["id"], order["req_id"], list(order["sources"]), list(order["dests"]),
                     np.asarray(order["moves"], dtype=np.int64).reshape(-1, 5), list(order["fills"]), seq=order["seq"],
                     snapshot=order["snapshot"], clock=self._clock.__next__)
+        self._keep[plan.id] = set(order.get("keep", ()))  # sources whose hash comes back: never poisoned
         now = self.copies.launch(plan)
         if now is not None:
             self._report(plan, now, rep)
@@ -381,9 +383,10 @@ class WorkerCore:
     def _report(self, plan: Plan, out, rep: WorkerReport) -> None:
         out.snapshot = plan.snapshot  # completed here (digests, events, post): the scheduler side merges it
         rep.plans[plan.id] = out
+        keep = self._keep.pop(plan.id, ())
         if out.status == "applied":
             self._unlist(plan.req_id, plan.sources)
-            self.emptied_sources += plan.sources
+            self.emptied_sources += [b for b in plan.sources if b not in keep]
             self.stats["relocations"] += 1
             self.stats["moves"] += out.moved
         else:

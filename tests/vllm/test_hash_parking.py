@@ -1,0 +1,50 @@
+"""Issue 38: a block's prefix-cache hash is dropped only when its bytes change or it is
+reused. A plan's sources are only read by its copy: their hashes are parked while it flies (no
+prefix hit lands on a block in flight) and put back when they return to vLLM's pool, so a later
+request repeating the prompt hits them; fills (their holes take moved tokens) lose theirs."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_adapter import make, prompt  # noqa: E402 - the adapter tests' builder (same folder)
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_sources_keep_their_hash_and_fills_lose_theirs(model, lag):
+    S = 4
+    ad, w, d = make(model, S=S, N=96, H=0, ratio=0.5, lag=lag, caching=True)
+    for i in range(3):
+        ad.add_request(f"q{i}", prompt(i, 28 + 4 * i), max_tokens=40)
+    parked, fills, restored = {}, {}, 0
+    orig_park, orig_restore = ad.hashes.park, ad.hashes.restore
+
+    def park(plan_id, r, sources, fill_blocks, list_index):
+        hashed = {b.block_id: b.block_hash for b in sources if b.block_hash is not None}
+        out = orig_park(plan_id, r, sources, fill_blocks, list_index)
+        assert set(out) <= set(hashed)  # only hashed sources are parked...
+        for b in out:  # ...and no prefix hit can land on them while the copy flies
+            assert ad.block(b).block_hash is None
+        parked[plan_id] = {b: hashed[b] for b in out}
+        fills[plan_id] = [b.block_id for b in fill_blocks]
+        return out
+
+    def restore(plan_id):
+        nonlocal restored
+        orig_restore(plan_id)
+        for b, h in parked.get(plan_id, {}).items():  # the very hash it had, on the very block
+            assert ad.block(b).block_hash == h, (b, ad.block(b).block_hash, h)
+            restored += 1
+
+    ad.hashes.park, ad.hashes.restore = park, restore
+    while ad.has_work():
+        d.step()
+        for pid, p in ad.plans.items():  # in flight: parked sources and fills carry no hash
+            assert all(ad.block(b).block_hash is None for b in p.sources + p.fills), pid
+    ad.close()
+    assert restored > 0 and ad.stats["source_hashes_restored"] == restored, (restored, ad.stats)
+    assert sum(map(len, fills.values())) > 0 and w.hash_failures == 0
+    cached = {b.block_id for b in ad.pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None}
+    assert any(b in cached for ps in parked.values() for b in ps), "no restored source is a cached free block"
