@@ -136,8 +136,10 @@ def watched_db(spec):
                 self.broken = f"a saved example did not reach the example database {spec}"
 
         def problem(self) -> str | None:
-            """Why the database no longer takes writes, or None (one probe file for a folder)."""
-            return self.broken or _folder_problem(spec)
+            """Why the database no longer takes writes, or None (one probe file for a folder).
+            The folder's own state first: it names the cause (a folder replaced by a file),
+            where a save that did not land names only the symptom."""
+            return _folder_problem(spec) or self.broken
 
     return Watched(make_db(spec))
 

@@ -12,7 +12,9 @@ contract, error codes and check order included):
 - operations: ``sync_new_tokens(req, block_ids, total_len) -> new slots``,
   ``evict_tokens(req, ids)``, ``apply_moves(req, moves) -> emptied sources``,
   ``release_empty_blocks(req, blocks) -> blocks``, ``free_request(req) -> blocks``;
-  optionally ``evict_token(req, id)`` (else ``evict_tokens(req, [id])`` stands in);
+  optionally ``evict_token(req, id)`` (else ``evict_tokens(req, [id])`` stands in) and the
+  batched decode step ``sync_one_each(reqs, blocks) -> slots`` / ``evict_one_each(reqs, ids)``
+  (one new token / one victim per request; the machine drives them only where both exist);
 - observations: ``export_state()`` (the plain-data state, as the spec's; optionally
   ``export_request(req)`` and ``export_blocks()``, its parts, which make the checks cheaper), ``slot_mapping(req)``
   (a sequence of ints), ``location(req, id) -> (block, offset)``, ``length(req)``,
@@ -204,6 +206,12 @@ class Conforming:
             self.export_request = lambda req_id: self._call("export_request", req_id, log=False)
         if callable(getattr(impl, "export_blocks", None)):
             self.export_blocks = lambda: self._call("export_blocks", log=False)
+        # the batched decode step, optional as a pair (a table with one of them is driven one
+        # request at a time, as one with neither)
+        if all(callable(getattr(impl, op, None)) for op in ("sync_one_each", "evict_one_each")):
+            self.sync_one_each = lambda reqs, blocks: np.asarray(
+                list(self._call("sync_one_each", reqs, blocks)), dtype=np.int64)
+            self.evict_one_each = lambda reqs, ids: self._call("evict_one_each", reqs, ids)
 
     def _code(self, op: str, e: BaseException) -> str:
         raw = getattr(e, "code", None)

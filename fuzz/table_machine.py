@@ -337,7 +337,8 @@ class TableMachine(SwarmRules):
                 TableMachine.ops += 1
                 assert both(lambda: self.impl.evict_tokens(rid, ids), lambda: self.spec.evict_tokens(rid, ids))[2] is None
 
-    @precondition(lambda self: self.pos)
+    @precondition(lambda self: self.pos and callable(getattr(self.impl, "sync_one_each", None))
+                  and callable(getattr(self.impl, "evict_one_each", None)))
     @rule(data=st.data())
     def decode_step_batched(self, data):
         """A decode step as the worker and the scheduler side's replica make it: every request's

@@ -27,7 +27,7 @@ from .table_checks import InvariantViolation
 
 
 def view_of(table, req_id, *, tail, headroom, max_sources: int, in_flight=(), excluded=(),
-            in_place: bool = False) -> dict:
+            in_place: bool = False, unfillable=()) -> dict:
     """The spec planner's view of one request, read through the table's public API
     (``in_flight``: the blocks of the plans still copying, their fills included)."""
     S = table.S
@@ -42,17 +42,18 @@ def view_of(table, req_id, *, tail, headroom, max_sources: int, in_flight=(), ex
         "in_flight": sorted(int(b) for b in in_flight),
         "headroom": [int(b) for b in headroom],
         "excluded": sorted(int(b) for b in excluded),
+        "unfillable": sorted(int(b) for b in unfillable),
         "in_place": bool(in_place),
     }
 
 
 def check_proposal(*, table, req_id, proposal, tail, headroom, max_sources: int, in_flight=(), excluded=(),
-                   in_place: bool = False) -> dict:
+                   in_place: bool = False, unfillable=()) -> dict:
     """Raise :class:`InvariantViolation` (``plan_contract``) unless the proposal obeys every
     rule of the reference planner and reduces by the best reduction the headroom allows.
     Returns the view (for reports)."""
     view = view_of(table, req_id, tail=tail, headroom=headroom, max_sources=max_sources, in_flight=in_flight,
-                   excluded=excluded, in_place=in_place)
+                   excluded=excluded, in_place=in_place, unfillable=unfillable)
     plan = {"sources": [int(b) for b in proposal.sources], "fills": [int(b) for b in getattr(proposal, "fills", [])],
             "dests": [int(b) for b in proposal.dests],
             "moves": [[int(x) for x in mv] for mv in proposal.moves.tolist()]}

@@ -129,7 +129,7 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
          block_size: int = 16, prefix_caching: bool = True, async_scheduling: bool = True, copy_lag: int = 0,
          headroom: int = 8, snapshot_dir=None, late: Optional[dict] = None, evict_ratio: float = 0.5,
          max_num_batched_tokens: int = 2048, then: Optional[Callable[[Callable], dict]] = None,
-         kv_layout: str = "full") -> dict:
+         kv_layout: str = "full", keep_prefix_bytes: bool = False) -> dict:
     """One decode through the adapter; returns outputs and measurements (raises on a broken
     assumption). ``late``: requests added after the first step (prefix-hit requests).
     ``then``: called once every request has finished, with ``output_tokens(req_id)``; the
@@ -139,13 +139,15 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
     it, but the reservation path (out-of-place plans, ``in_place=False``) stays under the
     audit's runtime checks (the planted ``adapter_headroom_to_allocate`` is caught here).
     ``kv_layout``: vLLM's KV cache groups (``hybrid``: full attention + a sliding window of two
-    blocks, read by the model's odd layers)."""
+    blocks, read by the model's odd layers). ``keep_prefix_bytes``: the adapter's setting
+    (in-place plans never fill a block its prefix-cache hash describes)."""
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     ad = VTokenAdapter(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                        async_scheduling=async_scheduling, reclaim=reclaim,
                        planner_config=default_adapter_planner_config(headroom=headroom),
-                       max_num_batched_tokens=max_num_batched_tokens, kv_layout=kv_layout)
+                       max_num_batched_tokens=max_num_batched_tokens, kv_layout=kv_layout,
+                       keep_prefix_bytes=keep_prefix_bytes)
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,
                      seed=seed, check_relocations=RelocationChecker if reclaim else None, snapshot_dir=snapshot_dir,
                      copy_lag=copy_lag, layout=ad.worker_layout())
@@ -338,7 +340,7 @@ def _prefix_policy_row(policy: str, runs: dict, g_off: dict, g_on: dict, problem
     return row
 
 
-def prefix_equality(quick: bool = True, seed: int = 0) -> dict:
+def prefix_equality(quick: bool = True, seed: int = 0, keep_prefix_bytes: bool = False) -> dict:
     """What the outputs guarantee says under prefix caching, checked (``vtoken audit`` check
     ``vllm-prefix-equality``). Requests decode and finish; then later requests repeat a whole
     earlier sequence, a prompt, and a prefix. Each policy runs with reclamation on and off,
@@ -354,7 +356,8 @@ def prefix_equality(quick: bool = True, seed: int = 0) -> dict:
       two adapters gives the same outputs with caching on as with it off. A stale or
       unfaithful hash (prefix-cache poisoning) shows up here.
 
-    Never raises."""
+    ``keep_prefix_bytes``: vtoken's runs with the adapter's setting of that name (then its hit
+    rate must reach Naive-Evict's, a problem otherwise). Never raises."""
     t0 = time.perf_counter()
     res = dict(passed=False, detail="", runs=[])
     nreq, new = 4, 24
@@ -372,11 +375,15 @@ def prefix_equality(quick: bool = True, seed: int = 0) -> dict:
                 nb = 2 + 8 + 2 * sum(-(-(len(p) + new) // 16) + 1 for p in prompts.values())
                 kw = dict(prompts=prompts, max_tokens=new, policy=policy, seed=seed, num_blocks=nb,
                           then=_repeats(prompts, seed))
-                runs = {(reclaim, cache): _run(reclaim=reclaim, prefix_caching=cache, **kw)
+                runs = {(reclaim, cache): _run(reclaim=reclaim, prefix_caching=cache,
+                                               keep_prefix_bytes=keep_prefix_bytes and reclaim, **kw)
                         for reclaim in (True, False) for cache in (False, True)}
                 g_off = outputs_guarantee(runs[(True, False)], runs[(False, False)])
                 g_on = outputs_guarantee(runs[(True, True)], runs[(False, True)])
                 row = _prefix_policy_row(policy, runs, g_off, g_on, problems)
+                if keep_prefix_bytes and g_on["hit_rate_on"] < g_on["hit_rate_off"]:
+                    problems.append(f"{policy}: keep_prefix_bytes on, yet the hit rate fell below "
+                                    f"Naive-Evict's ({g_on['hit_rate_on']} < {g_on['hit_rate_off']})")
                 res["runs"].append(row)
                 parts.append(f"{policy}: caching off {g_off['compared']}/{g_off['requests']} equal; caching on "
                              f"{g_on['compared']}/{g_on['requests']} computed alike and equal "

@@ -16,6 +16,9 @@ A *view* is what a plan for one request is made from::
                                                   # and fills (the substrate shares them, or does
                                                   # not hold them for this request: vLLM's
                                                   # ref_cnt != 1)
+     "unfillable": [block, ...],                  # optional: blocks a plan may empty but never
+                                                  # fill: their bytes must stay as they are (a
+                                                  # prefix-cache hash describes them)
      "in_place":  bool}                           # optional, absent == False: fills allowed
 
 A *plan* is ``{"sources": [block], "fills": [block], "dests": [block], "moves": [[token,
@@ -41,7 +44,7 @@ Fills (the same test as a source, and neither a source nor a destination)
   ``fill_not_allowed`` (any fill when the view is not ``in_place``); ``null_fill`` (the
   null block; its other rules are not asked); ``duplicate_fill``; ``fill_not_owned``;
   ``fill_shared`` (refs != 1); ``fill_tail``; ``fill_in_flight``; ``fill_excluded``;
-  ``fill_is_source``; ``fill_is_dest``.
+  ``fill_unfillable``; ``fill_is_source``; ``fill_is_dest``.
 Destinations (fresh blocks from the evacuation headroom) and slots
   ``duplicate_dest``; ``null_dest``; ``dest_out_of_range``; ``dest_not_headroom``;
   ``dest_in_flight``; ``move_to_unlisted_dest`` (the block is neither a fill nor a
@@ -165,6 +168,8 @@ def _fill_errors(view, fills, sources, dests, private) -> list:
             errs.append("null_fill: the null block 0")
             continue
         errs += _private_errors(view, "fill", b, private)
+        if b in set(view.get("unfillable", ())):
+            errs.append(f"fill_unfillable: block {b}: its bytes must stay as they are")
         if b in sources:
             errs.append(f"fill_is_source: block {b}")
         if b in dests:
@@ -252,25 +257,28 @@ def best_reduction(view, max_dests: int) -> int:
 
     Brute force over the candidate source sets. A valid plan for source set X moves all of
     X's live tokens, T(X). Out of place it then needs exactly ceil(T(X) / S) destinations;
-    in place (``view["in_place"]``) the holes of the other eligible blocks, H(E \\ X), take
-    tokens first (any of them may be a fill), so it needs ceil(max(0, T(X) - H(E \\ X)) / S).
-    H(E \\ X) = H(E) - (|X| S - T(X)), so either way the reduction depends only on |X| and
-    T(X): blocks with the same live count are interchangeable, and it is enough to try every
-    sub-multiset of the eligible blocks' live counts of size 1..B (at most a few hundred for
-    the fuzzer's sizes). (In place the best is min(B, floor(H(E) / S)), with no destination;
-    the brute force does not assume it.)
+    in place (``view["in_place"]``) the holes of the other fillable eligible blocks, H(F \\ X)
+    (F: the eligible blocks not ``unfillable``), take tokens first (any of them may be a fill),
+    so it needs ceil(max(0, T(X) - H(F \\ X)) / S). H(F \\ X) = H(F) - (|X & F| S - T(X & F)),
+    so the reduction depends only on |X|, T(X) and which of X are fillable: blocks with the
+    same live count and the same fillability are interchangeable, and it is enough to try
+    every sub-multiset of the eligible blocks' (live count, fillable) pairs of size 1..B (at
+    most a few hundred for the fuzzer's sizes). (Without unfillable blocks, in place, the best
+    is min(B, floor(H(E) / S)) with no destination; the brute force does not assume it.)
     """
     S, B = view["S"], view["max_sources"]
     eligible = eligible_sources(view)
-    have = Counter(live_in(view, b) for b in eligible)
-    holes_all = sum(S - live_in(view, b) for b in eligible) if view.get("in_place", False) else None
+    unfillable = set(view.get("unfillable", ()))
+    have = Counter((live_in(view, b), b not in unfillable) for b in eligible)
+    in_place = view.get("in_place", False)
+    holes_fillable = sum(S - live_in(view, b) for b in eligible if b not in unfillable)
     best = 0
     for k in range(1, min(B, sum(have.values())) + 1):
         for pick in combinations_with_replacement(sorted(have), k):
             if any(pick.count(n) > have[n] for n in set(pick)):
-                continue  # not that many blocks with this live count
-            moved = sum(pick)
-            room = 0 if holes_all is None else holes_all - (k * S - moved)  # holes outside the sources
+                continue  # not that many blocks with this live count and fillability
+            moved = sum(n for n, _ in pick)
+            room = holes_fillable - sum(S - n for n, fillable in pick if fillable) if in_place else 0
             need = ceil_div(max(0, moved - room), S)
             if need <= max_dests:
                 best = max(best, k - need)

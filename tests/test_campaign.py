@@ -241,12 +241,14 @@ def test_a_save_that_does_not_land_is_recorded(tmp_path):
     (tmp_path / "db").mkdir()
     db.save(b"k", b"v")
     assert db.problem() is None and list(db.fetch(b"k")) == [b"v"]
+    db.inner.save = lambda key, value: None  # a save swallowed with the folder still there (a full disk)
+    db.save(b"k", b"w")
+    assert "did not reach the example database" in db.problem()
     shutil.rmtree(tmp_path / "db")
     (tmp_path / "db").write_text("a file")
     db2 = watched_db(str(tmp_path / "db"))
     db2.save(b"k", b"w")
-    assert "did not reach the example database" in db2.problem()
-    assert "is no longer a folder (a file is there)" in watched_db(str(tmp_path / "db")).problem()
+    assert "is no longer a folder (a file is there)" in db2.problem(), "the cause comes before the symptom"
 
 
 def test_a_machine_that_ran_nothing_is_no_green_campaign(tmp_path):

@@ -15,7 +15,7 @@ from vtoken.cli.main import main
     (["--policy", "lru"], "argument --policy"),
     (["--requests", "0"], "argument --requests"),
     (["--settings", '{"polcy": "h2o"}'], r"unknown setting\(s\) \['polcy'\]"),
-    (["--settings", '{"planner": {"headroom": -1}}'], r"PlannerConfig\.headroom"),
+    (["--settings", '{"planner": {"headroom": -1}}'], r"planner\.headroom must be an integer >= 0"),
     (["--settings", "[1]"], "argument --settings"),
     (["--compare", "plain"], "argument --compare"),
 ])

@@ -78,7 +78,7 @@ def _bound(n_blocks, n_live, has_tail, in_tail, S: int):
 
 def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: int, tail: Optional[int],
             excluded: Optional[np.ndarray] = None, max_dests: Optional[int] = None,
-            in_place: bool = True) -> tuple[Optional[Proposal], bool]:
+            in_place: bool = True, unfillable: Optional[Sequence[int]] = None) -> tuple[Optional[Proposal], bool]:
     """Stage 3 for one request: the best plan, or ``None`` when no positive reduction fits.
 
     Candidates: the request's blocks that only it references (``refs == 1``), not its ``tail``,
@@ -87,7 +87,11 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     ``m = min(B, floor(H / S))`` candidates, H the holes (slots without a live token) of all
     candidates; their live tokens go into the holes of the next candidates in order (the
     plan's ``fills``; :func:`vtoken.placement.holes`): no destination, exactly the live tokens
-    of the freed blocks move, and no plan frees more. ``in_place=False`` (the paper's): the best
+    of the freed blocks move, and no plan frees more. ``unfillable`` (block ids): candidates a
+    plan may empty but never fill (their bytes must stay: a prefix-cache hash describes them);
+    then only the others' holes H(F) take tokens, an unfillable source costs its live tokens of
+    them and a fillable one all S of its slots, so the most sources are the unfillable ones by
+    live count, then the fillable ones, while they fit. ``in_place=False`` (the paper's): the best
     prefix of at most ``max_sources`` candidates by ``sources - ceil(T_live / S)`` whose
     destinations fit in ``headroom`` (and ``max_dests``), packed into the first ``ceil(T_live /
     S)`` headroom blocks in logical order (:func:`vtoken.placement.place`).
@@ -112,6 +116,13 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     candidates, live_counts = candidates[order], live_counts[order]
     fills: list = []
     dests: list = []
+    if in_place and unfillable is not None and len(unfillable):
+        picked = _in_place_keeping(candidates, live_counts, S, int(max_sources), np.asarray(unfillable, dtype=np.int64))
+        if picked is None:
+            return None, False
+        sources, fills = picked
+        moves = _moves_of(table, req_id, sources, fills, [], True)
+        return Proposal(sources.tolist(), [], moves, fills), True
     if in_place:
         m = min(int(max_sources), int((S - live_counts).sum()) // S)
         if m <= 0:
@@ -133,6 +144,28 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     sources = np.sort(candidates[:m])
     moves = _moves_of(table, req_id, sources, fills, dests, in_place)
     return Proposal(sources.tolist(), dests, moves, fills), worthwhile
+
+
+def _in_place_keeping(candidates: np.ndarray, live_counts: np.ndarray, S: int, B: int, unfillable: np.ndarray):
+    """In-place sources and fills when ``unfillable`` candidates may be emptied but not filled
+    (``candidates`` by live count): ``(sorted sources, fills)`` or None. The budget is the
+    fillable candidates' holes; an unfillable source spends its live tokens, a fillable one S
+    (its live tokens plus the holes it no longer offers): cheapest first is the most sources."""
+    keep = np.isin(candidates, unfillable)
+    budget = int((S - live_counts[~keep]).sum())
+    cost = np.where(keep, live_counts, S)
+    order = np.lexsort((candidates, cost))  # the cheapest first, block id breaking ties
+    m = int(np.searchsorted(np.cumsum(cost[order]), budget, side="right"))
+    m = min(m, B)
+    if m <= 0:
+        return None
+    chosen = np.zeros(len(candidates), dtype=bool)
+    chosen[order[:m]] = True
+    moved = int(live_counts[chosen].sum())
+    free = ~chosen & ~keep  # fills: fillable candidates not emptied, by live count
+    room = np.cumsum(S - live_counts[free])
+    fills = candidates[free][:int(np.searchsorted(room, moved)) + 1 if moved else 0].tolist()
+    return np.sort(candidates[chosen]), fills
 
 
 def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests: list, in_place: bool) -> np.ndarray:

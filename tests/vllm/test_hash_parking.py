@@ -48,3 +48,18 @@ def test_sources_keep_their_hash_and_fills_lose_theirs(model, lag):
     assert sum(map(len, fills.values())) > 0 and w.hash_failures == 0
     cached = {b.block_id for b in ad.pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None}
     assert any(b in cached for ps in parked.values() for b in ps), "no restored source is a cached free block"
+
+
+def test_keep_prefix_bytes_keeps_every_hit_of_the_repeated_sequences(model):
+    """``keep_prefix_bytes`` (off by default: it gives up the reduction of hashed blocks): no
+    in-place plan fills a block whose hash describes its bytes, so the audit's repeated
+    sequences hit the prefix cache at least as often as under Naive-Evict, every hit serving
+    the bytes a fresh prefill writes, while relocations still happen."""
+    from vtoken.reports import vllm_runs
+
+    res = vllm_runs.prefix_equality(quick=True, seed=0, keep_prefix_bytes=True)
+    assert res["passed"], res["detail"]
+    row, = res["runs"]
+    on = row["cache_on"]
+    assert on["hit_rate_off"] > 0 and on["hit_rate_on"] >= on["hit_rate_off"], on
+    assert row["relocations"] > 0 and row["hits_served_fresh_bytes_vtoken"]

@@ -252,7 +252,7 @@ class VTokenAdapter:
         self.book = PlanBook(self.lifecycle, harness=self.harness, table=self.table, cfg=self.cfg, stats=self.stats,
                              reserve=self.reserve, mirror=self.mirror, fence=self.fence, hashes=self.hashes,
                              checker=self.checker, requests=self, max_plans_per_step=self.max_plans_per_step,
-                             checks=self.checks)
+                             checks=self.checks, keep_prefix_bytes=c.keep_prefix_bytes)
 
     @classmethod
     def attach(cls, scheduler, **settings) -> "VTokenAdapter":

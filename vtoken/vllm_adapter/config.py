@@ -40,7 +40,8 @@ from .layout import KV_LAYOUTS
 _OWN = "VTokenAdapter"
 _POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_plans_per_step", "check_full_every",
              "headroom_pool_fraction")
-_SWITCHES = ("prefix_caching", "async_scheduling", "reclaim", "checks", "evict_unfaithful_hashes", "paranoid_checks")
+_SWITCHES = ("prefix_caching", "async_scheduling", "reclaim", "checks", "evict_unfaithful_hashes", "paranoid_checks",
+             "keep_prefix_bytes")
 # vLLM's own configuration (``VllmHarness``'s): ``attach`` reads it off the scheduler it is given
 VLLM_FIELDS = ("block_size", "num_blocks", "prefix_caching", "async_scheduling", "max_num_seqs",
                "max_num_batched_tokens", "max_model_len", "kv_layout", "sliding_window")
@@ -122,6 +123,12 @@ class AdapterConfig:
             incremental, with a full scan every ``check_full_every`` hooks, at idle, and at
             every hook with ``paranoid_checks`` (campaigns).
         table_device: where the token table lives (CUDA only where there is one).
+        keep_prefix_bytes: an in-place plan never fills a block whose prefix-cache hash describes
+            its bytes (computed with full context): a later request repeating the prefix keeps
+            its hits (with the sources' parked hashes, Naive-Evict's hit rate on the audit's
+            repeated-sequence workload), at the price of compaction in prompt-heavy requests (only
+            blocks without such a hash take moved tokens). Off: those blocks may be filled and lose
+            their hash (a fill early in a prompt breaks the whole prefix chain).
         evict_unfaithful_hashes: drop the prefix-cache hash of blocks computed after the
             request's first eviction (``prefix_hash``).
         headroom_pool_fraction: the headroom is at most 1/this of the live pool (default 16:
@@ -148,6 +155,7 @@ class AdapterConfig:
     checks: bool = True
     table_device: str = "cpu"
     evict_unfaithful_hashes: bool = True
+    keep_prefix_bytes: bool = False
     check_full_every: int = 64
     paranoid_checks: bool = False
     headroom_pool_fraction: int = 16

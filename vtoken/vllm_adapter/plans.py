@@ -79,15 +79,18 @@ class PlanBook:
         reserve, mirror, fence, hashes: the adapter's rooms; checker: its runtime checks.
         requests: the request side (:class:`RequestSide`).
         max_plans_per_step: plans launched per step at most; checks: run the fence check
-            at each source free.
+            at each source free; keep_prefix_bytes: in-place plans never fill a block whose
+            prefix-cache hash describes its bytes (``AdapterConfig.keep_prefix_bytes``).
     """
 
     def __init__(self, lifecycle: Lifecycle, *, harness, table, cfg, stats: dict, reserve, mirror, fence, hashes,
-                 checker, requests: RequestSide, max_plans_per_step: int, checks: bool):
+                 checker, requests: RequestSide, max_plans_per_step: int, checks: bool,
+                 keep_prefix_bytes: bool = False):
         self.lifecycle, self.harness, self.table, self.cfg, self.stats = lifecycle, harness, table, cfg, stats
         self.reserve, self.mirror, self.fence, self.hashes = reserve, mirror, fence, hashes
         self.checker, self.requests = checker, requests
         self.max_plans_per_step, self.checks = int(max_plans_per_step), bool(checks)
+        self.keep_prefix_bytes = bool(keep_prefix_bytes)  # never fill a block its prefix-cache hash describes
         self.plan_hook = None  # the toolkit's contract check, attached through the adapter
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
         self.bound: dict[str, tuple] = {}  # request -> (-its positive reclaim bound, arrival, request), cached
@@ -137,17 +140,27 @@ class PlanBook:
             exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1 or b in not_ours], dtype=np.int64)
             tail = t.tail_block(r)
             head = list(self.lifecycle.headroom)
-            p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude, in_place=cfg.in_place)
+            keep = self._unfillable(r, blocks) if cfg.in_place and self.keep_prefix_bytes else []
+            p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude, in_place=cfg.in_place,
+                           unfillable=keep)
             if p is None:
                 continue
             if self.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
                 flying = [b for q in self.plans.values() for b in q.blocks]
-                try:
-                    self.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=head, excluded=exclude.tolist(),
-                                 max_sources=cfg.max_sources, in_flight=flying, in_place=cfg.in_place)
+                try:  # an in-place plan uses no destination: its view has no headroom
+                    self.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=[] if cfg.in_place else head,
+                                   excluded=exclude.tolist(), max_sources=cfg.max_sources, in_flight=flying,
+                                   in_place=cfg.in_place, unfillable=keep)
                 except AssertionError as e:
                     raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self.launch(meta, r, p, tail, head)
+
+    def _unfillable(self, r: str, blocks: list) -> list:
+        """``r``'s blocks a plan may empty but never fill: those whose prefix-cache hash describes
+        their bytes (computed with full context): filling their holes would change what a later
+        request repeating the prefix hits. O(blocks of the request)."""
+        pool_blocks, pos = self.harness.pool.blocks, self.mirror.pos.get(r, {})
+        return [b for b in blocks if pool_blocks[b].block_hash is not None and self.hashes.is_faithful(r, pos.get(b, -1))]
 
     def launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
         """Refuse a proposal vLLM's pool contradicts (a source or fill shared there), then hand

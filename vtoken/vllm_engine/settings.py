@@ -17,6 +17,7 @@ the adapter's JSON settings take under ``planner_config``, through the same
 ``checks`` (the scheduler side's runtime checks), ``check_relocations`` (hash-and-compare of
 every relocation in the worker), ``copy_lag`` (a copy completes on its n-th poll), ``seed``,
 ``max_plans_per_step``, ``check_full_every``, ``paranoid_checks``, ``headroom_pool_fraction``,
+``keep_prefix_bytes`` (never fill a block whose prefix-cache hash describes it: hits kept),
 ``stats_path`` (where the scheduler writes its counters and the worker's as JSON), ``snapshot_dir``
 (where a failing relocation's snapshot goes).
 Owns: nothing but its values (frozen).
@@ -55,6 +56,7 @@ class EngineSettings:
     max_plans_per_step: int = 4
     check_full_every: int = 64
     paranoid_checks: bool = False
+    keep_prefix_bytes: bool = False
     headroom_pool_fraction: int = 16
     stats_path: Optional[str] = None
     snapshot_dir: Optional[str] = None
@@ -70,7 +72,7 @@ class EngineSettings:
             refuse("inconsistent", _OWN, "budget", "given without evict_ratio (one or the other)", self.budget)
         ratio = (0.0 if self.budget is not None else 0.5) if self.evict_ratio is None else self.evict_ratio
         put("evict_ratio", need_number(_OWN, "evict_ratio", ratio, 0, 1, hi_open=True))
-        for name in ("reclaim", "checks", "check_relocations", "paranoid_checks"):
+        for name in ("reclaim", "checks", "check_relocations", "paranoid_checks", "keep_prefix_bytes"):
             put(name, need_bool(_OWN, name, getattr(self, name)))
         for name, lo in (("copy_lag", 0), ("seed", 0), ("max_plans_per_step", 1), ("check_full_every", 1),
                          ("headroom_pool_fraction", 1)):
@@ -125,4 +127,5 @@ class EngineSettings:
         """The ``VTokenAdapter`` settings (its geometry comes from vLLM's scheduler)."""
         return dict(reclaim=self.reclaim, planner_config=self.planner_config(), checks=self.checks,
                     max_plans_per_step=self.max_plans_per_step, check_full_every=self.check_full_every,
-                    paranoid_checks=self.paranoid_checks, headroom_pool_fraction=self.headroom_pool_fraction)
+                    paranoid_checks=self.paranoid_checks, headroom_pool_fraction=self.headroom_pool_fraction,
+                    keep_prefix_bytes=self.keep_prefix_bytes)

@@ -1,0 +1,74 @@
+"""In-place plans that never fill an ``unfillable`` block (one whose bytes a prefix-cache hash
+describes): ``propose(..., unfillable=)`` obeys the reference contract (``fill_unfillable``)
+and frees as many blocks as the best such plan (``spec.planner.best_reduction``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vtoken.invariants.plan_contract import view_of
+from vtoken.planner import propose
+from vtoken.spec.planner import best_reduction, plan_errors
+from vtoken.table import TokenTable
+
+
+def _table(S, nblocks, n, dead, seed):
+    t = TokenTable(S, 64)
+    t.sync_new_tokens("r", list(range(1, nblocks + 1)), n)
+    rng = np.random.default_rng(seed)
+    live = t.live_tokens("r")[:-1]
+    if dead and len(live):
+        t.evict_tokens("r", rng.choice(live, size=min(dead, len(live)), replace=False))
+    return t
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(S=st.integers(2, 6), nblocks=st.integers(2, 9), fill=st.floats(0.3, 1.0), dead=st.integers(0, 40),
+       seed=st.integers(0, 1000), B=st.integers(1, 8), data=st.data())
+def test_in_place_with_unfillable_blocks_is_valid_and_best(S, nblocks, fill, dead, seed, B, data):
+    n = max(1, int(nblocks * S * fill))
+    t = _table(S, nblocks, n, dead, seed)
+    tail = t.tail_block("r")
+    blocks = t.blocks_of("r")
+    unfillable = data.draw(st.lists(st.sampled_from(blocks), unique=True), label="unfillable")
+    prop, _ = propose(t, "r", [], max_sources=B, tail=tail, in_place=True, unfillable=unfillable)
+    view = view_of(t, "r", tail=tail, headroom=[], max_sources=B, in_place=True, unfillable=unfillable)
+    best = best_reduction(view, 0)
+    if prop is None:
+        assert best == 0, f"no plan, but one frees {best}: {view}"
+        return
+    plan = {"sources": prop.sources, "fills": prop.fills, "dests": prop.dests, "moves": prop.moves.tolist()}
+    assert plan_errors(view, plan) == []
+    assert not set(prop.fills) & set(unfillable)
+    assert prop.reduction == best, (prop.reduction, best, plan, view)
+
+
+def test_the_reference_refuses_a_fill_of_an_unfillable_block():
+    t = _table(4, 3, 12, 6, 0)
+    prop, _ = propose(t, "r", [], max_sources=4, tail=t.tail_block("r"), in_place=True)
+    assert prop is not None and prop.fills
+    view = view_of(t, "r", tail=t.tail_block("r"), headroom=[], max_sources=4, in_place=True, unfillable=prop.fills)
+    plan = {"sources": prop.sources, "fills": prop.fills, "dests": [], "moves": prop.moves.tolist()}
+    assert any(e.startswith("fill_unfillable") for e in plan_errors(view, plan))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_unfillable_block_plans_as_before(seed):
+    t = _table(4, 8, 30, 14, seed)
+    a, _ = propose(t, "r", [], max_sources=8, tail=t.tail_block("r"), in_place=True)
+    b, _ = propose(t, "r", [], max_sources=8, tail=t.tail_block("r"), in_place=True, unfillable=[])
+    assert (a is None) == (b is None) and (a is None or (a.sources, a.fills) == (b.sources, b.fills))
+
+
+def test_an_unfillable_block_left_over_is_never_the_fill():
+    """Blocks 1 and 2 unfillable (live 1 and 2), block 3 fillable (live 3, one hole): the one
+    hole takes block 1's token; block 2, emptier than block 3, is still never filled."""
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("r", [1, 2, 3, 4], 13)
+    t.evict_tokens("r", [0, 1, 2, 4, 5, 8])  # live: block 1 {3}, block 2 {6, 7}, block 3 {9, 10, 11}, tail {12}
+    prop, _ = propose(t, "r", [], max_sources=4, tail=4, in_place=True, unfillable=[1, 2])
+    assert prop is not None and prop.sources == [1] and prop.fills == [3], prop
+    assert prop.moves.tolist() == [[3, 1, 3, 3, 0]]
