@@ -6,7 +6,9 @@ done and at apply; a read of the wrong bytes between them that leaves them right
 missed); slots outside its guard (``guard="local"``: a write onto another request's token
 away from the plan's blocks; a KV cache group the token table does not mirror whose reads
 the worker did not hand it with :meth:`RelocationChecker.guard_outside`, and any slot of
-such a group no step reads next: an out-of-window position); a fingerprint collision (bound in
+such a group no step reads next: an out-of-window position; a guarded slot that stopped being
+read before the copy was seen done, its owner gone or its window moved on, is not compared,
+so bytes corrupted at launch and read by the steps in between go unseen); a fingerprint collision (bound in
 :func:`device_fingerprint`) or, with ``sample=0``, an xxh3 spot check; block ownership and
 the pool (who holds a block: ``ownership`` and the snapshot checkers); plans whose copy
 it was not wrapped around.
