@@ -6,7 +6,10 @@ that prefix-cache hits land near blocks a copy is moving), steps run (``AdapterD
 two outputs in flight with async scheduling), a policy evicts tokens (the worker's random
 policy, plus random ids the machine picks), requests are aborted, blocks are grabbed from
 the pool to force preemption and resume (also of the request whose copy flies, so that
-the copy outlives both), copies run 0-10 steps late. Nothing of vLLM is mocked. Each example draws vLLM's KV layout
+the copy outlives both), requests stop at their next token while their plan flies (an EOS:
+vLLM finishes them while processing a step's output, the next step, scheduled with async
+scheduling, still computing them; aimed at a plan that lands on that very step), copies run
+0-10 steps late. Nothing of vLLM is mocked. Each example draws vLLM's KV layout
 (one full-attention group, or a hybrid one: full attention and a sliding window of two
 blocks, the model's second layer reading the window through its own group) and the fence's
 clock (the adapter's own, as vLLM runs by default, or vLLM's deferred frees, as a KV-consumer
@@ -34,6 +37,15 @@ Checked after every step, against the pool itself (not the adapter's bookkeeping
   processed (on vLLM's clock every such block; on the adapter's, those its port frees:
   vLLM frees its lists at once then); the machine watches every free of the pool; no
   headroom block, destination or in-flight source carries a prefix-cache hash;
+- the fence from the worker's side: every block a step's forward reads or writes for a
+  request (its live slots, its chunk, a hybrid layout's window) is one the scheduler side
+  still holds for it (its lists in every group, its held blocks, its plans in flight), one
+  waiting in a deferred free, or one vLLM itself let go of: never one the adapter already
+  returned to the pool (a step scheduled before that free reads it after);
+- the runtime checks, probed at every hook: what the adapter changed since the last hook
+  (a block newly held for a request, a block new in the headroom, a list it
+  null-substituted) is corrupted once, and the hook's incremental check alone must report
+  it there (undone before the real hook runs);
 - the worker's block lists against vLLM's, group by group (the window a hybrid model
   reads is the sliding-window group's);
 - every plan's recorded list indices (``Plan.list_index``) against where the machine
@@ -56,11 +68,12 @@ preempt and resume, a copy failed in the adapter (aborted, table kept).
 
 Owns: two adapters with their workers and vLLM schedulers (one machine instance each
 example), the machine's grabbed blocks, its record of plans (where their blocks were taken
-from), reports and fence breaches.
+from), reports and fence breaches, who held each block in every group's lists and what vLLM
+freed of them, and what the runtime checks' hooks had seen (for the probes).
 May call: the system (``vtoken.vllm_adapter``, ``vtoken.table``), the checkers
 (``invariants``: ownership, relocation hash, plan contract, snapshots, Z3) and vLLM.
-Costs: per step the full ownership ledger, O(pool) plus Z3 on each applied plan's
-snapshot: a campaign tool (about 200-250 operations per second here), not a CI gate.
+Costs: per step the full ownership ledger and the readable blocks, O(pool), plus per hook up
+to three incremental checks (the probes) plus Z3 on each applied plan's snapshot: a campaign tool (about 200-250 operations per second here), not a CI gate.
 """
 
 from __future__ import annotations
@@ -159,7 +172,18 @@ class _Run:
         self.fence_errors: list = []
         self.steps = 0
         self.in_port = 0  # > 0 while the adapter's port frees (its own blocks: fenced on either clock)
+        self.group_holder: dict[int, set] = {}  # block -> requests whose list of any KV cache group held it (last seen)
+        self.vllm_released: dict[str, set] = {}  # request -> blocks vLLM itself freed from its lists (this incarnation)
+        self.may_read: dict[str, set] = {}  # request -> the blocks a step may read for it now (see _check_reads)
+        self.executing = 0  # the step the worker executes now
+        self.held_seen: set = set()  # (request, block) held at the last runtime-check hook
+        self.headroom_seen: set = set()  # headroom blocks at the last runtime-check hook
+        self.subst_seen: set = set()  # (request, list index) null-substituted at the last runtime-check hook
+        self.probes = 0  # hooks whose incremental check was probed
         self._instrument()
+        self._instrument_reads()
+        if checks and reclaim:
+            self._instrument_hooks()
 
     def _instrument(self):
         ad, w = self.ad, self.w
@@ -180,6 +204,9 @@ class _Run:
             return rep
 
         def execute_spy(so):
+            meta = getattr(so, "vtoken", None)
+            self.executing = meta.seq if meta is not None else 0
+            self.may_read = self._readable()
             out = execute(so)
             note_report(out.vtoken_report)
             return out
@@ -203,6 +230,10 @@ class _Run:
             blocks = list(blocks)
             processed = ad.clock.processed
             free_blocks(blocks)
+            if not self.in_port:  # vLLM's own frees of its lists (the adapter's go through its port)
+                for b in blocks:
+                    for r in self.group_holder.get(b.block_id, ()):
+                        self.vllm_released.setdefault(r, set()).add(b.block_id)
             self._freed(blocks, processed)
 
         def in_port(fn):
@@ -279,6 +310,12 @@ class _Run:
         for b in now:
             self.leaving.pop(b, None)
         self.holder_of = now
+        gh: dict[int, set] = {}
+        for _, r, lst in ad.harness.all_lists():
+            for b in lst:
+                if not b.is_null:
+                    gh.setdefault(b.block_id, set()).add(r)
+        self.group_holder = gh
 
     def _observe_output(self, so):
         ad = self.ad
@@ -289,6 +326,8 @@ class _Run:
         for r in so.preempted_req_ids or ():
             self.preempted.add(r)
         c = so.scheduled_cached_reqs
+        for r in [d.req_id for d in so.scheduled_new_reqs] + list(c.resumed_req_ids or ()):
+            self.vllm_released.pop(r, None)  # a new incarnation: the worker reads nothing of the last one
         if c.resumed_req_ids:
             hard("resume with a replaced block list")
             if any(p.req_id in c.resumed_req_ids and p.orphaned for p in ad.plans.values()):
@@ -312,9 +351,158 @@ class _Run:
                 if p.req_id in grown:
                     hard("plan and growth in one step")
 
+    # ---------------------------------------------------------------- what a step reads
+    def _instrument_reads(self):
+        """Every block the worker's forward reads or writes for a request (its live slots, the
+        chunk's, a hybrid layout's window) is checked as it is read (:meth:`_check_reads`)."""
+        w = self.w
+        chunk, window_slots = w.core.chunk, w._window_slots
+
+        def chunk_spy(r, start, k, known=None):
+            ch = chunk(r, start, k, known)
+            self._check_reads(r, np.concatenate([ch.read.cpu().numpy(), np.asarray(ch.write)]), "its chunk")
+            return ch
+
+        def window_spy(r, wr, lo, hi):
+            slots = window_slots(r, wr, lo, hi)
+            self._check_reads(r, slots.cpu().numpy(), "its sliding window")
+            return slots
+
+        w.core.chunk, w._window_slots = chunk_spy, window_spy
+
+    def _readable(self) -> dict:
+        """Request -> the blocks a step executed now may read for it: those the scheduler side
+        holds for it (its lists in every KV cache group, its held destinations and fills, every
+        block of its plans in flight, orphaned ones included), every block waiting in a deferred
+        free (vLLM's or the adapter's port's, their fence not processed yet), and what vLLM itself
+        freed from its lists (vLLM's own decision, as without vtoken). O(pool) per step."""
+        ad = self.ad
+        out: dict[str, set] = {}
+        for _, r, lst in ad.harness.all_lists():
+            out.setdefault(r, set()).update(b.block_id for b in lst if not b.is_null)
+        for r, v in ad.held.items():
+            out.setdefault(r, set()).update(v)
+        for p in ad.plans.values():
+            out.setdefault(p.req_id, set()).update(p.blocks)
+        for r, v in self.vllm_released.items():
+            out.setdefault(r, set()).update(v)
+        deferred = {b for _, ids in ad.port.deferred for b in ids}
+        deferred |= {b.block_id for _, blocks in ad.scheduler.deferred_frees for b in blocks if not b.is_null}
+        out[None] = deferred
+        return out
+
+    def _check_reads(self, r, slots, what: str) -> None:
+        """The fence from the worker's side: a block a step reads for ``r`` is still held for
+        ``r`` (:meth:`_readable`), never one the adapter already returned to the pool (an early
+        free that only a later step, scheduled before the free and executed after it, reads:
+        around a request that left while its plan flew)."""
+        blocks = set((np.asarray(slots, dtype=np.int64).reshape(-1) // self.S).tolist())
+        bad = sorted(blocks - self.may_read.get(r, set()) - self.may_read.get(None, set()))
+        assert not bad, (
+            f"step {self.executing} reads blocks {bad} for request {r!r} ({what}), which the scheduler side no "
+            f"longer holds for it (not in its lists, held for it, in a plan of it in flight, nor in a deferred "
+            f"free): the adapter returned them to the pool (processed step {self.ad.clock.processed}) before a "
+            f"step that reads them was processed")
+
+    # ---------------------------------------------------------------- the runtime checks, probed
+    def _instrument_hooks(self):
+        """Before each runtime-check hook the checks are probed (:meth:`_probes`): what the
+        adapter changed since the last hook is corrupted, one thing of each kind, and the hook's
+        incremental check (its touched sets as the adapter left them) must report it at this
+        hook (the checks' contract: a violation is caught on the hook it happens when it touches
+        what changed). Each corruption is undone and the check's inputs restored before the real
+        hook runs."""
+        chk = self.ad.checker
+        after_hook = chk.after_hook
+
+        def hook_spy(where, table=False):
+            for what, key, corrupt in self._probes():
+                self._probe(where, what, key, corrupt)
+            out = after_hook(where, table=table)
+            lc, m = self.ad.lifecycle, self.ad.mirror
+            self.held_seen = {(r, b) for r, v in lc.held.items() for b in v}
+            self.headroom_seen = set(lc.headroom)
+            self.subst_seen = {(r, i) for r, sub in m.subst.items() for i in sub}
+            return out
+
+        chk.after_hook = hook_spy
+
+    def _probes(self) -> list:
+        """``(what, text the error must name, corrupt)`` per kind of change since the last hook:
+        a block newly held for a request (a landed plan's fills and destinations) and a block new
+        in the headroom get a stray reference; a request whose list the adapter null-substituted
+        (a plan's launch, a release) gets one of its other entries nulled behind its back.
+        ``corrupt()`` does it and returns the undo."""
+        ad = self.ad
+        lc, m, pool = ad.lifecycle, ad.mirror, ad.pool
+        out = []
+
+        def stray_ref(b):
+            def corrupt():
+                pool.blocks[b].ref_cnt += 1
+                return lambda: setattr(pool.blocks[b], "ref_cnt", pool.blocks[b].ref_cnt - 1)
+            return corrupt
+
+        held = sorted((r, b) for r, v in lc.held.items() for b in v if (r, b) not in self.held_seen)
+        if held:
+            out.append((f"block {held[0][1]}, newly held for request {held[0][0]!r},", f"block {held[0][1]} ",
+                        stray_ref(held[0][1])))
+        head = sorted(b for b in lc.headroom if b not in self.headroom_seen)
+        if head:
+            out.append((f"block {head[0]}, new in the headroom,", f"block {head[0]} ", stray_ref(head[0])))
+        subst = sorted({r for r, sub in m.subst.items() for i in sub if (r, i) not in self.subst_seen and r in m})
+        for r in subst:
+            lst, sub = ad.req_to_blocks.get(r), m.subst[r]
+            j = next((i for i, b in enumerate(lst or ()) if i not in sub and not b.is_null), None)
+            if j is not None:
+                def corrupt(lst=lst, j=j):
+                    blk, lst[j] = lst[j], pool.null_block
+                    return lambda: lst.__setitem__(j, blk)
+                out.append((f"request {r!r}'s list (null-substituted by the adapter), entry {j} nulled,",
+                            f"request {r!r} index {j}:", corrupt))
+                break
+        return out
+
+    def _probe(self, where: str, what: str, key: str, corrupt) -> None:
+        """One probe of :meth:`_instrument_hooks`: ``corrupt()``, the incremental check, undo."""
+        from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+        ad = self.ad
+        lc, chk = ad.lifecycle, ad.checker
+        saved = set(chk.touched_requests), set(chk.touched_lists), list(chk.new_entries), set(lc.fresh)
+        closed = list(ad.fence.closed)  # the probe's fence check consumes them: put back after
+        undo = corrupt()
+        err = None
+        try:
+            chk.check_touched(f"probe before {where}")
+        except AdapterAssumptionError as e:
+            err = e
+        finally:
+            undo()
+            chk.touched_requests, chk.touched_lists, chk.new_entries, lc.fresh = saved
+            ad.fence.closed.clear()
+            ad.fence.closed.extend(closed)
+        if err is not None and key not in str(err):
+            raise err  # a violation of its own, not the probe's
+        assert err is not None, (
+            f"{where}: {what} and the hook's incremental check did not see it: it would be reported only at a "
+            f"later full scan")
+        self.probes += 1
+        event("runtime check probed at its hook")
+
     # ---------------------------------------------------------------- operations
     def add(self, rid, prompt, max_tokens):
         self.ad.add_request(rid, prompt, max_tokens=max_tokens)
+
+    def stop_next(self, rid) -> bool:
+        """``rid`` stops at its next sampled token (every token a stop token, as an EOS would):
+        vLLM finishes it while processing that step's output, after the next step (async
+        scheduling) was scheduled with it."""
+        req = self.ad.scheduler.requests.get(rid)
+        if req is None or req.is_finished():
+            return False
+        req.sampling_params.stop_token_ids = list(range(64))  # the machine model's whole vocabulary
+        return True
 
     def step(self):
         self._guarded(self.d.step)
@@ -514,6 +702,7 @@ class AdapterMachine(SwarmRules):
         self.vt = _Run(reclaim=True, checks=True, engine=engine, fail_every=fail_every, **kw)
         self.ref = _Run(reclaim=False, checks=True, **kw)
         self.halted = None
+        self.stopping: set = set()  # requests told to stop at their next token
         self.prompts: dict[str, list] = {}
         self.next_id = 0
         self.snapshots_done = 0
@@ -716,6 +905,69 @@ class AdapterMachine(SwarmRules):
             self.step(1)
             if self.halted or any(q.request_id == r for q in ad.scheduler.running):
                 break
+        for _ in range(m):
+            self.step(1)
+
+    def _stoppable(self) -> list:
+        """Running requests with a plan in flight (not orphaned), not yet told to stop."""
+        ad = self.vt.ad
+        running = {q.request_id for q in ad.scheduler.running}
+        return sorted({p.req_id for p in ad.plans.values() if not p.orphaned and p.req_id in running} - self.stopping)
+
+    def _lands_next(self) -> list:
+        """Of :meth:`_stoppable`, those the step in flight (scheduled, not executed: async
+        scheduling) computes AND whose plan its output reports (the copy's last poll is in that
+        step): stopped at that step's token, the request leaves while the step after it, already
+        scheduled, still reads its blocks, and its plan ends in the same processing."""
+        run = self.vt
+        if not run.d.in_flight:
+            return []
+        nxt = run.d.in_flight[0]
+        meta = getattr(nxt, "vtoken", None)
+        pending = run.w.copies.pending
+        out = set()
+        for p in run.ad.plans.values():
+            if p.orphaned or p.req_id not in nxt.num_scheduled_tokens:
+                continue
+            if p.id in pending:  # launched: lands at its next poll (CPU copies: a lag count down)
+                h = pending[p.id][1]
+                lands = h.deferred is None or h.left <= 1
+            else:  # rides on a step not executed yet: launched and polled at its end
+                lands = meta is not None and p.seq == meta.seq and run.w.copy_engine.lag <= 1
+            if lands:
+                out.add(p.req_id)
+        return sorted(out & set(self._stoppable()))
+
+    @precondition(lambda self: not self.halted and self._stoppable())
+    @rule(data=st.data(), m=st.integers(1, 3))
+    def stop_mid_copy(self, data, m):
+        """A request whose plan flies stops at its next sampled token (an EOS: vLLM finishes it while
+        processing that step's output, and with async scheduling the next step, already scheduled,
+        still computes it): the orphan's blocks must wait for that step (the worker's reads are
+        checked against what the scheduler side still holds), then ``m`` steps."""
+        self._stop(data, m)
+
+    @precondition(lambda self: not self.halted and self.vt.d.depth > 1 and self._live_requests())
+    @rule(data=st.data(), wait=st.integers(4, 32), m=st.integers(1, 3))
+    def plan_then_stop(self, data, wait, m):
+        """The narrow case driven (async scheduling: plans fly between rules only briefly, and
+        land on one step): up to ``wait`` steps until a plan lands on the step in flight
+        (:meth:`_lands_next`), then :meth:`stop_mid_copy`'s stop."""
+        for _ in range(wait):
+            if self.halted or self._lands_next():
+                break
+            self.step(1)
+        if not self.halted and self._stoppable():
+            self._stop(data, m)
+
+    def _stop(self, data, m: int) -> None:
+        now = self._lands_next()
+        rid = pick(data, now if now and pick(data, [True, True, False], "one whose plan lands next") else
+                   self._stoppable(), "rid")
+        self.stopping.add(rid)
+        done, _ = self._both(lambda run: run.stop_next(rid))
+        if done:
+            event("request stopped mid-copy")
         for _ in range(m):
             self.step(1)
 

@@ -290,6 +290,41 @@ CATALOGUE: list[Fault] = [
               "wblocks=list(d.block_ids[g]) if wg is not None else None)"),
            _p(WC, "WorkerCore._lists", "            wids = list(nb[wg]) if nb and wg is not None else []\n",
               "            wids = list(nb[g]) if nb and wg is not None else []\n"))),
+    Fault("worker_copy_writes_window", "I1/I2 a write onto another KV cache group's slot (hybrid layout)",
+          "right after a copy is issued, one moved entry is also written onto another running request's newest "
+          "sliding-window slot, which the token table does not map and the next step's windowed layers read",
+          "adapter",
+          (_p(WC, "WorkerCore.launch", "        now = self.copies.launch(plan)\n",
+              "        now = self.copies.launch(plan)\n"
+              "        for r, _pos, sl in self.window_reads():\n"
+              "            if now is None and r != plan.req_id and len(sl) and len(plan.moves):\n"
+              "                m = plan.moves[0]\n"
+              "                self.kv.flat[:, :, int(sl[-1])] = self.kv.flat[:, :, int(m[1]) * self.S + int(m[2])]\n"
+              "                break\n"),)),
+    # issue 40: windows no test drove (a block read by a step scheduled before its free; a check one hook late)
+    Fault("adapter_orphan_frees_at_plan_fence", "8 block freed before the step that reads it (a request that left "
+          "while its plan flew)",
+          "an orphaned plan's blocks (fills and used destinations of one applied as its request stopped) go back at "
+          "the plan's fence, not its request's: the next step, scheduled before the stop was processed, still "
+          "reads them", "adapter",
+          (_p(LC, "Lifecycle.end", "alive, gone = not plan.orphaned, max(plan.seq, plan.gone_fence)",
+              "alive, gone = not plan.orphaned, plan.seq"),)),
+    Fault("adapter_absorb_untouched", "runtime check one hook late (a landed plan's blocks)",
+          "a plan's end (its fills and destinations now held for the request) is not reported to the runtime "
+          "checks: a corruption of them is seen only at a later full scan", "adapter",
+          (_p(PL, "PlanBook.absorb", "            self.checker.touch([plan.req_id])\n", ""),)),
+    Fault("adapter_launch_untouched", "runtime check one hook late (a launch's null substitution)",
+          "a plan's launch (its sources and fills null-substituted in the request's list) is not reported to the "
+          "runtime checks: a corruption of that list is seen only at a later hook", "adapter",
+          (_p(PL, "PlanBook.launch", "        self.checker.touch([r])\n", ""),)),
+    Fault("adapter_release_untouched", "runtime check one hook late (a release's null substitution)",
+          "a release of all-dead blocks is not reported to the runtime checks: a corruption of the request's list "
+          "or held blocks is seen only at a later hook", "adapter",
+          (_p(AD, "VTokenAdapter._release_empty", "                self.checker.touch([r])\n", ""),)),
+    Fault("headroom_fresh_unrecorded", "runtime check one hook late (new headroom blocks)",
+          "blocks entering the headroom are not recorded as new: the incremental check never looks at them, a "
+          "corruption (a block vLLM still references) is seen only at the next full scan", "adapter",
+          (_p(LC, "Lifecycle._to_headroom", "        self.fresh.update(ids)\n", ""),)),
 ]
 
 # ---------------------------------------------------------------- vLLM's real engine (vtoken.vllm_engine)

@@ -43,7 +43,11 @@ build the worker with them through ``VTokenWorker(copy_engine_factory=...)``):
 - ``corrupt_in_flight``: at the poll that completes a copy, a byte of a fill's live token or
   of a moved entry flips: the worker's hash-and-compare must raise;
 - ``steal_fill``: at that poll a fill becomes another request's alone in the token table:
-  the worker must refuse it and the adapter raise ``shared_never_moved``.
+  the worker must refuse it and the adapter raise ``shared_never_moved``;
+- ``copy_write_window`` (a hybrid layout): each copy also scatters one moved entry onto
+  another running request's newest sliding-window slot, a slot the token table does not map
+  (the window group is vLLM's, read by position): hash-and-compare must raise
+  ``guard_overwritten`` when the copy reports done (its guard covers the window's slots).
 
 Owns: what their parent engines own, plus the handles reported done before their copy ran
 (``ReleaseBeforeEventEngine``) and the rows written (``AppendOnlySlotBufferEngine``); the
@@ -350,9 +354,45 @@ class StealFillEngine(_PlanTracking):
         self.tampered.append((plan.id, f"fill {f} taken by {self.INTRUDER!r}"))
 
 
+class WindowWriteEngine(KVCopyEngine):
+    """A fault (a hybrid layout): each copy also scatters its first moved entry onto the newest
+    sliding-window slot of another request the worker runs (its last computed position, through
+    its window group's block list), which the next step's windowed layers read. The moved tokens
+    themselves land correctly and the token table maps no window slot, so a guard over the table
+    alone passes. ``table``: the worker's token table; ``reqs``: the worker's request records
+    (``WorkerCore.reqs``, with ``wblocks``), given once the worker exists (until then nothing
+    extra is written); ``targets``: (plan id, request, slot) of every extra write."""
+
+    def __init__(self, *a, table, **kw):
+        super().__init__(*a, **kw)
+        self.table = table
+        self.reqs: dict | None = None
+        self.targets: list = []
+
+    def _target(self, plan):
+        t, S = self.table, self.S
+        for r in sorted(self.reqs or ()):
+            w = self.reqs[r]
+            if r == plan.req_id or r not in t or not w.wblocks or t.length(r) < 1:
+                continue
+            p = t.length(r) - 1
+            if p // S < len(w.wblocks) and w.wblocks[p // S] != 0:
+                return r, int(w.wblocks[p // S]) * S + p % S
+        return None
+
+    def _slots(self, plan):
+        src, dst = super()._slots(plan)
+        hit = self._target(plan) if len(src) else None
+        if hit is None:
+            return src, dst
+        self.targets.append((getattr(plan, "id", -1), hit[0], hit[1]))
+        return np.append(src, src[0]), np.append(dst, hit[1])
+
+
 ADAPTER_ENGINES = {
     "copy_fails": FailingCopyEngine,
     "corrupt_in_flight": InFlightCorruptionEngine,
     "steal_fill": StealFillEngine,
+    "copy_write_window": WindowWriteEngine,
 }
-__all__ += ["ADAPTER_ENGINES", "FailingCopyEngine", "InFlightCorruptionEngine", "StealFillEngine"]
+__all__ += ["ADAPTER_ENGINES", "FailingCopyEngine", "InFlightCorruptionEngine", "StealFillEngine", "WindowWriteEngine"]

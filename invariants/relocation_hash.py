@@ -4,7 +4,11 @@ read path points at the moves' destinations), checked online, byte-exact.
 What this cannot see: anything between relocation events (it compares at launch, at copy
 done and at apply; a read of the wrong bytes between them that leaves them right again is
 missed); slots outside its guard (``guard="local"``: a write onto another request's token
-away from the plan's blocks); a fingerprint collision (bound in
+away from the plan's blocks; a KV cache group the token table does not mirror whose reads
+the worker did not hand it with :meth:`RelocationChecker.guard_outside`, and any slot of
+such a group no step reads next: an out-of-window position; a guarded slot that stopped being
+read before the copy was seen done, its owner gone or its window moved on, is not compared,
+so bytes corrupted at launch and read by the steps in between go unseen); a fingerprint collision (bound in
 :func:`device_fingerprint`) or, with ``sample=0``, an xxh3 spot check; block ownership and
 the pool (who holds a block: ``ownership`` and the snapshot checkers); plans whose copy
 it was not wrapped around.
@@ -36,7 +40,12 @@ request that no move writes -- the plan's own request, its fills and sources, an
 bystander, however far from the destinations (a scatter through a wrong or stale index
 lands anywhere). ``guard="local"`` narrows it to the destination blocks, the live slots
 right next to a destination (where an off-by-one lands) and the sources: cheaper, and
-blind to a write onto another request's token further away. When the copy reports done,
+blind to a write onto another request's token further away. Slots the worker reads outside
+the token table join the live slots when the worker hands them over
+(:meth:`RelocationChecker.guard_outside`: every KV cache group it reads that the table does
+not mirror; the vLLM adapter's worker core hands its sliding-window group's next-step window,
+``WorkerCore.window_reads``): each is owned by its request's position while the worker still
+reads it there, and none may lie in a destination block or fill. When the copy reports done,
 each guarded slot must hold the same bytes -- a live slot only while the same token of the
 same incarnation of the same request still holds it (a slot that changed hands meanwhile
 was written legitimately), and never a slot another plan's copy writes. A difference
@@ -89,12 +98,15 @@ engine that calls :meth:`before_copy` in ``launch`` and :meth:`after_copy` when 
 :meth:`after_apply`.
 
 Owns: per plan in flight its pre-copy digests and guard; the pending host fetches (pinned buffers,
-events); failure snapshots it writes to ``out_dir``.
+events); failure snapshots it writes to ``out_dir``; the outside readers it was handed.
 May call: vtoken.snapshot, vtoken.errors, the table's and KV cache's public API, torch, numpy,
 xxhash.
 Costs: per plan O(live tokens of every request x layers) digests, twice (launch and copy
 done: the guard), plus O(total length) vectorized scans of every request's slots; with
-``guard="local"`` O(request length x layers). A check mode, not the serving path.
+``guard_outside`` readers, each reader called three times per plan (launch, copy done,
+apply) and O(slots read outside the table x layers) more digests, twice (a hybrid layout:
+requests x (window - 1)); with ``guard="local"`` O(request length x layers). A check mode,
+not the serving path.
 """
 
 from __future__ import annotations
@@ -115,6 +127,11 @@ __all__ = ["RelocationChecker", "CheckedCopyEngine", "token_layer_digests", "dev
            "request_digest", "FINGERPRINT_BYTES"]
 
 _M32 = 0xFFFFFFFF
+# owner keys of the guard: ``code << 32 | token``; a slot read outside the token table also
+# carries _OUTSIDE and its reader's index (``guard_outside``) in the bits below it
+_OUTSIDE = 1 << 31
+_GROUP_SHIFT = 27
+_TOKEN = (1 << _GROUP_SHIFT) - 1  # token ids and positions below 2**27 (134M)
 
 
 # ---------------------------------------------------------------------------- digests
@@ -366,6 +383,7 @@ class RelocationChecker:
         self._codes: dict = {}  # request id -> owner code of its current incarnation (guard keys)
         self._names: list = []  # owner code -> request id
         self._queue: list = []  # (fetch, callback): comparisons waiting for their device digests
+        self._outside: list = []  # (reads, name): slots a worker reads outside the table (guard_outside)
         self.host_bytes: dict[str, int] = {}  # kind -> bytes copied device -> host (CUDA)
 
     # ------------------------------------------------------------------ deferred comparisons
@@ -416,6 +434,16 @@ class RelocationChecker:
         return ("kv_sample", _token_layer_bytes(self.kv, sel))
 
     # ------------------------------------------------------------------ events
+    def guard_outside(self, reads, name: str) -> None:
+        """Guard slots the worker reads outside the token table too (a KV cache group the
+        table does not mirror, e.g. a hybrid layout's sliding window): ``reads()`` returns, when
+        called, ``[(request, positions, slots)]``: the slots the worker's next step reads of
+        that group for each request in the table, the ``positions`` they hold. They join the
+        live index (the guard, the launch-time and after-apply ``foreign_token`` checks) as
+        live slots of their request's incarnation: a slot must keep its bytes while the same
+        position of the same request is still read there. ``name`` names the group in errors."""
+        self._outside.append((reads, str(name)))
+
     def note_evicted(self, req_id, token_ids) -> None:
         """The engine evicted these tokens of ``req_id`` (legitimately) while a copy may fly."""
         if not self._pre:
@@ -531,19 +559,35 @@ class RelocationChecker:
         return c
 
     def _owner(self, key: int):
-        """(request, token) of an owner key (``code << 32 | token``); None for -1."""
-        return None if key < 0 else (self._names[key >> 32], key & _M32)
+        """(request, token or position) of an owner key (``code << 32 | [_OUTSIDE |] token``);
+        None for -1."""
+        return None if key < 0 else (self._names[key >> 32], key & _TOKEN)
+
+    def _whose(self, key: int) -> str:
+        """What an owner key names, for errors: a live token, or a position read outside the table."""
+        rid, t = self._owner(key)
+        if key & _OUTSIDE:
+            name = self._outside[(key >> _GROUP_SHIFT) & 0xF][1] if self._outside else "a group outside the table"
+            return f"position {t} of request {rid!r} in {name} (read outside the token table)"
+        return f"live token {t} of request {rid!r}"
 
     def _live_index(self) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, keys)`` of every live token of every request, requests in the table's
         order, tokens in logical order; ``key = code << 32 | token`` names the owner
-        (:meth:`_code`). Public table API only; O(total length), no per-token Python."""
+        (:meth:`_code`); then the slots each :meth:`guard_outside` reader reads, keyed
+        ``code << 32 | _OUTSIDE | group << _GROUP_SHIFT | position``. Public table API only;
+        O(total length + outside reads), no per-token Python."""
         sl, ky = [], []
         for rid in self.table.requests():
             s, lv = self.table.slots(rid), self.table.live_mask(rid)
             ids = np.flatnonzero(lv)
             sl.append(s[ids].astype(np.int64, copy=False))
             ky.append(ids.astype(np.int64) | (self._code(rid) << 32))
+        for g, (reads, _) in enumerate(self._outside):
+            for rid, pos, slots in reads():
+                sl.append(np.asarray(slots, dtype=np.int64).reshape(-1))
+                ky.append(np.asarray(pos, dtype=np.int64).reshape(-1) | (self._code(rid) << 32) | _OUTSIDE
+                          | (g << _GROUP_SHIFT))
         if not sl:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         return np.concatenate(sl), np.concatenate(ky)
@@ -577,14 +621,17 @@ class RelocationChecker:
         ls, lk = live
         fills = np.asarray(sorted({int(b) for b in getattr(plan, "fills", ())}), dtype=np.int64)
         written = np.isin(ls, dst)
-        bad = np.isin(ls // S, dst_blocks) & (~np.isin(ls // S, fills) | written)
+        in_fill = np.isin(ls // S, fills)
+        outside = (lk & _OUTSIDE) != 0  # a slot of another KV cache group: in no block the copy writes
+        bad = np.isin(ls // S, dst_blocks) & (~in_fill | written) | (outside & in_fill)
         if bad.any():  # fresh destinations are nobody's yet; a fill's holes are nobody's
             i = int(np.argmax(bad))
             rid, t = self._owner(int(lk[i]))
             s = int(ls[i])
-            self._fail(plan, "foreign_token",
-                       f"at launch, request {rid!r} token {t} is live at slot {s} in destination block {s // S} "
-                       f"of plan {plan.id}: the copy would overwrite or alias it", token=t, layer=None)
+            what = (f"{self._whose(int(lk[i]))} is at slot {s} in block {s // S}, a destination or fill"
+                    if outside[i] else f"request {rid!r} token {t} is live at slot {s} in destination block {s // S}")
+            self._fail(plan, "foreign_token", f"at launch, {what} of plan {plan.id}: the copy would overwrite or "
+                                              f"alias it", token=t, layer=None)
         # every slot of the destination blocks (reserved for this plan: nobody else writes them)
         cand = [(dst_blocks[:, None] * S + np.arange(S, dtype=np.int64)[None, :]).reshape(-1)]
         if self.guard == "live":  # every live token of every request
@@ -624,10 +671,10 @@ class RelocationChecker:
             return True
         i = int(keep[int(np.argmax(bad))])
         s = int(p.guard_slots[i])
-        own = self._owner(int(p.guard_owner[i]))
+        key = int(p.guard_owner[i])
+        own = self._owner(key)
         layer = int(np.argmax(got[int(np.argmax(bad))] != p.guard_dig[i]))
-        whose = (f"live token {own[1]} of request {own[0]!r}" if own is not None
-                 else f"a free slot of destination block {s // self.S}")
+        whose = self._whose(key) if own is not None else f"a free slot of destination block {s // self.S}"
         self._fail(plan, "guard_overwritten",
                    f"slot {s} (block {s // self.S} offset {s % self.S}), which no move of the plan writes, changed "
                    f"while its copy was in flight: {whose} (layer {layer}); a write past a destination, or into "
@@ -636,10 +683,18 @@ class RelocationChecker:
         return False
 
     def _no_foreign_tokens(self, plan, p: _Pre) -> bool:
-        """After apply: no request but the plan's holds a live token in a destination block."""
+        """After apply: no request but the plan's holds a live token in a destination block, and
+        no slot read outside the table (``guard_outside``) lies in one."""
         blocks = np.asarray(p.dst_blocks, dtype=np.int64)
         if not len(blocks):
             return True
+        ls, lk = self._live_index() if self._outside else (np.empty(0, dtype=np.int64),) * 2
+        hit = np.flatnonzero(((lk & _OUTSIDE) != 0) & np.isin(ls // self.S, blocks))
+        if len(hit):
+            s = int(ls[hit[0]])
+            self._fail(plan, "foreign_token", f"{self._whose(int(lk[hit[0]]))} is at slot {s} in destination block "
+                                              f"{s // self.S} of plan {plan.id}", token=None, layer=None)
+            return False
         for rid in self.table.requests():
             if rid == p.req_id:
                 continue

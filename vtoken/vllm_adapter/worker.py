@@ -91,7 +91,9 @@ class VTokenWorker:
         num_blocks, block_size: vLLM's pool geometry (block ids index the cache directly).
         policy, policy_kwargs, evict_ratio, seed: eviction (``vtoken.policies``).
         check_relocations: None, or the relocation checker's factory ``(kv, table, out_dir=)
-            -> checker``; the worker owns the checker it builds.
+            -> checker``; the worker owns the checker it builds. With a sliding-window group
+            the checker must also take ``guard_outside(reads, name)`` (the window's slots the
+            next step reads, ``WorkerCore.window_reads``), else ``CallError``.
         snapshot_dir: where a failing relocation's snapshot goes.
         copy_lag: a copy completes on its ``copy_lag``-th poll (``KVCopyEngine(lag=...)``).
         copy_engine_factory: ``(kv, block_size, lag=...) -> engine`` (default :class:`KVCopyEngine`).
@@ -201,10 +203,9 @@ class VTokenWorker:
     def _windowed(self, r: str, w, start: int, k: int) -> Windowed:
         """The windowed layers of a hybrid model for the chunk ``[start, start + k)``: they write
         the chunk and attend over the last ``window`` positions of the sliding-window group."""
-        win = self.layout.window
-        lo = max(0, start - win + 1)
+        lo = self.core.window_start(start)  # one rule with what the relocation checker guards
         keys = self._window_slots(r, w, lo, start + k)
-        return Windowed(self.window_layers, keys[start - lo:], [_Group(0, k, keys, True, win)])
+        return Windowed(self.window_layers, keys[start - lo:], [_Group(0, k, keys, True, self.layout.window)])
 
     def synchronize(self) -> WorkerReport:
         """Host-wait every copy still in flight and apply it (idle / teardown)."""

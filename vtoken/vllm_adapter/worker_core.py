@@ -25,14 +25,16 @@ Per ``SchedulerOutput``, in order:
 
 Owns: its token table (a ``LoggedTable``: the worker is its only writer), the copy engine
 and the copy side (the plans received and not yet reported, as plans of its own), the
-relocation checker it builds, the policy, per request its positional block lists, known token
+relocation checker it builds (with a sliding-window group, handed the window's next-step reads,
+``window_reads``, to guard: every KV cache group the worker reads is guarded), the policy, per request its positional block lists, known token
 ids and full-context length. The K/V storage is the caller's (``kv``, a ``KVCache`` or a view
 with its interface).
 May call: ``vtoken.table``, ``vtoken.lifecycle`` (``Copies``), ``vtoken.copy_engine``,
 ``vtoken.policies``, numpy, torch; the relocation checker only as a factory the toolkit
 passes in (``check_relocations``).
 Costs: per step O(requests scheduled + requests that left + blocks released) plus the
-policy's and the table's cost per scheduled chunk, plus O(moves) per plan applied.
+policy's and the table's cost per scheduled chunk, plus O(moves) per plan applied; with the
+checker and a window group, O(requests x window) per checker call of ``window_reads``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import numpy as np
 import torch
 
 from ..copy_engine import KVCopyEngine
-from ..errors import OrderError
+from ..errors import CallError, OrderError
 from ..fields import refuse
 from ..lifecycle import Copies, Plan
 from ..policies import make_policy
@@ -100,6 +102,8 @@ class WorkerCore:
         engine = self.copy_engine
         if check_relocations:  # the toolkit's checker, handed in (the system never imports it)
             self.checker = check_relocations(kv, table, out_dir=snapshot_dir)
+            if self.layout.window_group is not None:  # the window's slots are guarded too
+                self._guard_window(self.checker)
             engine = self.checker.wrap(self.copy_engine)
         self.engine = engine
         # the copy side of every plan's life; the relocation checker re-hashes each applied plan
@@ -123,6 +127,42 @@ class WorkerCore:
         self._clock = itertools.count()  # the worker's own clock for the events of snapshots it completes
         self.stats = dict(steps=0, prefill_tokens=0, cached_tokens=0, decode_tokens=0, evicted=0,
                           relocations=0, moves=0, aborted=0, releases=0)
+
+    # ------------------------------------------------------------------ KV cache groups outside the table
+    def _guard_window(self, checker) -> None:
+        """Hand the checker the sliding-window slots this worker reads (``guard_outside``): a
+        copy must not write them either. A checker that cannot guard them is refused
+        (``CallError``): its hash-and-compare would be blind to the window."""
+        guard = getattr(checker, "guard_outside", None)
+        if not callable(guard):
+            raise CallError("bad_type", f"the relocation checker {type(checker).__name__} has no guard_outside(reads, "
+                                        f"name): with a sliding-window group it would not guard the window's slots")
+        guard(self.window_reads, f"the sliding-window group (KV cache group {self.layout.window_group})")
+
+    def window_start(self, start: int) -> int:
+        """The first position a chunk starting at ``start`` reads in the sliding-window group
+        (its windowed layers attend over the last ``window`` positions, the chunk's own included)."""
+        return max(0, int(start) - self.layout.window + 1)
+
+    def window_reads(self) -> list:
+        """What the next step reads of the sliding-window group, outside the token table:
+        ``[(request, positions, slots)]`` per request in the table, the positions
+        ``[window_start(n), n)`` (``n``: its length, where its next chunk starts) through its
+        window block list, those whose entry is null (vLLM freed the block) left out. Empty
+        without a window group. O(requests x window)."""
+        if self.layout.window_group is None:
+            return []
+        S, t, out = self.S, self.table, []
+        for r in t.requests():
+            w = self.reqs.get(r)
+            if w is None or not w.wblocks:
+                continue
+            n = t.length(r)
+            pos = np.arange(self.window_start(n), n, dtype=np.int64)
+            pos = pos[pos // S < len(w.wblocks)]
+            b = np.asarray(w.wblocks, dtype=np.int64)[pos // S]
+            out.append((r, pos[b != 0], b[b != 0] * S + pos[b != 0] % S))
+        return out
 
     # ------------------------------------------------------------------ counters
     @property
