@@ -162,35 +162,48 @@ def check_vllm(ctx) -> CheckResult:
                        metrics={"contracts": rows, "version": ver, "supported": list(SUPPORTED_VLLM)})
 
 
-def _pytest(args, junit: Path, timeout: int, note=print) -> tuple[int, dict, str]:
-    import re
-    import threading
-
+def _pytest_start(args, junit: Path, log: Path) -> dict:
+    """Start ``pytest -q ARGS`` from the checkout, its output appended to ``log``; returns the
+    handle :func:`_pytest_collect` waits on (``proc``, ``t0``, ``log``, ``args``)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
-    # derandomized Hypothesis and a fixed string-hash seed: the suite's verdict is a function of the code
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, PYTHONHASHSEED="0", VTOKEN_HYPOTHESIS_PROFILE="ci",
-                                  PYTHONUNBUFFERED="1"))
-    timer = threading.Timer(timeout, p.kill)
-    timer.start()
-    lines, shown, t0 = [], -10, time.perf_counter()
-    try:
-        for line in p.stdout:  # pytest -q's "....  [ 40%]" lines, shown every 10%
-            lines.append(line)
-            m = re.search(r"\[\s*(\d+)%\]\s*$", line)
-            if m and int(m.group(1)) >= shown + 10:
-                shown = int(m.group(1))
-                note(f"pytest {' '.join(args)}: {shown}% after {time.perf_counter() - t0:.0f} s")
-        p.wait()
-    finally:
-        timer.cancel()
-        if p.poll() is None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as fh:  # the child holds its own descriptor: ours can close at once
+        # derandomized Hypothesis and a fixed string-hash seed: the suite's verdict is a function of the code
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, PYTHONHASHSEED="0", VTOKEN_HYPOTHESIS_PROFILE="ci",
+                                      PYTHONUNBUFFERED="1"))
+    return {"proc": p, "t0": time.perf_counter(), "log": log, "args": list(args), "cmd": cmd}
+
+
+def _pytest_collect(run: dict, junit: Path, timeout: float, note=print) -> tuple[int, dict, str]:
+    """Wait for a run of :func:`_pytest_start` (``timeout`` seconds from its start: then it is
+    killed and ``TimeoutExpired`` raised), noting its progress every 10%; returns its exit
+    status, the junit counts (``tests``, ``failures``, ``errors``, ``skipped``, ``failed``
+    ids) and the last lines of its output."""
+    import re
+
+    p, t0, shown, seen = run["proc"], run["t0"], -10, 0
+    while True:
+        try:
+            p.wait(timeout=2)
+            done = True
+        except subprocess.TimeoutExpired:
+            done = False
+        with open(run["log"], "rb") as fh:  # pytest -q's "....  [ 40%]" lines, noted every 10%
+            fh.seek(seen)
+            chunk = fh.read()
+        seen += len(chunk)
+        new = chunk.decode(errors="replace")
+        for pct in re.findall(r"\[\s*(\d+)%\]\s*$", new, flags=re.M):
+            if int(pct) >= shown + 10:
+                shown = int(pct)
+                note(f"pytest {' '.join(run['args'])}: {shown}% after {time.perf_counter() - t0:.0f} s")
+        if done:
+            break
+        if time.perf_counter() - t0 >= timeout:
             p.kill()
             p.wait()
-    print("".join(lines), end="", flush=True)  # pytest's own output: into the check's log
-    if p.returncode < 0 and time.perf_counter() - t0 >= timeout:
-        raise subprocess.TimeoutExpired(cmd, timeout)
-    p.stdout = "".join(lines)
+            raise subprocess.TimeoutExpired(run["cmd"], timeout)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     failed = []
     if junit.exists():
@@ -201,8 +214,14 @@ def _pytest(args, junit: Path, timeout: int, note=print) -> tuple[int, dict, str
         for tc in root.iter("testcase"):
             if tc.find("failure") is not None or tc.find("error") is not None:
                 failed.append(f"{tc.get('classname')}::{tc.get('name')}")
-    tail = "\n".join(p.stdout.strip().splitlines()[-3:])
+    tail = "\n".join(Path(run["log"]).read_text(errors="replace").strip().splitlines()[-3:])
     return p.returncode, {**counts, "failed": failed}, tail
+
+
+def _pytest(args, junit: Path, timeout: int, note=print) -> tuple[int, dict, str]:
+    """``pytest -q ARGS`` in the foreground (its output in ``junit``'s folder, ``*.log``): see
+    :func:`_pytest_collect`."""
+    return _pytest_collect(_pytest_start(args, junit, junit.with_suffix(".log")), junit, timeout, note)
 
 
 def _load() -> str:
@@ -212,11 +231,30 @@ def _load() -> str:
         return "unknown"
 
 
+INVARIANTS_TIMEOUT = 900  # seconds from the suite's start
+
+
+def start_invariants(ctx) -> dict:
+    """Start ``pytest -m invariants`` when the audit starts, its output in its check's log:
+    the audit's longest check (minutes, one process) then runs on the machine's other core
+    beside the checks that come before :func:`check_invariants` in :data:`CHECKS` (none of
+    them a timing), which collects it."""
+    return _pytest_start(["-m", "invariants"], ctx["out"] / "invariants-junit.xml",
+                         ctx["out"] / "logs" / "invariants-suite.log")
+
+
 def check_invariants(ctx) -> CheckResult:
-    timeout = 900
+    """``pytest -m invariants``: every test passes (none ran: a failure). Collects the run
+    :func:`start_invariants` started (its ``seconds``: from the audit's start), or runs the
+    suite now; one that does not finish in :data:`INVARIANTS_TIMEOUT` s is not checked."""
+    timeout, junit = INVARIANTS_TIMEOUT, ctx["out"] / "invariants-junit.xml"
+    run = (ctx.get("background") or {}).get("invariants-suite")
+    t0 = run["t0"] if run else time.perf_counter()
     try:
-        rc, counts, tail = _pytest(["-m", "invariants"], ctx["out"] / "invariants-junit.xml", timeout=timeout,
-                                   note=ctx.get("note", print))
+        if run:
+            rc, counts, tail = _pytest_collect(run, junit, timeout, note=ctx.get("note", print))
+        else:
+            rc, counts, tail = _pytest(["-m", "invariants"], junit, timeout=timeout)
     except subprocess.TimeoutExpired:
         # not a failure of the code: the suite did not finish here (a loaded machine); not checked
         return CheckResult("invariants-suite", None, f"pytest -m invariants did not finish in {timeout} s (load "
@@ -229,7 +267,13 @@ def check_invariants(ctx) -> CheckResult:
         detail += "; failing: " + ", ".join(counts["failed"][:5])
     if n == 0:
         detail += f" (no tests ran: {tail})"
-    return CheckResult("invariants-suite", ok, detail, metrics=counts)
+    if run:
+        detail += " (run beside the checks before it, from the audit's start)"
+    return CheckResult("invariants-suite", ok, detail, metrics=dict(counts, background=bool(run)),
+                       seconds=time.perf_counter() - t0)
+
+
+check_invariants.start = start_invariants  # run_audit starts it with the audit
 
 
 def check_fuzz(ctx) -> CheckResult:
@@ -370,8 +414,7 @@ def check_vllm_own_tests(ctx) -> CheckResult:
     out = ctx["out"] / "vllm-own-tests"
     jobs = 1  # one process: two shards lost their junit results and stand-in configs here (measured 15:15)
     ctx.get("note", print)(f"vLLM {ver}'s tests/v1/core, as shipped and with vtoken ({jobs} job(s)); logs in {out}")
-    res = mod.run(version=ver, python=sys.executable, out_dir=out, with_vtoken=True, jobs=jobs,
-                  log=ctx.get("note", print))
+    res = mod.run(version=ver, python=sys.executable, out_dir=out, with_vtoken=True, jobs=jobs)
     shipped, with_vt = res.get("shipped") or {}, res.get("with_vtoken") or {}
     div = list(res.get("divergences") or [])
     bugs = [d for d in div if d.get("kind") != "inherent"]
@@ -499,8 +542,10 @@ def check_adapter_bench(ctx) -> CheckResult:
                        metrics=res, measurement=True)
 
 
-CHECKS = [check_vllm, check_invariants, check_fuzz, check_mutants, check_vllm_decode, check_sharing,
-          check_prefix_equality, check_vllm_engine, check_vllm_own_tests, check_waste, check_table_bench,
+# In this order: the invariants suite, started with the audit (check_invariants.start), runs beside
+# the checks before it and is collected before the two timings, which run alone.
+CHECKS = [check_vllm, check_fuzz, check_mutants, check_vllm_decode, check_sharing, check_prefix_equality,
+          check_vllm_engine, check_vllm_own_tests, check_waste, check_invariants, check_table_bench,
           check_adapter_bench]
 # the name each check reports under (audit.json), for --only and the reproduce commands
 CHECK_NAMES = {check_vllm: "vllm-contracts", check_invariants: "invariants-suite", check_fuzz: "fuzz-campaign",
@@ -635,6 +680,7 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
     t_audit = time.perf_counter()
     out_root.mkdir(parents=True, exist_ok=True)
     console = Console()
+    background: dict = {}  # check name -> a run started with the audit (check.start), collected in its turn
     try:
         setup_log = out_root / f".audit-setup-{os.getpid()}.log"  # vLLM's import speaks before the folder is named
         with captured(setup_log):
@@ -647,10 +693,17 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
         checks = [c for c in CHECKS if _selected(c, only)]
         console.line(f"vtoken audit of vLLM {shown or 'none'}: {len(checks)} check(s); report and logs: {out}")
         ctx = {"out": out, "quick": quick, "seed": seed, "fuzz_examples": fuzz_examples, "note": console.note,
-               "vllm": ver}
+               "vllm": ver, "background": background}
+        for fn in checks:  # checks that run beside the others (the invariants suite) start now
+            if getattr(fn, "start", None):
+                background[CHECK_NAMES.get(fn, fn.__name__)] = fn.start(ctx)
         results, interrupted = _run_checks(checks, ctx, console)
     finally:
         console.close()
+        for run in background.values():  # Ctrl-C, a crash: no run left behind
+            if run["proc"].poll() is None:
+                run["proc"].kill()
+                run["proc"].wait()
     report = _report(results, interrupted, checks, shown, ver, stamp, quick, seed, fuzz_examples, only)
     report["seconds"] = round(time.perf_counter() - t_audit, 1)
     changes = None
@@ -693,7 +746,7 @@ def _run_checks(checks: list, ctx: dict, console) -> tuple[list, str | None]:
             interrupted = label
             console.end("INTERRUPTED", time.perf_counter() - t0, "Ctrl-C: the checks from here on did not run")
             break
-        res.seconds = time.perf_counter() - t0
+        res.seconds = res.seconds or time.perf_counter() - t0  # a check run beside others says its own
         res.log = dict(log_summary(log), path=str(log.relative_to(ctx["out"])))
         res.measured_on = res.measured_on or measured_on(ctx["vllm"])
         res.figures = [(t if "vLLM" in t else f"{t} ({res.measured_on})", png) for t, png in res.figures]

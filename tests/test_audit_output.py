@@ -187,3 +187,52 @@ def test_log_summary_counts_a_warning_once_whatever_its_prefix(tmp_path):
                    + f"(EngineCore pid=7) {WARNING}\nother\nother\nonce\n")
     s = log_summary(log)
     assert s["lines"] == 34 and s["repeated"] == [[WARNING, 31], ["other", 2]]
+
+
+# ---------------------------------------------------------------------------- checks run beside the others
+def test_a_started_pytest_run_is_collected_with_its_counts_and_progress(tmp_path):
+    """What the invariants suite's background run does, on a tiny suite: started with its
+    output in a log, collected later with junit counts and progress notes."""
+    t = tmp_path / "test_tiny.py"
+    t.write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert 0\n")
+    junit, log = tmp_path / "j.xml", tmp_path / "logs" / "tiny.log"
+    run = audit._pytest_start([str(t)], junit, log)
+    notes = []
+    rc, counts, tail = audit._pytest_collect(run, junit, timeout=300, note=notes.append)
+    assert rc == 1 and counts["tests"] == 2 and counts["failures"] == 1 and counts["failed"] == ["test_tiny::test_bad"]
+    assert notes and notes[-1].startswith(f"pytest {t}: 100% after ") and "1 failed, 1 passed" in tail
+    assert "test_bad" in log.read_text()
+
+
+def test_a_started_run_past_its_timeout_is_killed(tmp_path):
+    t = tmp_path / "test_slow.py"
+    t.write_text("import time\n\ndef test_slow():\n    time.sleep(600)\n")
+    run = audit._pytest_start([str(t)], tmp_path / "j.xml", tmp_path / "slow.log")
+    with pytest.raises(subprocess.TimeoutExpired):
+        audit._pytest_collect(run, tmp_path / "j.xml", timeout=3)
+    assert run["proc"].poll() is not None
+
+
+def test_runs_started_with_the_audit_run_beside_its_checks_and_none_outlives_ctrl_c(tmp_path, monkeypatch, capfd):
+    """A check's ``start`` is called before the first check runs; Ctrl-C in an earlier check
+    leaves no started process behind."""
+    started = []
+
+    def check_first(ctx):
+        assert started and started[0]["proc"].poll() is None  # already running beside this check
+        raise KeyboardInterrupt
+
+    def check_beside(ctx):
+        raise AssertionError("not reached")
+
+    def start(ctx):
+        started.append({"proc": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])})
+        return started[-1]
+
+    check_beside.start = start
+    monkeypatch.setattr(audit, "CHECKS", [check_first, check_beside])
+    monkeypatch.setattr(audit, "vllm_version", lambda: None)
+    monkeypatch.setattr(audit, "vllm_installed", lambda: None)
+    report, _ = audit.run_audit(tmp_path, quick=True, seed=0, fuzz_examples=5, compare_to=None)
+    assert report["interrupted"]["in"] == "first" and started[0]["proc"].poll() is not None
+    assert "INTERRUPTED" in capfd.readouterr().out.splitlines()[1]
