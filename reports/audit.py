@@ -23,11 +23,17 @@ this command with that environment's python. ``--matrix V1,V2,...`` does that fo
 version and writes ``matrix.{md,html,json}``: every contract, check, fuzz machine and vLLM
 test group, pass / fail / not run per version (``reports/audit_matrix.py``).
 
+The terminal gets one line per check (``reports/audit_console.py``); everything a check writes
+(vLLM's warnings, its subprocesses, pytest) goes to ``logs/<check>.log`` of the report folder.
+The invariants suite starts with the audit and runs beside the checks before it in
+:data:`CHECKS` (on a 2-core machine, the other core); the two timings run last, alone, in a
+quick mode (the full benchmarks are ``vtoken bench``).
+
 Owns: the report folder it writes and the subprocesses it starts (pytest runs, audits in side envs).
 May call: vllm, vtoken.argtypes, vtoken.sim, fuzz.campaign, invariants (mutants, vllm_contracts),
 reports (audit_matrix, bench, bench_adapter, verdict, vllm_envs, vllm_runs), vtoken.vllm_adapter.
-Costs: the sum of its checks (the invariants suite, a fuzz campaign, decodes, measurements):
-minutes; ``--quick`` less.
+Costs: its checks (the invariants suite, vLLM's own tests, a fuzz campaign, decodes, the engine
+runs, quick timings): under 10 minutes on a quiet 2-core machine; ``--quick`` less.
 """
 
 from __future__ import annotations
