@@ -5,7 +5,7 @@ own measurement (``document.documentElement.scrollWidth``, written into the DOM 
 the test appends, read back with ``--dump-dom``) must not exceed the window: nothing runs
 off the right edge. A screenshot is kept under the test's tmp dir for a person to look at.
 
-Needs Chromium (``apt-get install -y chromium``; ``.ci/run`` installs it; ``VTOKEN_CHROMIUM``
+Needs Chromium (``apt-get install -y chromium``; ``make test`` installs it where it runs as root; ``VTOKEN_CHROMIUM``
 names another binary). Without it these tests FAIL saying so: they never skip.
 """
 
@@ -56,7 +56,7 @@ def chromium() -> str:
             return path
     pytest.fail("headless Chromium is needed to measure audit.html at 1400 px and none was found "
                 f"(looked for $VTOKEN_CHROMIUM, {', '.join(BROWSERS)}): install it with "
-                "`apt-get install -y chromium` (.ci/run does)", pytrace=False)
+                "`apt-get install -y chromium` (make test does, as root)", pytrace=False)
 
 
 def _browser(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
