@@ -356,19 +356,20 @@ class _Run:
         """Every block the worker's forward reads or writes for a request (its live slots, the
         chunk's, a hybrid layout's window) is checked as it is read (:meth:`_check_reads`)."""
         w = self.w
-        chunk, window_slots = w.core.chunk, w._window_slots
+        chunks, window_slots = w.core.chunks, w._window_slots
 
-        def chunk_spy(r, start, k, known=None):
-            ch = chunk(r, start, k, known)
-            self._check_reads(r, np.concatenate([ch.read.cpu().numpy(), np.asarray(ch.write)]), "its chunk")
-            return ch
+        def chunks_spy(items, known=None):  # a step's requests at once (``chunk`` comes through here too)
+            out = chunks(items, known)
+            for r, ch in out.items():
+                self._check_reads(r, np.concatenate([ch.read.cpu().numpy(), np.asarray(ch.write)]), "its chunk")
+            return out
 
         def window_spy(r, wr, lo, hi):
             slots = window_slots(r, wr, lo, hi)
             self._check_reads(r, slots.cpu().numpy(), "its sliding window")
             return slots
 
-        w.core.chunk, w._window_slots = chunk_spy, window_spy
+        w.core.chunks, w._window_slots = chunks_spy, window_spy
 
     def _readable(self) -> dict:
         """Request -> the blocks a step executed now may read for it: those the scheduler side
