@@ -11,10 +11,11 @@ from vtoken.errors import TableError
 from vtoken.table import TokenTable
 
 
-def _pair(seed: int, R: int = 6, S: int = 4):
-    """Two equal tables with R requests of random lengths (request r owns blocks 10r+1..)."""
+def _pair(seed: int, R: int = 6, S: int = 4, device="cpu"):
+    """Two equal tables with R requests of random lengths (request r owns blocks 10r+1..);
+    the second's read-side cache on ``device`` (None: none, reads from the host)."""
     rng = np.random.default_rng(seed)
-    a, b = TokenTable(S, 128), TokenTable(S, 128)
+    a, b = TokenTable(S, 128), TokenTable(S, 128, device=device)
     lists = {}
     for i in range(R):
         r = f"r{i}"
@@ -36,9 +37,11 @@ def _same(a, b):
     assert a.waste_ratio() == b.waste_ratio() and a.num_live_slots == b.num_live_slots
 
 
+@pytest.mark.parametrize("device", ["cpu", None])
 @pytest.mark.parametrize("seed", range(8))
-def test_batched_growth_and_evictions_equal_the_single_calls(seed):
-    a, b, lists, rng = _pair(seed)
+def test_batched_growth_and_evictions_equal_the_single_calls(seed, device):
+    """``device=None``: the replica's host-only table (no read-side cache) answers reads the same."""
+    a, b, lists, rng = _pair(seed, device=device)
     for _ in range(30):
         reqs = [r for r in lists if rng.random() < 0.7]
         victims = []
@@ -56,8 +59,9 @@ def test_batched_growth_and_evictions_equal_the_single_calls(seed):
         assert got.tolist() == want
         _same(a, b)
     a.flush(), b.flush()
-    for r in lists:  # the read path (the device mirror) agrees too
+    for r in lists:  # the read path (the device mirror, or the host arrays) agrees too
         assert a.slot_mapping(r).tolist() == b.slot_mapping(r).tolist()
+        assert [x.tolist() for x in a.read_view(r)] == [x.tolist() for x in b.read_view(r)]
 
 
 @pytest.mark.parametrize("case", ["twice", "null", "range", "conflict", "unknown"])
@@ -97,3 +101,21 @@ def test_a_refused_batched_eviction_changes_nothing(case):
                                           "twice": "duplicate_token"}[case]):
         t.evict_one_each(reqs, toks)
     assert t.export_state() == before
+
+
+@pytest.mark.parametrize("device", ["cpu", None])
+def test_one_shared_slot_evicted_by_both_sharers_in_one_step(device):
+    """Two requests sharing a prefix block evict the same shared token in one batch (the slot's
+    claims go 2 -> 0): counted once, and the block emptied for whoever left it empty, as one
+    by one."""
+    a, b = TokenTable(4, 16), TokenTable(4, 16, device=device)
+    for t in (a, b):
+        t.sync_new_tokens("x", [1, 2], 6)
+        t.sync_new_tokens("y", [1, 3], 6)  # y's first 4 tokens are x's (block 1 shared)
+        for r in ("x", "y"):
+            t.evict_tokens(r, [0, 1, 2])
+    a.evict_tokens("x", [3])
+    a.evict_tokens("y", [3])
+    b.evict_one_each(["x", "y"], [3, 3])
+    _same(a, b)
+    assert a.export_state()["blocks"][1]["live"] == 0

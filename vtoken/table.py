@@ -222,6 +222,8 @@ class _DevicePool:
     updates, sent in one batched write (``flush``) that every read runs first. Never waits on
     the device (uploads through :meth:`h2d`, no shape from device data)."""
 
+    mirrors = True  # (a _HostOnly pool does not)
+
     def __init__(self, device: torch.device, pinned: bool | None = None):
         self.device = device
         # CUDA: stage uploads in pinned memory so they are truly asynchronous. (Settable for
@@ -300,11 +302,46 @@ class _DevicePool:
             torch.index_select(self.slot, 0, self.h2d(gidx), out=out)
 
 
+class _Discard:
+    """A queue that keeps nothing: the pending updates of a table without a read-side mirror."""
+
+    __slots__ = ()
+
+    def append(self, _x) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class _HostOnly:
+    """No read-side lookup cache (``TokenTable(device=None)``): the host arrays are the only
+    copy; updates are not queued, reads answer from the host (:meth:`TokenTable.slot_mapping`).
+    What a scheduler-side replica needs (it plans and checks, it never serves attention)."""
+
+    mirrors = False
+    device = torch.device("cpu")
+    pend_idx = pend_val = pend_new = pend_dead = _Discard()
+
+    def alloc(self, cap: int) -> int:
+        return 0
+
+    def release(self, base: int, cap: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
 class TokenTable:
     """Per-request token table over ``num_blocks`` blocks of ``block_size`` slots; the
-    canonical table is on the host, the read-side lookup cache on ``device``."""
+    canonical table is on the host, the read-side lookup cache on ``device`` (``None``: no
+    cache, reads answer from the host: a replica that plans and checks but never serves)."""
 
-    def __init__(self, block_size: int, num_blocks: int, device: str | torch.device = "cpu"):
+    def __init__(self, block_size: int, num_blocks: int, device: str | torch.device | None = "cpu"):
         """Checks, in order: ``not_integer`` (block_size, then num_blocks); ``bad_config``
         (outside the limits in the module docstring, or a device torch cannot use)."""
         S = _index(block_size, "block_size")
@@ -315,8 +352,8 @@ class TokenTable:
         self.S = S
         self.num_blocks = nb
         try:
-            self.device = torch.device(device)
-            self._pool = _DevicePool(self.device)
+            self._pool = _HostOnly() if device is None else _DevicePool(torch.device(device))
+            self.device = self._pool.device
         except (RuntimeError, TypeError, ValueError, AssertionError) as e:  # torch's errors for a bad device
             raise TableError("bad_config", f"device {_show(device)}: {e}") from None
         self._reqs: dict[object, _Req] = {}
@@ -549,18 +586,21 @@ class TokenTable:
             raise TableError("not_integer", f"sync_one_each: {len(reqs)} requests but {len(b)} blocks")
         if not len(b):
             return np.empty(0, dtype=np.int64)
-        if len(np.unique(b)) != len(b):  # one after the other, a request's token may decide another's check
-            raise TableError("slot_conflict", f"sync_one_each: a block named twice in {b.tolist()} (sync one by one)")
+        blist = b.tolist()
+        if len(set(blist)) != len(blist):  # one after the other, a request's token may decide another's check
+            raise TableError("slot_conflict", f"sync_one_each: a block named twice in {blist} (sync one by one)")
         S = self.S
         n = np.fromiter((r.n for r in reqs), dtype=np.int64, count=len(reqs))
-        bad_range = (b < 0) | (b >= self.num_blocks)
-        bs = np.where(bad_range, 1, b)
+        in_range = min(blist) > NULL_BLOCK and max(blist) < self.num_blocks  # the common case: no mask needed
+        bad_range = False if in_range else (b < 0) | (b >= self.num_blocks)
+        bs = b if in_range else np.where(bad_range, 1, b)
         s = bs * S + n % S
-        mine = np.fromiter((int(x) in r.blocks for x, r in zip(bs.tolist(), reqs)), dtype=bool, count=len(reqs))
+        mine = np.fromiter((x in r.blocks for x, r in zip(blist, reqs)), dtype=bool, count=len(reqs))
         placed = self.placed[s]
         conflict = np.where(self.refs[bs] - mine > 0, placed != n, placed != -1)
-        bad = bad_range | (b == NULL_BLOCK) | conflict
+        bad = conflict if in_range else bad_range | (b == NULL_BLOCK) | conflict
         if bad.any():
+            bad_range = np.zeros(len(b), dtype=bool) if in_range else bad_range
             i = int(np.argmax(bad))
             rid, t, blk = req_ids[i], int(n[i]), int(b[i])
             if bad_range[i]:
@@ -572,9 +612,7 @@ class TokenTable:
                                               f"token {int(placed[i])} or named twice")
         # ---- apply (nothing below can fail)
         pool = self._pool
-        gidx = np.empty(len(reqs), dtype=np.int64)
-        for i, (rid, r, t, si, bi, own) in enumerate(zip(req_ids, reqs, n.tolist(), s.tolist(), b.tolist(),
-                                                         mine.tolist())):
+        for rid, r, t, si, bi, own in zip(req_ids, reqs, n.tolist(), s.tolist(), blist, mine.tolist()):
             if t + 1 > r.cap:
                 self._grow(r, t + 1)
             if not own:
@@ -583,12 +621,19 @@ class TokenTable:
             r.slot[t] = si
             r.live[t] = True
             r.n, r.n_live = t + 1, r.n_live + 1
-            gidx[i] = r.base + t
         self.placed[s] = n
-        self._claim(s)
-        pool.pend_idx.append(gidx)
-        pool.pend_val.append(s.copy())
-        pool.pend_new.append(gidx)
+        # _claim with distinct blocks (checked above): a plain indexed add counts each once
+        before = self.claims[s]
+        self.claims[s] = before + 1
+        fresh_b = s[before == 0] // S
+        self.n_b[fresh_b] += 1
+        self._live_slots += len(fresh_b)
+        assert len(fresh_b) == 0 or self.n_b[fresh_b].max() <= S, "a block holds more than S live slots"
+        if pool.mirrors:  # the segments' bases as they are now (a _grow above may have moved one)
+            gidx = np.fromiter((r.base for r in reqs), dtype=np.int64, count=len(reqs)) + n
+            pool.pend_idx.append(gidx)
+            pool.pend_val.append(s.copy())
+            pool.pend_new.append(gidx)
         return s
 
     def _grow(self, r: _Req, need: int) -> None:
@@ -601,7 +646,7 @@ class TokenTable:
         r.reserve(cap)
         pool = self._pool
         base = pool.alloc(cap)
-        if r.cap:
+        if r.cap and pool.mirrors:
             pool.flush()
             pool.slot[base:base + r.n] = pool.slot[r.base:r.base + r.n]
             pool.live[base:base + r.n] = pool.live[r.base:r.base + r.n]
@@ -658,30 +703,44 @@ class TokenTable:
             raise TableError("not_integer", f"evict_one_each: {len(reqs)} requests but {len(t)} tokens")
         if not len(t):
             return
-        for rid, r, x in zip(req_ids, reqs, t.tolist()):
+        tl = t.tolist()
+        for rid, r, x in zip(req_ids, reqs, tl):
             if not 0 <= x < r.n:
                 raise TableError("unknown_token", f"request {rid!r}: evict token {_fmt(x)} (length {r.n})")
             if not r.live[x]:
                 raise TableError("dead_token", f"request {rid!r}: evict token {x} (length {r.n})")
         # ---- apply (nothing below can fail)
-        slots = np.empty(len(reqs), dtype=np.int64)
         pool = self._pool
-        for i, (rid, r, x) in enumerate(zip(req_ids, reqs, t.tolist())):
+        sl = []
+        for r, x in zip(reqs, tl):
             r.live[x] = False
             r.n_live -= 1
-            slots[i] = r.slot[x]
-            pool.pend_dead.append(r.base + x)
+            sl.append(int(r.slot[x]))
             r.map_dirty = True
-            self._changed.add(rid)
-        np.subtract.at(self.claims, slots, 1)
-        assert self.claims[slots].min() >= 0, "a slot unclaimed more often than claimed"
-        gone = np.unique(slots[self.claims[slots] == 0])
-        np.subtract.at(self.n_b, gone // self.S, 1)
+        if pool.mirrors:
+            pool.pend_dead.append(np.fromiter((r.base for r in reqs), dtype=np.int64, count=len(reqs)) + t)
+        self._changed.update(req_ids)
+        slots = np.asarray(sl, dtype=np.int64)
+        if len(set(sl)) == len(sl):  # the common case: no shared slot evicted twice in one step
+            after = self.claims[slots] - 1
+            self.claims[slots] = after
+            last = np.arange(len(sl))  # each slot's one evictor is its last
+            gone = slots[after == 0]
+        else:
+            np.subtract.at(self.claims, slots, 1)
+            after = self.claims[slots]
+            _, lst = np.unique(slots[::-1], return_index=True)  # one after the other, a shared slot's
+            last = len(sl) - 1 - lst  # last evictor is the one that emptied its block
+            gone = np.unique(slots[after == 0])
+        assert after.min() >= 0, "a slot unclaimed more often than claimed"
+        gb = gone // self.S
+        if len(set(gb.tolist())) == len(gb):  # each block once: a plain indexed update counts right
+            self.n_b[gb] -= 1
+        else:
+            np.subtract.at(self.n_b, gb, 1)
         self._live_slots -= len(gone)
-        _, last = np.unique(slots[::-1], return_index=True)  # one after the other, a shared slot's last
-        for i in (len(slots) - 1 - last).tolist():  # evictor is the one that emptied its block
-            if self.n_b[slots[i] // self.S] == 0:
-                self._emptied.add(req_ids[i])
+        for i in last[self.n_b[slots[last] // self.S] == 0].tolist():
+            self._emptied.add(req_ids[i])
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
         """``evict_tokens`` of one id, ``t`` a Python int (any size): same checks, scalar code."""
@@ -1005,6 +1064,8 @@ class TokenTable:
         """Device views ``(slots[:n], live[:n])``: valid until the next mutation of the table.
         O(queued updates); no host wait."""
         r = self._req(req_id)
+        if not self._pool.mirrors:  # host copies (no device mirror to view)
+            return torch.from_numpy(r.slot[:r.n].copy()), torch.from_numpy(r.live[:r.n].copy())
         self._pool.flush()
         return self._pool.slot[r.base:r.base + r.n], self._pool.live[r.base:r.base + r.n]
 
@@ -1015,6 +1076,8 @@ class TokenTable:
         on the device), never reading device data back."""
         r = self._req(req_id)
         pool = self._pool
+        if not pool.mirrors:  # computed from the host arrays, O(length)
+            return torch.from_numpy(r.slot[np.flatnonzero(r.live[: r.n])])
         pool.flush()
         if r.map_cache is None or r.map_dirty:
             ids = np.flatnonzero(r.live[: r.n])

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import ConfigError
 from ..fields import need_bool, need_choice, need_device, need_int, refuse
@@ -122,7 +122,9 @@ class AdapterConfig:
         checks: run the runtime assumption checks at every hook (``checks.RuntimeChecks``):
             incremental, with a full scan every ``check_full_every`` hooks, at idle, and at
             every hook with ``paranoid_checks`` (campaigns).
-        table_device: where the token table lives (CUDA only where there is one).
+        table_device: the replica token table's read-side cache (``'cpu'``, ``'cuda'`` where
+            there is one); None (default): none. The replica plans and checks, it never serves
+            attention reads, so a device mirror would only cost each replayed change.
         keep_prefix_bytes: an in-place plan never fills a block whose prefix-cache hash describes
             its bytes (computed with full context): a later request repeating the prefix keeps
             its hits (with the sources' parked hashes, Naive-Evict's hit rate on the audit's
@@ -153,7 +155,7 @@ class AdapterConfig:
     planner_config: PlannerConfig | None = None
     max_plans_per_step: int = 4
     checks: bool = True
-    table_device: str = "cpu"
+    table_device: Optional[str] = None
     evict_unfaithful_hashes: bool = True
     keep_prefix_bytes: bool = False
     check_full_every: int = 64
@@ -171,7 +173,8 @@ class AdapterConfig:
         for name in _SWITCHES:
             put(name, need_bool(_OWN, name, getattr(self, name)))
         put("planner_config", planner_config_of(_OWN, "planner_config", self.planner_config))
-        need_device(_OWN, "table_device", self.table_device)
+        if self.table_device is not None:
+            need_device(_OWN, "table_device", self.table_device)
         put("sliding_window", check_window(_OWN, self.kv_layout, self.sliding_window))
         # vLLM's adapter harness always runs chunked prefill: only the token budget's floor applies
         check_vllm_limits(_OWN, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
