@@ -546,14 +546,7 @@ class TokenTable:
             raise TableError("slot_conflict", f"request {req_id!r}: token {n} -> block {b} offset {n % S} is held by token {placed}")
         if r is None:
             r = self._reqs[req_id] = _Req()
-        if n + 1 > r.cap:
-            self._grow(r, n + 1)
-        if not mine:
-            self._ref_block(r, b)
-            self._changed.add(req_id)
-        r.slot[n] = s
-        r.live[n] = True
-        r.n, r.n_live = n + 1, r.n_live + 1
+        self._place(req_id, r, n, s, b, mine)
         self.placed[s] = n
         c = int(self.claims[s])
         self.claims[s] = c + 1
@@ -612,15 +605,9 @@ class TokenTable:
                                               f"token {int(placed[i])} or named twice")
         # ---- apply (nothing below can fail)
         pool = self._pool
+        place = self._place
         for rid, r, t, si, bi, own in zip(req_ids, reqs, n.tolist(), s.tolist(), blist, mine.tolist()):
-            if t + 1 > r.cap:
-                self._grow(r, t + 1)
-            if not own:
-                self._ref_block(r, bi)
-                self._changed.add(rid)
-            r.slot[t] = si
-            r.live[t] = True
-            r.n, r.n_live = t + 1, r.n_live + 1
+            place(rid, r, t, si, bi, own)
         self.placed[s] = n
         # _claim with distinct blocks (checked above): a plain indexed add counts each once
         before = self.claims[s]
@@ -635,6 +622,19 @@ class TokenTable:
             pool.pend_val.append(s.copy())
             pool.pend_new.append(gidx)
         return s
+
+    def _place(self, req_id, r: _Req, t: int, s: int, b: int, own: bool) -> None:
+        """Token ``t`` (the request's next) live at slot ``s`` of block ``b`` (``own``: the request
+        references ``b`` already) in the request's host arrays; the caller checked it and keeps
+        the per-slot arrays and the read side. O(1) amortised."""
+        if t + 1 > r.cap:
+            self._grow(r, t + 1)
+        if not own:
+            self._ref_block(r, b)
+            self._changed.add(req_id)
+        r.slot[t] = s
+        r.live[t] = True
+        r.n, r.n_live = t + 1, r.n_live + 1
 
     def _grow(self, r: _Req, need: int) -> None:
         """Make room for ``need`` tokens in the host arrays and the device segment."""
