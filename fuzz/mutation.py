@@ -103,7 +103,7 @@ EQUIVALENT: list[dict] = [
     dict(file="vtoken/table.py", original="others = np.array([(self.refs[b] - (b in owned)) > 0 if 0 <= b < self.num_blocks else False",
          descs=("<= -> <",), reason="only changes `others` for block 0, which is reported as null_block first "
          "(checked before slot_conflict at the same token, and the first bad token wins)"),
-    dict(file="vtoken/table.py", original="self._grow(r, n + 1)", descs=("1 -> 2",),
+    dict(file="vtoken/table.py", original="self._grow(r, t + 1)", descs=("1 -> 2",),
          reason="asks for one more token of capacity than needed: capacity only"),
     dict(file="vtoken/table.py", original="dst = dst_block_safe * S + np.where(c_off, 0, dst_off)", descs=("0 -> 1", "0 -> -1"),
          reason="the placeholder slot of a move with a bad offset only feeds checks of that move (already failing, "
