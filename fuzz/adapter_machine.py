@@ -180,6 +180,7 @@ class _Run:
         self.headroom_seen: set = set()  # headroom blocks at the last runtime-check hook
         self.subst_seen: set = set()  # (request, list index) null-substituted at the last runtime-check hook
         self.probes = 0  # hooks whose incremental check was probed
+        self.reads_checked = 0  # chunks whose reads were checked (a dead spy shows as 0)
         self._instrument()
         self._instrument_reads()
         if checks and reclaim:
@@ -356,19 +357,23 @@ class _Run:
         """Every block the worker's forward reads or writes for a request (its live slots, the
         chunk's, a hybrid layout's window) is checked as it is read (:meth:`_check_reads`)."""
         w = self.w
-        chunk, window_slots = w.core.chunk, w._window_slots
+        # ``chunks`` is the one the step calls (``chunk`` goes through it): a spy on ``chunk``
+        # alone saw nothing once the worker batched its chunks (a check that went dead unseen)
+        chunks, window_slots = w.core.chunks, w._window_slots
 
-        def chunk_spy(r, start, k, known=None):
-            ch = chunk(r, start, k, known)
-            self._check_reads(r, np.concatenate([ch.read.cpu().numpy(), np.asarray(ch.write)]), "its chunk")
-            return ch
+        def chunks_spy(items, known=None):
+            out = chunks(items, known)
+            self.reads_checked += len(out)
+            for r, ch in out.items():
+                self._check_reads(r, np.concatenate([ch.read.cpu().numpy(), np.asarray(ch.write)]), "its chunk")
+            return out
 
         def window_spy(r, wr, lo, hi):
             slots = window_slots(r, wr, lo, hi)
             self._check_reads(r, slots.cpu().numpy(), "its sliding window")
             return slots
 
-        w.core.chunk, w._window_slots = chunk_spy, window_spy
+        w.core.chunks, w._window_slots = chunks_spy, window_spy
 
     def _readable(self) -> dict:
         """Request -> the blocks a step executed now may read for it: those the scheduler side
