@@ -115,7 +115,7 @@ class _Run:
 
     def __init__(self, *, reclaim: bool, S, N, H, B, async_, caching, lag, ratio, budget, checks: bool,
                  in_place: bool = True, engine: str | None = None, fail_every: int = 3, layout: str = "full",
-                 vllm_clock: bool = False):
+                 vllm_clock: bool = False, poison: bool = True):
         from vtoken.invariants.plan_contract import check_proposal
         from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
         from vtoken.vllm_adapter.harness import VllmHarness
@@ -173,6 +173,7 @@ class _Run:
         self.steps = 0
         self.in_port = 0  # > 0 while the adapter's port frees (its own blocks: fenced on either clock)
         self.group_holder: dict[int, set] = {}  # block -> requests whose list of any KV cache group held it (last seen)
+        self.group_holding: dict[int, set] = {}  # block -> (group, request) pairs holding it (last seen)
         self.vllm_released: dict[str, set] = {}  # request -> blocks vLLM itself freed from its lists (this incarnation)
         self.may_read: dict[str, set] = {}  # request -> the blocks a step may read for it now (see _check_reads)
         self.executing = 0  # the step the worker executes now
@@ -181,6 +182,11 @@ class _Run:
         self.subst_seen: set = set()  # (request, list index) null-substituted at the last runtime-check hook
         self.probes = 0  # hooks whose incremental check was probed
         self.reads_checked = 0  # chunks whose reads were checked (a dead spy shows as 0)
+        self.poison = bool(poison)  # freed blocks' K/V poisoned (see _poison_freed)
+        self.poison_due: dict[int, int] = {}  # block -> the step before whose execution it is poisoned
+        self.poisoned: dict[int, str] = {}  # block -> when and why it was last poisoned (for errors)
+        self.poisoned_blocks = 0  # blocks poisoned so far (a dead hook shows as 0)
+        self.vllm_freeing = None  # the request whose lists vLLM frees now (finish, preemption)
         self._instrument()
         self._instrument_reads()
         if checks and reclaim:
@@ -207,12 +213,15 @@ class _Run:
         def execute_spy(so):
             meta = getattr(so, "vtoken", None)
             self.executing = meta.seq if meta is not None else 0
+            if so.total_num_scheduled_tokens > 0:
+                self._poison_due(self.executing)
             self.may_read = self._readable()
             out = execute(so)
             note_report(out.vtoken_report)
             return out
 
         def synchronize_spy():
+            self._poison_due(None)  # at idle no step is in flight: every block freed is nobody's
             return note_report(synchronize())
 
         def schedule_spy(*a, **kw):
@@ -236,6 +245,28 @@ class _Run:
                     for r in self.group_holder.get(b.block_id, ()):
                         self.vllm_released.setdefault(r, set()).add(b.block_id)
             self._freed(blocks, processed)
+            self._poison_freed(blocks)
+
+        get_new_blocks = pool.get_new_blocks
+
+        def get_new_spy(n):
+            out = get_new_blocks(n)
+            if self.poison:  # handed out fresh: the old bytes (a cached block's too) are nobody's now
+                for b in out:
+                    self._poison_later(b.block_id, ad.clock.seq + 1, "handed out again by the pool")
+            return out
+
+        pool.get_new_blocks = get_new_spy
+        free_request_blocks = ad.scheduler._free_request_blocks  # the hooks' (the adapter's, then vLLM's)
+
+        def free_request_spy(request):
+            self.vllm_freeing = request.request_id  # vLLM frees the lists of a request that left
+            try:
+                return free_request_blocks(request)
+            finally:
+                self.vllm_freeing = None
+
+        ad.scheduler._free_request_blocks = free_request_spy
 
         def in_port(fn):
             def call(*a, **kw):
@@ -290,6 +321,86 @@ class _Run:
                     f"block {b.block_id}, source of plan {pid} (step {seq}), returned to the pool at processed "
                     f"step {processed} with its copy {'reported done' if self.reports.get(pid) else 'not reported done'}")
 
+    # ---------------------------------------------------------------- freed blocks poisoned
+    def _poison_freed(self, blocks) -> None:
+        """Races made visible: a block back in the pool (ref_cnt 0) has its K/V poisoned (NaN in
+        every slot, layer, K and V), so a read of a freed or reused block fails hash-and-compare
+        (a copy reading a freed source writes NaN to its destination) or output equality, and is
+        named at once by :meth:`_check_poison_reads`. When it is poisoned is the worker model's
+        knowledge of which steps may still read it:
+
+        - at once, when the free is fenced (vLLM's clock: every free waits for its step; the
+          adapter's clock: the adapter's port frees its own blocks at their fence), and when it
+          is neither vLLM freeing a request that left nor a block of vLLM's own sliding-window
+          group (a block freed behind the fence, the machine's grabs, headroom given back):
+          no step may read it any more;
+        - before the first step scheduled after the free executes, for vLLM's own frees of the
+          lists of requests that left (finished or preempted: vLLM frees them at once and the
+          step in flight still computes them, their output discarded, as without vtoken) and of
+          its sliding-window group: the steps scheduled before the free may read it;
+        - never while it carries a prefix-cache hash (a cached free block: a later request's
+          prefix hit reads exactly those bytes); such a block is poisoned when the pool hands it
+          out again (``get_new_blocks``), before the step that allocated it executes.
+        """
+        if not self.poison:
+            return
+        ad = self.ad
+        fenced = not ad.clock.own or self.in_port
+        for b in blocks:
+            if b.ref_cnt != 0 or b.is_null or b.block_hash is not None:
+                continue
+            bid = b.block_id
+            holders = self.group_holding.get(bid, ())
+            vllms = not fenced and (self.vllm_freeing or any(g != ad.group for g, _ in holders))
+            if vllms:
+                self._poison_later(bid, ad.clock.seq + 1, f"freed by vLLM from {sorted(r for _, r in holders)}'s "
+                                                          f"lists (steps up to {ad.clock.seq} may read it)")
+            else:
+                self.poison_due.pop(bid, None)
+                self._poison_now(bid, f"returned to the pool at processed step {ad.clock.processed} "
+                                      f"(step {ad.clock.seq} scheduled)")
+
+    def _poison_later(self, bid: int, step: int, why: str) -> None:
+        """Poison ``bid`` before step ``step`` executes (the earliest due time wins)."""
+        if bid not in self.poison_due or self.poison_due[bid] > step:
+            self.poison_due[bid] = step
+            self.poisoned[bid] = why
+
+    def _poison_now(self, bid: int, why: str) -> None:
+        import torch
+
+        S = self.S
+        self.w.kv.fill_slots(torch.arange(bid * S, (bid + 1) * S, dtype=torch.int64), float("nan"))
+        self.poisoned[bid] = why
+        self.poisoned_blocks += 1
+
+    def _poison_due(self, step) -> None:
+        """Poison the blocks due before step ``step`` executes (None: all of them)."""
+        due = [b for b, s in self.poison_due.items() if step is None or s <= step]
+        for b in due:
+            del self.poison_due[b]
+            self._poison_now(b, self.poisoned.get(b, "freed"))
+
+    def _check_poison_reads(self, r, slots) -> None:
+        """No slot a step reads for ``r`` (its live tokens) holds poison: a poisoned slot was
+        returned to the pool (or handed out again) and never written since."""
+        import torch
+
+        if not self.poison or not len(slots):
+            return
+        s = torch.as_tensor(np.asarray(slots, dtype=np.int64).reshape(-1))
+        # the layers that read through the token table (a hybrid model's windowed layers read
+        # their own group: their rows of the table's blocks are never written)
+        layers = [i for i in range(self.w.kv.num_layers) if i not in self.w.window_layers]
+        x = self.w.kv.flat[layers].index_select(2, s)  # [layers, 2, n, H, D]
+        bad = torch.isnan(x).flatten(start_dim=3).any(dim=-1).any(dim=0).any(dim=0)
+        if bool(bad.any()):
+            slot = int(s[int(torch.argmax(bad.to(torch.int8)))])
+            b = slot // self.S
+            raise AssertionError(
+                f"step {self.executing} reads poisoned slot {slot} (block {b}) for request {r!r}: block {b} was "
+                f"{self.poisoned.get(b, 'poisoned')} and not written since (a read of a freed or reused block)")
+
     def _observe_holders(self):
         """Who holds each block now (request lists and destinations). A block that left a
         request must not return to the pool before the last step that scheduled the request
@@ -312,11 +423,14 @@ class _Run:
             self.leaving.pop(b, None)
         self.holder_of = now
         gh: dict[int, set] = {}
-        for _, r, lst in ad.harness.all_lists():
+        gg: dict[int, set] = {}
+        for g, r, lst in ad.harness.all_lists():
             for b in lst:
                 if not b.is_null:
                     gh.setdefault(b.block_id, set()).add(r)
+                    gg.setdefault(b.block_id, set()).add((g, r))
         self.group_holder = gh
+        self.group_holding = gg  # block -> (group, request) pairs holding it (last seen)
 
     def _observe_output(self, so):
         ad = self.ad
@@ -366,6 +480,7 @@ class _Run:
             self.reads_checked += len(out)
             for r, ch in out.items():
                 self._check_reads(r, np.concatenate([ch.read.cpu().numpy(), np.asarray(ch.write)]), "its chunk")
+                self._check_poison_reads(r, ch.read.cpu().numpy())  # the live tokens it reads (not the new ones)
             return out
 
         def window_spy(r, wr, lo, hi):
