@@ -140,3 +140,81 @@ def test_a_block_freed_behind_the_adapters_back_is_read_as_poison(monkeypatch):
     with pytest.raises(AssertionError, match=rf"reads poisoned slot \d+ \(block {b.block_id}\) for request 'r0'"):
         for _ in range(4):
             run.step()
+
+
+# ---------------------------------------------------------------------------- mid-copy handover
+def in_flight(run, role: str):
+    """Step ``run`` (no stops, copies 4 polls late) until a plan flies with a block of ``role``
+    (``sources``, ``fills`` or ``dests``); returns ``(plan, block)``."""
+    def found(run):
+        return any(getattr(p, role) for p in run.ad.plans.values() if not p.orphaned)
+
+    assert drive(run, stop=False, until=found, steps=60), f"no plan with {role} in flight"
+    p = next(p for p in run.ad.plans.values() if not p.orphaned and getattr(p, role))
+    return p, run.ad.block(getattr(p, role)[0])
+
+
+def hook(run, where: str = "handover") -> None:
+    """One runtime-check hook, as the adapter runs it (the machine's probes bypassed)."""
+    chk = run.ad.checker
+    type(chk).after_hook(chk, where, table=True)
+
+
+def share(run, blk):
+    blk.ref_cnt += 1  # another holder's reference (a prefix hit's touch, a stale copy of the id)
+
+
+def free(run, blk):
+    run.ad.pool.free_blocks([blk])  # returned to the pool behind the adapter's back
+
+
+def listed(run, blk):
+    """vLLM hands the block to a new request's list at the next ``schedule()``: it is put at the
+    front of the free queue with one reference dropped (as a free behind the adapter's back
+    would), a request arrives, and the step runs up to its first hook."""
+    pool = run.ad.pool
+    blk.ref_cnt -= 1
+    if blk.ref_cnt == 0:
+        pool.free_block_queue.prepend_n([blk])  # the next block vLLM hands out
+    run.add("r9", list(range(1, 10)), 4)
+    run.step()
+
+
+def hashed(run, blk):
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    h = make_block_hash_with_group_id(bytes(32), 0)
+    blk.set_block_hash(h)  # vLLM caches it: a later request's prefix hit would land on it
+    run.ad.pool.cached_block_hash_to_block.insert(h, blk)
+
+
+HANDOVERS = {"shared": share, "freed": free, "listed": listed, "hashed": hashed}
+EXPECT = {  # (handover, role) -> the runtime check that must refuse it at the next hook
+    **{("shared", r): c for r, c in (("sources", "fence"), ("fills", "ownership"), ("dests", "ownership"))},
+    **{("freed", r): c for r, c in (("sources", "fence"), ("fills", "ownership"), ("dests", "ownership"))},
+    **{("listed", r): c for r, c in (("sources", "fence"), ("fills", "ownership"))},
+    # a destination the pool hands out again goes to the headroom first (it is refilled before
+    # vLLM schedules), and the next proposal naming it is refused by the planner's contract
+    ("listed", "dests"): "plan_contract",
+    **{("hashed", r): "prefix_hash" for r in ("sources", "fills", "dests")},
+}
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["incremental", "full-scan"])
+@pytest.mark.parametrize("role", ["sources", "fills", "dests"])
+@pytest.mark.parametrize("how", list(HANDOVERS))
+def test_a_block_of_a_plan_in_flight_handed_over_mid_copy_is_refused_at_the_next_hook(how, role, full):
+    """A block of a plan whose copy flies becomes another holder's (shared, freed, listed,
+    hashed): the very next runtime-check hook refuses it, naming the block (the incremental
+    check, whose verdict the full scan confirms, and the full scan alone, ``paranoid``)."""
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    run = make_run(n=4, lag=4, caching=True, in_place=role != "dests")
+    p, blk = in_flight(run, role)
+    run.ad.checker.paranoid = full
+    hook(run, "before")  # clean before the handover
+    with pytest.raises(AdapterAssumptionError) as e:
+        HANDOVERS[how](run, blk)  # "listed" runs the step whose schedule hands it out: its first hook
+        hook(run)
+    assert e.value.check == EXPECT[(how, role)], str(e.value)
+    assert f"block {blk.block_id}" in str(e.value)
