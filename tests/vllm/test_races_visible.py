@@ -218,3 +218,54 @@ def test_a_block_of_a_plan_in_flight_handed_over_mid_copy_is_refused_at_the_next
         hook(run)
     assert e.value.check == EXPECT[(how, role)], str(e.value)
     assert f"block {blk.block_id}" in str(e.value)
+
+
+# ---------------------------------------------------------------------------- timeliness of the full scan
+def stray_ref(run, kind: str):
+    """A corruption the adapter's own events did not touch (so the incremental check need not
+    see it): a stray reference on an old headroom block or a block held for a request, or a
+    list entry of a request nulled behind vLLM's back. Returns the text the error must name."""
+    ad = run.ad
+    if kind == "headroom":
+        b = ad.lifecycle.headroom[0]
+        ad.pool.blocks[b].ref_cnt += 1
+        return f"headroom block {b} "
+    if kind == "held":
+        r, v = next((r, v) for r, v in ad.lifecycle.held.items() if v)
+        b = next(iter(v))
+        ad.pool.blocks[b].ref_cnt += 1
+        return f"block {b} "
+    r = next(r for r, lst in ad.req_to_blocks.items() if r in ad.mirror and any(not x.is_null for x in lst))
+    lst = ad.req_to_blocks[r]
+    j = next(i for i, x in enumerate(lst) if not x.is_null)
+    lst[j] = ad.pool.null_block
+    return f"request {r!r} index {j}:"
+
+
+@pytest.mark.parametrize("kind", ["headroom", "held", "list"])
+@pytest.mark.parametrize("full_every", [1, 3, 5])
+def test_the_full_scan_reports_an_untouched_corruption_within_full_every_hooks(kind, full_every):
+    """The checks' contract (``checks.RuntimeChecks``): a violation the incremental view was not
+    pointed at is caught by the full scan within ``full_every`` hooks at the latest (every hook
+    with ``paranoid``, here ``full_every=1``); counted in hooks, with nothing else happening."""
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    run = make_run(n=4)  # landed plans' fills are held for their requests; a headroom of 2
+
+    def ready(run):
+        return run.ad.lifecycle.headroom and any(run.ad.lifecycle.held.values()) and not run.ad.plans
+
+    assert drive(run, stop=False, until=ready, steps=80)
+    chk = run.ad.checker
+    chk.full_every = full_every
+    chk.hooks = 0  # the next full scan is hook ``full_every`` from here
+    hook(run, "clean")  # (a full scan when full_every is 1)
+    key = stray_ref(run, kind)
+    for n in range(1, full_every + 1):
+        try:
+            hook(run, f"hook {n} after")
+        except AdapterAssumptionError as e:
+            assert key in str(e), str(e)
+            assert n <= full_every
+            return
+    pytest.fail(f"{kind}: corruption not reported within {full_every} hooks (full scans so far {chk.full_scans})")
