@@ -42,6 +42,12 @@ Checked after every step, against the pool itself (not the adapter's bookkeeping
   still holds for it (its lists in every group, its held blocks, its plans in flight), one
   waiting in a deferred free, or one vLLM itself let go of: never one the adapter already
   returned to the pool (a step scheduled before that free reads it after);
+- poison on return: every block back in vLLM's pool has its K/V poisoned (NaN), at once or,
+  for vLLM's own frees of a request that left, before the first step scheduled after the free
+  (the steps scheduled before may still read it: their output is discarded); a cached free
+  block when the pool hands it out again. A step reading a poisoned slot fails at the read
+  (``_Run._check_poison_reads``); a copy reading one fails hash-and-compare; a computation
+  with one fails output equality (``_Run._poison_freed``);
 - the runtime checks, probed at every hook: what the adapter changed since the last hook
   (a block newly held for a request, a block new in the headroom, a list it
   null-substituted) is corrupted once, and the hook's incremental check alone must report

@@ -269,3 +269,31 @@ def test_the_full_scan_reports_an_untouched_corruption_within_full_every_hooks(k
             assert n <= full_every
             return
     pytest.fail(f"{kind}: corruption not reported within {full_every} hooks (full scans so far {chk.full_scans})")
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["incremental", "full-scan"])
+def test_a_table_reading_a_block_the_scheduler_side_let_go_is_reported_at_the_hook(full):
+    """A block held for a request (a landed fill) leaves the adapter's ledger while the token
+    table still reads it, and the request is touched (as the adapter's own event would): the
+    very next hook reports ``table_in_step`` naming it, incremental (no full scan due) and full
+    scan alike."""
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    run = make_run(n=4)
+
+    def ready(run):
+        t, held = run.ad.table, run.ad.lifecycle.held
+        return any(r in t and set(v) & set(t.block_array(r).tolist()) and r not in run.ad.busy for r, v in held.items())
+
+    assert drive(run, stop=False, until=ready, steps=80)
+    ad, chk = run.ad, run.ad.checker
+    r, b = next((r, b) for r, v in ad.lifecycle.held.items() if r in ad.table and r not in ad.busy
+                for b in v if b in set(ad.table.block_array(r).tolist()))
+    chk.full_every, chk.hooks, chk.paranoid = 1 << 20, 0, full
+    hook(run, "clean")
+    ad.lifecycle.held.take(r, [b])  # the ledger lets go of it; the table still maps tokens there
+    chk.touch([r])
+    with pytest.raises(AdapterAssumptionError, match=rf"request {r!r}: the token table references blocks \[{b}\]") as e:
+        hook(run)
+    assert e.value.check == "table_in_step"
+    assert chk.full_scans == (1 if full else 0)  # incremental: found with no full scan due (one confirms it)
