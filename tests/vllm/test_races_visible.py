@@ -297,3 +297,16 @@ def test_a_table_reading_a_block_the_scheduler_side_let_go_is_reported_at_the_ho
         hook(run)
     assert e.value.check == "table_in_step"
     assert chk.full_scans == (1 if full else 0)  # incremental: found with no full scan due (one confirms it)
+
+
+# ---------------------------------------------------------------------------- planted
+def test_an_orphans_fill_freed_while_its_copy_flies_is_refused_at_the_next_hook():
+    """``adapter_orphan_fills_freed_at_finish``: a request stops while its plan flies (copies 3
+    polls late) and the plan's fills go back with the request's blocks: the next hook refuses
+    the fill (the adapter holds it for the plan, the pool or a deferred free holds it too)."""
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    scenario(lag=3)  # the shipped code: clean
+    with pytest.raises(AdapterAssumptionError, match=r"block \d+ \(fill of in-flight plan \d+") as e:
+        scenario("adapter_orphan_fills_freed_at_finish", lag=3)
+    assert e.value.check == "ownership"
