@@ -306,7 +306,24 @@ def test_an_orphans_fill_freed_while_its_copy_flies_is_refused_at_the_next_hook(
     the fill (the adapter holds it for the plan, the pool or a deferred free holds it too)."""
     from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
 
+    from vtoken.fuzz.planted import planted
+
     scenario(lag=3)  # the shipped code: clean
-    with pytest.raises(AdapterAssumptionError, match=r"block \d+ \(fill of in-flight plan \d+") as e:
-        scenario("adapter_orphan_fills_freed_at_finish", lag=3)
+    with planted("adapter_orphan_fills_freed_at_finish"):
+        run = make_run(lag=3)
+        lc, chk, left = run.ad.lifecycle, run.ad.checker, []
+        lc_finish = lc.finish
+
+        def finish_spy(r, fence=0):  # the hook count when a request with a plan in flight left
+            if lc.busy.get(r):
+                left.append(chk.hooks)
+            return lc_finish(r, fence)
+
+        lc.finish = finish_spy
+        with pytest.raises(AdapterAssumptionError, match=r"block \d+ \(fill of in-flight plan \d+") as e:
+            drive(run)
+            finish(run)
     assert e.value.check == "ownership"
+    # on the hook right after the request left (the fill waits in the adapter's deferred free,
+    # not yet in the pool): not at the later hook where the pool gets it
+    assert left and chk.hooks - left[0] <= 1, (left, chk.hooks)
