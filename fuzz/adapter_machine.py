@@ -253,26 +253,6 @@ class _Run:
             self._freed(blocks, processed)
             self._poison_freed(blocks)
 
-        get_new_blocks = pool.get_new_blocks
-
-        def get_new_spy(n):
-            out = get_new_blocks(n)
-            if self.poison:  # handed out fresh: the old bytes (a cached block's too) are nobody's now
-                for b in out:
-                    self._poison_later(b.block_id, ad.clock.seq + 1, "handed out again by the pool")
-            return out
-
-        pool.get_new_blocks = get_new_spy
-        free_request_blocks = ad.scheduler._free_request_blocks  # the hooks' (the adapter's, then vLLM's)
-
-        def free_request_spy(request):
-            self.vllm_freeing = request.request_id  # vLLM frees the lists of a request that left
-            try:
-                return free_request_blocks(request)
-            finally:
-                self.vllm_freeing = None
-
-        ad.scheduler._free_request_blocks = free_request_spy
 
         def in_port(fn):
             def call(*a, **kw):
@@ -297,6 +277,33 @@ class _Run:
         ad.scheduler.schedule = schedule_spy
         ad.scheduler.update_from_output = update_spy
         pool.free_blocks = free_spy
+        self._instrument_poison()
+
+    def _instrument_poison(self):
+        """What the poison needs to know besides the frees (:meth:`_poison_freed`): blocks the
+        pool hands out fresh, and when vLLM frees the lists of a request that left."""
+        ad = self.ad
+        pool = ad.pool
+        get_new_blocks = pool.get_new_blocks
+
+        def get_new_spy(n):
+            out = get_new_blocks(n)
+            if self.poison:  # handed out fresh: the old bytes (a cached block's too) are nobody's now
+                for b in out:
+                    self._poison_later(b.block_id, ad.clock.seq + 1, "handed out again by the pool")
+            return out
+
+        pool.get_new_blocks = get_new_spy
+        free_request_blocks = ad.scheduler._free_request_blocks  # the hooks' (the adapter's, then vLLM's)
+
+        def free_request_spy(request):
+            self.vllm_freeing = request.request_id  # vLLM frees the lists of a request that left
+            try:
+                return free_request_blocks(request)
+            finally:
+                self.vllm_freeing = None
+
+        ad.scheduler._free_request_blocks = free_request_spy
 
     def _freed(self, blocks, processed: int) -> None:
         """Blocks just returned to the pool (at processed step ``processed``): a block that left
