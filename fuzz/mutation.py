@@ -133,6 +133,17 @@ EQUIVALENT: list[dict] = [
          descs=("0 -> -1",), reason="ceil(-1 / S) == ceil(0 / S) == 0 for S >= 2; for S == 1 the bound grows by one only "
          "for a request whose tail is shared and outnumbers its own live tokens (its only effect is the order of "
          "requests within a round)"),
+    # ---- vtoken/vllm_adapter/checks.py (the adapter's runtime checks)
+    dict(file="vtoken/vllm_adapter/checks.py", original="self.hooks = 0", descs=("0 -> 1",),
+         reason="shifts which hook runs the first full scan by one; the contract is 'within full_every hooks', "
+         "and every full scan still comes full_every hooks after the last"),
+    dict(file="vtoken/vllm_adapter/checks.py", original="self.touched_requests.clear()", ops=("delete",),
+         reason="after a full scan, keeping the touched requests only makes the next incremental check look at "
+         "them again (work, never a missed violation)"),
+    dict(file="vtoken/vllm_adapter/checks.py", original="if blk.ref_cnt != n + others(bid):", descs=("+ -> -",),
+         reason="only names the first violation once the (unmutated) fast comparison found one; a block the adapter "
+         "holds has no other holder (others 0) in every reachable state, and where it has one (a deferred free or "
+         "a list) the violation is the same block either way"),
 ]
 # ====================================================================== mutant generation
 def snapshot(repo: Path, dest: Path) -> Path:
