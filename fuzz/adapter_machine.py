@@ -193,6 +193,7 @@ class _Run:
         self.poisoned: dict[int, str] = {}  # block -> when and why it was last poisoned (for errors)
         self.poisoned_blocks = 0  # blocks poisoned so far (a dead hook shows as 0)
         self.vllm_freeing = None  # the request whose lists vLLM frees now (finish, preemption)
+        self.scheduling = None  # the step ``schedule()`` is scheduling, while it runs
         self._instrument()
         self._instrument_reads()
         if checks and reclaim:
@@ -227,11 +228,17 @@ class _Run:
             return out
 
         def synchronize_spy():
-            self._poison_due(None)  # at idle no step is in flight: every block freed is nobody's
+            self._poison_due(ad.clock.seq)  # at idle: those due by a step already executed
             return note_report(synchronize())
 
         def schedule_spy(*a, **kw):
-            so = schedule(*a, **kw)
+            # the step being scheduled is the one after the last scheduled (vLLM's own clock
+            # may count it already while it allocates, the adapter's only at its hook)
+            self.scheduling = ad.clock.seq + 1
+            try:
+                so = schedule(*a, **kw)
+            finally:
+                self.scheduling = None
             self._observe_output(so)
             self._observe_holders()
             self._check_prompt_release(so)
@@ -253,17 +260,6 @@ class _Run:
             self._freed(blocks, processed)
             self._poison_freed(blocks)
 
-
-        def in_port(fn):
-            def call(*a, **kw):
-                self.in_port += 1
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    self.in_port -= 1
-            return call
-
-        ad.port.free, ad.port.drain = in_port(ad.port.free), in_port(ad.port.drain)
         on_free = ad._on_request_free
 
         def on_free_spy(request):
@@ -280,17 +276,29 @@ class _Run:
         self._instrument_poison()
 
     def _instrument_poison(self):
-        """What the poison needs to know besides the frees (:meth:`_poison_freed`): blocks the
-        pool hands out fresh, and when vLLM frees the lists of a request that left."""
+        """What the fences and the poison need to know besides the frees (:meth:`_freed`,
+        :meth:`_poison_freed`): the adapter's port freeing, blocks the pool hands out fresh, and
+        when vLLM frees the lists of a request that left."""
         ad = self.ad
         pool = ad.pool
+
+        def in_port(fn):  # the adapter's own frees (fenced on either clock)
+            def call(*a, **kw):
+                self.in_port += 1
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.in_port -= 1
+            return call
+
+        ad.port.free, ad.port.drain = in_port(ad.port.free), in_port(ad.port.drain)
         get_new_blocks = pool.get_new_blocks
 
         def get_new_spy(n):
             out = get_new_blocks(n)
             if self.poison:  # handed out fresh: the old bytes (a cached block's too) are nobody's now
                 for b in out:
-                    self._poison_later(b.block_id, ad.clock.seq + 1, "handed out again by the pool")
+                    self._poison_later(b.block_id, self._next_step(), "handed out again by the pool")
             return out
 
         pool.get_new_blocks = get_new_spy
@@ -348,9 +356,11 @@ class _Run:
           group (a block freed behind the fence, the machine's grabs, headroom given back):
           no step may read it any more;
         - before the first step scheduled after the free executes, for vLLM's own frees of the
-          lists of requests that left (finished or preempted: vLLM frees them at once and the
-          step in flight still computes them, their output discarded, as without vtoken) and of
-          its sliding-window group: the steps scheduled before the free may read it;
+          lists of requests that left (finished or preempted; on the adapter's clock vLLM frees
+          them at once and the step in flight still computes them, their output discarded, as
+          without vtoken; on either clock the worker learns they left only at that step, its
+          table and the relocation checker's guard naming their slots until then) and, on the
+          adapter's clock, of its sliding-window group: the steps scheduled before may read it;
         - never while it carries a prefix-cache hash (a cached free block: a later request's
           prefix hit reads exactly those bytes); such a block is poisoned when the pool hands it
           out again (``get_new_blocks``), before the step that allocated it executes.
@@ -364,14 +374,21 @@ class _Run:
                 continue
             bid = b.block_id
             holders = self.group_holding.get(bid, ())
-            vllms = not fenced and (self.vllm_freeing or any(g != ad.group for g, _ in holders))
+            # vLLM freeing a request that left: the worker learns it at the next step (its table,
+            # and the relocation checker's guard, name those slots until then), on either clock
+            vllms = self.vllm_freeing or (not fenced and any(g != ad.group for g, _ in holders))
             if vllms:
-                self._poison_later(bid, ad.clock.seq + 1, f"freed by vLLM from {sorted(r for _, r in holders)}'s "
-                                                          f"lists (steps up to {ad.clock.seq} may read it)")
+                nxt = self._next_step()
+                self._poison_later(bid, nxt, f"freed by vLLM from {sorted(r for _, r in holders)}'s "
+                                             f"lists (steps before {nxt} may read it)")
             else:
                 self.poison_due.pop(bid, None)
                 self._poison_now(bid, f"returned to the pool at processed step {ad.clock.processed} "
                                       f"(step {ad.clock.seq} scheduled)")
+
+    def _next_step(self) -> int:
+        """The first step scheduled after now: the one being scheduled, or the next one."""
+        return self.scheduling if self.scheduling is not None else self.ad.clock.seq + 1
 
     def _poison_later(self, bid: int, step: int, why: str) -> None:
         """Poison ``bid`` before step ``step`` executes (the earliest due time wins)."""
