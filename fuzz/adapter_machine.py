@@ -207,6 +207,9 @@ class _Run:
 
         def run_request_spy(r, start, k, rep):
             self.history.setdefault(r, []).append(("run", int(start), int(k), w.table.length(r) if r in w.table else 0))
+            ch = w._chunks.get(r)
+            if ch is not None:  # as the request computes: a prefix hit on a block an earlier request of
+                self._check_poison_reads(r, ch.read.cpu().numpy())  # the step writes reads it written
             return run_request(r, start, k, rep)
 
         def note_report(rep):
@@ -510,7 +513,6 @@ class _Run:
             self.reads_checked += len(out)
             for r, ch in out.items():
                 self._check_reads(r, np.concatenate([ch.read.cpu().numpy(), np.asarray(ch.write)]), "its chunk")
-                self._check_poison_reads(r, ch.read.cpu().numpy())  # the live tokens it reads (not the new ones)
             return out
 
         def window_spy(r, wr, lo, hi):
