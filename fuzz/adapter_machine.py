@@ -42,6 +42,12 @@ Checked after every step, against the pool itself (not the adapter's bookkeeping
   still holds for it (its lists in every group, its held blocks, its plans in flight), one
   waiting in a deferred free, or one vLLM itself let go of: never one the adapter already
   returned to the pool (a step scheduled before that free reads it after);
+- poison on return: every block back in vLLM's pool has its K/V poisoned (NaN), at once or,
+  for vLLM's own frees of a request that left, before the first step scheduled after the free
+  (the steps scheduled before may still read it: their output is discarded); a cached free
+  block when the pool hands it out again. A step reading a poisoned slot fails at the read
+  (``_Run._check_poison_reads``); a copy reading one fails hash-and-compare; a computation
+  with one fails output equality (``_Run._poison_freed``);
 - the runtime checks, probed at every hook: what the adapter changed since the last hook
   (a block newly held for a request, a block new in the headroom, a list it
   null-substituted) is corrupted once, and the hook's incremental check alone must report
@@ -115,7 +121,7 @@ class _Run:
 
     def __init__(self, *, reclaim: bool, S, N, H, B, async_, caching, lag, ratio, budget, checks: bool,
                  in_place: bool = True, engine: str | None = None, fail_every: int = 3, layout: str = "full",
-                 vllm_clock: bool = False):
+                 vllm_clock: bool = False, poison: bool = True):
         from vtoken.invariants.plan_contract import check_proposal
         from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
         from vtoken.vllm_adapter.harness import VllmHarness
@@ -173,6 +179,7 @@ class _Run:
         self.steps = 0
         self.in_port = 0  # > 0 while the adapter's port frees (its own blocks: fenced on either clock)
         self.group_holder: dict[int, set] = {}  # block -> requests whose list of any KV cache group held it (last seen)
+        self.group_holding: dict[int, set] = {}  # block -> (group, request) pairs holding it (last seen)
         self.vllm_released: dict[str, set] = {}  # request -> blocks vLLM itself freed from its lists (this incarnation)
         self.may_read: dict[str, set] = {}  # request -> the blocks a step may read for it now (see _check_reads)
         self.executing = 0  # the step the worker executes now
@@ -180,6 +187,13 @@ class _Run:
         self.headroom_seen: set = set()  # headroom blocks at the last runtime-check hook
         self.subst_seen: set = set()  # (request, list index) null-substituted at the last runtime-check hook
         self.probes = 0  # hooks whose incremental check was probed
+        self.reads_checked = 0  # chunks whose reads were checked (a dead spy shows as 0)
+        self.poison = bool(poison)  # freed blocks' K/V poisoned (see _poison_freed)
+        self.poison_due: dict[int, int] = {}  # block -> the step before whose execution it is poisoned
+        self.poisoned: dict[int, str] = {}  # block -> when and why it was last poisoned (for errors)
+        self.poisoned_blocks = 0  # blocks poisoned so far (a dead hook shows as 0)
+        self.vllm_freeing = None  # the request whose lists vLLM frees now (finish, preemption)
+        self.scheduling = None  # the step ``schedule()`` is scheduling, while it runs
         self._instrument()
         self._instrument_reads()
         if checks and reclaim:
@@ -193,6 +207,9 @@ class _Run:
 
         def run_request_spy(r, start, k, rep):
             self.history.setdefault(r, []).append(("run", int(start), int(k), w.table.length(r) if r in w.table else 0))
+            ch = w._chunks.get(r)
+            if ch is not None:  # as the request computes: a prefix hit on a block an earlier request of
+                self._check_poison_reads(r, ch.read.cpu().numpy())  # the step writes reads it written
             return run_request(r, start, k, rep)
 
         def note_report(rep):
@@ -206,16 +223,25 @@ class _Run:
         def execute_spy(so):
             meta = getattr(so, "vtoken", None)
             self.executing = meta.seq if meta is not None else 0
+            if so.total_num_scheduled_tokens > 0:
+                self._poison_due(self.executing)
             self.may_read = self._readable()
             out = execute(so)
             note_report(out.vtoken_report)
             return out
 
         def synchronize_spy():
+            self._poison_due(ad.clock.seq)  # at idle: those due by a step already executed
             return note_report(synchronize())
 
         def schedule_spy(*a, **kw):
-            so = schedule(*a, **kw)
+            # the step being scheduled is the one after the last scheduled (vLLM's own clock
+            # may count it already while it allocates, the adapter's only at its hook)
+            self.scheduling = ad.clock.seq + 1
+            try:
+                so = schedule(*a, **kw)
+            finally:
+                self.scheduling = None
             self._observe_output(so)
             self._observe_holders()
             self._check_prompt_release(so)
@@ -235,17 +261,8 @@ class _Run:
                     for r in self.group_holder.get(b.block_id, ()):
                         self.vllm_released.setdefault(r, set()).add(b.block_id)
             self._freed(blocks, processed)
+            self._poison_freed(blocks)
 
-        def in_port(fn):
-            def call(*a, **kw):
-                self.in_port += 1
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    self.in_port -= 1
-            return call
-
-        ad.port.free, ad.port.drain = in_port(ad.port.free), in_port(ad.port.drain)
         on_free = ad._on_request_free
 
         def on_free_spy(request):
@@ -259,6 +276,45 @@ class _Run:
         ad.scheduler.schedule = schedule_spy
         ad.scheduler.update_from_output = update_spy
         pool.free_blocks = free_spy
+        self._instrument_poison()
+
+    def _instrument_poison(self):
+        """What the fences and the poison need to know besides the frees (:meth:`_freed`,
+        :meth:`_poison_freed`): the adapter's port freeing, blocks the pool hands out fresh, and
+        when vLLM frees the lists of a request that left."""
+        ad = self.ad
+        pool = ad.pool
+
+        def in_port(fn):  # the adapter's own frees (fenced on either clock)
+            def call(*a, **kw):
+                self.in_port += 1
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.in_port -= 1
+            return call
+
+        ad.port.free, ad.port.drain = in_port(ad.port.free), in_port(ad.port.drain)
+        get_new_blocks = pool.get_new_blocks
+
+        def get_new_spy(n):
+            out = get_new_blocks(n)
+            if self.poison:  # handed out fresh: the old bytes (a cached block's too) are nobody's now
+                for b in out:
+                    self._poison_later(b.block_id, self._next_step(), "handed out again by the pool")
+            return out
+
+        pool.get_new_blocks = get_new_spy
+        free_request_blocks = ad.scheduler._free_request_blocks  # the hooks' (the adapter's, then vLLM's)
+
+        def free_request_spy(request):
+            self.vllm_freeing = request.request_id  # vLLM frees the lists of a request that left
+            try:
+                return free_request_blocks(request)
+            finally:
+                self.vllm_freeing = None
+
+        ad.scheduler._free_request_blocks = free_request_spy
 
     def _freed(self, blocks, processed: int) -> None:
         """Blocks just returned to the pool (at processed step ``processed``): a block that left
@@ -289,6 +345,95 @@ class _Run:
                     f"block {b.block_id}, source of plan {pid} (step {seq}), returned to the pool at processed "
                     f"step {processed} with its copy {'reported done' if self.reports.get(pid) else 'not reported done'}")
 
+    # ---------------------------------------------------------------- freed blocks poisoned
+    def _poison_freed(self, blocks) -> None:
+        """Races made visible: a block back in the pool (ref_cnt 0) has its K/V poisoned (NaN in
+        every slot, layer, K and V), so a read of a freed or reused block fails hash-and-compare
+        (a copy reading a freed source writes NaN to its destination) or output equality, and is
+        named at once by :meth:`_check_poison_reads`. When it is poisoned is the worker model's
+        knowledge of which steps may still read it:
+
+        - at once, when the free is fenced (vLLM's clock: every free waits for its step; the
+          adapter's clock: the adapter's port frees its own blocks at their fence), and when it
+          is neither vLLM freeing a request that left nor a block of vLLM's own sliding-window
+          group (a block freed behind the fence, the machine's grabs, headroom given back):
+          no step may read it any more;
+        - before the first step scheduled after the free executes, for vLLM's own frees of the
+          lists of requests that left (finished or preempted; on the adapter's clock vLLM frees
+          them at once and the step in flight still computes them, their output discarded, as
+          without vtoken; on either clock the worker learns they left only at that step, its
+          table and the relocation checker's guard naming their slots until then) and, on the
+          adapter's clock, of its sliding-window group: the steps scheduled before may read it;
+        - never while it carries a prefix-cache hash (a cached free block: a later request's
+          prefix hit reads exactly those bytes); such a block is poisoned when the pool hands it
+          out again (``get_new_blocks``), before the step that allocated it executes.
+        """
+        if not self.poison:
+            return
+        ad = self.ad
+        fenced = not ad.clock.own or self.in_port
+        for b in blocks:
+            if b.ref_cnt != 0 or b.is_null or b.block_hash is not None:
+                continue
+            bid = b.block_id
+            holders = self.group_holding.get(bid, ())
+            # vLLM freeing a request that left: the worker learns it at the next step (its table,
+            # and the relocation checker's guard, name those slots until then), on either clock
+            vllms = self.vllm_freeing or (not fenced and any(g != ad.group for g, _ in holders))
+            if vllms:
+                nxt = self._next_step()
+                self._poison_later(bid, nxt, f"freed by vLLM from {sorted(r for _, r in holders)}'s "
+                                             f"lists (steps before {nxt} may read it)")
+            else:
+                self.poison_due.pop(bid, None)
+                self._poison_now(bid, f"returned to the pool at processed step {ad.clock.processed} "
+                                      f"(step {ad.clock.seq} scheduled)")
+
+    def _next_step(self) -> int:
+        """The first step scheduled after now: the one being scheduled, or the next one."""
+        return self.scheduling if self.scheduling is not None else self.ad.clock.seq + 1
+
+    def _poison_later(self, bid: int, step: int, why: str) -> None:
+        """Poison ``bid`` before step ``step`` executes (the earliest due time wins)."""
+        if bid not in self.poison_due or self.poison_due[bid] > step:
+            self.poison_due[bid] = step
+            self.poisoned[bid] = why
+
+    def _poison_now(self, bid: int, why: str) -> None:
+        import torch
+
+        S = self.S
+        self.w.kv.fill_slots(torch.arange(bid * S, (bid + 1) * S, dtype=torch.int64), float("nan"))
+        self.poisoned[bid] = why
+        self.poisoned_blocks += 1
+
+    def _poison_due(self, step) -> None:
+        """Poison the blocks due before step ``step`` executes (None: all of them)."""
+        due = [b for b, s in self.poison_due.items() if step is None or s <= step]
+        for b in due:
+            del self.poison_due[b]
+            self._poison_now(b, self.poisoned.get(b, "freed"))
+
+    def _check_poison_reads(self, r, slots) -> None:
+        """No slot a step reads for ``r`` (its live tokens) holds poison: a poisoned slot was
+        returned to the pool (or handed out again) and never written since."""
+        import torch
+
+        if not self.poison or not len(slots):
+            return
+        s = torch.as_tensor(np.asarray(slots, dtype=np.int64).reshape(-1))
+        # the layers that read through the token table (a hybrid model's windowed layers read
+        # their own group: their rows of the table's blocks are never written)
+        layers = [i for i in range(self.w.kv.num_layers) if i not in self.w.window_layers]
+        x = self.w.kv.flat[layers].index_select(2, s)  # [layers, 2, n, H, D]
+        bad = torch.isnan(x).flatten(start_dim=3).any(dim=-1).any(dim=0).any(dim=0)
+        if bool(bad.any()):
+            slot = int(s[int(torch.argmax(bad.to(torch.int8)))])
+            b = slot // self.S
+            raise AssertionError(
+                f"step {self.executing} reads poisoned slot {slot} (block {b}) for request {r!r}: block {b} was "
+                f"{self.poisoned.get(b, 'poisoned')} and not written since (a read of a freed or reused block)")
+
     def _observe_holders(self):
         """Who holds each block now (request lists and destinations). A block that left a
         request must not return to the pool before the last step that scheduled the request
@@ -311,11 +456,14 @@ class _Run:
             self.leaving.pop(b, None)
         self.holder_of = now
         gh: dict[int, set] = {}
-        for _, r, lst in ad.harness.all_lists():
+        gg: dict[int, set] = {}
+        for g, r, lst in ad.harness.all_lists():
             for b in lst:
                 if not b.is_null:
                     gh.setdefault(b.block_id, set()).add(r)
+                    gg.setdefault(b.block_id, set()).add((g, r))
         self.group_holder = gh
+        self.group_holding = gg  # block -> (group, request) pairs holding it (last seen)
 
     def _observe_output(self, so):
         ad = self.ad
@@ -356,10 +504,13 @@ class _Run:
         """Every block the worker's forward reads or writes for a request (its live slots, the
         chunk's, a hybrid layout's window) is checked as it is read (:meth:`_check_reads`)."""
         w = self.w
+        # ``chunks`` is the one the step calls (``chunk`` goes through it): a spy on ``chunk``
+        # alone saw nothing once the worker batched its chunks (a check that went dead unseen)
         chunks, window_slots = w.core.chunks, w._window_slots
 
-        def chunks_spy(items, known=None):  # a step's requests at once (``chunk`` comes through here too)
+        def chunks_spy(items, known=None):
             out = chunks(items, known)
+            self.reads_checked += len(out)
             for r, ch in out.items():
                 self._check_reads(r, np.concatenate([ch.read.cpu().numpy(), np.asarray(ch.write)]), "its chunk")
             return out

@@ -309,6 +309,18 @@ CATALOGUE: list[Fault] = [
           "reads them", "adapter",
           (_p(LC, "Lifecycle.end", "alive, gone = not plan.orphaned, max(plan.seq, plan.gone_fence)",
               "alive, gone = not plan.orphaned, plan.seq"),)),
+    # issue 40 item 7: a block of a plan in flight handed to another holder while its copy flies
+    Fault("adapter_orphan_fills_freed_at_finish", "8 a fill freed while its copy flies (a request that left mid-copy)",
+          "when a request leaves while its plan flies, the plan's fills go back with the request's own blocks (at its "
+          "list fence) instead of when the copy ends: the copy still writes them, the pool may hand them out",
+          "adapter",
+          (_p(LC, "Lifecycle.finish", "            p.gone_fence = int(fence)\n",
+              "            p.gone_fence = int(fence)\n            self._free(list(p.fills), fence)\n"
+              "            p.fills_freed = True\n"),
+           _p(LC, "Lifecycle.end", "            keep = plan.fills + used\n",
+              "            keep = ([] if getattr(plan, 'fills_freed', False) else plan.fills) + used\n"),
+           _p(LC, "Lifecycle.end", "            back = plan.sources + plan.fills\n",
+              "            back = plan.sources + ([] if getattr(plan, 'fills_freed', False) else plan.fills)\n"))),
     Fault("adapter_absorb_untouched", "runtime check one hook late (a landed plan's blocks)",
           "a plan's end (its fills and destinations now held for the request) is not reported to the runtime "
           "checks: a corruption of them is seen only at a later full scan", "adapter",

@@ -70,6 +70,13 @@ EXAMPLE_TESTS = ("tests/test_table.py", "tests/test_planner.py", "tests/test_mut
 MACHINE_TESTS = {"vtoken/table.py": "tests/test_table_conformance.py",
                  "vtoken/planner.py": "tests/test_planner_conformance.py",
                  "vtoken/lifecycle.py": "tests/test_planner_conformance.py"}
+# the adapter's runtime checks and the copy side's refusals (issue 40 item 7): the table and
+# planner tests never import them; their own directed scenarios over the real vLLM scheduler
+# do (a plan's blocks handed over mid-copy, a corruption at each hook, the full scan's
+# timeliness, the stop window), first the fast ones. ``--files vtoken/vllm_adapter/checks.py``
+ADAPTER_TESTS = {"vtoken/vllm_adapter/checks.py": ("tests/vllm/test_races_visible.py",
+                                                   "tests/vllm/test_adapter_windows.py",
+                                                   "tests/vllm/test_adapter_checks.py")}
 # pyproject's package-dir mapping: repository folder -> its place in the shadow package
 GUARD_PLUGIN = "_vtoken_mutation_guard"
 
@@ -126,6 +133,17 @@ EQUIVALENT: list[dict] = [
          descs=("0 -> -1",), reason="ceil(-1 / S) == ceil(0 / S) == 0 for S >= 2; for S == 1 the bound grows by one only "
          "for a request whose tail is shared and outnumbers its own live tokens (its only effect is the order of "
          "requests within a round)"),
+    # ---- vtoken/vllm_adapter/checks.py (the adapter's runtime checks)
+    dict(file="vtoken/vllm_adapter/checks.py", original="self.hooks = 0", descs=("0 -> 1",),
+         reason="shifts which hook runs the first full scan by one; the contract is 'within full_every hooks', "
+         "and every full scan still comes full_every hooks after the last"),
+    dict(file="vtoken/vllm_adapter/checks.py", original="self.touched_requests.clear()", ops=("delete",),
+         reason="after a full scan, keeping the touched requests only makes the next incremental check look at "
+         "them again (work, never a missed violation)"),
+    dict(file="vtoken/vllm_adapter/checks.py", original="if blk.ref_cnt != n + others(bid):", descs=("+ -> -",),
+         reason="only names the first violation once the (unmutated) fast comparison found one; a block the adapter "
+         "holds has no other holder (others 0) in every reachable state, and where it has one (a deferred free or "
+         "a list) the violation is the same block either way"),
 ]
 # ====================================================================== mutant generation
 def snapshot(repo: Path, dest: Path) -> Path:
@@ -322,6 +340,8 @@ def _killer(log_text: str) -> str:
 def select_tests(root: Path, mutated: str, override: Optional[list[str]] = None) -> list[str]:
     if override:
         return [t for t in override if (root / t.split("::")[0]).exists()]
+    if mutated in ADAPTER_TESTS:  # a module only the adapter's scenarios run
+        return [t for t in ADAPTER_TESTS[mutated] if (root / t).exists()]
     tests = [t for t in EXAMPLE_TESTS if (root / t).exists()]
     own = MACHINE_TESTS.get(mutated)
     machines = ([own] if own else []) + [t for f, t in MACHINE_TESTS.items() if f != mutated]

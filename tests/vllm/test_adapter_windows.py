@@ -56,13 +56,14 @@ def scenario(fault: str | None = None, *, stop: bool = True, in_place: bool = Tr
         run.drain()
         run.check_ledger()
         run.ad.close()
-    return {"stopped": stopped, "stats": dict(run.ad.stats), "probes": run.probes}
+    return {"stopped": stopped, "stats": dict(run.ad.stats), "probes": run.probes, "reads": run.reads_checked}
 
 
 def test_the_shipped_adapter_passes_the_stop_window():
     res = scenario()
     assert res["stopped"] is not None and res["stats"]["orphaned"] >= 1 and res["stats"]["applied"] >= 1
     assert res["probes"] > 0
+    assert res["reads"] > 0  # the worker's reads were checked (a spy on a call the step no longer makes sees none)
 
 
 def test_an_orphans_blocks_freed_at_the_plans_fence_are_read_by_the_next_step():

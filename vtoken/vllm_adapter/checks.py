@@ -278,7 +278,9 @@ class RuntimeChecks:
         """Each block the adapter holds (``headroom`` ids, the ``(request, {id: None})``
         pairs of ``held``, every block of the plans in flight) has ``ref_cnt`` = the adapter's
         holds on it + ``others(block)`` (request lists, deferred frees); a destination or fill
-        carries no prefix hash. The holds are counted in C (``Counter``) and compared in one
+        carries no prefix hash, nor a source while its copy flies (its hash was parked at launch:
+        one hashed since would let a prefix hit land on a block in flight; seen at this hook, not
+        only at the plan's end). The holds are counted in C (``Counter``) and compared in one
         comprehension; only when that finds something are the roles worked out and the first
         violation (in the order headroom, held, plans) named."""
         blocks, cached = self.harness.pool.blocks, self.harness.pool.cached_block_hashes_by_block
@@ -287,7 +289,7 @@ class RuntimeChecks:
         for p in self.plans.values():
             more = list(p.fills) + list(p.dests)
             ids += list(p.sources) + more
-            dest_like += more
+            dest_like += more + list(p.sources)  # no hash on any block of a plan in flight
         if not ids:
             return
         mine = Counter(ids)
@@ -304,10 +306,12 @@ class RuntimeChecks:
                     check, f"{where}: block {bid} ({_describe(k)}) has ref_cnt {blk.ref_cnt}, but the adapter holds "
                     f"{n} and request lists / deferred frees hold {others(bid)}: it was returned to the pool while "
                     f"still held (freed before its fence)")
-            if k[0] in _DESTINATIONS and (blk.block_hash is not None or bid in cached):
+            if (k[0] in _DESTINATIONS or k[0] == "source") and (blk.block_hash is not None or bid in cached):
                 raise AdapterAssumptionError(
                     "prefix_hash", f"{where}: block {bid} ({_describe(k)}) carries a prefix-cache hash "
-                    f"({blk.block_hash!r}) although it holds relocated tokens of mixed positions")
+                    f"({blk.block_hash!r}) " + ("while its copy flies (parked at launch): a prefix hit could land on it"
+                                                 if k[0] == "source" else
+                                                 "although it holds relocated tokens of mixed positions"))
 
     def _check_sources_detached(self, where: str, thorough: bool) -> None:
         """No source or fill of a plan in flight is in its request's list (at the index it was
