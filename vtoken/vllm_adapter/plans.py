@@ -33,7 +33,8 @@ from .mirror import unaccounted
 from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
-from ..planner import Proposal, plan_snapshot, propose, reclaim_bounds, should_reclaim, trigger_inputs
+from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, should_reclaim, \
+    trigger_inputs
 
 
 def merge_snapshot(plan: Plan, done: dict) -> None:
@@ -122,15 +123,15 @@ class PlanBook:
             bound.pop(r, None)
         for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
             if gain > 0:
-                bound[r] = (-gain, arrival(r), r)  # the sort key, kept with the bound
+                bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
             else:
                 bound.pop(r, None)
         self.stale_bounds = set()
         busy, current, running = self.busy, self.requests.current, self.requests.running
         pool_blocks = self.harness.pool.blocks
-        # largest bound first, arrival breaks ties; the eligibility tests run only on the
-        # requests reached before the step's plans or the headroom run out
-        for _, _, r in sorted(bound.values()):
+        # stage 3's one order (planner.ranked: largest bound first, arrival breaks ties); the
+        # eligibility tests run only on the requests reached before the step's plans or the headroom run out
+        for r in ranked(bound.values()):
             if len(meta.plans) >= self.max_plans_per_step or (need_head and not self.reserve):
                 break
             if r in busy or not current(r) or not running(r):
@@ -184,10 +185,7 @@ class PlanBook:
                     f"{int(self.table.refs[blk.block_id])}) at step {meta.seq}")
         plan = self.lifecycle.new_plan(r, p.sources, p.dests, p.moves, p.fills, seq=meta.seq)
         if self.cfg.record_snapshots:
-            plan.snapshot = plan_snapshot(
-                self.table, r, plan.id, p, tail, head,
-                [{"id": q.id, "request": str(q.req_id), "sources": list(q.sources), "dests": list(q.dests),
-                  "fills": list(q.fills)} for q in self.plans.values()])
+            plan.snapshot = plan_snapshot(self.table, r, plan.id, p, tail, head, self.plans.values())
         try:
             self.lifecycle.launch(plan, detach=self.requests.detach_listed)
         except PlanError as e:  # a block the scheduler side does not hold for r: refused, nothing changed
