@@ -261,9 +261,10 @@ def _detect_gpu(seed: int, fault: Fault) -> dict:
 
 
 def _detect_prefix(seed: int, budget_s: float) -> dict:
-    """The audit's prefix-equality run (``reports.vllm_runs.prefix_equality``) with this seed:
-    later requests repeat earlier sequences, with prefix caching on and off."""
-    from vtoken.reports.vllm_runs import prefix_equality
+    """The prefix-equality check (``fuzz.vllm_prefix.prefix_equality``, the audit's
+    ``vllm-prefix-equality``) with this seed: later requests repeat earlier sequences, with
+    prefix caching on and off."""
+    from .vllm_prefix import prefix_equality
 
     t0 = time.perf_counter()
     res = prefix_equality(quick=True, seed=seed)
