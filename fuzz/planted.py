@@ -28,7 +28,7 @@ one the faults are listed in ``gpu_faults_not_run``, never counted as planted).
 live modules for a ``with`` block.
 
 Owns: one shadow tree and child process per fault and seed, deleted after.
-May call: fuzz (catalogue, patches, shadow, faulty_engines, profiles, machines, campaign's
+May call: fuzz (catalogue, patches, shadow, faulty_engines, profiles, registry and its machines, campaign's
 ``cluster.ray_cluster`` with ``--ray``), ray (``--ray``), vtoken.decode,
 invariants (placement_proof, relocation_hash), hypothesis, subprocess.
 Costs: ``--runs`` runs per fault, each bounded by ``--budget`` seconds: about R x faults x seconds.
@@ -52,10 +52,7 @@ from .patches import PatchError, apply_to_tree
 from .patches import planted as _planted_patches
 from vtoken.invariants.relocation_hash import RelocationChecker
 
-MACHINES = {"table": "vtoken.fuzz.table_machine:TableMachine",
-            "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
-            "adapter": "vtoken.fuzz.adapter_machine:AdapterMachine",
-            "engine": "vtoken.fuzz.engine_machine:EngineMachine"}  # in the engine environment (make engine)
+from .registry import MACHINES  # the one machine registry (a fault's detector names a machine there)
 DEFAULT_BUDGET_S = 60.0
 SHRINK_CAP_S = 30  # a shrunk example is for reading; past this the smallest found so far is reported
 
