@@ -217,6 +217,21 @@ def in_flight_payload(plans: Iterable[Plan]) -> list[dict]:
              "fills": list(p.fills)} for p in plans]
 
 
+def shared_at_end(plan: Plan, blocks) -> PlanError:
+    """The one error for blocks of ``plan`` found shared, or no longer its request's alone, when
+    its copy ends (shared blocks never move): ``PlanError`` ``shared_fill`` when one of
+    ``blocks`` is a fill (the copy already wrote it), else ``shared_source``. Returned for the
+    caller to raise: ``ReclamationManager`` (the blocks no sharer's own reference explains) and
+    the adapter's ``PlanBook.absorb`` (any: the adapter parks a source's prefix-cache hash in
+    flight, so no hit explains one). O(blocks + fills)."""
+    bad = [int(b) for b in blocks]
+    code = "shared_fill" if set(bad) & set(plan.fills) else "shared_source"
+    return PlanError(code, f"plan {plan.id} of request {plan.req_id!r}: sources or fills {bad} are shared or not "
+                           f"the request's alone at the end of its copy (referenced by another request without a "
+                           f"reference of its own, or no longer by it: a block in flight was freed and handed out "
+                           f"again)")
+
+
 def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, tail: Optional[int],
                   headroom: Sequence[int], in_flight: Iterable[Plan]) -> dict:
     """The plan snapshot (``vtoken.snapshot`` schema) at planning time; O(length of the request
@@ -491,15 +506,13 @@ class ReclamationManager:
 
         A source that became shared in flight ends the plan aborted when each sharer holds its
         own reference (a prefix-cache hit on it); a shared fill, or a share without those
-        references (a block reused after an early free), is corruption: :class:`PlanError`."""
+        references (a block reused after an early free), is corruption: :func:`shared_at_end`, the
+        one error every path raises for it."""
         t = self.table
         bad = [b for b in outcome.shared_sources if b not in plan.sources or not t.references(plan.req_id, b)
                or self.alloc.ref[b] < t.block_refs(b)]
         if bad:
-            code = "shared_fill" if set(bad) & set(plan.fills) else "shared_source"
-            raise PlanError(code, f"plan {plan.id} of request {plan.req_id!r}: blocks {bad} are shared or not the "
-                                  f"request's at apply, without a reference of each sharer (a block in flight was "
-                                  f"freed and handed out again)")
+            raise shared_at_end(plan, bad)
         sources = len(plan.sources)
         if self.lifecycle.end(plan, outcome) != "applied":
             return

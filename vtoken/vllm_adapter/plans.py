@@ -33,8 +33,8 @@ from .mirror import unaccounted
 from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
-from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, should_reclaim, \
-    trigger_inputs
+from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, shared_at_end, \
+    should_reclaim, trigger_inputs
 
 
 def merge_snapshot(plan: Plan, done: dict) -> None:
@@ -204,8 +204,8 @@ class PlanBook:
 
     def absorb(self, reported: dict) -> None:
         """The worker's report (plan id -> :class:`~vtoken.lifecycle.Outcome`), per finished
-        plan: vLLM's side checked (no source or fill was shared, no source was hashed in
-        flight), then the lifecycle ends the plan (:meth:`Lifecycle.end`: destinations and
+        plan: vLLM's side checked (no source or fill was shared: :func:`~vtoken.planner.shared_at_end`,
+        the error every path raises for it; no source was hashed in flight), then the lifecycle ends the plan (:meth:`Lifecycle.end`: destinations and
         fills to the request or back to the headroom, sources back through vLLM's fenced free
         at the plan's step), and the fence ledger records and checks each free."""
         stats = self.stats
@@ -213,12 +213,9 @@ class PlanBook:
             plan = self.plans.get(pid)
             if plan is None:
                 raise AdapterAssumptionError("ownership", f"the worker reported plan {pid}, which is not in flight")
-            if res.shared_sources:
+            if res.shared_sources:  # no prefix hit explains one (hashes parked in flight): corruption
                 stats["shared_blocks_moved"] += len(res.shared_sources)
-                raise AdapterAssumptionError(
-                    "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources or fills "
-                    f"{res.shared_sources} are not the request's alone at copy time (referenced by another request, "
-                    f"or no longer by it)")
+                raise shared_at_end(plan, res.shared_sources)
             self.checker.touch([plan.req_id])
             self.requests.look_again(plan.req_id)  # it may release again now that no plan flies
             if res.status == "applied":
