@@ -153,27 +153,36 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
         for r, p in late.items():
             ad.add_request(r, p, max_tokens=max_tokens)
     every = dict(prompts, **(late or {}))
-
-    def finish_all():
-        n = 0
-        while ad.has_work():
-            d.step()
-            n += 1
-            if n > 20000:
-                raise RuntimeError("decode did not finish")
-        while d.in_flight:
-            d._finish_one()
-
-    finish_all()
+    _finish_all(ad, d)
     if then is not None:
         more = then(ad.output_tokens)
         for r, p in more.items():
             ad.add_request(r, p, max_tokens=max_tokens)
         every.update(more)
-        finish_all()
+        _finish_all(ad, d)
     ad.drain_idle()
     wall = time.perf_counter() - t0
     ad.close()
+    return _measures(ad, w, seen, every, wall, num_blocks)
+
+
+def _finish_all(ad, d) -> None:
+    """Step the driver ``d`` until adapter ``ad`` has no work (RuntimeError past 20000 steps),
+    then finish every step still in flight."""
+    n = 0
+    while ad.has_work():
+        d.step()
+        n += 1
+        if n > 20000:
+            raise RuntimeError("decode did not finish")
+    while d.in_flight:
+        d._finish_one()
+
+
+def _measures(ad, w, seen: _Incarnations, every: dict, wall: float, num_blocks: int) -> dict:
+    """What :func:`_run` returns for a finished run: each request's outputs, incarnations,
+    first K/V digests and prompt length (``every``: id -> prompt), the retained-block series
+    and its summaries, the adapter's and worker's counters."""
     ret = ad.retained
     k = len(every)
     full = [x for x in ret if x[2] == k]
