@@ -19,7 +19,8 @@ The worker's copy engine is drawn per example (``fuzz.faulty_engines.ADAPTER_ENG
 shipped one; one failing every k-th copy part-way (the aborted path: every check below must
 stay green); or one planting a fault at the poll that completes a copy, a byte flipped in a
 fill's live token or a moved entry (the worker's hash-and-compare must raise in that call)
-or a fill made another request's (the adapter must raise ``shared_never_moved``). A planted
+or a fill made another request's (the adapter must raise ``PlanError[shared_fill]``, the one
+error for a block found shared at a copy's end: ``vtoken.planner.shared_at_end``). A planted
 fault caught ends the example; one not caught in its call fails it.
 
 A second adapter runs in lockstep with reclamation off (Naive-Evict: the same requests at
@@ -662,10 +663,10 @@ class _Run:
     def _guarded(self, fn):
         """Run ``fn`` (driver steps). With a tampering engine (``corrupt_in_flight``,
         ``steal_fill``) every tampering must be caught in the call it happens in: by the
-        worker's hash-and-compare (``RelocationCheckError``) or as the adapter's
-        ``shared_never_moved``; then the run halts (its state is the fault's). An error with
+        worker's hash-and-compare (``RelocationCheckError``) or as a block found shared at the
+        copy's end (``PlanError`` ``shared_fill`` or ``shared_source``); then the run halts (its state is the fault's). An error with
         no tampering in the call, or a tampered plan reported without the error, fails."""
-        from vtoken.errors import RelocationCheckError
+        from vtoken.errors import PlanError, RelocationCheckError
         from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
 
         tampering = self.engine in ("corrupt_in_flight", "steal_fill")
@@ -673,11 +674,12 @@ class _Run:
         n0 = len(eng.tampered) if tampering else 0
         try:
             fn()
-        except (RelocationCheckError, AdapterAssumptionError) as e:
+        except (RelocationCheckError, AdapterAssumptionError, PlanError) as e:
             if not tampering or len(eng.tampered) == n0:
                 raise
             if self.engine == "corrupt_in_flight" and not isinstance(e, RelocationCheckError) or \
-                    self.engine == "steal_fill" and getattr(e, "check", None) != "shared_never_moved":
+                    self.engine == "steal_fill" and not (isinstance(e, PlanError) and
+                                                         e.code in ("shared_fill", "shared_source")):
                 raise
             self.halted = f"{eng.tampered[-1]}: caught: {str(e)[:160]}"
             return
@@ -686,7 +688,7 @@ class _Run:
                 st = self.status.get(pid)
                 assert st != "applied" if self.engine == "corrupt_in_flight" else st is None, (
                     f"plan {pid}: {what} while its copy flew, and the worker reported it {st!r} without "
-                    f"{'hash-and-compare failing' if self.engine == 'corrupt_in_flight' else 'shared_never_moved'}")
+                    f"{'hash-and-compare failing' if self.engine == 'corrupt_in_flight' else 'shared_fill'}")
             self.tampered_seen = len(eng.tampered)
 
     def evict(self, rid, ids, at_len):

@@ -27,7 +27,7 @@ summary (``summary.json``) is rewritten after every batch.
 
 Owns: its worker processes (or Ray tasks), the example database connection and the ``--out``
 folder (failures, summary).
-May call: fuzz (machines, protocol, hard_states, profiles, catalogue, planted), hypothesis, redis,
+May call: fuzz (registry: the machines and the --impl loader; protocol, hard_states, profiles, catalogue, planted), hypothesis, redis,
 ray (``--ray`` only, through ``fuzz.cluster``), vtoken.argtypes.
 Costs: time-boxed: ``--budget`` seconds on ``--workers`` processes; the summary is rewritten per
 batch.
@@ -36,7 +36,6 @@ batch.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import multiprocessing as mp
 import os
@@ -52,39 +51,8 @@ from collections import Counter
 from pathlib import Path
 
 from .cluster import RayUnavailable, ray_cluster
-
-MACHINES = {
-    "table": "vtoken.fuzz.table_machine:TableMachine",
-    "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
-    "adapter": "vtoken.fuzz.adapter_machine:AdapterMachine",  # needs vLLM (make vllm)
-    "engine": "vtoken.fuzz.engine_machine:EngineMachine",  # vLLM's real engine: the engine environment (make engine)
-}
-
-
-def load_machine(name: str):
-    """A machine by name, or ``impl:module:Class``: the table or planner machine bound to a
-    user's implementation (``vtoken.fuzz.protocol``)."""
-    if name.startswith("impl:"):
-        from .protocol import kind_of, load_impl, planner_machine_for, table_machine_for
-
-        cls = load_impl(name[len("impl:"):])
-        return table_machine_for(cls) if kind_of(cls) == "table" else planner_machine_for(cls)
-    mod, cls = MACHINES[name].split(":")
-    return getattr(importlib.import_module(mod), cls)
-
-
-def available_machines() -> tuple[list[str], dict[str, str]]:
-    """``(machines that load, {machine: why not})``: a machine that cannot run here (the
-    adapter machine without vLLM) is reported, never dropped silently."""
-    out, missing = [], {}
-    for name in MACHINES:
-        try:
-            load_machine(name)
-        except (ImportError, AttributeError) as e:
-            missing[name] = f"{type(e).__name__}: {e}"
-            continue
-        out.append(name)
-    return out, missing
+# the one machine registry and --impl loader (fuzz/registry.py), re-exported: replay files load from here
+from .registry import IMPL, MACHINES, available_machines, checked_impl, load_machine  # noqa: F401
 
 
 def make_db(spec):
@@ -363,17 +331,15 @@ def _resolve_machines(machines) -> tuple[list, dict]:
     Raises (before anything runs) for an unknown machine or an ``impl:`` that does not load and build.
     """
     avail, missing = available_machines()
-    impls = [m for m in machines or () if m.startswith("impl:")]
+    impls = [m for m in machines or () if m.startswith(IMPL)]
     if impls:  # a user's implementation: it must load and build (a clear error now, not in a worker)
-        from .protocol import check_impl
-
         for m in impls:
-            check_impl(m[len("impl:"):])
+            checked_impl(m[len(IMPL):])  # loaded once per process: the workers' binding reuses it
         machines = [m for m in machines if m not in impls]
         avail = avail + impls
     if machines or impls:
         machines = machines + impls
-        unknown = [m for m in machines if m not in MACHINES and not m.startswith("impl:")]
+        unknown = [m for m in machines if m not in MACHINES and not m.startswith(IMPL)]
         if unknown:
             raise ValueError(f"unknown machines {unknown}; choose from {sorted(MACHINES)}")
         names = [m for m in machines if m in avail]
@@ -738,14 +704,14 @@ def _checked_args(ap, a) -> list:
         ap.error(f"argument {'--runs' if a.runs is not None else '--budget'}: only with --planted")
     machines = list(a.machines or [])
     if a.impl:
-        from .protocol import ProtocolError, check_impl
+        from .protocol import ProtocolError
 
         for spec in a.impl:
             try:
-                check_impl(spec)
+                checked_impl(spec)  # the one load of this class in the campaign (fuzz/registry.py)
             except ProtocolError as e:
                 ap.error(f"argument --impl: {str(e).removeprefix('--impl ')}")
-        machines += [f"impl:{spec}" for spec in a.impl]
+        machines += [f"{IMPL}{spec}" for spec in a.impl]
     if a.db is not None:
         try:
             check_db(a.db)

@@ -43,7 +43,7 @@ build the worker with them through ``VTokenWorker(copy_engine_factory=...)``):
 - ``corrupt_in_flight``: at the poll that completes a copy, a byte of a fill's live token or
   of a moved entry flips: the worker's hash-and-compare must raise;
 - ``steal_fill``: at that poll a fill becomes another request's alone in the token table:
-  the worker must refuse it and the adapter raise ``shared_never_moved``;
+  the worker must refuse it and the adapter raise ``PlanError[shared_fill]`` (``shared_at_end``);
 - ``copy_write_window`` (a hybrid layout): each copy also scatters one moved entry onto
   another running request's newest sliding-window slot, a slot the token table does not map
   (the window group is vLLM's, read by position): hash-and-compare must raise
@@ -331,7 +331,7 @@ class StealFillEngine(_PlanTracking):
     request's in the token table (the request's live tokens there die, the request lets go
     of the block, an intruder request writes a token into it): a block held by another
     request alone, so its reference count is 1. Applying the plan must refuse the fill
-    (``shared_fill``) and the adapter must raise ``shared_never_moved``, never take the
+    (``shared_fill``) and the adapter must raise it (``PlanError[shared_fill]``), never take the
     quiet "aborted, table kept" path."""
 
     INTRUDER = "intruder (StealFillEngine)"

@@ -9,7 +9,7 @@ machine's KV layout and fence clock): each state is then also counted under
 ``"<state> [<tag>]"``, so a campaign can say how often each state was reached in each
 configuration (:func:`by_tag`).
 Owns: one process-wide counter of the hard states reached, and the current tag.
-May call: hypothesis (``event``), collections.
+May call: hypothesis (``event``), collections, fuzz.registry (an ``impl:`` class's kind, loaded once).
 Costs: O(1) per call.
 """
 
@@ -71,10 +71,11 @@ def states_of(machines) -> tuple:
     mine = set()
     for m in machines:
         if m.startswith("impl:"):
-            from .protocol import ProtocolError, kind_of, load_impl
+            from .protocol import ProtocolError
+            from .registry import impl_kind
 
             try:
-                mine.update(BY_KIND[kind_of(load_impl(m[len("impl:"):]))])
+                mine.update(BY_KIND[impl_kind(m[len("impl:"):])])  # the campaign's one load, reused
             except ProtocolError:  # (the campaign checked it loads: only a caller's typo gets here)
                 mine.update(BY_KIND["table"] + BY_KIND["planner"])
         else:

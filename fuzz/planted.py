@@ -28,7 +28,7 @@ one the faults are listed in ``gpu_faults_not_run``, never counted as planted).
 live modules for a ``with`` block.
 
 Owns: one shadow tree and child process per fault and seed, deleted after.
-May call: fuzz (catalogue, patches, shadow, faulty_engines, profiles, machines, campaign's
+May call: fuzz (catalogue, patches, shadow, faulty_engines, profiles, registry and its machines, campaign's
 ``cluster.ray_cluster`` with ``--ray``), ray (``--ray``), vtoken.decode,
 invariants (placement_proof, relocation_hash), hypothesis, subprocess.
 Costs: ``--runs`` runs per fault, each bounded by ``--budget`` seconds: about R x faults x seconds.
@@ -52,10 +52,7 @@ from .patches import PatchError, apply_to_tree
 from .patches import planted as _planted_patches
 from vtoken.invariants.relocation_hash import RelocationChecker
 
-MACHINES = {"table": "vtoken.fuzz.table_machine:TableMachine",
-            "planner": "vtoken.fuzz.planner_machine:PlannerMachine",
-            "adapter": "vtoken.fuzz.adapter_machine:AdapterMachine",
-            "engine": "vtoken.fuzz.engine_machine:EngineMachine"}  # in the engine environment (make engine)
+from .registry import MACHINES  # the one machine registry (a fault's detector names a machine there)
 DEFAULT_BUDGET_S = 60.0
 SHRINK_CAP_S = 30  # a shrunk example is for reading; past this the smallest found so far is reported
 
@@ -261,9 +258,10 @@ def _detect_gpu(seed: int, fault: Fault) -> dict:
 
 
 def _detect_prefix(seed: int, budget_s: float) -> dict:
-    """The audit's prefix-equality run (``reports.vllm_runs.prefix_equality``) with this seed:
-    later requests repeat earlier sequences, with prefix caching on and off."""
-    from vtoken.reports.vllm_runs import prefix_equality
+    """The prefix-equality check (``fuzz.vllm_prefix.prefix_equality``, the audit's
+    ``vllm-prefix-equality``) with this seed: later requests repeat earlier sequences, with
+    prefix caching on and off."""
+    from .vllm_prefix import prefix_equality
 
     t0 = time.perf_counter()
     res = prefix_equality(quick=True, seed=seed)

@@ -26,7 +26,7 @@ it) is a usage error in one line before any test runs (``vtoken.fuzz.protocol.ch
 never a conformance failure.
 
 Owns: one test item per ``--vtoken-impl``; its example database and replay files under ``.vtoken/``.
-May call: fuzz.protocol, fuzz.profiles, vtoken.argtypes (the option's check), pytest, hypothesis.
+May call: fuzz.registry (the --impl loader), fuzz.protocol, fuzz.profiles, vtoken.argtypes (the option's check), pytest, hypothesis.
 Costs: nothing without the option; with it, one machine run per implementation (the profile's
 examples).
 """
@@ -66,10 +66,11 @@ class ImplCheck(pytest.Item):
         self.ops: list[str] = []
 
     def _machine(self):
-        from vtoken.fuzz.protocol import load_impl, planner_machine_for, table_machine_for
+        """The machine bound to this item's class (``fuzz/registry.py``: the class loaded and
+        checked once, at collection)."""
+        from vtoken.fuzz.registry import impl_machine
 
-        cls = load_impl(self.impl)
-        return table_machine_for(cls) if self.kind == "table" else planner_machine_for(cls)
+        return impl_machine(self.impl)
 
     def runtest(self):
         from vtoken.fuzz import hard_states
@@ -123,7 +124,6 @@ class ImplCheck(pytest.Item):
         safe = re.sub(r"[^A-Za-z0-9]+", "_", self.impl).strip("_")
         path = root / ".vtoken" / "replays" / f"test_replay_{safe}_{self.kind}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
-        maker = "table_machine_for" if self.kind == "table" else "planner_machine_for"
         path.write_text(f'''"""Replay of a vtoken conformance failure of {self.impl} ({self.kind} machine).
 
 Run: pytest {path.name} (from {root}). The failing example saved in .vtoken/examples is
@@ -134,11 +134,12 @@ from hypothesis import Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
 
-from vtoken.fuzz.protocol import load_impl, {maker}
+from vtoken.fuzz.protocol import load_impl
+from vtoken.fuzz.registry import machine_of
 
 
 def test_replay():
-    machine = {maker}(load_impl({self.impl!r}))
+    machine = machine_of(load_impl({self.impl!r}))
     run_state_machine_as_test(machine, settings=settings(
         database=DirectoryBasedExampleDatabase({str(root / ".vtoken" / "examples")!r}),
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], max_examples=200, deadline=None))
@@ -170,11 +171,12 @@ def pytest_collection_modifyitems(session, config, items):
     impls = config.getoption("vtoken_impl")
     if not impls:
         return
-    from vtoken.fuzz.protocol import ProtocolError, check_impl
+    from vtoken.fuzz.protocol import ProtocolError
+    from vtoken.fuzz.registry import checked_impl
 
     for spec in impls:
         try:
-            _, kind = check_impl(spec)
+            _, kind = checked_impl(spec)  # the one load of the class (the item's machine reuses it)
         except ProtocolError as e:
             raise pytest.UsageError(f"--vtoken-impl {str(e).removeprefix('--impl ')}") from None
         items.append(ImplCheck.from_parent(session, name=f"vtoken-impl[{spec}]::{kind}-machine", impl=spec, kind=kind))

@@ -264,11 +264,12 @@ def test_the_audits_campaign_fails_when_a_worker_died_or_a_machine_ran_nothing(e
     """Issue 40 #3: the audit's check asked only ``failures == 0 and ops > 0`` over all
     machines, so a worker killed after one machine's batch, or a machine with no checked
     operation beside one that ran, passed. Now the check fails and names the reason."""
-    from vtoken.fuzz import campaign
+    from vtoken.fuzz import campaign, registry
     from vtoken.reports import audit
 
-    monkeypatch.setattr(campaign, "MACHINES", {"table": campaign.MACHINES["table"],
+    monkeypatch.setattr(registry, "MACHINES", {"table": registry.MACHINES["table"],
                                                "extra": f"tests.crashing_impls:{extra}"})
+    monkeypatch.setattr(campaign, "MACHINES", registry.MACHINES)
     monkeypatch.setattr(audit, "vllm_version", lambda: None)
     res = audit.check_fuzz({"fuzz_examples": 5, "seed": 0, "out": tmp_path})
     assert res.metrics["ops_by_machine"].get("table", 0) > 0, res.detail  # the real machine ran first

@@ -116,6 +116,43 @@ def test_the_invariants_rule_finds_planted_breaches(tmp_path, monkeypatch, sourc
     assert bool(found) == expect, found
 
 
+def fuzz_report_breaches(files) -> list[str]:
+    """``path:line imports target`` for each import of ``reports/`` in ``files``."""
+    return [f"{p.relative_to(ROOT)}:{line} imports {t}" for p in files for line, t in imports_of(p)
+            if _imports_folder(t, "reports")]
+
+
+def test_fuzz_imports_no_reports():
+    """The fuzzers never import the audit (``reports/`` sits above them: it runs and reports
+    the checks). A detector the planted runs share with the audit lives in ``fuzz/``
+    (``fuzz/vllm_prefix.py``: the prefix-equality check)."""
+    files = sorted(p for p in (ROOT / "fuzz").rglob("*.py") if "__pycache__" not in p.parts)
+    assert len(files) > 10  # the walk found the fuzzers
+    found = fuzz_report_breaches(files)
+    assert not found, "fuzz/ imports reports/:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, expect", [
+    ("def f():\n    from vtoken.reports.vllm_runs import prefix_equality\n", True),  # lazy: the old breach
+    ("from ..reports import audit\n", True),  # relative
+    ("import reports.bench\n", True),  # from the repository root
+    ("CHECK = 'vtoken.reports.vllm_runs:prefix_equality'\n", True),  # by name
+    ("from .vllm_prefix import prefix_equality\n", False),
+    ("from vtoken.invariants.relocation_hash import RelocationChecker\n", False),
+    ("x = 'reports and fuzz'\n", False),
+])
+def test_the_fuzz_rule_finds_planted_breaches(tmp_path, monkeypatch, source, expect):
+    """The fuzz -> reports rule, fed a planted breach in a temporary ``fuzz/`` (and clean code)."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    f = tmp_path / "fuzz" / "probe.py"
+    f.parent.mkdir(parents=True)
+    f.write_text(source)
+    found = fuzz_report_breaches([f])
+    assert bool(found) == expect, found
+    if expect:
+        assert found[0].startswith("fuzz/probe.py:")
+
+
 CLI = "vtoken.cli"
 
 

@@ -21,7 +21,7 @@ Costs: trigger O(1); ``step`` polls O(plans in flight), a round scores O(request
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -194,11 +194,50 @@ def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests
     return moves
 
 
+def rank_key(gain: int, arrival, req_id) -> tuple:
+    """Stage 3's one order of requests, as a sort key: the largest reclaim bound ``gain`` first,
+    the earlier ``arrival`` breaking ties (then the request id). Every driver ranks with it
+    (``ReclamationManager.plan_round``: arrival is the table's order; the adapter's
+    ``PlanBook.plan``: vLLM's arrival order, the key cached with the bound). O(1)."""
+    return (-int(gain), arrival, req_id)
+
+
+def ranked(keys: Iterable[tuple]) -> list:
+    """The requests of ``keys`` (:func:`rank_key` tuples) in stage 3's order, the one ranking
+    every driver plans in. O(k log k) for k keys; changes nothing."""
+    return [k[2] for k in sorted(keys)]
+
+
+def in_flight_payload(plans: Iterable[Plan]) -> list[dict]:
+    """A plan snapshot's ``in_flight`` entries: ``{"id", "request", "sources", "dests",
+    "fills"}`` of each plan of ``plans`` (the other plans copying), in their order, as plain
+    data (fresh lists). The one builder of that payload (:func:`plan_snapshot` calls it on
+    every path). O(blocks of those plans)."""
+    return [{"id": p.id, "request": str(p.req_id), "sources": list(p.sources), "dests": list(p.dests),
+             "fills": list(p.fills)} for p in plans]
+
+
+def shared_at_end(plan: Plan, blocks) -> PlanError:
+    """The one error for blocks of ``plan`` found shared, or no longer its request's alone, when
+    its copy ends (shared blocks never move): ``PlanError`` ``shared_fill`` when one of
+    ``blocks`` is a fill (the copy already wrote it), else ``shared_source``. Returned for the
+    caller to raise: ``ReclamationManager`` (the blocks no sharer's own reference explains) and
+    the adapter's ``PlanBook.absorb`` (any: the adapter parks a source's prefix-cache hash in
+    flight, so no hit explains one). O(blocks + fills)."""
+    bad = [int(b) for b in blocks]
+    code = "shared_fill" if set(bad) & set(plan.fills) else "shared_source"
+    return PlanError(code, f"plan {plan.id} of request {plan.req_id!r}: sources or fills {bad} are shared or not "
+                           f"the request's alone at the end of its copy (referenced by another request without a "
+                           f"reference of its own, or no longer by it: a block in flight was freed and handed out "
+                           f"again)")
+
+
 def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, tail: Optional[int],
-                  headroom: Sequence[int], in_flight: Sequence[dict]) -> dict:
-    """The plan snapshot (``vtoken.snapshot`` schema) at planning time; O(length of the request).
-    ``in_flight``: ``{"id", "request", "sources", "dests", "fills"}`` of every other plan copying;
-    ``post`` stays null and ``evicted_in_flight`` empty until :func:`snapshot_applied`."""
+                  headroom: Sequence[int], in_flight: Iterable[Plan]) -> dict:
+    """The plan snapshot (``vtoken.snapshot`` schema) at planning time; O(length of the request
+    + blocks of the plans in flight). ``in_flight``: every other plan copying (their entries
+    built by :func:`in_flight_payload`); ``post`` stays null and ``evicted_in_flight`` empty
+    until :func:`snapshot_applied`."""
     shared = sorted(int(b) for b in table.blocks_of(req_id) if table.block_refs(b) > 1)
     return {
         "schema": SCHEMA,
@@ -210,7 +249,7 @@ def plan_snapshot(table: TokenTable, req_id, plan_id: int, proposal: Proposal, t
         "post": None,
         "shared_blocks": shared,
         "headroom": [int(b) for b in headroom],
-        "in_flight": [dict(p) for p in in_flight],
+        "in_flight": in_flight_payload(in_flight),
         "schedule": [],
         "evicted_in_flight": [],
     }
@@ -438,9 +477,7 @@ class ReclamationManager:
         plan = self.lifecycle.new_plan(req_id, prop.sources, prop.dests, prop.moves, prop.fills)
         if self.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(
-                self.table, req_id, plan.id, prop, tail, self.headroom,
-                [{"id": p.id, "request": str(p.req_id), "sources": list(p.sources), "dests": list(p.dests),
-                  "fills": list(p.fills)} for p in self.in_flight.values()])
+                self.table, req_id, plan.id, prop, tail, self.headroom, self.in_flight.values())
         return plan
 
     def record(self, p: Plan, kind: str, **fields) -> None:
@@ -469,15 +506,13 @@ class ReclamationManager:
 
         A source that became shared in flight ends the plan aborted when each sharer holds its
         own reference (a prefix-cache hit on it); a shared fill, or a share without those
-        references (a block reused after an early free), is corruption: :class:`PlanError`."""
+        references (a block reused after an early free), is corruption: :func:`shared_at_end`, the
+        one error every path raises for it."""
         t = self.table
         bad = [b for b in outcome.shared_sources if b not in plan.sources or not t.references(plan.req_id, b)
                or self.alloc.ref[b] < t.block_refs(b)]
         if bad:
-            code = "shared_fill" if set(bad) & set(plan.fills) else "shared_source"
-            raise PlanError(code, f"plan {plan.id} of request {plan.req_id!r}: blocks {bad} are shared or not the "
-                                  f"request's at apply, without a reference of each sharer (a block in flight was "
-                                  f"freed and handed out again)")
+            raise shared_at_end(plan, bad)
         sources = len(plan.sources)
         if self.lifecycle.end(plan, outcome) != "applied":
             return
@@ -515,7 +550,9 @@ class ReclamationManager:
 
     # ------------------------------------------------------------------ the step hook
     def plan_round(self, req_ids=None) -> list[Plan]:
-        """Plan and launch for the requests with the most reclaimable blocks first."""
+        """Plan and launch for the requests with the most reclaimable blocks first, in stage 3's
+        one order (:func:`ranked`: the table's order, or ``req_ids``', breaks ties), at most
+        ``max_plans_per_round`` plans."""
         t = self.table
         self.stats["rounds"] += 1
         reqs = t.requests() if req_ids is None else list(req_ids)
@@ -526,10 +563,9 @@ class ReclamationManager:
                 continue
             gain = reclaim_bound(t, rid, self._tail_of(rid))
             if gain > 0:
-                scored.append((-gain, len(scored), rid))
-        scored.sort()
+                scored.append(rank_key(gain, len(scored), rid))
         launched = []
-        for _, _, rid in scored:
+        for rid in ranked(scored):
             # An empty headroom does not end the round: all-dead blocks need no destination.
             if len(launched) >= self.cfg.max_plans_per_round:
                 break

@@ -33,7 +33,8 @@ from .mirror import unaccounted
 from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
-from ..planner import Proposal, plan_snapshot, propose, reclaim_bounds, should_reclaim, trigger_inputs
+from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, shared_at_end, \
+    should_reclaim, trigger_inputs
 
 
 def merge_snapshot(plan: Plan, done: dict) -> None:
@@ -122,15 +123,15 @@ class PlanBook:
             bound.pop(r, None)
         for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
             if gain > 0:
-                bound[r] = (-gain, arrival(r), r)  # the sort key, kept with the bound
+                bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
             else:
                 bound.pop(r, None)
         self.stale_bounds = set()
         busy, current, running = self.busy, self.requests.current, self.requests.running
         pool_blocks = self.harness.pool.blocks
-        # largest bound first, arrival breaks ties; the eligibility tests run only on the
-        # requests reached before the step's plans or the headroom run out
-        for _, _, r in sorted(bound.values()):
+        # stage 3's one order (planner.ranked: largest bound first, arrival breaks ties); the
+        # eligibility tests run only on the requests reached before the step's plans or the headroom run out
+        for r in ranked(bound.values()):
             if len(meta.plans) >= self.max_plans_per_step or (need_head and not self.reserve):
                 break
             if r in busy or not current(r) or not running(r):
@@ -184,10 +185,7 @@ class PlanBook:
                     f"{int(self.table.refs[blk.block_id])}) at step {meta.seq}")
         plan = self.lifecycle.new_plan(r, p.sources, p.dests, p.moves, p.fills, seq=meta.seq)
         if self.cfg.record_snapshots:
-            plan.snapshot = plan_snapshot(
-                self.table, r, plan.id, p, tail, head,
-                [{"id": q.id, "request": str(q.req_id), "sources": list(q.sources), "dests": list(q.dests),
-                  "fills": list(q.fills)} for q in self.plans.values()])
+            plan.snapshot = plan_snapshot(self.table, r, plan.id, p, tail, head, self.plans.values())
         try:
             self.lifecycle.launch(plan, detach=self.requests.detach_listed)
         except PlanError as e:  # a block the scheduler side does not hold for r: refused, nothing changed
@@ -206,8 +204,8 @@ class PlanBook:
 
     def absorb(self, reported: dict) -> None:
         """The worker's report (plan id -> :class:`~vtoken.lifecycle.Outcome`), per finished
-        plan: vLLM's side checked (no source or fill was shared, no source was hashed in
-        flight), then the lifecycle ends the plan (:meth:`Lifecycle.end`: destinations and
+        plan: vLLM's side checked (no source or fill was shared: :func:`~vtoken.planner.shared_at_end`,
+        the error every path raises for it; no source was hashed in flight), then the lifecycle ends the plan (:meth:`Lifecycle.end`: destinations and
         fills to the request or back to the headroom, sources back through vLLM's fenced free
         at the plan's step), and the fence ledger records and checks each free."""
         stats = self.stats
@@ -215,12 +213,9 @@ class PlanBook:
             plan = self.plans.get(pid)
             if plan is None:
                 raise AdapterAssumptionError("ownership", f"the worker reported plan {pid}, which is not in flight")
-            if res.shared_sources:
+            if res.shared_sources:  # no prefix hit explains one (hashes parked in flight): corruption
                 stats["shared_blocks_moved"] += len(res.shared_sources)
-                raise AdapterAssumptionError(
-                    "shared_never_moved", f"plan {pid} of request {plan.req_id!r}: sources or fills "
-                    f"{res.shared_sources} are not the request's alone at copy time (referenced by another request, "
-                    f"or no longer by it)")
+                raise shared_at_end(plan, res.shared_sources)
             self.checker.touch([plan.req_id])
             self.requests.look_again(plan.req_id)  # it may release again now that no plan flies
             if res.status == "applied":
