@@ -155,6 +155,14 @@ class _Run:
         if reclaim:
             self.ad.plan_hook = check_proposal
         self.S, self.N = S, N
+        self._init_records()
+        self._instrument()
+        self._instrument_reads()
+        if checks and reclaim:
+            self._instrument_hooks()
+
+    def _init_records(self) -> None:
+        """What the machine records of the run, empty (its own model of who holds what)."""
         self.history: dict[str, list] = {}  # req -> computations and evictions, in order
         self.preempted: set = set()
         self.grabbed: list = []  # blocks the machine holds (pool pressure)
@@ -180,10 +188,31 @@ class _Run:
         self.headroom_seen: set = set()  # headroom blocks at the last runtime-check hook
         self.subst_seen: set = set()  # (request, list index) null-substituted at the last runtime-check hook
         self.probes = 0  # hooks whose incremental check was probed
-        self._instrument()
-        self._instrument_reads()
-        if checks and reclaim:
-            self._instrument_hooks()
+
+    def _instrument_port_and_finish(self) -> None:
+        """Mark the adapter's own frees (through its port) and refuse a request's finish or
+        preemption while a plan of its own (not orphaned) still flies."""
+        ad = self.ad
+
+        def in_port(fn):
+            def call(*a, **kw):
+                self.in_port += 1
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.in_port -= 1
+            return call
+
+        ad.port.free, ad.port.drain = in_port(ad.port.free), in_port(ad.port.drain)
+        on_free = ad._on_request_free
+
+        def on_free_spy(request):
+            r = request.request_id
+            if any(p.req_id == r and not p.orphaned for p in ad.plans.values()):
+                hard("finish mid-copy" if request.is_finished() else "preemption with a plan in flight")
+            return on_free(request)
+
+        ad._on_request_free = on_free_spy
 
     def _instrument(self):
         ad, w = self.ad, self.w
@@ -236,25 +265,7 @@ class _Run:
                         self.vllm_released.setdefault(r, set()).add(b.block_id)
             self._freed(blocks, processed)
 
-        def in_port(fn):
-            def call(*a, **kw):
-                self.in_port += 1
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    self.in_port -= 1
-            return call
-
-        ad.port.free, ad.port.drain = in_port(ad.port.free), in_port(ad.port.drain)
-        on_free = ad._on_request_free
-
-        def on_free_spy(request):
-            r = request.request_id
-            if any(p.req_id == r and not p.orphaned for p in ad.plans.values()):
-                hard("finish mid-copy" if request.is_finished() else "preemption with a plan in flight")
-            return on_free(request)
-
-        ad._on_request_free = on_free_spy
+        self._instrument_port_and_finish()
         w._run_request, w.execute, w.synchronize = run_request_spy, execute_spy, synchronize_spy
         ad.scheduler.schedule = schedule_spy
         ad.scheduler.update_from_output = update_spy
