@@ -261,9 +261,12 @@ class _View:
         self.moved = {}  # token -> index of its first move
         for k, mv in enumerate(self.moves):
             self.moved.setdefault(mv[0], k)
-        # the plan's own events: its last launch (every launch issues the copy again: what
-        # a later launch reads must still be there), its first apply, the first fence after
-        # the last launch. Events are ordered by their index (equal times in list order).
+        self._own_events()
+
+    def _own_events(self) -> None:
+        """The plan's own events: its last launch (every launch issues the copy again: what
+        a later launch reads must still be there), its first apply, the first fence after
+        the last launch. Events are ordered by their index (equal times in list order)."""
         self.launch = self.apply = self.fence = None
         self.launches = 0
         for i, ev in enumerate(self.schedule):
@@ -458,9 +461,16 @@ def _overwrites(d: _View) -> list[Violation]:
 
 # ---------------------------------------------------------------------------------- I3
 def _i3(d: _View) -> list[Violation]:
+    """I3: [early] (nothing touches the plan's blocks before its copy is launched and fenced),
+    then [dead_read] and [stale_read] (the request's own reads, one pass over its reads)."""
+    if not d.schedule:
+        return []
+    return _early(d) + _own_reads(d)
+
+
+def _early(d: _View) -> list[Violation]:
+    """[early]: no read, write, free or hand-over of the plan's blocks before its launch and fence."""
     out, S, sched = [], d.S, d.schedule
-    if not sched:
-        return out
     src, dst, fills = set(d.sources), d.dst_all, d.fill_set
     dst_slots = {mv[3] * S + mv[4] for mv in d.moves}
 
@@ -505,7 +515,14 @@ def _i3(d: _View) -> list[Violation]:
                     else "on a hole of a fill")
             why = f"new token {t} written at {_loc(S, s)}, {role} of plan {d.pid}, {when}"
         out.append(Violation("I3", why, {"event": i, "t": ev["t"]}, "early"))
-    for i, ev in enumerate(sched):
+    return out
+
+
+def _own_reads(d: _View) -> list[Violation]:
+    """[dead_read] and [stale_read]: each read of the request maps each token to where it is
+    (its source slot before apply, its destination after; never a dead token)."""
+    out, S = [], d.S
+    for i, ev in enumerate(d.schedule):
         if ev["kind"] != "read" or str(ev["request"]) != str(d.req):
             continue
         after = d.apply is not None and i > d.apply
