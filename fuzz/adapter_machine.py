@@ -162,6 +162,15 @@ class _Run:
         if reclaim:
             self.ad.plan_hook = check_proposal
         self.S, self.N = S, N
+        self.poison = bool(poison)  # freed blocks' K/V poisoned (see _poison_freed)
+        self._init_ledger()
+        self._instrument()
+        self._instrument_reads()
+        if checks and reclaim:
+            self._instrument_hooks()
+
+    def _init_ledger(self) -> None:
+        """The machine's own record of the run (what it saw, what it holds, what it checked)."""
         self.history: dict[str, list] = {}  # req -> computations and evictions, in order
         self.preempted: set = set()
         self.grabbed: list = []  # blocks the machine holds (pool pressure)
@@ -189,16 +198,11 @@ class _Run:
         self.subst_seen: set = set()  # (request, list index) null-substituted at the last runtime-check hook
         self.probes = 0  # hooks whose incremental check was probed
         self.reads_checked = 0  # chunks whose reads were checked (a dead spy shows as 0)
-        self.poison = bool(poison)  # freed blocks' K/V poisoned (see _poison_freed)
         self.poison_due: dict[int, int] = {}  # block -> the step before whose execution it is poisoned
         self.poisoned: dict[int, str] = {}  # block -> when and why it was last poisoned (for errors)
         self.poisoned_blocks = 0  # blocks poisoned so far (a dead hook shows as 0)
         self.vllm_freeing = None  # the request whose lists vLLM frees now (finish, preemption)
         self.scheduling = None  # the step ``schedule()`` is scheduling, while it runs
-        self._instrument()
-        self._instrument_reads()
-        if checks and reclaim:
-            self._instrument_hooks()
 
     def _instrument(self):
         ad, w = self.ad, self.w
@@ -264,6 +268,16 @@ class _Run:
             self._freed(blocks, processed)
             self._poison_freed(blocks)
 
+        self._instrument_finish()
+        w._run_request, w.execute, w.synchronize = run_request_spy, execute_spy, synchronize_spy
+        ad.scheduler.schedule = schedule_spy
+        ad.scheduler.update_from_output = update_spy
+        pool.free_blocks = free_spy
+        self._instrument_poison()
+
+    def _instrument_finish(self) -> None:
+        """Refuse a request's finish or preemption while a plan of its own (not orphaned) flies."""
+        ad = self.ad
         on_free = ad._on_request_free
 
         def on_free_spy(request):
@@ -273,11 +287,6 @@ class _Run:
             return on_free(request)
 
         ad._on_request_free = on_free_spy
-        w._run_request, w.execute, w.synchronize = run_request_spy, execute_spy, synchronize_spy
-        ad.scheduler.schedule = schedule_spy
-        ad.scheduler.update_from_output = update_spy
-        pool.free_blocks = free_spy
-        self._instrument_poison()
 
     def _instrument_poison(self):
         """What the fences and the poison need to know besides the frees (:meth:`_freed`,

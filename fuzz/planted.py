@@ -534,6 +534,11 @@ def run_all(names=None, runs: int = 1, budget_s: float = DEFAULT_BUDGET_S, worke
         shutil.rmtree(work, ignore_errors=True)
         if bar is not None:
             bar.close()
+    return _summary(names, results, runs, t_all, gpu)
+
+
+def _summary(names: list, results: list, runs: int, t_all: float, gpu: list) -> dict:
+    """:func:`run_all`'s result: the faults' results in the order named, and the totals."""
     order = {n: i for i, n in enumerate(names)}
     results.sort(key=lambda r: order.get(r["fault"], 1 << 30))
     all_secs = [x["seconds"] for r in results for x in r["runs"] if x.get("detected")]

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from vtoken.allocator import BlockAllocator
 from vtoken.errors import PlanError
@@ -211,6 +211,13 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
         check_block_accounting(st, alloc.export_state())
         mgr.refill_headroom()
 
+    _rounds(mgr, positions, churn, plan, complete, found)
+    return checked, found
+
+
+def _rounds(mgr, positions, churn: bool, plan: Callable, complete: Callable, found: list) -> None:
+    """The three rounds of :func:`check_state` (``plan(tag)`` and ``complete(plans, tag)`` its
+    closures); what the real code raises is recorded in ``found`` with the step it was in."""
     step = "plan_round"
     try:
         first = plan("round 1")
@@ -232,7 +239,6 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
         found.append(f"table: {e}")
     except Exception as e:  # the real code raised: the state or the plan was bad
         found.append(f"{step}: {type(e).__name__}: {e}")
-    return checked, found
 
 
 def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAULT_BOUND["max_blocks"],

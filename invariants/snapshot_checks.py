@@ -261,9 +261,12 @@ class _View:
         self.moved = {}  # token -> index of its first move
         for k, mv in enumerate(self.moves):
             self.moved.setdefault(mv[0], k)
-        # the plan's own events: its last launch (every launch issues the copy again: what
-        # a later launch reads must still be there), its first apply, the first fence after
-        # the last launch. Events are ordered by their index (equal times in list order).
+        self._own_events()
+
+    def _own_events(self) -> None:
+        """The plan's own events: its last launch (every launch issues the copy again: what
+        a later launch reads must still be there), its first apply, the first fence after
+        the last launch. Events are ordered by their index (equal times in list order)."""
         self.launch = self.apply = self.fence = None
         self.launches = 0
         for i, ev in enumerate(self.schedule):
@@ -458,9 +461,16 @@ def _overwrites(d: _View) -> list[Violation]:
 
 # ---------------------------------------------------------------------------------- I3
 def _i3(d: _View) -> list[Violation]:
+    """I3: [early] (nothing touches the plan's blocks before its copy is launched and fenced),
+    then [dead_read] and [stale_read] (the request's own reads, one pass over its reads)."""
+    if not d.schedule:
+        return []
+    return _early(d) + _own_reads(d)
+
+
+def _early(d: _View) -> list[Violation]:
+    """[early]: no read, write, free or hand-over of the plan's blocks before its launch and fence."""
     out, S, sched = [], d.S, d.schedule
-    if not sched:
-        return out
     src, dst, fills = set(d.sources), d.dst_all, d.fill_set
     dst_slots = {mv[3] * S + mv[4] for mv in d.moves}
 
@@ -505,7 +515,14 @@ def _i3(d: _View) -> list[Violation]:
                     else "on a hole of a fill")
             why = f"new token {t} written at {_loc(S, s)}, {role} of plan {d.pid}, {when}"
         out.append(Violation("I3", why, {"event": i, "t": ev["t"]}, "early"))
-    for i, ev in enumerate(sched):
+    return out
+
+
+def _own_reads(d: _View) -> list[Violation]:
+    """[dead_read] and [stale_read]: each read of the request maps each token to where it is
+    (its source slot before apply, its destination after; never a dead token)."""
+    out, S = [], d.S
+    for i, ev in enumerate(d.schedule):
         if ev["kind"] != "read" or str(ev["request"]) != str(d.req):
             continue
         after = d.apply is not None and i > d.apply
@@ -533,13 +550,10 @@ def _i3(d: _View) -> list[Violation]:
 
 
 # ---------------------------------------------------------------------------------- I4
-def _i4(d: _View) -> list[Violation]:
-    out, S, n = [], d.S, d.n
-    srcs, dests, fills = set(d.sources), set(d.dests), d.fill_set
-
-    def v(rule, why, **model):
-        out.append(Violation("I4", why, model, rule))
-
+def _consistent(d: _View, v) -> None:
+    """[consistent]: each move names a live token of the snapshot, at its recorded slot, out
+    of a source into a destination or fill."""
+    S, n, srcs, dests, fills = d.S, d.n, set(d.sources), set(d.dests), d.fill_set
     for k, (t, sb, so, db, do) in enumerate(d.moves):
         if not 0 <= t < n:
             v("consistent", f"move #{k} names token {t} outside the snapshot (length {n})", move=k)
@@ -554,10 +568,22 @@ def _i4(d: _View) -> list[Violation]:
         elif db not in dests and db not in fills:
             v("consistent", f"move #{k} sends token {t} to block {db}, which is not one of the plan's destinations "
                             f"{d.dests} nor of its fills {d.fills}", move=k)
-    for t in range(n):
+
+
+def _emptied(d: _View, v) -> None:
+    """[emptied]: every live token of a source block is moved."""
+    S, srcs = d.S, set(d.sources)
+    for t in range(d.n):
         if d.pre_live[t] and d.pre_slot[t] // S in srcs and t not in d.moved:
             v("emptied", f"live token {t} in source block {d.pre_slot[t] // S} is not moved: the source is not emptied",
               token=t)
+
+
+def _blocks(d: _View, v) -> None:
+    """[blocks]: sources are the request's private, non-tail blocks; destinations fresh
+    headroom blocks; fills the request's own private blocks; no role shared; no block of an
+    in-flight plan."""
+    srcs, dests, fills = set(d.sources), set(d.dests), d.fill_set
     for b in sorted(srcs):
         if b not in d.pre_blocks:
             v("blocks", f"source block {b} is not one of request {d.req!r}'s blocks (inconsistent snapshot)", x=b)
@@ -589,46 +615,63 @@ def _i4(d: _View) -> list[Violation]:
             v("blocks", f"plan {d.pid} fills the tail block {b} (still being written)", x=b)
         if b in dests:
             v("blocks", f"block {b} is both a fill and a destination of plan {d.pid}", x=b)
-    _i4_rest(d, v)
-    return out
-
-
-def _i4_rest(d: _View, v) -> None:
-    """I4 in-flight, duplicate, count, dests_used, schedule and derived rules, reported through ``v``."""
-    S = d.S
-    srcs, dests, fills = set(d.sources), set(d.dests), d.fill_set
     ours = srcs | d.dst_all | fills
-    ids = Counter(p["id"] for p in d.in_flight)
     for p in d.in_flight:
-        if p["id"] == d.pid:
-            v("duplicate_id", f"in-flight plan {p['id']} (request {p['request']!r}) carries plan {d.pid}'s own id",
-              in_flight=p["id"])
         both = sorted(ours & (set(p["sources"]) | set(p["dests"]) | set(p.get("fills", []))))
         if both:
             v("blocks", f"plan {d.pid} overlaps in-flight plan {p['id']} (request {p['request']!r}): block {both[0]}",
               in_flight=p["id"], x=both[0])
-    for pid, c in sorted(ids.items()):
+
+
+def _duplicate_id(d: _View, v) -> None:
+    """[duplicate_id]: no in-flight plan carries this plan's id or another's."""
+    for p in d.in_flight:
+        if p["id"] == d.pid:
+            v("duplicate_id", f"in-flight plan {p['id']} (request {p['request']!r}) carries plan {d.pid}'s own id",
+              in_flight=p["id"])
+    for pid, c in sorted(Counter(p["id"] for p in d.in_flight).items()):
         if c > 1:
             v("duplicate_id", f"{c} in-flight plans carry id {pid}", in_flight=pid)
+
+
+def _duplicate_block(d: _View, v) -> None:
+    """[duplicate_block]: the plan's sources, destinations and fills each name a block once."""
     for name, lst in (("sources", d.sources), ("dests", d.dests), ("fills", d.fills)):
-        c = Counter(lst)
-        twice = sorted(b for b, k in c.items() if k > 1)
+        twice = sorted(b for b, k in Counter(lst).items() if k > 1)
         if twice:
             v("duplicate_block", f"plan.{name} names block {twice[0]} twice")
+
+
+def _dst_once(d: _View, v) -> None:
+    """[dst_once]: no destination slot is written by two moves."""
+    S = d.S
     hit = _first_collision([mv[3] * S + mv[4] for mv in d.moves])
     if hit:
         a, b = hit
         mv = d.moves[a]
         v("dst_once", f"destination slot {_loc(S, mv[3] * S + mv[4])} is used twice (moves #{a} and #{b})", a=a, b=b)
-    n_src, n_used, n_listed = len(srcs), len(d.move_dst_blocks - fills), len(dests)
+
+
+def _decrease(d: _View, v) -> None:
+    """[decrease]: the plan frees more blocks than it uses (listed and written)."""
+    n_src, n_used, n_listed = len(set(d.sources)), len(d.move_dst_blocks - d.fill_set), len(set(d.dests))
     if n_src <= n_used or n_src <= n_listed:
         v("decrease", f"plan {d.pid} does not reduce the block count: {n_src} source(s) vs {n_listed} destination(s) "
                       f"listed, {n_used} used", sources=n_src, dests_listed=n_listed, dests_used=n_used)
+
+
+def _dests_used(d: _View, v) -> None:
+    """[dests_used]: the recorded used destinations are the blocks the applied moves write."""
     if d.dests_used is not None:
-        want = {mv[3] for mv in d.moves if mv[0] not in d.recorded_evicted} - fills
+        want = {mv[3] for mv in d.moves if mv[0] not in d.recorded_evicted} - d.fill_set
         if set(d.dests_used) != want:
             v("dests_used", f"dests_used {sorted(d.dests_used)} differs from the blocks the applied moves write "
                             f"{sorted(want)}")
+
+
+def _free_before_apply(d: _View, v) -> None:
+    """[free_before_apply]: no source or fill is freed before the plan is applied."""
+    srcs, fills = set(d.sources), d.fill_set
     last = len(d.schedule) if d.apply is None else d.apply
     for i, ev in enumerate(d.schedule):
         if ev["kind"] == "free" and i < last:
@@ -638,28 +681,48 @@ def _i4_rest(d: _View, v) -> None:
                     else "source/fill"
                 v("free_before_apply", f"{role} block(s) {hit} freed at t={ev['t']} (schedule[{i}]) before plan "
                                        f"{d.pid} is applied", event=i)
+
+
+def _fill_kept(d: _View, v) -> None:
+    """[fill_kept]: every fill is still the request's block after the plan."""
     if d.post:
-        for b in sorted(fills - d.post_blocks):
+        for b in sorted(d.fill_set - d.post_blocks):
             v("fill_kept", f"fill block {b} is no longer a block of request {d.req!r} after the plan", x=b)
-    _i4_derived(d, v)
-    for rule in _OWNERSHIP_RULES:
-        rule(d, v)
 
 
-def _i4_derived(d: _View, v) -> None:
-    """The I4 rules on facts derived from the snapshot rather than read from one field:
-    [tail_block], [one_plan], [headroom] (see the module docstring)."""
+def _tail_block(d: _View, v) -> None:
+    """[tail_block] (derived): the recorded tail block is the block of the last position."""
     if d.tail_field is not None and d.tail_field != d.tail_derived:
         last = ("the request is empty" if d.tail_derived is None
                 else f"token {d.n - 1}, the last position, is in block {d.tail_derived}")
         v("tail_block", f"tail_block {d.tail_field} of request {d.req!r} is not its tail ({last})", x=d.tail_field)
+
+
+def _one_plan(d: _View, v) -> None:
+    """[one_plan] (derived): at most one plan per request in flight."""
     for k, p, x in _second_plans(d):
         v("one_plan", f"in-flight plan {p['id']} copies blocks of request {x!r} while "
                       f"{f'plan {d.pid}' if x == str(d.req) else 'another in-flight plan'} of the same request is in "
                       f"flight (at most one plan per request)", in_flight=p["id"], entry=k)
+
+
+def _headroom(d: _View, v) -> None:
+    """[headroom] (derived): the headroom holds free blocks only."""
     held = _held(d)
     for b in sorted(d.headroom & held.keys()):
         v("headroom", f"headroom block {b} is {held[b]}: the headroom holds free blocks only", x=b)
+
+
+def _i4(d: _View) -> list[Violation]:
+    """Every I4 rule, one function each (:data:`_I4_RULES`, in the order of ``RULES["I4"]``)."""
+    out = []
+
+    def v(rule, why, **model):
+        out.append(Violation("I4", why, model, rule))
+
+    for rule in _I4_RULES.values():
+        rule(d, v)
+    return out
 
 
 def _second_plans(d: _View) -> list:
@@ -851,6 +914,15 @@ def _foreign_write(d: _View, v) -> None:
 
 
 _OWNERSHIP_RULES = (_in_flight_dest, _in_flight_source, _plans_overlap, _handed_over, _foreign_write)
+
+# rule name -> the one function that checks it (the keys are exactly ``RULES["I4"]``)
+_I4_RULES = {"consistent": _consistent, "emptied": _emptied, "blocks": _blocks, "duplicate_id": _duplicate_id,
+             "duplicate_block": _duplicate_block, "dst_once": _dst_once, "decrease": _decrease,
+             "dests_used": _dests_used, "free_before_apply": _free_before_apply, "fill_kept": _fill_kept,
+             "tail_block": _tail_block, "one_plan": _one_plan, "headroom": _headroom,
+             "in_flight_dest": _in_flight_dest, "in_flight_source": _in_flight_source,
+             "plans_overlap": _plans_overlap, "handed_over": _handed_over, "foreign_write": _foreign_write}
+assert tuple(_I4_RULES) == RULES["I4"], "one function per named I4 rule"
 
 
 _CHECKERS = {"I1": _i1, "I2": lambda d: _i2(d) + _overwrites(d), "I3": _i3, "I4": _i4}

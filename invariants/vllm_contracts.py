@@ -56,18 +56,26 @@ def expect(cond: object, message: str) -> None:
 
 @dataclass(frozen=True)
 class Contract:
+    """One assumption: ``where`` it lives in vLLM, and ``relied_on_by``: the adapter
+    module(s) that break when it does (what an upgrade has to re-read)."""
     name: str
     assumption: str
     where: str
     check: Callable[[], str]  # returns what was measured; raises when broken
+    relied_on_by: str = ""
 
 
 CONTRACTS: list[Contract] = []
 
 
-def contract(name: str, assumption: str, where: str):
+def contract(name: str, assumption: str, where: str, relied_on_by: str):
+    """Register a check; ``relied_on_by`` names the adapter module(s) relying on it (required:
+    a contract nobody relies on is not one)."""
+    if not relied_on_by:
+        raise ValueError(f"contract {name!r} names no adapter module relying on it")
+
     def register(fn: Callable[[], str]) -> Callable[[], str]:
-        CONTRACTS.append(Contract(name, assumption, where, fn))
+        CONTRACTS.append(Contract(name, assumption, where, fn, relied_on_by))
         return fn
 
     return register
@@ -84,7 +92,7 @@ def _fail_detail(c: Contract, exc: BaseException) -> str:
         tb = traceback.extract_tb(exc.__traceback__)
         at = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
         why = f"{type(exc).__name__}: {exc}{at}"
-    return f"assumption broken: {c.assumption} [vLLM: {c.where}] -- {why}"
+    return f"assumption broken: {c.assumption} [vLLM: {c.where}] [relied on by: {c.relied_on_by}] -- {why}"
 
 
 def run_contract(c: Contract | str) -> dict:
@@ -94,7 +102,7 @@ def run_contract(c: Contract | str) -> dict:
         if not found:
             return {"name": c, "passed": False, "detail": f"no contract named {c!r}"}
         c = found[0]
-    result = {"name": c.name, "assumption": c.assumption, "where": c.where}
+    result = {"name": c.name, "assumption": c.assumption, "where": c.where, "relied_on_by": c.relied_on_by}
     version = _harness.vllm_version()
     if version is None:
         result.update(
@@ -179,6 +187,7 @@ def _decode_until(h: VllmHarness, req_ids: list[str], max_steps: int = 200) -> N
     "vllm_version",
     f"vLLM is one of {', '.join(SUPPORTED_VLLM)}, the versions these contracts were audited on",
     "vllm.__version__ (vllm/version.py)",
+    relied_on_by="vtoken/vllm_adapter/assumptions.py (check_supported_vllm)"
 )
 def _c_version() -> str:
     import vllm
@@ -192,6 +201,7 @@ def _c_version() -> str:
     "BlockPool has get_new_blocks, free_blocks, touch, evict_blocks, is_block_writable, "
     "get_num_free_blocks and a null_block",
     BLOCK_POOL,
+    relied_on_by="vtoken/vllm_adapter/port.py, vtoken/vllm_adapter/headroom.py"
 )
 def _c_symbols_block_pool() -> str:
     from vllm.v1.core.block_pool import BlockPool
@@ -209,6 +219,7 @@ def _c_symbols_block_pool() -> str:
     "symbols_kv_cache_block",
     "KVCacheBlock exposes block_id, ref_cnt, block_hash, is_null",
     KV_BLOCK,
+    relied_on_by="vtoken/vllm_adapter/port.py, vtoken/vllm_adapter/prefix_hash.py"
 )
 def _c_symbols_kv_block() -> str:
     h = VllmHarness(num_blocks=8)
@@ -226,6 +237,7 @@ def _c_symbols_kv_block() -> str:
     "KVCacheManager has allocate_slots (with full_sequence_must_fit, reserved_blocks), "
     "free, get_blocks, evict_blocks, block_pool, coordinator.single_type_managers",
     KV_MANAGER,
+    relied_on_by="vtoken/vllm_adapter/adapter.py, vtoken/vllm_adapter/harness.py"
 )
 def _c_symbols_kv_manager() -> str:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -256,6 +268,7 @@ def _c_symbols_kv_manager() -> str:
     "SingleTypeKVCacheManager has req_to_blocks, num_cached_block, cache_blocks, "
     "remove_skipped_blocks; KVCacheManager.get_blocks returns the live req_to_blocks list",
     SINGLE_MGR,
+    relied_on_by="vtoken/vllm_adapter/mirror.py, vtoken/vllm_adapter/harness.py"
 )
 def _c_symbols_single_mgr() -> str:
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
@@ -285,6 +298,7 @@ def _c_symbols_single_mgr() -> str:
     "Scheduler has schedule, update_from_output, add_request, requests, kv_cache_manager; "
     "SchedulerConfig.scheduler_cls lets a subclass be plugged in",
     SCHEDULER + "; vllm.config.scheduler.SchedulerConfig (vllm/config/scheduler.py)",
+    relied_on_by="vtoken/vllm_adapter/hooks.py"
 )
 def _c_symbols_scheduler() -> str:
     from vllm.config import SchedulerConfig
@@ -311,6 +325,7 @@ def _c_symbols_scheduler() -> str:
     "scheduled_cached_reqs (CachedRequestData.req_ids/new_block_ids/resumed_req_ids), "
     "num_scheduled_tokens, preempted_req_ids, finished_req_ids, kv_cache_block_copies",
     SCHED_OUT + "; vllm.v1.core.kv_cache_utils.KVCacheBlockCopy",
+    relied_on_by="vtoken/vllm_adapter/mirror.py, vtoken/vllm_adapter/worker_core.py"
 )
 def _c_symbols_sched_out() -> str:
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
@@ -340,6 +355,7 @@ def _c_symbols_sched_out() -> str:
     "block 0 is BlockPool.null_block (is_null), never handed out by get_new_blocks; the "
     "pool starts with N-1 free blocks; free_blocks ignores the null block",
     BLOCK_POOL + " __init__/get_new_blocks/free_blocks",
+    relied_on_by="vtoken/vllm_adapter/mirror.py"
 )
 def _c_null_block() -> str:
     n = 12
@@ -367,6 +383,7 @@ def _c_null_block() -> str:
     "get_new_blocks pops from the free-queue head (a fresh pool hands out 1,2,3,...), "
     "gives ref_cnt 1 and no hash, and raises ValueError (taking nothing) when short",
     BLOCK_POOL + ".get_new_blocks",
+    relied_on_by="vtoken/vllm_adapter/headroom.py, vtoken/vllm_adapter/port.py"
 )
 def _c_get_new_blocks() -> str:
     n = 10
@@ -399,6 +416,7 @@ def _c_get_new_blocks() -> str:
     "returns them first, in that order)",
     BLOCK_POOL + ".free_blocks / FreeKVCacheBlockQueue.prepend_n "
     "(vllm/v1/core/kv_cache_utils.py)",
+    relied_on_by="vtoken/vllm_adapter/port.py"
 )
 def _c_free_unhashed() -> str:
     h = VllmHarness(num_blocks=12, block_size=4)
@@ -428,6 +446,7 @@ def _c_free_unhashed() -> str:
     "dropped only when get_new_blocks hands the block out again",
     BLOCK_POOL + ".free_blocks/get_new_blocks; SingleTypeKVCacheManager.free "
     "(frees a request's blocks in reverse order)",
+    relied_on_by="vtoken/vllm_adapter/prefix_hash.py"
 )
 def _c_free_hashed() -> str:
     n, s = 16, 4
@@ -463,6 +482,7 @@ def _c_free_hashed() -> str:
     "objects with ref_cnt == number of holders, hashed, and counted in num_cached_block; "
     "without prefix caching nothing is shared or hashed",
     BLOCK_POOL + ".touch/cache_full_blocks; SingleTypeKVCacheManager.num_cached_block",
+    relied_on_by="vtoken/vllm_adapter/plans.py, vtoken/vllm_adapter/prefix_hash.py"
 )
 def _c_shared_prefix() -> str:
     s = 4
@@ -507,6 +527,7 @@ def _c_shared_prefix() -> str:
     "partial-block hashing)",
     BLOCK_POOL + ".is_block_writable/evict_blocks; KVCacheManager.evict_blocks; "
     "KVCacheCoordinator.enable_partial_hash_hits (vllm/v1/core/kv_cache_coordinator.py)",
+    relied_on_by="vtoken/vllm_adapter/prefix_hash.py"
 )
 def _c_writability() -> str:
     s = 4
@@ -551,6 +572,7 @@ def _c_writability() -> str:
     "blocks taken with BlockPool.get_new_blocks and held outside any request are never "
     "handed to allocate_slots: under memory pressure the scheduler preempts instead",
     KV_MANAGER + ".allocate_slots; " + BLOCK_POOL + ".get_new_blocks",
+    relied_on_by="vtoken/vllm_adapter/headroom.py"
 )
 def _c_reservation() -> str:
     n, s, k = 20, 4, 6
@@ -599,6 +621,7 @@ def _null_sub_setup(caching: bool):
     "re-fills the null slot, and finish frees everything (null is skipped)",
     SINGLE_MGR + ".req_to_blocks/allocate_new_blocks/_remove_blocks_in_range "
     "(the SlidingWindowManager idiom)",
+    relied_on_by="vtoken/vllm_adapter/mirror.py"
 )
 def _c_null_sub() -> str:
     h = _null_sub_setup(caching=True)
@@ -630,6 +653,7 @@ def _c_null_sub() -> str:
     "length, so the next step appends a block out of position (this is why the adapter "
     "substitutes null and never shrinks)",
     SINGLE_MGR + ".allocate_new_blocks (num_required_blocks - len(req_blocks))",
+    relied_on_by="vtoken/vllm_adapter/mirror.py"
 )
 def _c_pop_regrows() -> str:
     h = _null_sub_setup(caching=False)
@@ -657,6 +681,7 @@ def _c_pop_regrows() -> str:
     "replaced for resumed_req_ids), equals req_to_blocks at every step, preemptions "
     "included",
     SCHED_OUT + " NewRequestData/CachedRequestData; Scheduler._make_cached_request_data",
+    relied_on_by="vtoken/vllm_adapter/mirror.py, vtoken/vllm_adapter/worker_core.py"
 )
 def _c_append_only() -> str:
     s = 4
@@ -697,6 +722,7 @@ def _c_append_only() -> str:
     "disappears) and it is recomputed from token 0; finishing returns all blocks; after "
     "draining, the free count is N-1 and no block keeps a reference",
     SCHEDULER + "._preempt_request/_free_request_blocks; " + KV_MANAGER + ".free",
+    relied_on_by="vtoken/vllm_adapter/mirror.py, vtoken/vllm_adapter/adapter.py"
 )
 def _c_preempt_free() -> str:
     n, s = 12, 4
@@ -737,6 +763,7 @@ def _c_preempt_free() -> str:
     "to N-1",
     "vllm.v1.core.sched.async_scheduler.AsyncScheduler "
     "(vllm/v1/core/sched/async_scheduler.py)",
+    relied_on_by="vtoken/vllm_adapter/fence.py"
 )
 def _c_async() -> str:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -767,6 +794,7 @@ def _c_async() -> str:
     "connector with overlapping batches)",
     SCHEDULER + ".sched_step_seq/processed_step_seq/deferred_frees/defer_block_free/"
     "_drain_deferred_frees/_free_cow_retained_blocks/_request_blocks_can_be_freed",
+    relied_on_by="vtoken/vllm_adapter/fence.py, vtoken/vllm_adapter/port.py"
 )
 def _c_fence() -> str:
     n, s = 32, 4

@@ -542,30 +542,36 @@ def _check_i2(d: _Snap, ask: _Ask) -> list[Violation]:
                               (groups.get("post", []), post_lab if d.post is not None else [], "after the plan, ")):
         for k, model in ask.index("z", [f"(and (= IDX {k}) (< {v} {S}))" for k, v in enumerate(vals)], cap=1):
             out.append(Violation("I2", f"{where}{say(labs[k])} is in the null block 0", model, "null"))
-    # after the plan, no live token of R in a source block or a block the schedule frees
-    # (unless an alloc of that block to R follows its last free)
     if d.post is not None:
-        last_free, reacquired = {}, set()
-        for i, ev in enumerate(d.schedule):
-            if ev["kind"] == "free":
-                for b in ev["blocks"]:
-                    last_free[b] = i
-                    reacquired.discard(b)
-            elif ev["kind"] == "alloc" and str(ev["request"]) == str(d.req):
-                reacquired.update(b for b in ev["blocks"] if b in last_free)
-        gone = sorted((set(d.sources) | set(last_free)) - reacquired)
-        if gone:
-            blk = (d.post_slot[post_ids] // S).tolist()
-            prelude = "(declare-fun gone@ (Int) Bool)" + "".join(
-                f"(assert {'' if b in gone else '(not '}(gone@ {b}){'' if b in gone else ')'})"
-                for b in sorted(set(blk) | set(gone)))
-            dis = [f"(and (= IDX {k}) (gone@ {b}))" for k, b in enumerate(blk)]
-            for k, model in ask.index("y", dis, prelude=prelude, cap=1):
-                t, b = int(post_ids[k]), blk[k]
-                what = "a source block of the plan" if b in d.sources else "a block the schedule frees"
-                model.update(token=t, block=b)
-                out.append(Violation("I2", f"after the plan, live token {t} of request {d.req!r} maps to "
-                                           f"{_loc(S, int(d.post_slot[t]))}, in {what}", model, "dangling"))
+        out += _z3_dangling(d, ask, post_ids)
+    return out
+
+
+def _z3_dangling(d: _Snap, ask: _Ask, post_ids) -> list[Violation]:
+    """[dangling]: after the plan, no live token of R in a source block or a block the
+    schedule frees (unless an alloc of that block to R follows its last free)."""
+    out, S = [], d.S
+    last_free, reacquired = {}, set()
+    for i, ev in enumerate(d.schedule):
+        if ev["kind"] == "free":
+            for b in ev["blocks"]:
+                last_free[b] = i
+                reacquired.discard(b)
+        elif ev["kind"] == "alloc" and str(ev["request"]) == str(d.req):
+            reacquired.update(b for b in ev["blocks"] if b in last_free)
+    gone = sorted((set(d.sources) | set(last_free)) - reacquired)
+    if gone:
+        blk = (d.post_slot[post_ids] // S).tolist()
+        prelude = "(declare-fun gone@ (Int) Bool)" + "".join(
+            f"(assert {'' if b in gone else '(not '}(gone@ {b}){'' if b in gone else ')'})"
+            for b in sorted(set(blk) | set(gone)))
+        dis = [f"(and (= IDX {k}) (gone@ {b}))" for k, b in enumerate(blk)]
+        for k, model in ask.index("y", dis, prelude=prelude, cap=1):
+            t, b = int(post_ids[k]), blk[k]
+            what = "a source block of the plan" if b in d.sources else "a block the schedule frees"
+            model.update(token=t, block=b)
+            out.append(Violation("I2", f"after the plan, live token {t} of request {d.req!r} maps to "
+                                       f"{_loc(S, int(d.post_slot[t]))}, in {what}", model, "dangling"))
     return out
 
 

@@ -198,13 +198,20 @@ def _contract_rows(report: dict) -> Optional[list]:
     return None
 
 
+def _relied(b: dict) -> str:
+    """`` (relied on by MODULES)`` for a broken contract's line: the adapter code an upgrade
+    must re-read; empty for reports written before contracts named it."""
+    return f" (relied on by {b['relied_on_by']})" if b.get("relied_on_by") else ""
+
+
 def verdict(report: dict) -> dict:
     """See the module docstring."""
     checks = [c for c in report.get("checks", []) if not c.get("measurement")]
     rows = _contract_rows(report)
     pin_row = next((r for r in rows or [] if r["name"] == PIN), None)
     broken = [{"name": r["name"], "impact": CONTRACT_IMPACT.get(r["name"], r.get("assumption", "")),
-               "detail": r.get("detail", "")} for r in rows or [] if not r.get("passed") and r["name"] != PIN]
+               "detail": r.get("detail", ""), "relied_on_by": r.get("relied_on_by", "")}
+              for r in rows or [] if not r.get("passed") and r["name"] != PIN]
     failed, not_run = [], []
     for c in checks:
         if c["name"] == "vllm-contracts":
@@ -261,7 +268,7 @@ def verdict_md(report: dict, v: dict) -> list[str]:
         out += [f"Note: {v['pin']}.", ""]
     if v["broken_contracts"]:
         out += ["Broken contracts (what breaks for a user):", ""]
-        out += [f"- `{b['name']}`: {b['impact']}" for b in v["broken_contracts"]]
+        out += [f"- `{b['name']}`{_relied(b)}: {b['impact']}" for b in v["broken_contracts"]]
         out.append("")
     if v["failed_checks"]:
         out += ["Failed checks, each with the command that reproduces it:", ""]
@@ -289,7 +296,8 @@ def verdict_html(report: dict, v: dict) -> str:
         parts.append(f"<p class='note'>Note: {e(v['pin'])}.</p>")
     if v["broken_contracts"]:
         parts.append("<p>Broken contracts (what breaks for a user):</p><ul>" + "".join(
-            f"<li><code>{e(b['name'])}</code>: {e(b['impact'])}</li>" for b in v["broken_contracts"]) + "</ul>")
+            f"<li><code>{e(b['name'])}</code>{e(_relied(b))}: {e(b['impact'])}</li>" for b in v["broken_contracts"])
+            + "</ul>")
     if v["failed_checks"]:
         parts.append("<p>Failed checks, each with the command that reproduces it:</p><ul>" + "".join(
             f"<li><b>{e(f['name'])}</b>: {e(_clip(f['detail']))}"

@@ -78,6 +78,21 @@ def _retained_figure(title: str, on: list, off: list) -> bytes:
 
 
 # ---------------------------------------------------------------------------- audit_decode
+def _decode_row(policy: str, lag: int, layout: str, eq: bool, on: dict, off: dict, nb: int) -> dict:
+    """One row of :func:`audit_decode`'s ``runs``: a variant's reclamation-on run beside its off run."""
+    return {
+        "policy": policy, "copy_lag": lag, "kv_layout": layout, "outputs_equal": eq,
+        "retained_mean_on": round(on["retained_mean"], 2),
+        "retained_mean_off": round(off["retained_mean"], 2),
+        "retained_peak_on": on["retained_peak"], "retained_peak_off": off["retained_peak"],
+        "relocations": on["stats"]["applied"], "moves": on["stats"]["moves"],
+        "sources_freed": on["stats"]["sources_freed"], "hashes_kept": on["stats"]["hashes_kept"],
+        "hashes_evicted": on["stats"]["hashes_evicted"], "hash_checks": on["hash_checks"],
+        "steps": on["steps"], "wall_s_on": round(on["wall_s"], 2), "wall_s_off": round(off["wall_s"], 2),
+        "num_blocks": nb,
+    }
+
+
 def audit_decode(quick: bool = True, seed: int = 0, snapshot_dir=None) -> dict:
     """Decode through the adapter with hash-and-compare, against reclamation off; see the
     module docstring. Never raises."""
@@ -124,17 +139,7 @@ def audit_decode(quick: bool = True, seed: int = 0, snapshot_dir=None) -> dict:
                 res["hash_checks"] += on["hash_checks"]
                 res["hash_failures"] += on["hash_failures"]
                 res["outputs_equal"] = eq if len(res["runs"]) == 0 else (res["outputs_equal"] and eq)
-                res["runs"].append({
-                    "policy": policy, "copy_lag": lag, "kv_layout": layout, "outputs_equal": eq,
-                    "retained_mean_on": round(on["retained_mean"], 2),
-                    "retained_mean_off": round(off["retained_mean"], 2),
-                    "retained_peak_on": on["retained_peak"], "retained_peak_off": off["retained_peak"],
-                    "relocations": on["stats"]["applied"], "moves": on["stats"]["moves"],
-                    "sources_freed": on["stats"]["sources_freed"], "hashes_kept": on["stats"]["hashes_kept"],
-                    "hashes_evicted": on["stats"]["hashes_evicted"], "hash_checks": on["hash_checks"],
-                    "steps": on["steps"], "wall_s_on": round(on["wall_s"], 2), "wall_s_off": round(off["wall_s"], 2),
-                    "num_blocks": nb,
-                })
+                res["runs"].append(_decode_row(policy, lag, layout, eq, on, off, nb))
                 figures.append((f"retained blocks, {policy} eviction 50%, copy lag {lag}, {layout} KV layout",
                                 _retained_figure(f"{policy}, evict 50%, {nreq} requests, {new} new tokens"
                                                  f"{', copies late by ' + str(lag) + ' polls' if lag else ''}",
@@ -159,6 +164,25 @@ def audit_decode(quick: bool = True, seed: int = 0, snapshot_dir=None) -> dict:
 
 
 # ---------------------------------------------------------------------------- sharing_table
+def _sharing_figures(rows: list) -> list:
+    """:func:`sharing_table`'s bar chart of retained blocks by degree (``[]`` when it cannot be
+    drawn: figures are optional)."""
+    try:
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        xs = list(range(len(rows)))
+        ax.bar([x - 0.2 for x in xs], [r["retained_off"] for r in rows], 0.4, label="reclamation off")
+        ax.bar([x + 0.2 for x in xs], [r["retained_on"] for r in rows], 0.4, label="vToken adapter",
+               color="tab:red")
+        ax.set_xticks(xs, [f"degree {r['degree']}" for r in rows])
+        ax.set_ylabel("retained blocks")
+        ax.set_title("shared prefix (8 blocks) + private suffixes, prefix caching on")
+        ax.legend()
+        return [("retained blocks by sharing degree", _png(fig))]
+    except Exception:  # noqa: BLE001 - figures are optional
+        return []
+
+
 def sharing_table(quick: bool = True, seed: int = 0) -> dict:
     """Paper 4.6 at sharing degrees 1, 2, 4, 8 (see the module docstring). Never raises."""
     t0 = time.perf_counter()
@@ -218,20 +242,7 @@ def sharing_table(quick: bool = True, seed: int = 0) -> dict:
         f"shared, suffix {suffix_blocks} blocks private, random eviction 50%: {table}; shared blocks moved: " \
         f"{sum(r['shared_blocks_moved'] for r in res['rows'])}; hash checks " \
         f"{sum(r['hash_checks'] for r in res['rows'])}, failures {sum(r['hash_failures'] for r in res['rows'])}"
-    try:
-        plt = _plt()
-        fig, ax = plt.subplots(figsize=(6.4, 3.2))
-        xs = list(range(len(res["rows"])))
-        ax.bar([x - 0.2 for x in xs], [r["retained_off"] for r in res["rows"]], 0.4, label="reclamation off")
-        ax.bar([x + 0.2 for x in xs], [r["retained_on"] for r in res["rows"]], 0.4, label="vToken adapter",
-               color="tab:red")
-        ax.set_xticks(xs, [f"degree {r['degree']}" for r in res["rows"]])
-        ax.set_ylabel("retained blocks")
-        ax.set_title("shared prefix (8 blocks) + private suffixes, prefix caching on")
-        ax.legend()
-        res["figures"] = [("retained blocks by sharing degree", _png(fig))]
-    except Exception:  # noqa: BLE001 - figures are optional
-        res["figures"] = []
+    res["figures"] = _sharing_figures(res["rows"])
     res["seconds"] = round(time.perf_counter() - t0, 2)
     return res
 

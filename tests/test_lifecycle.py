@@ -451,3 +451,16 @@ def test_a_launch_does_work_of_its_plan_not_of_the_headroom(dests):
         walked[size] = _CountingList.walked
         assert lc.headroom[:1] == [6000] and plan.state == COPYING
     assert walked[10] == walked[10_000], walked
+
+
+def test_held_owns_its_dict_and_the_lifecycle_its_counts():
+    """``Held`` is a read-only mapping over a dict it owns (no ``held[r] = ...`` or ``pop``
+    behind the inverse index's back); a lifecycle built without ``stats`` counts in its own."""
+    h = Held()
+    h.add("a", [1])
+    assert not isinstance(h, dict) and dict(h) == {"a": {1: None}} and h.get("b") is None
+    with pytest.raises(TypeError):
+        h["b"] = {2: None}
+    assert not hasattr(h, "pop") and not hasattr(h, "setdefault")
+    a, b = Lifecycle(AllocatorPort(BlockAllocator(4)), 4), Lifecycle(AllocatorPort(BlockAllocator(4)), 4)
+    assert a.stats == {"plans": 0, "applied": 0, "aborted": 0, "orphaned": 0} and a.stats is not b.stats

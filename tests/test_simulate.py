@@ -239,3 +239,38 @@ def test_schedule_cache_returns_what_make_schedule_makes(tmp_path, monkeypatch):
     monkeypatch.setenv("VTOKEN_SIM_CACHE", "off")
     cached_schedule(*args, window=8, recent=64)
     assert len(list((tmp_path / "schedules").glob("*.npz"))) == 2
+
+
+def test_simulator_feeds_attention_to_any_policy_that_says_it_uses_it(monkeypatch):
+    """The simulator asks the policy class (``uses_attention``), not its name: a new
+    attention-based policy registered under a new name is observed, a non-attention one is not."""
+    import vtoken.policies as policies_pkg
+    from vtoken.policies import Policy
+    from vtoken.sim.schedule import make_schedule
+
+    seen: dict[str, int] = {}
+
+    class _Counting(Policy):
+        def observe(self, req_id, token_ids, attn):
+            assert len(token_ids) == len(attn)
+            seen[self.name] = seen.get(self.name, 0) + 1
+
+        def keep_scores(self, req_id, live_ids, budget):
+            return np.asarray(live_ids, dtype=np.float64)  # keep the newest
+
+    class NewAttn(_Counting):
+        name = "new_attn"
+        uses_attention = True
+
+    class NewBlind(_Counting):
+        name = "new_blind"
+
+    monkeypatch.setitem(policies_pkg.POLICIES, "new_attn", NewAttn)
+    monkeypatch.setitem(policies_pkg.POLICIES, "new_blind", NewBlind)
+    for name in ("new_attn", "new_blind"):
+        s = make_schedule(32, 40, name, lambda n: 24, seed=1, req_key=0)
+        assert s.victims.size > 0
+    assert seen.get("new_attn", 0) >= 2  # prefill and at least one window
+    assert "new_blind" not in seen
+    assert policies_pkg.H2O.uses_attention and policies_pkg.Scissorhands.uses_attention
+    assert not policies_pkg.StreamingLLM.uses_attention and not policies_pkg.RandomPolicy.uses_attention

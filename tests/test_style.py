@@ -1,5 +1,5 @@
 """Shape rules of the shipped code, enforced: no function of the system or the toolkit is
-longer than 80 lines (a reader holds one on a screen; a longer one hides a second job).
+longer than 70 lines (a reader holds one on a screen; a longer one hides a second job).
 
 Lines are counted by the AST (``end_lineno - lineno + 1``: signature, docstring and body,
 decorators excluded), over every git-tracked module of ``vtoken/``, ``spec/``,
@@ -15,7 +15,10 @@ import pytest
 
 from test_layers import ROOT, _tracked_modules
 
-MAX_LINES = 80
+MAX_LINES = 70
+# Functions over the limit in files another branch is rewriting (issue 39, items 1, 2 and 4):
+# named here so the rule holds everywhere else; each entry goes when that branch splits it.
+PENDING: set = set()  # "file:function" over the limit, while a change in flight splits it
 
 
 def long_functions(path: Path, limit: int = MAX_LINES) -> list[str]:
@@ -25,14 +28,15 @@ def long_functions(path: Path, limit: int = MAX_LINES) -> list[str]:
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
 
 
-def test_no_function_longer_than_80_lines():
+def test_no_function_longer_than_70_lines():
     files = _tracked_modules()
     assert len(files) > 60  # the walk found the modules
     found = [f"{p.relative_to(ROOT).parent}/{f}" for p in files for f in long_functions(p)]
-    assert not found, f"functions over {MAX_LINES} lines:\n" + "\n".join(found)
+    pending = {f for f in found if f"{f.split(':')[0]}:{f.split()[1]}" in PENDING}
+    assert not set(found) - pending, f"functions over {MAX_LINES} lines:\n" + "\n".join(sorted(set(found) - pending))
 
 
-@pytest.mark.parametrize("body_lines, expect", [(77, False), (78, False), (79, True), (200, True)])
+@pytest.mark.parametrize("body_lines, expect", [(67, False), (68, False), (69, True), (200, True)])
 def test_the_length_rule_finds_a_planted_long_function(tmp_path, body_lines, expect):
     """The rule itself, fed functions at and over the limit (def + docstring + body lines)."""
     f = tmp_path / "probe.py"

@@ -539,7 +539,6 @@ class DecodeEngine:
         active = [self._reqs[rid] for rid in self.active]
         if not active:
             return
-        S = self.S
         if self.mode != "native" and self.evict_ratio > 0:
             for r in active:
                 self._evict(r)
@@ -550,10 +549,41 @@ class DecodeEngine:
             for p in self._watched():
                 if waited and p.id in waited:
                     self.manager.record(p, "fence", plan=p.id)
-        # Read slots of every request first (Eq. 2, taken before the new tokens are synced;
-        # one flush of the step's queued table updates), then sync every new token.
-        reads, live_ids, ns = [], [], []
         observe = self.policy is not None and self.evict_ratio > 0
+        items, live_ids = self._step_items(active, observe)
+        if self.cuda_graph:
+            toks, stats = self._graph_decode(active, items, observe)
+        else:
+            if self.sentinel_check and self.copy_engine is not None:
+                for r, it in zip(active, items):
+                    self._sentinel(r, it.read_slots)
+            logits, stats = self.model.decode_step(self.kv, items)
+            toks = greedy(logits).tolist()
+        finished = []
+        for i, r in enumerate(active):
+            if observe:
+                ids = np.append(live_ids[i], items[i].position)
+                self.policy.observe(r.id, ids, stats[i].numpy())
+            r.out.append(int(toks[i]))
+            if len(r.out) >= r.max_new:
+                finished.append(r.id)
+        if self.manager is not None:
+            before = dict(self.manager.in_flight)
+            self.manager.step(force_sync=self.force_sync)
+            self._recent = [p for pid, p in before.items() if pid not in self.manager.in_flight]
+        self._measure()
+        for rid in finished:
+            self.finish(rid)
+        self.step_times.append(time.perf_counter() - t0)
+        self.step_cpu.append(time.process_time() - c0)
+
+    def _step_items(self, active: list, observe: bool) -> tuple[list, list]:
+        """The step's ``DecodeItem`` per request and, where the policy observes or snapshots
+        are recorded, each request's live token ids. Read slots of every request first (Eq. 2,
+        taken before the new tokens are synced; one flush of the step's queued table updates),
+        then sync every new token."""
+        S = self.S
+        reads, live_ids, ns = [], [], []
         for r in active:
             if self.mode == "native":
                 ns.append(r.n)
@@ -580,31 +610,7 @@ class DecodeEngine:
             items.append(DecodeItem(r.out[-1], n, slot, read))
         if self.table is not None:
             self.table.flush()
-        if self.cuda_graph:
-            toks, stats = self._graph_decode(active, items, observe)
-        else:
-            if self.sentinel_check and self.copy_engine is not None:
-                for r, it in zip(active, items):
-                    self._sentinel(r, it.read_slots)
-            logits, stats = self.model.decode_step(self.kv, items)
-            toks = greedy(logits).tolist()
-        finished = []
-        for i, r in enumerate(active):
-            if observe:
-                ids = np.append(live_ids[i], items[i].position)
-                self.policy.observe(r.id, ids, stats[i].numpy())
-            r.out.append(int(toks[i]))
-            if len(r.out) >= r.max_new:
-                finished.append(r.id)
-        if self.manager is not None:
-            before = dict(self.manager.in_flight)
-            self.manager.step(force_sync=self.force_sync)
-            self._recent = [p for pid, p in before.items() if pid not in self.manager.in_flight]
-        self._measure()
-        for rid in finished:
-            self.finish(rid)
-        self.step_times.append(time.perf_counter() - t0)
-        self.step_cpu.append(time.process_time() - c0)
+        return items, live_ids
 
     def _sentinel(self, r: _Req, read_slots: torch.Tensor) -> None:
         if self.copy_engine.contains_sentinel(read_slots):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -226,16 +227,31 @@ class AllocatorPort:
         return self.alloc.num_free
 
 
-class Held(dict):
+class Held(Mapping):
     """``{request: {block id: None}}`` (insertion order) and the inverse, block -> its holders,
     kept in step by :meth:`add`, :meth:`take` and :meth:`drop_request` only. One entry is one
     reference. ``exclusive``: a block is held by one request at most (the adapter: a held block
-    is a destination or fill, never shared)."""
+    is a destination or fill, never shared).
+
+    It owns its dict (read-only to others through the ``Mapping`` interface) rather than being
+    one: a caller's ``held[r] = ...`` or ``held.pop(r)`` would bypass the inverse index."""
 
     def __init__(self, exclusive: bool = False):
-        super().__init__()
         self.exclusive = bool(exclusive)
+        self._by_req: dict = {}  # request -> {block id: None}
         self._owners: dict[int, list] = {}  # block id -> the requests holding it
+
+    def __getitem__(self, r) -> dict:
+        return self._by_req[r]
+
+    def __iter__(self):
+        return iter(self._by_req)
+
+    def __len__(self) -> int:
+        return len(self._by_req)
+
+    def __repr__(self) -> str:
+        return f"Held({self._by_req!r})"
 
     def owner(self, block_id: int):
         """The first request holding ``block_id`` (None: nobody)."""
@@ -252,7 +268,7 @@ class Held(dict):
             raise PlanError("ownership", f"request {r!r}: blocks {twice} would be held twice")
         if not ids:
             return
-        self.setdefault(r, {}).update(dict.fromkeys(ids))
+        self._by_req.setdefault(r, {}).update(dict.fromkeys(ids))
         for b in ids:
             self._owners.setdefault(b, []).append(r)
 
@@ -270,7 +286,7 @@ class Held(dict):
             if not o:
                 del self._owners[b]
         if not h:
-            self.pop(r, None)
+            self._by_req.pop(r, None)
 
     def drop_request(self, r) -> list[int]:
         """Everything ``r`` holds, forgotten here (the caller releases it)."""
@@ -294,8 +310,9 @@ class Lifecycle:
         port: the pool, ``free(ids, fence)``, ``reserve(n) -> ids``, ``unreserve(ids)``,
             ``adopt(ids)``, ``num_free()`` (:class:`AllocatorPort`, or the adapter's over vLLM).
         num_blocks: the pool's size (the busy mask).
-        stats: the counters the outcome counts are kept in (the caller's: ``plans``,
-            ``applied``, ``aborted``, ``orphaned``).
+        stats: where this room counts its events, each once (``plans`` at launch; at its end
+            ``applied``, ``aborted`` or ``orphaned``). Default: a dict of its own, which the
+            vLLM adapter reads; the decode engine's manager still passes its own ``stats``.
         clock: the logical clock of snapshot events (default a counter from 0).
         exclusive_held: a block is held for one request at most (the adapter).
     """
@@ -347,6 +364,7 @@ class Lifecycle:
         """``req_id`` finished or was preempted: its plans in flight become orphans (their blocks
         are released when they end, at ``fence`` at the earliest) and every block held for it is
         released now, at ``fence``. Returns the blocks released. O(held + plans of the request)."""
+        n_flying = len(self.in_flight)
         for pid in self.busy.pop(req_id, ()):  # its plans not yet orphaned (O(its plans), not O(in flight))
             p = self.in_flight[pid]
             assert p.req_id == req_id and not p.orphaned, f"plan {pid} busy for {req_id!r} but {p.req_id!r}'s"
@@ -354,6 +372,8 @@ class Lifecycle:
             p.gone_fence = int(fence)
         ids = self.held.drop_request(req_id)
         self._free(ids, fence)
+        # paired: the request holds nothing here and is busy with nothing; its plans still fly
+        assert req_id not in self.busy and req_id not in self.held and len(self.in_flight) == n_flying
         return ids
 
     def release(self, block_ids, fence: int = 0) -> None:
@@ -429,6 +449,7 @@ class Lifecycle:
         if busy:
             raise PlanError("overlap", f"plan {plan.id}: blocks {busy} belong to a plan in flight")
         k = len(plan.dests)
+        n_head, n_flying = len(self.headroom), len(self.in_flight)
         front = self.headroom[:k] == plan.dests  # the usual case, planned from the front just now: O(dests)
         if not front and not set(plan.dests) <= set(self.headroom):
             raise PlanError("stale_plan", f"plan {plan.id}: destinations {plan.dests} are no longer in the headroom")
@@ -453,6 +474,10 @@ class Lifecycle:
         self.in_flight[plan.id] = plan
         self.busy.setdefault(r, set()).add(plan.id)
         self.stats["plans"] += 1
+        # paired with the checks on entry: exactly this plan joined, its blocks busy, its
+        # destinations out of the headroom (O(the plan's blocks))
+        assert plan.state == COPYING and self.in_flight[plan.id] is plan and len(self.in_flight) == n_flying + 1
+        assert len(self.headroom) == n_head - k and self.busy_mask[blocks].all()
 
     # ------------------------------------------------------------------ copying -> its end
     def end(self, plan: Plan, outcome: Outcome) -> str:
@@ -465,6 +490,8 @@ class Lifecycle:
         destinations back to the headroom; sources and fills held for the request again if it
         is here and its table still reads them, else released. O(blocks of the plan)."""
         assert self.in_flight.get(plan.id) is plan, f"plan {plan.id} ended but not in flight"
+        assert plan.state in (COPYING, COMPLETED) and self.busy_mask[plan.blocks].all(), f"plan {plan.id} is {plan.state}"
+        n_flying, was = len(self.in_flight), plan.blocks
         used = [d for d in plan.dests if d in set(outcome.used_dests)] if outcome.status == "applied" else []
         if outcome.status == "applied" and len(used) != len(set(outcome.used_dests)):
             raise PlanError("ownership", f"plan {plan.id}: used destinations {outcome.used_dests} are not among its "
@@ -499,6 +526,9 @@ class Lifecycle:
                 self._free(back, gone)
             plan.state = ABORTED
         self.stats[counted] += 1
+        # paired with the entry: this plan left, ended once, none of its blocks still busy
+        assert plan.id not in self.in_flight and len(self.in_flight) == n_flying - 1
+        assert plan.state in (APPLIED, ABORTED) and not self.busy_mask[was].any()
         return counted
 
 

@@ -244,6 +244,41 @@ def test_a_copy_pending_across_preemption_and_resume(model, lag, async_, in_plac
     assert ad.stats["applied"] > 0 and w.hash_failures == 0
 
 
+
+def test_an_orphaned_plan_is_counted_once_by_the_room_that_orphans_it(model):
+    """Each room owns its counters (no key counted by two rooms); ``orphaned_plans`` is the
+    lifecycle's one count of orphans (flying or ended), the same value the adapter used to
+    count a second time at the request's preemption."""
+    ad, w, d = make(model, S=4, N=40, H=0, in_place=True, ratio=0.5, batched=64, lag=8, async_=False)
+    rooms = [ad.lifecycle.stats, ad.port.stats, ad.reserve.stats, ad.hashes.stats, ad.book.stats, ad._counts]
+    keys = [k for r in rooms for k in r]
+    assert len(keys) == len(set(keys)) and len({id(r) for r in rooms}) == len(rooms)
+    for i in range(3):
+        ad.add_request(f"q{i}", prompt(i, 16 + 3 * i), max_tokens=60)
+    sched = ad.scheduler
+
+    def last_running_plan():
+        last = sched.running[-1].request_id if sched.running else None
+        return next((p for p in ad.plans.values() if p.req_id == last and not p.orphaned), None)
+
+    steps_until(d, lambda: last_running_plan() is not None)
+    plan = last_running_plan()
+    grabbed = []
+    for _ in range(12):
+        grabbed += ad.pool.get_new_blocks(ad.pool.get_num_free_blocks())
+        if plan.req_id in (_step(ad, d).preempted_req_ids or ()):
+            break
+    assert plan.orphaned and plan.id in ad.plans, "not preempted while its copy flew: not the case under test"
+    flying = sum(1 for p in ad.plans.values() if p.orphaned)
+    assert ad.stats["orphaned_plans"] == ad.stats["orphaned"] + flying >= 1
+    ad.pool.free_blocks(grabbed)
+    d.drain()
+    ad.close()
+    st = ad.stats
+    assert st["orphaned_plans"] == st["orphaned"] >= 1
+    assert st["plans"] == st["applied"] + st["aborted"] + st["orphaned"]  # every plan ended once
+    assert list(st)[:len(ad.STATS_ORDER)] == list(ad.STATS_ORDER)
+
 # ---------------------------------------------------------------------------- failed copies
 @pytest.mark.parametrize("in_place,async_", [(True, False), (True, True), (False, True)])
 def test_failed_copies_abort_with_the_table_kept(model, in_place, async_):

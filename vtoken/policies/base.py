@@ -43,6 +43,10 @@ class Policy(abc.ABC):
     """Base class; see the module docstring for the contract. A policy implements ``keep_scores``."""
 
     name = "base"
+    #: Whether ``observe`` reads attention. A driver that has to synthesize attention (the
+    #: simulator) feeds it only to policies that say True, so a new attention-based policy
+    #: declares it here rather than being listed by name somewhere else.
+    uses_attention: bool = False
 
     def observe(self, req_id: Hashable, token_ids: np.ndarray, attn: np.ndarray) -> None:
         """Record one step's attention; ``token_ids`` and ``attn`` have equal length."""

@@ -18,6 +18,7 @@ from vtoken.policies.base import Policy, protect_recent
 
 class H2O(Policy):
     name = "h2o"
+    uses_attention = True
 
     def __init__(self, recent: int | None = None, recent_ratio: float = 0.5) -> None:
         self.recent, self.recent_ratio = recent, recent_ratio

@@ -21,6 +21,7 @@ from vtoken.policies.base import Policy, protect_recent
 
 class Scissorhands(Policy):
     name = "scissorhands"
+    uses_attention = True
 
     def __init__(self, history: int = 32, recent: int = 16) -> None:
         self.history, self.recent = history, recent

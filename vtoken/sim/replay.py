@@ -284,25 +284,7 @@ class Replay:
             self._finish(r)
             self.active.remove(r)
         if self.mgr is not None:
-            c0 = clock() if pt else 0.0
-            flying = self.mgr.in_flight
-            for p in self.mgr.step(force_sync=self.force_sync):
-                if p.id in flying:  # counted while it flies (a plan applied within the step is not)
-                    self._count_plan(p)
-            fl_src = fl_dst = 0
-            for p in flying.values():
-                fl_src += len(p.sources)
-                fl_dst += len(p.dests)
-            if fl_src + fl_dst > self.traffic["peak_inflight_blocks"]:
-                self.traffic["peak_inflight_blocks"] = fl_src + fl_dst
-                self.traffic["peak_inflight_dests"] = fl_dst
-            if pt:
-                self.phase["plan"] += clock() - c0
-            if self.defer and (flying or any(r.deferred for r in self.active)):
-                for r in self.active:
-                    if r.deferred:
-                        self._evict(r, np.empty(0, dtype=np.int64))
-            self._observe_peak()
+            self._step_manager(clock, pt)
         if pt:
             self.phase["sync"] += t_sync
             self.phase["evict"] += t_ev
@@ -316,6 +298,29 @@ class Replay:
         if self.sample_every and self.step_no % self.sample_every == 0 and self.active:
             self._sample()
         self.step_no += 1
+
+    def _step_manager(self, clock, pt: bool) -> None:
+        """The reclamation manager's part of a step: its plans ended and launched, the
+        in-flight traffic peak, the deferred evictions retried, the peak observed again."""
+        c0 = clock() if pt else 0.0
+        flying = self.mgr.in_flight  # the live dict: after the step, the plans still flying
+        for p in self.mgr.step(force_sync=self.force_sync):
+            if p.id in flying:  # counted while it flies (a plan applied within the step is not)
+                self._count_plan(p)
+        fl_src = fl_dst = 0
+        for p in flying.values():
+            fl_src += len(p.sources)
+            fl_dst += len(p.dests)
+        if fl_src + fl_dst > self.traffic["peak_inflight_blocks"]:
+            self.traffic["peak_inflight_blocks"] = fl_src + fl_dst
+            self.traffic["peak_inflight_dests"] = fl_dst
+        if pt:
+            self.phase["plan"] += clock() - c0
+        if self.defer and (flying or any(r.deferred for r in self.active)):
+            for r in self.active:
+                if r.deferred:
+                    self._evict(r, np.empty(0, dtype=np.int64))
+        self._observe_peak()
 
     # -------------------------------------------------------------- metrics
     def _held(self, rid) -> int:

@@ -217,7 +217,7 @@ def make_schedule(prompt: int, output: int, policy: str, budget: Callable[[int],
     total = prompt + output
     w = model.importance(total, rng)
     pol = make_policy(policy, **policy_kwargs(policy, seed, req_key, recent))
-    uses_attn = policy in ("h2o", "scissorhands")
+    uses_attn = type(pol).uses_attention  # the class says so; never decided by its name here
     live = np.zeros(total, dtype=bool)
     counts = np.zeros(output + 1, dtype=np.int64)
     chunks: list[np.ndarray] = []

@@ -188,11 +188,7 @@ class VTokenAdapter:
         self.checks = config.checks
         self.table = TokenTable(self.S, self.N, device=config.table_device)
         self.worker = None
-        self.stats = dict(plans=0, applied=0, aborted=0, moves=0, sources_freed=0, dests_used=0,
-                          dests_returned=0, fills=0, released_empty=0, hashes_kept=0, hashes_evicted=0,
-                          shared_blocks_moved=0, backpressure_steps=0, held_back_max=0, headroom_idle_returns=0,
-                          orphaned_plans=0, deferred_free_calls=0, preemptions=0, headroom_yielded=0,
-                          unfaithful_hashes_evicted=0, source_hashes_dropped=0)
+        self._counts = dict(released_empty=0, preemptions=0)  # the adapter's own events; each room counts its own
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
         self._rooms(config)
         # per-step work follows what changed: the requests whose table or list changed since
@@ -236,20 +232,26 @@ class VTokenAdapter:
         # destinations and fills), plans in flight; its frees go to vLLM at their fence
         # the fence's clock: vLLM's when its deferred frees run (a KV-consumer connector), else the adapter's
         self.clock = StepClock(self.harness)
-        self.port = VllmPort(self.harness, self.clock, self.stats)
-        self.lifecycle = Lifecycle(self.port, self.N, self.stats, exclusive_held=True)
+        self.port = VllmPort(self.harness, self.clock, dict(deferred_free_calls=0))
+        self.lifecycle = Lifecycle(self.port, self.N, exclusive_held=True)  # its own counts: plans, outcomes
         self.reserve = Headroom(self.harness, self.lifecycle, self.cfg.headroom if self.reclaim else 0,
-                                c.headroom_pool_fraction, self.S, self.stats, groups=self.groups,
+                                c.headroom_pool_fraction, self.S,
+                                dict(backpressure_steps=0, held_back_max=0, headroom_idle_returns=0,
+                                     headroom_yielded=0), groups=self.groups,
                                 frees_waiting=self.frees_waiting)
         self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, self.pool.blocks,
                                   on_start=self._on_list_start, group=self.group,
                                   groups=self.groups)
         self.fence = FenceLedger(self.clock)
-        self.hashes = PrefixHashRules(self.pool, self.manager, self.S, self.stats, enabled=c.evict_unfaithful_hashes)
+        self.hashes = PrefixHashRules(self.pool, self.manager, self.S,
+                                      dict(hashes_kept=0, hashes_evicted=0, unfaithful_hashes_evicted=0,
+                                           source_hashes_dropped=0), enabled=c.evict_unfaithful_hashes)
         self.checker = RuntimeChecks(harness=self.harness, table=self.table, lifecycle=self.lifecycle,
                                      mirror=self.mirror, fence=self.fence, pending_release=self.pending_release,
                                      full_every=c.check_full_every, paranoid=c.paranoid_checks)
-        self.book = PlanBook(self.lifecycle, harness=self.harness, table=self.table, cfg=self.cfg, stats=self.stats,
+        self.book = PlanBook(self.lifecycle, harness=self.harness, table=self.table, cfg=self.cfg,
+                             stats=dict(moves=0, sources_freed=0, dests_used=0, dests_returned=0, fills=0,
+                                        shared_blocks_moved=0),
                              reserve=self.reserve, mirror=self.mirror, fence=self.fence, hashes=self.hashes,
                              checker=self.checker, requests=self, max_plans_per_step=self.max_plans_per_step,
                              checks=self.checks, keep_prefix_bytes=c.keep_prefix_bytes)
@@ -290,6 +292,30 @@ class VTokenAdapter:
         """Replace the reservation (tests: blocks taken from vLLM's pool behind the hooks)."""
         self.lifecycle.headroom = [b.block_id for b in blocks]
         self.lifecycle.fresh = set(self.lifecycle.headroom)
+
+    # the public counters, in the order they were always listed (readers print them)
+    STATS_ORDER = ("plans", "applied", "aborted", "moves", "sources_freed", "dests_used", "dests_returned", "fills",
+                   "released_empty", "hashes_kept", "hashes_evicted", "shared_blocks_moved", "backpressure_steps",
+                   "held_back_max", "headroom_idle_returns", "orphaned_plans", "deferred_free_calls", "preemptions",
+                   "headroom_yielded", "unfaithful_hashes_evicted", "source_hashes_dropped")
+
+    @property
+    def stats(self) -> dict:
+        """Every room's counters in one new dict (read-only view: each room owns and counts its
+        own events once; the lifecycle ``plans``/``applied``/``aborted``/``orphaned``, the port
+        ``deferred_free_calls``, the headroom its yields and back-pressure, the prefix-hash
+        rules their hashes, the plan book its moves and blocks, the adapter ``preemptions`` and
+        ``released_empty``). ``orphaned_plans`` is the plans orphaned by their request's finish
+        or preemption: read from the lifecycle (those ended as orphans plus those still flying),
+        no longer counted a second time by the adapter. O(plans in flight)."""
+        lc = self.lifecycle
+        rooms = dict(lc.stats)
+        for d in (self.port.stats, self.reserve.stats, self.hashes.stats, self.book.stats, self._counts):
+            rooms.update(d)
+        rooms["orphaned_plans"] = lc.stats["orphaned"] + sum(1 for p in lc.in_flight.values() if p.orphaned)
+        out = {k: rooms.pop(k) for k in self.STATS_ORDER}
+        out.update(rooms)  # the lazily counted ones (source_hashes_parked, ...) and ``orphaned``
+        return out
 
     @property
     def held(self):
@@ -456,7 +482,7 @@ class VTokenAdapter:
         next ``schedule()``. Blocks of plans in flight stay held until their copies report
         (a reset with a plan in flight fails, as it does with a request running)."""
         if self.reserve.give_back():
-            self.stats["headroom_yielded"] += 1
+            self.reserve.stats["headroom_yielded"] += 1  # the headroom room counts its yields
         self.hashes.unpark_all()  # a reset clears every hash: a parked one must not come back after it
 
     def _before_schedule(self) -> None:
@@ -489,7 +515,7 @@ class VTokenAdapter:
                     self.release_todo.add(r)
 
     def _after_schedule(self, sched_out) -> None:
-        self.stats["preemptions"] += len(sched_out.preempted_req_ids or ())
+        self._counts["preemptions"] += len(sched_out.preempted_req_ids or ())
         sched = self.scheduler
         self.clock.scheduled(sched_out)
         self.mirror.observe(sched_out, self.clock.seq)  # the clock already counted this step
@@ -550,7 +576,7 @@ class VTokenAdapter:
                 self.lifecycle.release([b], meta.seq)
             if out:
                 meta.releases[r] = out
-                self.stats["released_empty"] += len(out)
+                self._counts["released_empty"] += len(out)
                 self.checker.touch([r])
 
     def _on_request_free(self, request) -> None:
@@ -564,7 +590,6 @@ class VTokenAdapter:
         self.tail_wait.pop(r, None)
         self.checker.touch([r])
         # its held blocks go back at the fence of its list, its plans in flight become orphans
-        self.stats["orphaned_plans"] += len(self.lifecycle.busy.get(r, ()))  # its plans not yet orphaned
         self.lifecycle.finish(r, fence)
         self.book.forget(r)
         self.mirror.forget(r)

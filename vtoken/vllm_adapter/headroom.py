@@ -19,7 +19,8 @@ class Headroom:
     """The reservation policy of one adapter: ``harness`` (whose ``scheduler`` and ``pool`` are
     the adapter's), ``lifecycle`` (the reserved blocks), ``size`` (``PlannerConfig.headroom``; 0:
     nothing taken or withheld), at most 1/``pool_fraction`` of the live pool; ``block_size`` (a
-    waiting prompt's blocks are kept for it); ``stats``, the adapter's counters; ``groups``: vLLM's
+    waiting prompt's blocks are kept for it); ``stats``, this room's own counters
+    (``VTokenAdapter.stats`` reads them); ``groups``: vLLM's
     KV cache groups (each grows its own list from the one pool: a step may take a block per group);
     ``frees_waiting``: a callable, do fenced frees wait for a step."""
 

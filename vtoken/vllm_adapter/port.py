@@ -18,7 +18,7 @@ from collections import Counter, deque
 class VllmPort:
     """The pool a :class:`~vtoken.lifecycle.Lifecycle` frees to and reserves from, over
     ``harness`` (whose ``scheduler`` and ``pool`` are the adapter's) and the fence's ``clock``;
-    ``stats``: the adapter's counters (``deferred_free_calls``). Called by the lifecycle only,
+    ``stats``: this room's own counters (``deferred_free_calls``; ``VTokenAdapter.stats`` reads them). Called by the lifecycle only,
     and :meth:`drain` by the adapter's hook after a step is processed."""
 
     def __init__(self, harness, clock, stats: dict):

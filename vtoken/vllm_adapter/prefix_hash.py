@@ -33,7 +33,7 @@ from typing import Optional
 class PrefixHashRules:
     def __init__(self, pool, manager, block_size: int, stats: dict, enabled: bool = True):
         self.pool, self.manager, self.S = pool, manager, int(block_size)
-        self.stats = stats  # the adapter's counters (hashes_kept, hashes_evicted, ...)
+        self.stats = stats  # this room's own counters (hashes_kept, hashes_evicted, ...), read by VTokenAdapter.stats
         self.enabled = enabled  # evict_unfaithful_hashes
         self.faithful: dict[str, int] = {}  # req -> tokens computed with full context (worker report)
         self.scanned: dict[str, int] = {}  # req -> positional index scanned for unfaithful hashes
