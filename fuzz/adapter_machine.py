@@ -367,7 +367,9 @@ class _Run:
           adapter's clock: the adapter's port frees its own blocks at their fence), and when it
           is neither vLLM freeing a request that left nor a block of vLLM's own sliding-window
           group (a block freed behind the fence, the machine's grabs, headroom given back):
-          no step may read it any more;
+          no step may read it any more, unless an earlier due is pending (a block a request
+          that left gave back, handed out and returned before its due step: the steps before
+          that one may still read it);
         - before the first step scheduled after the free executes, for vLLM's own frees of the
           lists of requests that left (finished or preempted; on the adapter's clock vLLM frees
           them at once and the step in flight still computes them, their output discarded, as
@@ -394,8 +396,11 @@ class _Run:
                 nxt = self._next_step()
                 self._poison_later(bid, nxt, f"freed by vLLM from {sorted(r for _, r in holders)}'s "
                                              f"lists (steps before {nxt} may read it)")
+            elif bid in self.poison_due:
+                # still readable by the steps scheduled before its earlier due step (a block a request
+                # that left gave back, grabbed and released again): poisoned when that step executes
+                continue
             else:
-                self.poison_due.pop(bid, None)
                 self._poison_now(bid, f"returned to the pool at processed step {ad.clock.processed} "
                                       f"(step {ad.clock.seq} scheduled)")
 

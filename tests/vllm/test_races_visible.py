@@ -94,6 +94,35 @@ def test_the_shipped_adapter_never_reads_a_poisoned_block(kw):
     assert run.ad.stats["applied"] + run.ad.stats["orphaned"] > 0
 
 
+def test_a_block_given_back_by_a_request_that_left_stays_readable_by_the_step_in_flight():
+    """The audit's seeded campaign found this false alarm: with async scheduling, a request
+    aborted while a step that computes it flies gives its blocks back (poison due before the
+    next step); the pool hands one out and takes it back (the machine's grab and release)
+    before the step in flight executes. That step may still read the block (a later step's
+    writes come after it): the release must keep the earlier due, not poison at once."""
+    from vtoken.fuzz import adapter_machine as am
+
+    run = am._Run(**{**BASE, "N": 16, "H": 1, "B": 1, "ratio": 0.3, "in_place": False})
+    run.add("r0", [1], 2)
+    run.step()
+    run.step()
+    assert run.d.in_flight and "r0" in run.d.in_flight[0].num_scheduled_tokens  # a step computing r0 flies
+    held = [b.block_id for b in run.ad.scheduler.kv_cache_manager.get_blocks("r0").blocks[0]]
+    assert run.abort("r0")
+    due = {b: run.poison_due.get(b) for b in held}
+    assert all(s is not None for s in due.values()), due  # readable until the next step
+    run.grab(16)
+    assert set(held) <= {b.block_id for b in run.grabbed}
+    run.release()
+    assert {b: run.poison_due.get(b) for b in held} == due  # the release kept the earlier due
+    reads = run.reads_checked
+    run.step()  # the step in flight reads r0's blocks: no poison yet
+    finish(run)
+    assert run.reads_checked > reads
+    # no step was scheduled after the abort: the blocks are still due before the next one
+    assert {b: run.poison_due.get(b) for b in held} == due == {b: run.ad.clock.seq + 1 for b in held}
+
+
 def blind_bookkeeping(monkeypatch):
     """The machine's own view of who may read what (its fence ledger, its readable blocks) off:
     what is left is the poison."""
