@@ -664,7 +664,10 @@ class _Run:
     def stop_next(self, rid) -> bool:
         """``rid`` stops at its next sampled token (every token a stop token, as an EOS would):
         vLLM finishes it while processing that step's output, after the next step (async
-        scheduling) was scheduled with it."""
+        scheduling) was scheduled with it. The stop enters the request's history where it
+        falls among its runs: a request the other run had scheduled further (vtoken's headroom
+        and fences may admit it later) stops at another token and is not comparable."""
+        self.history.setdefault(rid, []).append(("stop",))
         req = self.ad.scheduler.requests.get(rid)
         if req is None or req.is_finished():
             return False

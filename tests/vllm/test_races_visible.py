@@ -123,6 +123,23 @@ def test_a_block_given_back_by_a_request_that_left_stays_readable_by_the_step_in
     assert {b: run.poison_due.get(b) for b in held} == due == {b: run.ad.clock.seq + 1 for b in held}
 
 
+def test_a_stop_enters_the_history_where_it_falls_among_the_runs():
+    """The machine compares a request's outputs with Naive-Evict's only when both runs computed
+    it alike. A stop (every token a stop token) lands on the request's next sampled token: a
+    run that admitted the request later (vtoken's headroom takes blocks) stops it at another
+    token. A campaign found such a pair compared (6 vs 7 tokens, the same chunks): the stop's
+    place among the runs is part of the history now."""
+    early, late = make_run(n=1), make_run(n=1)
+    for _ in range(3):
+        early.step()
+    late.step()
+    assert early.stop_next("r0") and late.stop_next("r0")
+    assert early.history["r0"][-1] == late.history["r0"][-1] == ("stop",)
+    assert early.history["r0"] != late.history["r0"]  # not comparable
+    finish(early)
+    finish(late)
+
+
 def blind_bookkeeping(monkeypatch):
     """The machine's own view of who may read what (its fence ledger, its readable blocks) off:
     what is left is the poison."""
