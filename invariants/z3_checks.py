@@ -86,7 +86,7 @@ Encoding and why it scales (4096 moves: ~0.3 s of CPU, measured):
   is reused per thread inside push/pop (a fresh solver costs more than a small snapshot).
 
 Owns: one reusable Z3 solver per thread (``threading.local``).
-May call: z3, vtoken.snapshot (validate), vtoken.errors, invariants.snapshot_checks (Violation),
+May call: z3, vtoken.snapshot (validate), vtoken.errors, invariants.violation (Violation),
 numpy.
 Costs: one parse and one check per snapshot when it holds (about 0.3 s for 4096 moves); per question
 when it fails. The ownership facts: requests x the in-flight plans' blocks, and a plan block's events.
@@ -105,7 +105,7 @@ import z3
 from vtoken.errors import SnapshotError
 from vtoken.snapshot import SCHEMA, validate
 
-from .snapshot_checks import Violation  # one result type for both checkers
+from .violation import Violation  # the one result type of every checker
 
 ALL_CHECKS = ("I1", "I2", "I3", "I4")
 MAX_PER_QUESTION = 5  # counterexamples reported per question (the first is the earliest index)
