@@ -7,8 +7,12 @@ plans, not the planner's choices, not block ownership; an ordering bug that the 
 
 Toolkit code (it checks the copy engine; the engine does not carry it). CUDA only.
 
+Each probe returns its result dict (``sentinel_seen``, ``bytes_equal``, timings) with a
+``violations`` view (:func:`probe_violations`: rule ``sentinel_read`` or ``bytes_differ``,
+invariant I3; ``[]``: the read saw the copied bytes).
+
 Owns: one copy engine per probe; the caller's KVCache, whose first 2n blocks' slots it overwrites.
-May call: vtoken.kvcache, vtoken.copy_engine, torch, numpy; never fuzz/ (a faulty engine comes in as
+May call: vtoken.kvcache, vtoken.copy_engine, invariants.violation, torch, numpy; never fuzz/ (a faulty engine comes in as
 ``engine_cls``).
 Costs: one sentinel copy of n tokens on a relocation stream delayed by ``sleep_cycles``; a poll loop
 bounded by ``timeout_s``.
@@ -25,10 +29,25 @@ import torch
 from vtoken.copy_engine import PENDING, KVCopyEngine
 from vtoken.kvcache import KVCache
 
+from .violation import Found, Violation
+
 
 class ProbePlan:
     def __init__(self, pid: int, moves: np.ndarray):
         self.id, self.moves, self.req_id = pid, moves, "probe"
+
+
+def probe_violations(result: dict) -> list[Violation]:
+    """What a probe's ``result`` shows (``[]``: nothing): the sentinel read where the copied
+    bytes should be (``sentinel_read``), the bytes read not the bytes copied (``bytes_differ``)."""
+    out = []
+    if result.get("sentinel_seen"):
+        out.append(Violation("I3", f"{result.get('scenario')} probe: the read saw the copy sentinel (a destination read "
+                                   f"before its copy landed)", dict(result), "sentinel_read"))
+    if not result.get("bytes_equal", True):
+        out.append(Violation("I3", f"{result.get('scenario')} probe: the bytes read are not the bytes copied",
+                             dict(result), "bytes_differ"))
+    return out
 
 
 def _probe_moves(kv: KVCache, n: int, who: str):
@@ -61,7 +80,8 @@ def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n
     one). The first ``2n`` blocks'
     worth of slots past the null block are used (sources, then destinations); their
     contents are overwritten. Returns ``sentinel_seen`` (an I3 violation), ``bytes_equal``,
-    ``first_poll`` and the host time of the wait call (it must not block).
+    ``first_poll`` and the host time of the wait call (it must not block); ``.violations``:
+    :func:`probe_violations` of it.
     """
     if (fault is None) != (engine_cls is None):
         raise ValueError("i3_probe: give a faulty engine as engine_cls together with its name as fault "
@@ -94,7 +114,7 @@ def i3_probe(kv: KVCache, scenario: str = "wait", fault: Optional[str] = None, n
     out["sentinel_seen"] = bool(seen)
     out["bytes_equal"] = bool(equal)
     eng.synchronize()
-    return out
+    return Found(out, probe_violations(out))
 
 
 def graph_i3_probe(kv: KVCache, n: int = 32, sleep_cycles: int = 400_000_000) -> dict:
@@ -106,6 +126,7 @@ def graph_i3_probe(kv: KVCache, n: int = 32, sleep_cycles: int = 400_000_000) ->
     ``graph_replay_on_capture_stream``, applied to the tree this runs from).
 
     Uses (overwrites) the first ``2 * ceil(n / S)`` blocks past the null block of ``kv``.
+    The result dict's ``.violations``: :func:`probe_violations` of it.
     """
     from vtoken.decode import StepGraph  # the graph path's own class, as the decode engine builds it
 
@@ -125,5 +146,6 @@ def graph_i3_probe(kv: KVCache, n: int = 32, sleep_cycles: int = 400_000_000) ->
     eng.wait_before_attention()
     out = gs.run()[0]
     torch.cuda.synchronize(kv.device)
-    return {"scenario": "graph", "sentinel_seen": bool((out == eng.sentinel_value).any()),
-            "bytes_equal": bool(torch.equal(out, want))}
+    res = {"scenario": "graph", "sentinel_seen": bool((out == eng.sentinel_value).any()),
+           "bytes_equal": bool(torch.equal(out, want))}
+    return Found(res, probe_violations(res))

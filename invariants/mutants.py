@@ -51,10 +51,14 @@ What it does (``run``):
 
 The goal: every mutant rejected by every checker, every valid snapshot accepted, no
 disagreement, at least 50 mutants per operator (the default run makes 60), every rule
-exercised by some operator.
+exercised by some operator. ``run``'s dict has a ``violations`` view of what missed the
+goal (:class:`~vtoken.invariants.violation.Violation`, invariant ``check_mutants``, ``rule``
+the failure's kind: ``valid_rejected``, ``mutant_accepted``, ``disagreement``,
+``malformed_mutant`` -- the few failures the dict keeps -- and ``operator_short``,
+``rule_unexercised``, ``rule_unknown``; ``[]``: the run passed).
 
 Owns: nothing beyond one run's collected snapshots and mutants, dropped when it returns.
-May call: invariants (snapshot_checks, z3_checks, relocation_hash), the system's public drivers
+May call: invariants (snapshot_checks, z3_checks, relocation_hash, violation), the system's public drivers
 (table, allocator, planner, decode, model, snapshot, vllm_adapter), vtoken.argtypes; never fuzz/.
 Costs: collection runs each path once (a CPU decode; the adapter where vLLM is installed); then
 every mutant through both checkers, each linear in its snapshot.
@@ -76,6 +80,7 @@ from vtoken.snapshot import validate
 
 from . import snapshot_checks, z3_checks
 from .relocation_hash import RelocationChecker
+from .violation import Found, Violation
 
 ALL_PATHS = ("planner", "engine", "adapter")
 CHECKERS: dict[str, Callable] = {"python": snapshot_checks.check_snapshot, "z3": z3_checks.check_snapshot}
@@ -1385,7 +1390,7 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
     ``operators``, ``mutants``, ``rejected`` (by every checker), ``valid``,
     ``valid_accepted`` (by every checker), ``malformed``, ``disagreements``, ``by_operator``,
     ``by_path``, ``by_checker``, the rule-coverage table (:func:`rule_coverage`), ``passed``
-    and the failures found (``failures``, a few)."""
+    and the failures found (``failures``, a few); ``.violations``: what missed the goal."""
     t0 = time.perf_counter()
     say = progress or (lambda _m: None)
     valid, by_path = _collect(paths, seed, quick, say)
@@ -1427,7 +1432,31 @@ def run(paths=ALL_PATHS, per_operator: int = 60, seed: int = 0, quick: bool = Fa
     res["passed"] = bool(total and rejected_all == total - malformed and malformed == 0 and not disagreements
                          and valid and valid_accepted == len(valid) and not short
                          and not res["rules_unexercised"] and not res["rules_unknown"])
-    return res
+    return Found(res, _run_violations(res))
+
+
+_FAILURE_WHY = {
+    "valid_rejected": "{checker} rejects a valid {path} snapshot (plan {plan}): {violations}",
+    "mutant_accepted": "{checker} accepts a {operator} mutant of a {path} snapshot (plan {plan}; flagged {flagged})",
+    "disagreement": "the checkers disagree on a {operator} mutant of a {path} snapshot: python {python}, z3 {z3}",
+    "malformed_mutant": "operator {operator} made a malformed mutant of a {path} snapshot: {error}",
+}
+
+
+def _run_violations(res: dict) -> list[Violation]:
+    """What a run found short of its goal, as :class:`Violation` (``[]``: it passed)."""
+    out = [Violation("check_mutants", _FAILURE_WHY[f["kind"]].format(**f), dict(f), f["kind"])
+           for f in res["failures"]]
+    out += [Violation("check_mutants", f"operator {name} made fewer than {res['per_operator_target']} mutants",
+                      {"operator": name}, "operator_short") for name in res["operators_short"]]
+    out += [Violation("check_mutants", f"no operator's mutants reach rule {r}", {"rule": r}, "rule_unexercised")
+            for r in res["rules_unexercised"]]
+    out += [Violation("check_mutants", f"a checker names rule {r}, which the rule list does not", {"rule": r},
+                      "rule_unknown") for r in res["rules_unknown"]]
+    if not out and not res["passed"]:  # nothing made, or nothing collected
+        out.append(Violation("check_mutants", f"{res['mutants']} mutants of {res['valid']} valid snapshots: "
+                                              f"nothing to measure", {}, "empty"))
+    return out
 
 
 def rule_coverage(cover: dict) -> dict:

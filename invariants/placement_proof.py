@@ -49,8 +49,11 @@ Encoding (why it is fast enough for 8 x 16 = 128 symbolic bits):
   adding a formula already proved valid cannot hide a counterexample; when ``range`` is
   not proved (a planted fault) it is asked without them.
 
+The result, :class:`ProofResult`, has a ``violations`` view: each refuted property as a
+:class:`~vtoken.invariants.violation.Violation` (``[]``: none refuted).
+
 Owns: nothing beyond the Z3 solver of one proof.
-May call: vtoken.placement (the function proved), numpy, z3.
+May call: vtoken.placement (the function proved), invariants.violation, numpy, z3.
 Costs: one solver call per property and cube: about 2 s of CPU for 8 x 16 (exponential in the bound,
 in principle).
 """
@@ -66,6 +69,8 @@ import z3
 
 from vtoken.placement import place
 
+from .violation import Violation
+
 PROPERTIES = ("range", "dense", "order", "unique", "excluded")
 
 
@@ -77,6 +82,18 @@ class ProofResult:
     properties: dict = field(default_factory=dict)  # name -> proved | counterexample | unknown | skipped
     n_blocks: int = 0
     S: int = 0
+
+    @property
+    def violations(self) -> list[Violation]:
+        """Each property the solver refuted, as a :class:`Violation` (invariant ``placement``,
+        ``rule`` the property; ``[]``: none refuted -- an ``unknown`` property is not proved,
+        but no violation was found). The first carries the counterexample as its model."""
+        cex = self.counterexample or {}
+        names = [n for n, status in self.properties.items() if status == "counterexample"]
+        if cex.get("property") and cex["property"] not in names:
+            names.insert(0, cex["property"])  # a refusal before the proof ran: place's shape
+        return [Violation("placement", cex["why"], dict(cex), n) if cex.get("property") == n else
+                Violation("placement", f"property {n}: the solver found a counterexample", {}, n) for n in names]
 
     def __str__(self) -> str:
         head = f"placement {self.n_blocks}x{self.S}: {'PROVED' if self.proved else 'NOT PROVED'} in {self.seconds:.2f}s"

@@ -3,7 +3,11 @@
 The vLLM adapter and the machines hand every proposal to :func:`check_proposal` before it
 launches (the adapter through its ``plan_hook``): the view is rebuilt from the table's
 public read API, then the reference rules (``plan_errors``) and optimality
-(``best_reduction`` over the same headroom) are asked. ``in_place`` is the implementation's
+(``best_reduction`` over the same headroom) are asked. :func:`proposal_violations` returns
+what broke as :class:`~vtoken.invariants.violation.Violation` (invariant ``plan_contract``),
+one function per rule: ``contract`` (the reference planner's rules) and ``optimal`` (the
+best reduction; asked only of a plan the contract accepts); :func:`check_proposal` is its
+raising form (the first of them; it returns the view). ``in_place`` is the implementation's
 ``PlannerConfig.in_place`` (the view's mode: fills allowed); the proposal's ``fills``
 (absent: none) go into the plan, and ``in_flight`` must list every in-flight plan's
 sources, destinations and fills.
@@ -14,7 +18,7 @@ list the caller passes (a plan left out is not checked against); optimality only
 the reference's own brute force over the same headroom; the K/V bytes not at all.
 
 Owns: nothing (a pure check).
-May call: vtoken.spec.planner, invariants.table_checks; the table's public read API.
+May call: vtoken.spec.planner, invariants.table_checks, invariants.violation; the table's public read API.
 Costs: O(request length) per plan, plus ``best_reduction``'s brute force: a check mode, not a hot
 path.
 """
@@ -24,6 +28,9 @@ from __future__ import annotations
 from vtoken.spec.planner import best_reduction, plan_errors
 
 from .table_checks import InvariantViolation
+from .violation import Violation, raise_first
+
+RULES = ("contract", "optimal")
 
 
 def view_of(table, req_id, *, tail, headroom, max_sources: int, in_flight=(), excluded=(),
@@ -47,21 +54,53 @@ def view_of(table, req_id, *, tail, headroom, max_sources: int, in_flight=(), ex
     }
 
 
-def check_proposal(*, table, req_id, proposal, tail, headroom, max_sources: int, in_flight=(), excluded=(),
-                   in_place: bool = False, unfillable=()) -> dict:
-    """Raise :class:`InvariantViolation` (``plan_contract``) unless the proposal obeys every
-    rule of the reference planner and reduces by the best reduction the headroom allows.
-    Returns the view (for reports)."""
+def _contract(view: dict, plan: dict, req_id):
+    errs = plan_errors(view, plan)
+    if errs:
+        return Violation("plan_contract", f"request {req_id!r}: plan breaks the contract: {errs}; plan={plan}",
+                         {"request": req_id, "errors": errs, "plan": plan}, "contract")
+
+
+def _optimal(view: dict, plan: dict, req_id, reduction: int):
+    best = best_reduction(view, len(view["headroom"]))
+    if reduction != best:
+        return Violation("plan_contract", f"request {req_id!r}: plan reduces by {reduction}, the best "
+                                          f"valid plan by {best}; plan={plan}",
+                         {"request": req_id, "reduction": reduction, "best": best, "plan": plan}, "optimal")
+
+
+def _judged(*, table, req_id, proposal, tail, headroom, max_sources: int, in_flight=(), excluded=(),
+            in_place: bool = False, unfillable=()) -> tuple[dict, list[Violation]]:
+    """(the view, the proposal's violations): the view is built once for both forms."""
     view = view_of(table, req_id, tail=tail, headroom=headroom, max_sources=max_sources, in_flight=in_flight,
                    excluded=excluded, in_place=in_place, unfillable=unfillable)
     plan = {"sources": [int(b) for b in proposal.sources], "fills": [int(b) for b in getattr(proposal, "fills", [])],
             "dests": [int(b) for b in proposal.dests],
             "moves": [[int(x) for x in mv] for mv in proposal.moves.tolist()]}
-    errs = plan_errors(view, plan)
-    if errs:
-        raise InvariantViolation("plan_contract", f"request {req_id!r}: plan breaks the contract: {errs}; plan={plan}")
-    best = best_reduction(view, len(view["headroom"]))
-    if proposal.reduction != best:
-        raise InvariantViolation("plan_contract", f"request {req_id!r}: plan reduces by {proposal.reduction}, the best "
-                                                  f"valid plan by {best}; plan={plan}")
+    broken = _contract(view, plan, req_id)
+    if broken:
+        return view, [broken]
+    return view, [v for v in [_optimal(view, plan, req_id, proposal.reduction)] if v]
+
+
+def proposal_violations(*, table, req_id, proposal, tail, headroom, max_sources: int, in_flight=(), excluded=(),
+                        in_place: bool = False, unfillable=()) -> list[Violation]:
+    """What the proposal breaks (``[]``: it obeys every rule of the reference planner and
+    reduces by the best reduction the headroom allows); the arguments are
+    :func:`check_proposal`'s."""
+    return _judged(table=table, req_id=req_id, proposal=proposal, tail=tail, headroom=headroom,
+                   max_sources=max_sources, in_flight=in_flight, excluded=excluded, in_place=in_place,
+                   unfillable=unfillable)[1]
+
+
+def check_proposal(*, table, req_id, proposal, tail, headroom, max_sources: int, in_flight=(), excluded=(),
+                   in_place: bool = False, unfillable=()) -> dict:
+    """Raise :class:`InvariantViolation` (``plan_contract``) unless the proposal obeys every
+    rule of the reference planner and reduces by the best reduction the headroom allows (the
+    first of :func:`proposal_violations`, the whole list as ``.violations``).
+    Returns the view (for reports)."""
+    view, found = _judged(table=table, req_id=req_id, proposal=proposal, tail=tail, headroom=headroom,
+                          max_sources=max_sources, in_flight=in_flight, excluded=excluded, in_place=in_place,
+                          unfillable=unfillable)
+    raise_first(found, InvariantViolation)
     return view

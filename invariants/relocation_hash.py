@@ -64,6 +64,10 @@ and NaN payloads differ. A mismatch raises :class:`vtoken.errors.RelocationCheck
 ``foreign_token``) naming the request,
 the first differing token in logical order, the layer and the plan id, after writing the
 plan's snapshot (``vtoken.snapshot.save``) and a ``.failure.json`` beside it to ``out_dir``.
+The error carries what was found as ``.violations``, the checkers' one result shape: one
+:class:`~vtoken.invariants.violation.Violation` (invariant ``relocation``, ``rule`` the code,
+``model`` the failure record); the checker keeps every one it found in its own
+``violations`` list too (all of them where ``raise_on_failure=False`` only counts).
 
 Methods
 -------
@@ -99,8 +103,8 @@ engine that calls :meth:`before_copy` in ``launch`` and :meth:`after_copy` when 
 
 Owns: per plan in flight its pre-copy digests and guard; the pending host fetches (pinned buffers,
 events); failure snapshots it writes to ``out_dir``; the outside readers it was handed.
-May call: vtoken.snapshot, vtoken.errors, the table's and KV cache's public API, torch, numpy,
-xxhash.
+May call: vtoken.snapshot, vtoken.errors, invariants.violation, the table's and KV cache's public API,
+torch, numpy, xxhash.
 Costs: per plan O(live tokens of every request x layers) digests, twice (launch and copy
 done: the guard), plus O(total length) vectorized scans of every request's slots; with
 ``guard_outside`` readers, each reader called three times per plan (launch, copy done,
@@ -122,6 +126,8 @@ import xxhash
 
 from vtoken.errors import RelocationCheckError
 from vtoken.snapshot import save as save_snapshot
+
+from .violation import Violation
 
 __all__ = ["RelocationChecker", "CheckedCopyEngine", "token_layer_digests", "device_fingerprint",
            "request_digest", "FINGERPRINT_BYTES"]
@@ -377,6 +383,7 @@ class RelocationChecker:
         self.passed = 0
         self.failed = 0
         self.failures: list[dict] = []
+        self.violations: list[Violation] = []  # the failures as the checkers' one result shape
         self.events = 0  # relocation events seen (plans launched)
         self.guarded = 0  # slots guarded (hashed before and compared after a copy), in all
         self._dst_slots: dict[int, np.ndarray] = {}  # plan id -> destination slots its copy writes (in flight)
@@ -836,8 +843,10 @@ class RelocationChecker:
         self.failures.append(info)
         msg = (f"plan {plan.id}, request {plan.req_id!r}: first differing token {token}, layer {layer}: {detail}"
                + (f" (snapshot {path})" if path else ""))
+        found = Violation("relocation", msg, dict(info), code)
+        self.violations.append(found)
         if self.raise_on_failure:
-            raise RelocationCheckError(code, msg)
+            raise RelocationCheckError(code, msg, violations=[found])
 
     # ------------------------------------------------------------------ wiring
     def wrap(self, engine) -> "CheckedCopyEngine":

@@ -33,9 +33,15 @@ Symmetry reductions (each obviously sound):
 
 Nothing else is reduced: every liveness pattern of every token is enumerated.
 
+Results: :func:`check_state` returns ``(snapshots checked, findings as text)`` and
+:func:`run_small_scope` a dict (its JSON); each also has a ``violations`` view, what was
+found as :class:`~vtoken.invariants.violation.Violation` (the checkers' own, with
+``model["where"]`` the step; the real code raising on a state is invariant ``small_scope``,
+rule ``raised``).
+
 Owns: nothing beyond each enumerated state's table, allocator and manager.
-May call: vtoken.table, .allocator, .planner, .errors, invariants.z3_checks, invariants.table_checks; vtoken.argtypes
-(the command line's argument checks).
+May call: vtoken.table, .allocator, .planner, .errors, invariants.z3_checks, invariants.table_checks,
+invariants.violation; vtoken.argtypes (the command line's argument checks).
 Costs: every state up to the bound (exponential in it: all liveness patterns), a Z3 check per
 snapshot.
 """
@@ -52,6 +58,7 @@ from vtoken.planner import NullCopyEngine, PlannerConfig, ReclamationManager
 from vtoken.table import TokenTable
 
 from .table_checks import InvariantViolation, check_block_accounting, check_unique_mapping
+from .violation import Found, Violation
 from .z3_checks import check_snapshot
 
 DEFAULT_BOUND = dict(max_S=2, max_blocks=3, max_requests=3)  # 14982 states, ~7 s of CPU
@@ -156,9 +163,37 @@ def _read(mgr, plan) -> None:
                    slots=[int(x) for x in t.slot_mapping(rid).tolist()])
 
 
+class StateResult(tuple):
+    """:func:`check_state`'s ``(snapshots checked, findings as text)`` (unpacks as before), with
+    ``violations``: the findings as :class:`Violation`."""
+
+    def __new__(cls, checked: int, violations: list[Violation]):
+        self = super().__new__(cls, (checked, [_line(v) for v in violations]))
+        self.violations = list(violations)
+        return self
+
+    def __getnewargs__(self):  # pickle and copy build it from its two parts, as above
+        return self[0], self.violations
+
+
+def _at(v: Violation, where: str) -> Violation:
+    """``v`` found at ``where`` (a plan and its round, ``table``, a step of the run)."""
+    return Violation(v.invariant, v.explanation, {**v.model, "where": where}, v.rule)
+
+
+def _raised(e: Exception, where: str) -> Violation:
+    """The real code raised on a state the enumerator thinks valid."""
+    return Violation("small_scope", f"{type(e).__name__}: {e}", {"where": where}, "raised")
+
+
+def _line(v: Violation) -> str:
+    return f"{v.model['where']}: {v.explanation if v.rule == 'raised' else v}"
+
+
 def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
-                in_place: bool = True) -> tuple[int, list[str]]:
-    """Plan, launch, apply; check every snapshot. Returns (snapshots checked, violations).
+                in_place: bool = True) -> StateResult:
+    """Plan, launch, apply; check every snapshot. Returns (snapshots checked, violations)
+    (:class:`StateResult`: the violations as text, and as ``.violations``).
 
     Round 1 plans and launches (the copy engine needs one poll to finish, so the plans are
     in flight); a second planning pass runs while they are (it should plan nothing on those
@@ -166,11 +201,12 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
     then the copies complete and are applied; round 3 plans again on the compacted state
     and applies at once.
     """
-    found, checked = [], 0
+    found: list[Violation] = []
+    checked = 0
     try:
         table, alloc, mgr, positions = build_state(S, specs, max_blocks, in_place)
     except Exception as e:  # the table/allocator refused a state the enumerator thinks valid
-        return 0, [f"build: {type(e).__name__}: {e}"]
+        return StateResult(0, [_raised(e, "build")])
     mgr.engine.latency = 1
     everything = []
     launch = mgr.launch
@@ -181,7 +217,7 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
             launch(p)
         except PlanError:
             checked += 1
-            found.extend(f"plan {p.id} (refused at launch): {v}" for v in check_snapshot(p.snapshot))
+            found.extend(_at(v, f"plan {p.id} (refused at launch)") for v in check_snapshot(p.snapshot))
             raise
 
     mgr.launch = checked_launch  # plan_round launches through it
@@ -192,7 +228,7 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
         for p in launched:
             _read(mgr, p)
             checked += 1
-            found.extend(f"plan {p.id} ({tag}, in flight): {v}" for v in check_snapshot(p.snapshot))
+            found.extend(_at(v, f"plan {p.id} ({tag}, in flight)") for v in check_snapshot(p.snapshot))
         everything.extend(launched)
         # while the copies fly: every block the table references is still allocated (no early free)
         check_block_accounting(table.export_state(), alloc.export_state())
@@ -205,14 +241,14 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
             if p.snapshot is not None and p.snapshot.get("post") is not None:
                 _read(mgr, p)
                 checked += 1
-                found.extend(f"plan {p.id} ({tag}, applied): {v}" for v in check_snapshot(p.snapshot))
+                found.extend(_at(v, f"plan {p.id} ({tag}, applied)") for v in check_snapshot(p.snapshot))
         st = table.export_state()
         check_unique_mapping(st)
         check_block_accounting(st, alloc.export_state())
         mgr.refill_headroom()
 
     _rounds(mgr, positions, churn, plan, complete, found)
-    return checked, found
+    return StateResult(checked, found)
 
 
 def _rounds(mgr, positions, churn: bool, plan: Callable, complete: Callable, found: list) -> None:
@@ -236,9 +272,9 @@ def _rounds(mgr, positions, churn: bool, plan: Callable, complete: Callable, fou
                 step = "apply"
                 complete(third, "round 3")
     except InvariantViolation as e:
-        found.append(f"table: {e}")
+        found.append(_at(e.violations[0], "table"))
     except Exception as e:  # the real code raised: the state or the plan was bad
-        found.append(f"{step}: {type(e).__name__}: {e}")
+        found.append(_raised(e, step))
 
 
 def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAULT_BOUND["max_blocks"],
@@ -257,7 +293,9 @@ def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAU
 
     Returns ``states`` (states built), ``plans`` (snapshots checked), ``violations`` (count),
     ``examples`` (the first few in enumeration order, as text), ``seconds`` and
-    ``bound_reached`` (True when every state within the bound was checked).
+    ``bound_reached`` (True when every state within the bound was checked): a
+    :class:`~vtoken.invariants.violation.Found` dict, whose ``.violations`` attribute (not
+    the count under the key) lists every finding as a :class:`Violation`, in enumeration order.
     """
     if int(workers) < 1:
         raise ValueError(f"workers={workers!r}: must be >= 1")
@@ -272,11 +310,13 @@ def run_small_scope(max_S: int = DEFAULT_BOUND["max_S"], max_blocks: int = DEFAU
         # spawn: a fork of a process that has run torch's thread pool can hang
         with ProcessPoolExecutor(int(workers), mp_context=multiprocessing.get_context("spawn")) as ex:
             parts = list(ex.map(_run_part, *zip(*[args + (k, int(workers)) for k in range(int(workers))])))
-    found = sorted((i, f) for part in parts for i, f in part["found"])
-    return {"states": sum(p["states"] for p in parts), "plans": sum(p["plans"] for p in parts),
-            "violations": len(found), "examples": [f for _i, f in found[:10]],
-            "seconds": time.perf_counter() - t0, "bound_reached": all(p["reached"] for p in parts),
-            "bound": {"max_S": max_S, "max_blocks": max_blocks, "max_requests": max_requests}}
+    pairs = sorted(((f, v) for part in parts for f, v in zip(part["found"], part["found_v"])), key=lambda x: x[0])
+    found = [f for f, _v in pairs]
+    return Found({"states": sum(p["states"] for p in parts), "plans": sum(p["plans"] for p in parts),
+                  "violations": len(found), "examples": [f for _i, f in found[:10]],
+                  "seconds": time.perf_counter() - t0, "bound_reached": all(p["reached"] for p in parts),
+                  "bound": {"max_S": max_S, "max_blocks": max_blocks, "max_requests": max_requests}},
+                 [v for _f, v in pairs])
 
 
 def _run_part(max_S, max_blocks, max_requests, time_budget_s, churn, modes, part: int, parts: int) -> dict:
@@ -284,6 +324,7 @@ def _run_part(max_S, max_blocks, max_requests, time_budget_s, churn, modes, part
     t0 = time.perf_counter()
     states = plans = 0
     violations: list[tuple[int, str]] = []
+    found_v: list[Violation] = []  # the same findings as Violations, in the same order
     reached = True
     for i, (S, specs) in enumerate(enumerate_states(max_S, max_blocks, max_requests)):
         if i % parts != part:
@@ -295,16 +336,19 @@ def _run_part(max_S, max_blocks, max_requests, time_budget_s, churn, modes, part
         n, found = 0, []
         for in_place in modes:
             tag = "in place" if in_place else "out of place"
-            n1, found1 = check_state(S, specs, max_blocks, in_place=in_place)
-            n, found = n + n1, found + [f"({tag}) {f}" for f in found1]
-            if churn and n1:
-                n2, found2 = check_state(S, specs, max_blocks, churn=True, in_place=in_place)
-                n, found = n + n2, found + [f"({tag}, churn) {f}" for f in found2]
+            r1 = check_state(S, specs, max_blocks, in_place=in_place)
+            n, found = n + r1[0], found + [(f"({tag}) {f}", v, tag) for f, v in zip(r1[1], r1.violations)]
+            if churn and r1[0]:
+                r2 = check_state(S, specs, max_blocks, churn=True, in_place=in_place)
+                n, found = n + r2[0], found + [(f"({tag}, churn) {f}", v, f"{tag}, churn")
+                                               for f, v in zip(r2[1], r2.violations)]
         plans += n
-        for f in found:
+        for f, v, mode in found:
             where = [(L, ''.join('1' if b else '0' for b in bits), sh) for L, bits, sh in specs]
             violations.append((i, f"S={S} specs={where}: {f}"))
-    return {"states": states, "plans": plans, "found": violations, "reached": reached}
+            found_v.append(Violation(v.invariant, v.explanation, {**v.model, "state": f"S={S} specs={where}",
+                                                                  "mode": mode}, v.rule))
+    return {"states": states, "plans": plans, "found": violations, "found_v": found_v, "reached": reached}
 
 
 def count_states(max_S: int, max_blocks: int, max_requests: int) -> int:

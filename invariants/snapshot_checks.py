@@ -148,7 +148,7 @@ non-decreasing; equal times are in list order).
     hold it: any request's into a destination, another request's into a source or fill.
 
 Owns: nothing (pure functions).
-May call: vtoken.snapshot (validate), collections; never z3.
+May call: vtoken.snapshot (validate), invariants.violation (Violation), collections; never z3.
 Costs: linear in the snapshot (moves, tokens, events x their tokens; a plan block's allocs x its frees),
 no solver.
 """
@@ -156,9 +156,10 @@ no solver.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 from vtoken.snapshot import validate
+
+from .violation import Violation  # the one result type of every checker (re-exported here)
 
 ALL_CHECKS = ("I1", "I2", "I3", "I4")
 # The rule names of the module docstring, per invariant: every Violation's ``rule`` is one.
@@ -171,20 +172,6 @@ RULES = {
            "plans_overlap", "handed_over", "foreign_write"),
 }
 __all__ = ["ALL_CHECKS", "RULES", "Violation", "check_snapshot", "derived_shared"]
-
-
-@dataclass
-class Violation:
-    """One broken rule: ``invariant`` (I1-I4), a readable ``explanation``, the values that
-    show it (``model``) and the rule's name (``rule``, see the module docstring)."""
-
-    invariant: str
-    explanation: str
-    model: dict = field(default_factory=dict)
-    rule: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.invariant}: {self.explanation}"
 
 
 def _loc(S: int, slot: int) -> str:

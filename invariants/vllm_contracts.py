@@ -4,7 +4,10 @@ Each contract is one assumption the adapter makes about vLLM (written against vL
 checked against a real scheduler / block pool (``harness.VllmHarness``), not only by
 name. ``run_contracts()`` runs them and never raises: a broken contract comes back as
 ``{"name", "passed": False, "detail"}`` whose detail names the assumption and where it
-lives in vLLM (symbol and file), so an upgrade audit can tell what to re-check.
+lives in vLLM (symbol and file), so an upgrade audit can tell what to re-check. Each
+result dict has a ``violations`` view (a broken contract: one
+:class:`~vtoken.invariants.violation.Violation`, invariant ``vllm_contract``, ``rule`` the
+contract's name; a kept one: ``[]``), and so has ``run_contracts``' list (all of them).
 
 What this cannot see: an assumption no contract states (each is one the adapter names);
 vLLM behaviour outside the small CPU scheduler and pool the harness builds (GPU workers,
@@ -18,7 +21,8 @@ checkers check that).
 Files named in ``where`` are relative to the installed ``vllm`` package.
 
 Owns: nothing beyond the vLLM schedulers and pools each contract builds and drops.
-May call: vllm (scheduler, block pool, KV cache manager), vtoken.vllm_adapter.harness, inspect.
+May call: vllm (scheduler, block pool, KV cache manager), vtoken.vllm_adapter.harness, invariants.violation,
+inspect.
 Costs: one small real scheduler or pool per contract; ``run_contracts`` runs them all once.
 """
 
@@ -33,6 +37,8 @@ from typing import Callable
 from vtoken.vllm_adapter import harness as _harness
 from vtoken.vllm_adapter import SUPPORTED_VLLM
 from vtoken.vllm_adapter.harness import VLLM_VERSION, VllmHarness
+
+from .violation import Found, Violation
 
 BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool (vllm/v1/core/block_pool.py)"
 KV_BLOCK = "vllm.v1.core.kv_cache_utils.KVCacheBlock (vllm/v1/core/kv_cache_utils.py)"
@@ -95,8 +101,26 @@ def _fail_detail(c: Contract, exc: BaseException) -> str:
     return f"assumption broken: {c.assumption} [vLLM: {c.where}] [relied on by: {c.relied_on_by}] -- {why}"
 
 
+def _result(result: dict) -> Found:
+    """``result`` with its ``violations`` view: none when it passed, else the broken contract."""
+    broken = [] if result["passed"] else [Violation("vllm_contract", result["detail"], dict(result), result["name"])]
+    return Found(result, broken)
+
+
+class ContractResults(list):
+    """``run_contracts``' list of result dicts, with ``violations``: every broken contract's."""
+
+    @property
+    def violations(self) -> list[Violation]:
+        return [v for r in self for v in r.violations]
+
+
 def run_contract(c: Contract | str) -> dict:
-    """Run one contract; never raises."""
+    """Run one contract; never raises. The result dict has a ``violations`` view."""
+    return _result(_run_contract(c))
+
+
+def _run_contract(c: Contract | str) -> dict:
     if isinstance(c, str):
         found = [x for x in CONTRACTS if x.name == c]
         if not found:
@@ -124,9 +148,9 @@ def run_contract(c: Contract | str) -> dict:
 
 def run_contracts(names: list[str] | None = None) -> list[dict]:
     """Run every contract (or those named); returns dicts with name, passed, detail
-    (plus assumption and where). Never raises."""
+    (plus assumption and where), as a list with a ``violations`` view. Never raises."""
     selected = CONTRACTS if names is None else [c for c in CONTRACTS if c.name in names]
-    out = [run_contract(c) for c in selected]
+    out = ContractResults(run_contract(c) for c in selected)
     if names is not None:
         known = {c.name for c in CONTRACTS}
         out += [run_contract(n) for n in names if n not in known]

@@ -86,7 +86,7 @@ Encoding and why it scales (4096 moves: ~0.3 s of CPU, measured):
   is reused per thread inside push/pop (a fresh solver costs more than a small snapshot).
 
 Owns: one reusable Z3 solver per thread (``threading.local``).
-May call: z3, vtoken.snapshot (validate), vtoken.errors, invariants.snapshot_checks (Violation),
+May call: z3, vtoken.snapshot (validate), vtoken.errors, invariants.violation (Violation),
 numpy.
 Costs: one parse and one check per snapshot when it holds (about 0.3 s for 4096 moves); per question
 when it fails. The ownership facts: requests x the in-flight plans' blocks, and a plan block's events.
@@ -105,7 +105,7 @@ import z3
 from vtoken.errors import SnapshotError
 from vtoken.snapshot import SCHEMA, validate
 
-from .snapshot_checks import Violation  # one result type for both checkers
+from .violation import Violation  # the one result type of every checker
 
 ALL_CHECKS = ("I1", "I2", "I3", "I4")
 MAX_PER_QUESTION = 5  # counterexamples reported per question (the first is the earliest index)
@@ -1189,7 +1189,8 @@ def check_snapshot(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True) ->
 
 
 def check_and_explain(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True) -> str:
-    """A readable report: one line per invariant, then each counterexample."""
+    """A readable report of :func:`check_snapshot`'s list: one line per invariant, then each
+    counterexample."""
     try:
         d = load_checked(snap, evictions_in_flight)
     except SnapshotError as e:
@@ -1205,8 +1206,7 @@ def check_and_explain(snap, checks=ALL_CHECKS, evictions_in_flight: bool = True)
     for c in ALL_CHECKS:
         if c not in checks:
             continue
-        with _Ask() as ask:
-            vs = _CHECKERS[c](d, ask)
+        vs = check_snapshot(snap, (c,), evictions_in_flight)
         lines.append(f"  {c}: {'ok' if not vs else f'{len(vs)} violation(s)'}")
         for v in vs:
             lines.append(f"    - {v.explanation}")

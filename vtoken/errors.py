@@ -39,7 +39,16 @@ class SnapshotError(VTokenError):
 
 
 class RelocationCheckError(VTokenError):
-    """Hash-and-compare found a relocation that changed a token's id or K/V bytes."""
+    """Hash-and-compare found a relocation that changed a token's id or K/V bytes.
+
+    ``violations``: what was found, as the checkers' one result shape (the toolkit's
+    ``Violation`` records, built by the checker that raises this: ``invariants.relocation_hash``);
+    empty where the system raises it itself (the decode engine's sentinel check, which names
+    no toolkit type)."""
+
+    def __init__(self, code: str, message: str, violations: list | None = None):
+        super().__init__(code, message)
+        self.violations = list(violations or [])
 
 
 class CallError(VTokenError, ValueError):
