@@ -122,7 +122,7 @@ class _Run:
 
     def __init__(self, *, reclaim: bool, S, N, H, B, async_, caching, lag, ratio, budget, checks: bool,
                  in_place: bool = True, engine: str | None = None, fail_every: int = 3, layout: str = "full",
-                 vllm_clock: bool = False, poison: bool = True):
+                 vllm_clock: bool = False, poison: bool = True, keep: bool = False):
         from vtoken.invariants.plan_contract import check_proposal
         from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
         from vtoken.vllm_adapter.harness import VllmHarness
@@ -136,7 +136,7 @@ class _Run:
                                                                  in_place=in_place),
                    # pools of 16-48 blocks: the shipped cap (1/16) would leave no headroom at
                    # all; 1/4 keeps reclamation under test on them
-                   headroom_pool_fraction=4)
+                   headroom_pool_fraction=4, keep_prefix_bytes=keep)
         vllm_side = dict(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_, max_model_len=512,
                          max_num_batched_tokens=budget, max_num_seqs=8, kv_layout=layout)
         if vllm_clock:  # vLLM runs its own deferred frees (a KV-consumer connector's setting): its clock
@@ -849,8 +849,9 @@ class AdapterMachine(SwarmRules):
                 lag=st.sampled_from([0, 1, 2, 3, 4, 0, 1, 2, 6, 7, 8, 9, 10]),
                 ratio=st.sampled_from([0.3, 0.5, 0.6]), budget=st.sampled_from([2048, 2048, 64]),
                 in_place=st.booleans(), engine=st.sampled_from(ENGINE_DRAWS), fail_every=st.integers(2, 4),
-                layout=st.sampled_from(["full", "full", "hybrid"]), vllm_clock=st.booleans())
-    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget, in_place, engine, fail_every, layout, vllm_clock):
+                layout=st.sampled_from(["full", "full", "hybrid"]), vllm_clock=st.booleans(), keep=st.booleans())
+    def setup(self, S, N, H, B, async_, caching, lag, ratio, budget, in_place, engine, fail_every, layout, vllm_clock,
+              keep):
         # both compactions: in place (the default: fills, no destination) and out of place
         # (the paper's: fresh headroom destinations), so faults of either path are reachable;
         # copies up to 10 steps late (in pools of 16-48 blocks, so a copy outlives its
@@ -858,10 +859,13 @@ class AdapterMachine(SwarmRules):
         # one, one whose copies fail now and then (the aborted path), or one planting a
         # fault every check must catch (a byte flipped in flight, a fill stolen)
         in_place = in_place or engine == "steal_fill"  # a fill to steal
+        # keep_prefix_bytes (in place, with caching): hashed blocks emptied, never filled, into
+        # the other blocks' holes and then headroom destinations (plans with fills and dests)
+        keep = keep and in_place and caching
         # and the KV layout (one full-attention group, or full attention + a sliding window of two
         # blocks) and the fence's clock (the adapter's, as vLLM runs by default, or vLLM's)
         kw = dict(S=S, N=N, H=H, B=B, async_=async_, caching=caching, lag=lag, ratio=ratio, budget=budget,
-                  in_place=in_place, layout=layout, vllm_clock=vllm_clock)
+                  in_place=in_place, layout=layout, vllm_clock=vllm_clock, keep=keep)
         note(f"adapter machine: {kw}, engine {engine}" + (f" (every {fail_every})" if engine == "copy_fails" else ""))
         config = f"{layout} KV layout, {'vLLM' if vllm_clock else 'adapter'} clock"
         event(config)

@@ -27,16 +27,19 @@ def _table(S, nblocks, n, dead, seed):
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(S=st.integers(2, 6), nblocks=st.integers(2, 9), fill=st.floats(0.3, 1.0), dead=st.integers(0, 40),
-       seed=st.integers(0, 1000), B=st.integers(1, 8), data=st.data())
-def test_in_place_with_unfillable_blocks_is_valid_and_best(S, nblocks, fill, dead, seed, B, data):
+       seed=st.integers(0, 1000), B=st.integers(1, 8), h=st.integers(0, 4), data=st.data())
+def test_in_place_with_unfillable_blocks_is_valid_and_best(S, nblocks, fill, dead, seed, B, h, data):
+    """With ``h`` headroom blocks: what the fillable holes cannot take goes to whole fresh
+    destinations, and the plan frees as many blocks as the reference's best mixed plan."""
     n = max(1, int(nblocks * S * fill))
     t = _table(S, nblocks, n, dead, seed)
     tail = t.tail_block("r")
     blocks = t.blocks_of("r")
     unfillable = data.draw(st.lists(st.sampled_from(blocks), unique=True), label="unfillable")
-    prop, _ = propose(t, "r", [], max_sources=B, tail=tail, in_place=True, unfillable=unfillable)
-    view = view_of(t, "r", tail=tail, headroom=[], max_sources=B, in_place=True, unfillable=unfillable)
-    best = best_reduction(view, 0)
+    head = list(range(nblocks + 1, nblocks + 1 + h))
+    prop, _ = propose(t, "r", head, max_sources=B, tail=tail, in_place=True, unfillable=unfillable)
+    view = view_of(t, "r", tail=tail, headroom=head, max_sources=B, in_place=True, unfillable=unfillable)
+    best = best_reduction(view, h)
     if prop is None:
         assert best == 0, f"no plan, but one frees {best}: {view}"
         return
@@ -44,6 +47,19 @@ def test_in_place_with_unfillable_blocks_is_valid_and_best(S, nblocks, fill, dea
     assert plan_errors(view, plan) == []
     assert not set(prop.fills) & set(unfillable)
     assert prop.reduction == best, (prop.reduction, best, plan, view)
+    assert len(prop.dests) <= h and not (prop.dests and not set(prop.sources) & set(unfillable)), plan
+
+
+def test_unfillable_blocks_emptied_into_a_destination_when_no_hole_takes_them():
+    """Blocks 1 and 2 unfillable (live 1 and 2 of 4), no fillable block: without headroom no
+    plan exists; with one headroom block both empty into it (two freed, one used: 1 block)."""
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("r", [1, 2, 3], 9)
+    t.evict_tokens("r", [0, 1, 2, 4, 5])  # live: block 1 {3}, block 2 {6, 7}, tail 3 {8}
+    assert propose(t, "r", [], max_sources=4, tail=3, in_place=True, unfillable=[1, 2])[0] is None
+    prop, _ = propose(t, "r", [9], max_sources=4, tail=3, in_place=True, unfillable=[1, 2])
+    assert prop is not None and prop.sources == [1, 2] and prop.fills == [] and prop.dests == [9], prop
+    assert prop.moves.tolist() == [[3, 1, 3, 9, 0], [6, 2, 2, 9, 1], [7, 2, 3, 9, 2]]
 
 
 def test_the_reference_refuses_a_fill_of_an_unfillable_block():

@@ -90,14 +90,14 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     of the freed blocks move, and no plan frees more. ``unfillable`` (block ids): candidates a
     plan may empty but never fill (their bytes must stay: a prefix-cache hash describes them);
     then only the others' holes H(F) take tokens, an unfillable source costs its live tokens of
-    them and a fillable one all S of its slots, so the most sources are the unfillable ones by
-    live count, then the fillable ones, while they fit. ``in_place=False`` (the paper's): the best
-    prefix of at most ``max_sources`` candidates by ``sources - ceil(T_live / S)`` whose
-    destinations fit in ``headroom`` (and ``max_dests``), packed into the first ``ceil(T_live /
-    S)`` headroom blocks in logical order (:func:`vtoken.placement.place`).
+    them and a fillable one all S of its slots; what the holes cannot take goes to whole fresh
+    ``headroom`` destinations (after the holes), as in the best such plan (:func:`_in_place_keeping`).
+    ``in_place=False`` (the paper's): the best prefix of at most ``max_sources`` candidates by
+    ``sources - ceil(T_live / S)`` whose destinations fit in ``headroom`` (and ``max_dests``),
+    packed into the first ``ceil(T_live / S)`` headroom blocks in logical order (``place``).
 
-    Returns ``(proposal, worthwhile)``: ``worthwhile`` says a positive reduction existed
-    without the headroom limit (a ``None`` proposal with ``worthwhile`` is a deferral).
+    Returns ``(proposal, worthwhile)``: ``worthwhile``: a positive reduction existed without
+    the headroom limit (a ``None`` proposal with it is a deferral).
     Reads only; O(blocks of the request + its length x log B (+ fills x S)). The contract is
     ``vtoken.spec.planner.plan_errors`` / ``best_reduction``.
     """
@@ -117,12 +117,14 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     fills: list = []
     dests: list = []
     if in_place and unfillable is not None and len(unfillable):
-        picked = _in_place_keeping(candidates, live_counts, S, int(max_sources), np.asarray(unfillable, dtype=np.int64))
+        picked, worthwhile = _in_place_keeping(candidates, live_counts, S, int(max_sources),
+                                               np.asarray(unfillable, dtype=np.int64), limit)
         if picked is None:
-            return None, False
-        sources, fills = picked
-        moves = _moves_of(table, req_id, sources, fills, [], True)
-        return Proposal(sources.tolist(), [], moves, fills), True
+            return None, worthwhile
+        sources, fills, n_dests = picked
+        dests = [int(b) for b in headroom[:n_dests]]
+        moves = _moves_of(table, req_id, sources, fills, dests, True)
+        return Proposal(sources.tolist(), dests, moves, fills), True
     if in_place:
         m = min(int(max_sources), int((S - live_counts).sum()) // S)
         if m <= 0:
@@ -146,26 +148,37 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     return Proposal(sources.tolist(), dests, moves, fills), worthwhile
 
 
-def _in_place_keeping(candidates: np.ndarray, live_counts: np.ndarray, S: int, B: int, unfillable: np.ndarray):
+def _in_place_keeping(candidates: np.ndarray, live_counts: np.ndarray, S: int, B: int, unfillable: np.ndarray,
+                      max_dests: int):
     """In-place sources and fills when ``unfillable`` candidates may be emptied but not filled
-    (``candidates`` by live count): ``(sorted sources, fills)`` or None. The budget is the
-    fillable candidates' holes; an unfillable source spends its live tokens, a fillable one S
-    (its live tokens plus the holes it no longer offers): cheapest first is the most sources."""
+    (``candidates`` by live count), with at most ``max_dests`` fresh destinations (the headroom)
+    taking what the fillable holes cannot: ``((sorted sources, fills, destinations needed) or
+    None, worthwhile)``. A source set X moves T(X) tokens into H(F \\ X), the holes of the
+    fillable candidates it leaves, then into ceil(max(0, T(X) - H(F \\ X)) / S) destinations;
+    with cost c = live count for an unfillable source and S for a fillable one (its live tokens
+    plus the holes it no longer offers), T(X) - H(F \\ X) = c(X) - H(F): for each size k the
+    cheapest k candidates are best, and the best k frees the most (the fewest sources among
+    equals). An emptied unfillable block keeps its bytes and its hash; a destination's bytes
+    are new. ``worthwhile``: a reduction existed without the destination limit."""
     keep = np.isin(candidates, unfillable)
     budget = int((S - live_counts[~keep]).sum())
     cost = np.where(keep, live_counts, S)
     order = np.lexsort((candidates, cost))  # the cheapest first, block id breaking ties
-    m = int(np.searchsorted(np.cumsum(cost[order]), budget, side="right"))
-    m = min(m, B)
-    if m <= 0:
-        return None
+    c = np.cumsum(cost[order])[:min(B, len(candidates))]
+    need = -(-np.maximum(0, c - budget) // S)  # destinations for the cheapest k = 1.. sources
+    reduction = np.arange(1, len(c) + 1) - need
+    worthwhile = bool(len(c) and reduction.max() > 0)
+    reduction[need > max(0, int(max_dests))] = -1
+    m = int(np.argmax(reduction)) + 1 if len(c) else 0
+    if m <= 0 or reduction[m - 1] <= 0:
+        return None, worthwhile
     chosen = np.zeros(len(candidates), dtype=bool)
     chosen[order[:m]] = True
     moved = int(live_counts[chosen].sum())
     free = ~chosen & ~keep  # fills: fillable candidates not emptied, by live count
     room = np.cumsum(S - live_counts[free])
     fills = candidates[free][:int(np.searchsorted(room, moved)) + 1 if moved else 0].tolist()
-    return np.sort(candidates[chosen]), fills
+    return (np.sort(candidates[chosen]), fills, int(need[m - 1])), worthwhile
 
 
 def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests: list, in_place: bool) -> np.ndarray:
@@ -181,12 +194,19 @@ def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests
     moves[:, 0] = toks
     moves[:, 1] = src // S
     moves[:, 2] = src % S
-    if len(toks) and in_place:
-        f = np.asarray(fills, dtype=np.int64)
-        occupied = table.claims[f[:, None] * S + np.arange(S)] > 0
-        hole_block, hole_offset = holes(occupied, f)
-        moves[:, 3] = hole_block[:len(toks)]
-        moves[:, 4] = hole_offset[:len(toks)]
+    if len(toks) and in_place:  # the fills' holes, then (a plan keeping unfillable bytes) whole destinations
+        n = 0
+        if len(fills):
+            f = np.asarray(fills, dtype=np.int64)
+            occupied = table.claims[f[:, None] * S + np.arange(S)] > 0
+            hole_block, hole_offset = holes(occupied, f)
+            n = min(len(hole_block), len(toks))
+            moves[:n, 3] = hole_block[:n]
+            moves[:n, 4] = hole_offset[:n]
+        if n < len(toks):
+            dest_index, offset = place(np.ones(len(toks) - n, dtype=bool), S)
+            moves[n:, 3] = np.asarray(dests, dtype=np.int64)[dest_index]
+            moves[n:, 4] = offset
     elif len(toks):
         dest_index, offset = place(np.ones(len(toks), dtype=bool), S)
         moves[:, 3] = np.asarray(dests, dtype=np.int64)[dest_index]

@@ -128,9 +128,12 @@ class AdapterConfig:
         keep_prefix_bytes: an in-place plan never fills a block whose prefix-cache hash describes
             its bytes (computed with full context): a later request repeating the prefix keeps
             its hits (with the sources' parked hashes, Naive-Evict's hit rate on the audit's
-            repeated-sequence workload), at the price of compaction in prompt-heavy requests (only
-            blocks without such a hash take moved tokens). Off: those blocks may be filled and lose
-            their hash (a fill early in a prompt breaks the whole prefix chain).
+            repeated-sequence workload). Such a block may still be emptied: its live tokens go to
+            the holes of blocks without such a hash, then to whole fresh destinations from the
+            headroom (each block it frees costs a copy of its live tokens, and a destination
+            while one is needed). On by default (the audit's decode runs keep their retained-block
+            reduction). Off: those blocks may be filled and lose their hash (a fill early in a
+            prompt breaks the whole prefix chain).
         evict_unfaithful_hashes: drop the prefix-cache hash of blocks computed after the
             request's first eviction (``prefix_hash``).
         headroom_pool_fraction: the headroom is at most 1/this of the live pool (default 16:
@@ -157,7 +160,7 @@ class AdapterConfig:
     checks: bool = True
     table_device: Optional[str] = None
     evict_unfaithful_hashes: bool = True
-    keep_prefix_bytes: bool = False
+    keep_prefix_bytes: bool = True
     check_full_every: int = 64
     paranoid_checks: bool = False
     headroom_pool_fraction: int = 16

@@ -86,7 +86,7 @@ class PlanBook:
 
     def __init__(self, lifecycle: Lifecycle, *, harness, table, cfg, stats: dict, reserve, mirror, fence, hashes,
                  checker, requests: RequestSide, max_plans_per_step: int, checks: bool,
-                 keep_prefix_bytes: bool = False):
+                 keep_prefix_bytes: bool = True):
         self.lifecycle, self.harness, self.table, self.cfg, self.stats = lifecycle, harness, table, cfg, stats
         self.reserve, self.mirror, self.fence, self.hashes = reserve, mirror, fence, hashes
         self.checker, self.requests = checker, requests
@@ -148,8 +148,8 @@ class PlanBook:
                 continue
             if self.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
                 flying = [b for q in self.plans.values() for b in q.blocks]
-                try:  # an in-place plan uses no destination: its view has no headroom
-                    self.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=[] if cfg.in_place else head,
+                try:  # an in-place plan uses no destination (its view has no headroom) unless it keeps hashed bytes
+                    self.plan_hook(table=t, req_id=r, proposal=p, tail=tail, headroom=head if keep or not cfg.in_place else [],
                                    excluded=exclude.tolist(), max_sources=cfg.max_sources, in_flight=flying,
                                    in_place=cfg.in_place, unfillable=keep)
                 except AssertionError as e:
