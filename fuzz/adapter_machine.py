@@ -356,6 +356,21 @@ class _Run:
                     f"step {processed} with its copy {'reported done' if self.reports.get(pid) else 'not reported done'}")
 
     # ---------------------------------------------------------------- freed blocks poisoned
+    def _left_in_worker(self, bid: int) -> list:
+        """The requests the worker's table still maps to ``bid`` when every one of them has left
+        vLLM (finished or aborted) and every step that scheduled it is processed (its fence
+        passed: no step reads the block for it any more); else []. The worker learns they left
+        at the next step: until then its table, and the relocation checker's guard, name their
+        slots, and poison there would read as another plan's copy overwriting them."""
+        t = self.w.table
+        if not t.block_refs(bid):
+            return []
+        mapped = [r for r in t.requests() if t.references(r, bid)]
+        reqs, processed = self.ad.scheduler.requests, self.ad.clock.processed
+        gone = all((reqs.get(r) is None or reqs[r].is_finished()) and self.last_sched.get(r, 0) <= processed
+                   for r in mapped)
+        return mapped if gone else []
+
     def _poison_freed(self, blocks) -> None:
         """Races made visible: a block back in the pool (ref_cnt 0) has its K/V poisoned (NaN in
         every slot, layer, K and V), so a read of a freed or reused block fails hash-and-compare
@@ -375,7 +390,11 @@ class _Run:
           them at once and the step in flight still computes them, their output discarded, as
           without vtoken; on either clock the worker learns they left only at that step, its
           table and the relocation checker's guard naming their slots until then) and, on the
-          adapter's clock, of its sliding-window group: the steps scheduled before may read it;
+          adapter's clock, of its sliding-window group, and for a free at its fence of a block
+          the worker's table still maps only for requests that left (the adapter's release of
+          a finished request's held destinations: the worker's table and the relocation
+          checker's guard name those slots until it learns, :meth:`_left_in_worker`): the
+          steps scheduled before may read it;
         - never while it carries a prefix-cache hash (a cached free block: a later request's
           prefix hit reads exactly those bytes); such a block is poisoned when the pool hands it
           out again (``get_new_blocks``), before the step that allocated it executes.
@@ -392,10 +411,12 @@ class _Run:
             # vLLM freeing a request that left: the worker learns it at the next step (its table,
             # and the relocation checker's guard, name those slots until then), on either clock
             vllms = self.vllm_freeing or (not fenced and any(g != ad.group for g, _ in holders))
-            if vllms:
+            left = [] if vllms else self._left_in_worker(bid)
+            if vllms or left:
                 nxt = self._next_step()
-                self._poison_later(bid, nxt, f"freed by vLLM from {sorted(r for _, r in holders)}'s "
-                                             f"lists (steps before {nxt} may read it)")
+                who = f"by vLLM from {sorted(r for _, r in holders)}'s lists" if vllms else \
+                    f"while the worker still maps {sorted(left)}, which left"
+                self._poison_later(bid, nxt, f"freed {who} (steps before {nxt} may read it)")
             elif bid in self.poison_due:
                 # still readable by the steps scheduled before its earlier due step (a block a request
                 # that left gave back, grabbed and released again): poisoned when that step executes

@@ -140,6 +140,20 @@ def test_a_stop_enters_the_history_where_it_falls_among_the_runs():
     finish(late)
 
 
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_finished_requests_blocks_the_worker_still_maps_are_poisoned_when_it_learns(lag):
+    """A 10-minute campaign found this false alarm: the adapter frees a finished request's held
+    destinations at their fence, and the machine poisoned them at once, while the worker's
+    table (it learns the request left at the next step) still maps its tokens there: another
+    plan's guard then read the poison as its copy overwriting them (``guard_overwritten``).
+    Such a block is poisoned before the next step instead; early frees are still poisoned at
+    once (the early-free faults above)."""
+    run = make_run(n=5, seed=1, in_place=False, lag=lag, H=3, budget=64)
+    drive(run, stop=True)
+    finish(run)
+    assert any("which left" in why for why in run.poisoned.values()), run.poisoned
+
+
 def blind_bookkeeping(monkeypatch):
     """The machine's own view of who may read what (its fence ledger, its readable blocks) off:
     what is left is the poison."""
