@@ -290,8 +290,17 @@ class WorkerCore:
         growths go to the table as one call each (``evict_one_each``, ``sync_one_each``: the
         scheduler side's replica replays them so too). ``known``: per request how many of its
         tokens the caller knows (default: its prompt and outputs recorded here); a chunk beyond
-        them, or a table that disagrees with ``start``, is refused (``OrderError``)."""
-        t, one_victim, decode = self.table, [], {}
+        them, or a table that disagrees with ``start``, is refused (``OrderError``). A prefix-cache
+        hit after the first request may land on blocks an earlier request of the same step writes
+        (vLLM caches a block when it schedules the tokens that fill it): then one request after
+        the other, in the scheduler's order, so those tokens are placed before the hit."""
+        t = self.table
+        if len(items) > 1 and any((t.length(r) if r in t else 0) < start for r, start, _ in items[1:]):
+            out: dict[str, Chunk] = {}
+            for item in items:
+                out.update(self.chunks([item], known))
+            return out
+        one_victim, decode = [], {}
         for r, start, k in items:
             n = self._entry(r, start)
             w = self.reqs[r]
