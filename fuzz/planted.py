@@ -260,15 +260,15 @@ def _detect_gpu(seed: int, fault: Fault) -> dict:
 def _detect_prefix(seed: int, budget_s: float) -> dict:
     """The prefix-equality check (``fuzz.vllm_prefix.prefix_equality``, the audit's
     ``vllm-prefix-equality``) with this seed: later requests repeat earlier sequences, with
-    prefix caching on and off; with the adapter's ``keep_prefix_bytes`` on (the default: no
-    hashed block is filled) and then off (fills take hashed blocks: a hash kept on a fill's
-    changed bytes shows only there)."""
+    prefix caching on and off; with the adapter's ``keep_prefix_bytes`` off (the default: fills
+    take hashed blocks, a hash kept on a fill's changed bytes shows there) and then on (no
+    hashed block is filled; its sources' and destinations' hashes checked)."""
     from .vllm_prefix import prefix_equality
 
     t0 = time.perf_counter()
     res = prefix_equality(quick=True, seed=seed)
     if res["passed"]:
-        res = prefix_equality(quick=True, seed=seed, keep_prefix_bytes=False)
+        res = prefix_equality(quick=True, seed=seed, keep_prefix_bytes=True)
     return {"detected": not res["passed"], "seconds": time.perf_counter() - t0, "steps": 0,
             "error": res["detail"][:240] if not res["passed"] else "not detected"}
 

@@ -117,7 +117,7 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
          block_size: int = 16, prefix_caching: bool = True, async_scheduling: bool = True, copy_lag: int = 0,
          headroom: int = 8, snapshot_dir=None, late: Optional[dict] = None, evict_ratio: float = 0.5,
          max_num_batched_tokens: int = 2048, then: Optional[Callable[[Callable], dict]] = None,
-         kv_layout: str = "full", keep_prefix_bytes: bool = True) -> dict:
+         kv_layout: str = "full", keep_prefix_bytes: bool = False) -> dict:
     """One decode through the adapter; returns outputs and measurements (raises on a broken
     assumption). ``late``: requests added after the first step (prefix-hit requests).
     ``then``: called once every request has finished, with ``output_tokens(req_id)``; the
@@ -307,7 +307,7 @@ def _prefix_policy_row(policy: str, runs: dict, g_off: dict, g_on: dict, problem
     return row
 
 
-def prefix_equality(quick: bool = True, seed: int = 0, keep_prefix_bytes: bool = True) -> dict:
+def prefix_equality(quick: bool = True, seed: int = 0, keep_prefix_bytes: bool = False) -> dict:
     """What the outputs guarantee says under prefix caching, checked (``vtoken audit`` check
     ``vllm-prefix-equality``). Requests decode and finish; then later requests repeat a whole
     earlier sequence, a prompt, and a prefix. Each policy runs with reclamation on and off,
@@ -323,8 +323,8 @@ def prefix_equality(quick: bool = True, seed: int = 0, keep_prefix_bytes: bool =
       two adapters gives the same outputs with caching on as with it off. A stale or
       unfaithful hash (prefix-cache poisoning) shows up here.
 
-    ``keep_prefix_bytes``: vtoken's runs with the adapter's setting of that name (default on, as
-    the adapter's: then its hit rate must reach Naive-Evict's, a problem otherwise). Never raises."""
+    ``keep_prefix_bytes``: vtoken's runs with the adapter's setting of that name (then its hit
+    rate must reach Naive-Evict's, a problem otherwise). Never raises."""
     t0 = time.perf_counter()
     res = dict(passed=False, detail="", runs=[])
     nreq, new = 4, 24

@@ -29,15 +29,16 @@ def prompt(i: int, n: int, base: int = 0) -> list[int]:
 
 
 def make(model, *, S=8, N=48, H=4, caching=True, async_=False, lag=0, policy="random", ratio=0.5,
-         reclaim=True, batched=2048, seed=0, vllm_clock=False):
+         reclaim=True, batched=2048, seed=0, vllm_clock=False, keep=False):
     """An adapter, its worker and driver. ``vllm_clock``: vLLM's deferred frees are on (as a
     KV-consumer connector sets them) before the adapter attaches, so the fence runs on vLLM's
-    counters; else on the adapter's own."""
+    counters; else on the adapter's own. ``keep``: ``keep_prefix_bytes``."""
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
     from vtoken.vllm_adapter.harness import VllmHarness
     from vtoken.vllm_adapter.worker import VTokenWorker
 
-    own = dict(reclaim=reclaim, planner_config=default_adapter_planner_config(headroom=H), headroom_pool_fraction=4)
+    own = dict(reclaim=reclaim, planner_config=default_adapter_planner_config(headroom=H), headroom_pool_fraction=4,
+               keep_prefix_bytes=keep)
     vllm_side = dict(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
                      max_num_batched_tokens=batched, max_model_len=512)
     if vllm_clock:

@@ -51,13 +51,13 @@ def test_sources_keep_their_hash_and_fills_lose_theirs(model, lag):
 
 
 def test_keep_prefix_bytes_keeps_every_hit_of_the_repeated_sequences(model):
-    """``keep_prefix_bytes`` (on by default): no in-place plan fills a block whose hash
+    """``keep_prefix_bytes`` (off by default: its step cost): no in-place plan fills a block whose hash
     describes its bytes, so the audit's repeated sequences hit the prefix cache at least as
     often as under Naive-Evict, every hit serving the bytes a fresh prefill writes, while
     relocations still happen."""
     from vtoken.reports import vllm_runs
 
-    res = vllm_runs.prefix_equality(quick=True, seed=0)
+    res = vllm_runs.prefix_equality(quick=True, seed=0, keep_prefix_bytes=True)
     assert res["passed"], res["detail"]
     row, = res["runs"]
     on = row["cache_on"]
@@ -66,22 +66,22 @@ def test_keep_prefix_bytes_keeps_every_hit_of_the_repeated_sequences(model):
 
 
 def test_without_keep_prefix_bytes_fills_cost_hits(model):
-    """The control: with the setting off, fills take hashed prompt blocks and lose their hash,
+    """The control: with the setting off (the default), fills take hashed prompt blocks and lose their hash,
     and the repeated sequences hit the prefix cache less often than under Naive-Evict."""
     from vtoken.reports import vllm_runs
 
-    res = vllm_runs.prefix_equality(quick=True, seed=0, keep_prefix_bytes=False)
+    res = vllm_runs.prefix_equality(quick=True, seed=0)
     on = res["runs"][0]["cache_on"]
     assert res["passed"] and on["hit_rate_on"] < on["hit_rate_off"], on
 
 
 def test_hashed_blocks_are_emptied_into_headroom_destinations(model):
-    """By default a hashed block is never a fill; what the other blocks' holes cannot take goes
+    """With ``keep_prefix_bytes`` a hashed block is never a fill; what the other blocks' holes cannot take goes
     to fresh headroom destinations (plans with fills and destinations, holes first): each
     plan's moves checked against the reference contract with the headroom in its view."""
     from vtoken.invariants.plan_contract import check_proposal
 
-    ad, w, d = make(model, S=4, N=96, H=4, ratio=0.5, caching=True)
+    ad, w, d = make(model, S=4, N=96, H=4, ratio=0.5, caching=True, keep=True)
     ad.plan_hook = check_proposal
     assert ad.config.keep_prefix_bytes
     hashed_fills, with_dests = [], 0

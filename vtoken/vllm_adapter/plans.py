@@ -86,7 +86,7 @@ class PlanBook:
 
     def __init__(self, lifecycle: Lifecycle, *, harness, table, cfg, stats: dict, reserve, mirror, fence, hashes,
                  checker, requests: RequestSide, max_plans_per_step: int, checks: bool,
-                 keep_prefix_bytes: bool = True):
+                 keep_prefix_bytes: bool = False):
         self.lifecycle, self.harness, self.table, self.cfg, self.stats = lifecycle, harness, table, cfg, stats
         self.reserve, self.mirror, self.fence, self.hashes = reserve, mirror, fence, hashes
         self.checker, self.requests = checker, requests
