@@ -105,10 +105,8 @@ CATALOGUE: list[Fault] = [
               "        n_dest = min(max(int(need[m - 1]), m), limit)\n"
               "        if n_dest == 0:\n            return None, worthwhile\n        dests = [int(b) for b in headroom[:n_dest]]"),)),
     Fault("plan_dup_dst", "9 duplicate destination slot (planner)", "the planner gives two tokens one destination", "planner",
-          (_p(P, "_moves_of", "        moves[:, 4] = offset\n",
-              "        moves[:, 4] = offset\n        if len(toks) > 1:\n            moves[1, 3:] = moves[0, 3:]\n"),
-           _p(P, "_moves_of", "            moves[:n, 4] = hole_offset[:n]\n",
-              "            moves[:n, 4] = hole_offset[:n]\n            if n > 1:\n                moves[1, 3:] = moves[0, 3:]\n"))),
+          (_p(P, "_moves_of", "    return moves\n",
+              "    if len(toks) > 1:\n        moves[1, 3:] = moves[0, 3:]\n    return moves\n"),)),
     Fault("plan_overlaps_inflight", "I4 overlap with an in-flight plan", "blocks of an in-flight plan are planned again",
           "planner", (_p(P, "ReclamationManager.plan_request", "excluded=self.busy_mask if self.in_flight else None",
                          "excluded=None"),

@@ -123,7 +123,7 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
             return None, worthwhile
         sources, fills, n_dests = picked
         dests = [int(b) for b in headroom[:n_dests]]
-        moves = _moves_of(table, req_id, sources, fills, dests, True)
+        moves = _moves_of(table, req_id, sources, fills, dests)
         return Proposal(sources.tolist(), dests, moves, fills), True
     if in_place:
         m = min(int(max_sources), int((S - live_counts).sum()) // S)
@@ -144,7 +144,7 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
             return None, worthwhile
         dests = [int(b) for b in headroom[: int(need[m - 1])]]
     sources = np.sort(candidates[:m])
-    moves = _moves_of(table, req_id, sources, fills, dests, in_place)
+    moves = _moves_of(table, req_id, sources, fills, dests)
     return Proposal(sources.tolist(), dests, moves, fills), worthwhile
 
 
@@ -181,9 +181,10 @@ def _in_place_keeping(candidates: np.ndarray, live_counts: np.ndarray, S: int, B
     return (np.sort(candidates[chosen]), fills, int(need[m - 1])), worthwhile
 
 
-def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests: list, in_place: bool) -> np.ndarray:
+def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests: list) -> np.ndarray:
     """The (k, 5) moves of a proposal: every live token of the sorted ``sources``, in logical
-    order, into the holes of ``fills`` (in place) or packed into ``dests``."""
+    order, into the holes of ``fills`` (in place), then packed into whole ``dests`` (the
+    reference's one placement rule; an out-of-place plan has no fills)."""
     S = table.S
     ids, slots = table.live_slots(req_id)
     blk = slots // S
@@ -194,23 +195,18 @@ def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests
     moves[:, 0] = toks
     moves[:, 1] = src // S
     moves[:, 2] = src % S
-    if len(toks) and in_place:  # the fills' holes, then (a plan keeping unfillable bytes) whole destinations
-        n = 0
-        if len(fills):
-            f = np.asarray(fills, dtype=np.int64)
-            occupied = table.claims[f[:, None] * S + np.arange(S)] > 0
-            hole_block, hole_offset = holes(occupied, f)
-            n = min(len(hole_block), len(toks))
-            moves[:n, 3] = hole_block[:n]
-            moves[:n, 4] = hole_offset[:n]
-        if n < len(toks):
-            dest_index, offset = place(np.ones(len(toks) - n, dtype=bool), S)
-            moves[n:, 3] = np.asarray(dests, dtype=np.int64)[dest_index]
-            moves[n:, 4] = offset
-    elif len(toks):
-        dest_index, offset = place(np.ones(len(toks), dtype=bool), S)
-        moves[:, 3] = np.asarray(dests, dtype=np.int64)[dest_index]
-        moves[:, 4] = offset
+    n = 0
+    if len(toks) and len(fills):
+        f = np.asarray(fills, dtype=np.int64)
+        occupied = table.claims[f[:, None] * S + np.arange(S)] > 0
+        hole_block, hole_offset = holes(occupied, f)
+        n = min(len(hole_block), len(toks))
+        moves[:n, 3] = hole_block[:n]
+        moves[:n, 4] = hole_offset[:n]
+    if n < len(toks):
+        dest_index, offset = place(np.ones(len(toks) - n, dtype=bool), S)
+        moves[n:, 3] = np.asarray(dests, dtype=np.int64)[dest_index]
+        moves[n:, 4] = offset
     return moves
 
 
