@@ -96,9 +96,9 @@ CATALOGUE: list[Fault] = [
           (_p(A, "BlockAllocator.reserve", "        for b in out:\n            self.state[b] = RESERVED",
               "        self._queue.extend(out)\n        for b in out:\n            self.state[b] = RESERVED"),)),
     Fault("plan_moves_shared", "7 a shared-prefix block moved", "shared blocks are compaction sources", "planner",
-          (_p(P, "propose", "ok = (table.refs[blocks] == 1) & (nb < S) &", "ok = (nb < S) &"),)),
+          (_p(P, "eligible_blocks", "ok = (table.refs[blocks] == 1) & (blocks", "ok = (blocks"),)),
     Fault("plan_moves_tail", "I4 tail block moved", "the block being written is a compaction source", "planner",
-          (_p(P, "propose", " & (blocks != (tail if tail is not None else -1))", ""),)),
+          (_p(P, "eligible_blocks", " & (blocks != (tail if tail is not None else -1))", ""),)),
     Fault("plan_nondecreasing", "I4 non-decreasing plan accepted", "a plan that frees no block is made", "planner",
           (_p(P, "propose", "        if reductions[m - 1] <= 0:\n            return None, worthwhile\n"
                             "        dests = [int(b) for b in headroom[: int(need[m - 1])]]",

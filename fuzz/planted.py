@@ -260,13 +260,13 @@ def _detect_gpu(seed: int, fault: Fault) -> dict:
 def _detect_prefix(seed: int, budget_s: float) -> dict:
     """The prefix-equality check (``fuzz.vllm_prefix.prefix_equality``, the audit's
     ``vllm-prefix-equality``) with this seed: later requests repeat earlier sequences, with
-    prefix caching on and off; with the adapter's ``keep_prefix_bytes`` off (the default: fills
-    take hashed blocks, a hash kept on a fill's changed bytes shows there) and then on (no
+    prefix caching on and off; with the adapter's ``keep_prefix_bytes`` off (fills take hashed
+    blocks, a hash kept on a fill's changed bytes shows there) and then on (the default: no
     hashed block is filled; its sources' and destinations' hashes checked)."""
     from .vllm_prefix import prefix_equality
 
     t0 = time.perf_counter()
-    res = prefix_equality(quick=True, seed=seed)
+    res = prefix_equality(quick=True, seed=seed, keep_prefix_bytes=False)
     if res["passed"]:
         res = prefix_equality(quick=True, seed=seed, keep_prefix_bytes=True)
     return {"detected": not res["passed"], "seconds": time.perf_counter() - t0, "steps": 0,

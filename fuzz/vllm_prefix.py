@@ -27,8 +27,8 @@ import traceback
 from typing import Callable, Optional
 
 from vtoken.vllm_adapter import harness as _harness  # noqa: F401 - CPU environment before vLLM
-from vtoken.vllm_adapter.adapter import ASSUMPTIONS, AdapterAssumptionError, AdapterDriver, VTokenAdapter, \
-    default_adapter_planner_config
+from vtoken.vllm_adapter.adapter import ASSUMPTIONS, AdapterAssumptionError, AdapterConfig, AdapterDriver, \
+    VTokenAdapter, default_adapter_planner_config
 from vtoken.invariants.relocation_hash import RelocationChecker
 
 __all__ = ["outputs_guarantee", "prefix_equality", "served_from_cache_mismatch"]
@@ -117,7 +117,7 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
          block_size: int = 16, prefix_caching: bool = True, async_scheduling: bool = True, copy_lag: int = 0,
          headroom: int = 8, snapshot_dir=None, late: Optional[dict] = None, evict_ratio: float = 0.5,
          max_num_batched_tokens: int = 2048, then: Optional[Callable[[Callable], dict]] = None,
-         kv_layout: str = "full", keep_prefix_bytes: bool = False) -> dict:
+         kv_layout: str = "full", keep_prefix_bytes: Optional[bool] = None) -> dict:
     """One decode through the adapter; returns outputs and measurements (raises on a broken
     assumption). ``late``: requests added after the first step (prefix-hit requests).
     ``then``: called once every request has finished, with ``output_tokens(req_id)``; the
@@ -128,14 +128,14 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
     audit's runtime checks (the planted ``adapter_headroom_to_allocate`` is caught here).
     ``kv_layout``: vLLM's KV cache groups (``hybrid``: full attention + a sliding window of two
     blocks, read by the model's odd layers). ``keep_prefix_bytes``: the adapter's setting
-    (in-place plans never fill a block its prefix-cache hash describes)."""
+    (in-place plans never fill a block its prefix-cache hash describes); None: its default."""
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     ad = VTokenAdapter(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                        async_scheduling=async_scheduling, reclaim=reclaim,
                        planner_config=default_adapter_planner_config(headroom=headroom),
                        max_num_batched_tokens=max_num_batched_tokens, kv_layout=kv_layout,
-                       keep_prefix_bytes=keep_prefix_bytes)
+                       **({} if keep_prefix_bytes is None else {"keep_prefix_bytes": keep_prefix_bytes}))
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,
                      seed=seed, check_relocations=RelocationChecker if reclaim else None, snapshot_dir=snapshot_dir,
                      copy_lag=copy_lag, layout=ad.worker_layout())
@@ -307,7 +307,7 @@ def _prefix_policy_row(policy: str, runs: dict, g_off: dict, g_on: dict, problem
     return row
 
 
-def prefix_equality(quick: bool = True, seed: int = 0, keep_prefix_bytes: bool = False) -> dict:
+def prefix_equality(quick: bool = True, seed: int = 0, keep_prefix_bytes: Optional[bool] = None) -> dict:
     """What the outputs guarantee says under prefix caching, checked (``vtoken audit`` check
     ``vllm-prefix-equality``). Requests decode and finish; then later requests repeat a whole
     earlier sequence, a prompt, and a prefix. Each policy runs with reclamation on and off,
@@ -323,10 +323,13 @@ def prefix_equality(quick: bool = True, seed: int = 0, keep_prefix_bytes: bool =
       two adapters gives the same outputs with caching on as with it off. A stale or
       unfaithful hash (prefix-cache poisoning) shows up here.
 
-    ``keep_prefix_bytes``: vtoken's runs with the adapter's setting of that name (then its hit
-    rate must reach Naive-Evict's, a problem otherwise). Never raises."""
+    ``keep_prefix_bytes``: vtoken's runs with the adapter's setting of that name (None: the
+    adapter's default, on); on, its hit rate must reach Naive-Evict's, a problem otherwise.
+    Never raises."""
     t0 = time.perf_counter()
     res = dict(passed=False, detail="", runs=[])
+    if keep_prefix_bytes is None:
+        keep_prefix_bytes = AdapterConfig.keep_prefix_bytes  # the shipped default
     nreq, new = 4, 24
     prompts = {f"r{i}": _prompt(seed, i, 40 + 13 * i) for i in range(nreq)}
     policies = ["random"] if quick else ["random", "h2o"]
@@ -343,7 +346,7 @@ def prefix_equality(quick: bool = True, seed: int = 0, keep_prefix_bytes: bool =
                 kw = dict(prompts=prompts, max_tokens=new, policy=policy, seed=seed, num_blocks=nb,
                           then=_repeats(prompts, seed))
                 runs = {(reclaim, cache): _run(reclaim=reclaim, prefix_caching=cache,
-                                               keep_prefix_bytes=keep_prefix_bytes and reclaim, **kw)
+                                               keep_prefix_bytes=keep_prefix_bytes if reclaim else None, **kw)
                         for reclaim in (True, False) for cache in (False, True)}
                 g_off = outputs_guarantee(runs[(True, False)], runs[(False, False)])
                 g_on = outputs_guarantee(runs[(True, True)], runs[(False, True)])

@@ -1,6 +1,8 @@
 """In-place plans that never fill an ``unfillable`` block (one whose bytes a prefix-cache hash
 describes): ``propose(..., unfillable=)`` obeys the reference contract (``fill_unfillable``)
-and frees as many blocks as the best such plan (``spec.planner.best_reduction``)."""
+and frees as many blocks as the best such plan (``spec.planner.best_reduction``); and the
+shortfall (``in_place_deficit``) a driver skips a request by is never more than the evictions a
+plan really needs."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtoken.invariants.plan_contract import view_of
-from vtoken.planner import propose
+from vtoken.planner import in_place_deficit, propose
 from vtoken.spec.planner import best_reduction, plan_errors
 from vtoken.table import TokenTable
 
@@ -88,3 +90,60 @@ def test_an_unfillable_block_left_over_is_never_the_fill():
     prop, _ = propose(t, "r", [], max_sources=4, tail=4, in_place=True, unfillable=[1, 2])
     assert prop is not None and prop.sources == [1] and prop.fills == [3], prop
     assert prop.moves.tolist() == [[3, 1, 3, 3, 0]]
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(S=st.integers(2, 6), nblocks=st.integers(2, 9), fill=st.floats(0.3, 1.0), dead=st.integers(0, 40),
+       seed=st.integers(0, 1000), B=st.integers(1, 8), h=st.integers(0, 3), keep=st.booleans(), data=st.data())
+def test_no_plan_exists_before_the_shortfall_in_evictions(S, nblocks, fill, dead, seed, B, h, keep, data):
+    """``in_place_deficit`` is 0 exactly when ``propose`` (in place, with or without unfillable
+    blocks) finds a plan; when it is d > 0, no choice of fewer than d further evictions of the
+    request's live tokens (the tail's included) lets ``propose`` find one: the adapter skips
+    such a request until it evicted d tokens, so a larger figure would lose plans."""
+    n = max(1, int(nblocks * S * fill))
+    t = _table(S, nblocks, n, dead, seed)
+    tail = t.tail_block("r")
+    unfillable = data.draw(st.lists(st.sampled_from(t.blocks_of("r")), unique=True), label="unfillable") if keep else []
+    head = list(range(nblocks + 1, nblocks + 1 + h))
+    kw = dict(max_sources=B, tail=tail, unfillable=unfillable)
+    d = in_place_deficit(t, "r", max_dests=h if keep else 0, **kw)
+    prop, _ = propose(t, "r", head, in_place=True, **kw)
+    assert (d == 0) == (prop is not None), (d, prop)
+    if d <= 1:
+        return
+    live = t.live_tokens("r").tolist()
+    k = data.draw(st.integers(1, min(d - 1, len(live))), label="evictions") if live else 0
+    if k:
+        t.evict_tokens("r", data.draw(st.lists(st.sampled_from(live), min_size=k, max_size=k, unique=True),
+                                      label="evicted"))
+    assert propose(t, "r", head, in_place=True, **kw)[0] is None, f"a plan after {k} < {d} evictions"
+    assert in_place_deficit(t, "r", max_dests=h if keep else 0, **kw) >= d - k
+
+
+def test_the_shortfall_counts_the_cheapest_source_against_the_fillable_holes():
+    """S = 4: block 1 unfillable with 3 live, block 2 fillable with 2 live (2 holes), tail 3.
+    Emptying 1 needs 3 holes, emptying 2 needs 4 (its own no longer count), and a destination
+    never pays (two sources cost 7 slots, 2 holes + one block take 6): one eviction short."""
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("r", [1, 2, 3], 9)
+    t.evict_tokens("r", [0, 4, 5])  # block 1 {1, 2, 3}, block 2 {6, 7}, tail 3 {8}
+    kw = dict(max_sources=4, tail=3, unfillable=[1])
+    assert in_place_deficit(t, "r", max_dests=0, **kw) == 1 == in_place_deficit(t, "r", max_dests=1, **kw)
+    assert propose(t, "r", [9], in_place=True, **kw)[0] is None
+    t.evict_tokens("r", [6])  # a third hole in block 2
+    assert in_place_deficit(t, "r", max_dests=0, **kw) == 0
+    assert propose(t, "r", [], in_place=True, **kw)[0] is not None
+
+
+def test_a_destination_lowers_the_shortfall_when_two_sources_share_it():
+    """Blocks 1-3 unfillable with one live token each, no fillable hole: without a destination
+    a plan waits for a block to die (one eviction); with one, all three empty into it now."""
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("r", [1, 2, 3, 4], 13)
+    t.evict_tokens("r", [0, 1, 2, 4, 5, 6, 8, 9, 10])  # live 3, 7, 11 and the tail's 12
+    kw = dict(max_sources=4, tail=4, unfillable=[1, 2, 3])
+    assert in_place_deficit(t, "r", max_dests=0, **kw) == 1
+    assert in_place_deficit(t, "r", max_dests=1, **kw) == 0
+    assert propose(t, "r", [9], in_place=True, **kw)[0].reduction == 2  # all three into one block
+    t.evict_tokens("r", [3])  # block 1 all dead: a source that costs nothing
+    assert in_place_deficit(t, "r", max_dests=0, **kw) == 0

@@ -103,22 +103,13 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     """
     S = table.S
     limit = len(headroom) if max_dests is None else max(0, min(int(max_dests), len(headroom)))
-    blocks = table.block_array(req_id)
-    nb = table.n_b[blocks]
-    ok = (table.refs[blocks] == 1) & (nb < S) & (blocks != (tail if tail is not None else -1))
-    if excluded is not None and len(excluded):
-        ex = np.asarray(excluded)
-        ok &= ~ex[blocks] if ex.dtype == bool else ~np.isin(blocks, ex.astype(np.int64))
-    candidates, live_counts = blocks[ok], nb[ok]
+    candidates, live_counts = _candidates(table, req_id, tail, excluded)
     if len(candidates) == 0:
         return None, False
-    order = np.lexsort((candidates, live_counts))  # fewest live first; block id breaks ties
-    candidates, live_counts = candidates[order], live_counts[order]
     fills: list = []
     dests: list = []
     if in_place and unfillable is not None and len(unfillable):
-        picked, worthwhile = _in_place_keeping(candidates, live_counts, S, int(max_sources),
-                                               np.asarray(unfillable, dtype=np.int64), limit)
+        picked, worthwhile = _in_place_keeping(candidates, live_counts, S, int(max_sources), unfillable, limit)
         if picked is None:
             return None, worthwhile
         sources, fills, n_dests = picked
@@ -160,11 +151,7 @@ def _in_place_keeping(candidates: np.ndarray, live_counts: np.ndarray, S: int, B
     cheapest k candidates are best, and the best k frees the most (the fewest sources among
     equals). An emptied unfillable block keeps its bytes and its hash; a destination's bytes
     are new. ``worthwhile``: a reduction existed without the destination limit."""
-    keep = np.isin(candidates, unfillable)
-    budget = int((S - live_counts[~keep]).sum())
-    cost = np.where(keep, live_counts, S)
-    order = np.lexsort((candidates, cost))  # the cheapest first, block id breaking ties
-    c = np.cumsum(cost[order])[:min(B, len(candidates))]
+    keep, budget, order, c = _keeping_costs(candidates, live_counts, S, B, unfillable)
     need = -(-np.maximum(0, c - budget) // S)  # destinations for the cheapest k = 1.. sources
     reduction = np.arange(1, len(c) + 1) - need
     worthwhile = bool(len(c) and reduction.max() > 0)
@@ -179,6 +166,75 @@ def _in_place_keeping(candidates: np.ndarray, live_counts: np.ndarray, S: int, B
     room = np.cumsum(S - live_counts[free])
     fills = candidates[free][:int(np.searchsorted(room, moved)) + 1 if moved else 0].tolist()
     return (np.sort(candidates[chosen]), fills, int(need[m - 1])), worthwhile
+
+
+def eligible_blocks(table: TokenTable, req_id, tail, excluded) -> np.ndarray:
+    """The blocks of ``req_id`` a plan may take, full or not: only it references them, not
+    ``tail``, not ``excluded`` (a bool mask over all blocks, or block ids). O(blocks of the request)."""
+    blocks = table.block_array(req_id)
+    ok = (table.refs[blocks] == 1) & (blocks != (tail if tail is not None else -1))
+    if excluded is not None and len(excluded):
+        ex = np.asarray(excluded)
+        ok &= ~ex[blocks] if ex.dtype == bool else ~np.isin(blocks, ex.astype(np.int64))
+    return blocks[ok]
+
+
+def _candidates(table: TokenTable, req_id, tail, excluded) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`propose`'s candidates (the :func:`eligible_blocks` not full of live tokens) and
+    their live counts, fewest live first, block id breaking ties. O(blocks of the request)."""
+    blocks = eligible_blocks(table, req_id, tail, excluded)
+    nb = table.n_b[blocks]
+    ok = nb < table.S
+    candidates, live_counts = blocks[ok], nb[ok]
+    order = np.lexsort((candidates, live_counts))
+    return candidates[order], live_counts[order]
+
+
+def _keeping_costs(candidates: np.ndarray, live_counts: np.ndarray, S: int, B: int, unfillable):
+    """With ``unfillable`` candidates: which candidates are unfillable, the fillable holes
+    H(F), the order cheapest first (cost: live count unfillable, S fillable; block id breaking
+    ties) and the cumulative cost of the cheapest k = 1..min(B, candidates) sources."""
+    keep = np.isin(candidates, np.asarray(unfillable, dtype=np.int64))
+    budget = int((S - live_counts[~keep]).sum())
+    cost = np.where(keep, live_counts, S)
+    order = np.lexsort((candidates, cost))  # the cheapest first, block id breaking ties
+    return keep, budget, order, np.cumsum(cost[order])[:min(B, len(candidates))]
+
+
+def in_place_deficit(table: TokenTable, req_id, *, max_sources: int, tail: Optional[int],
+                     excluded: Optional[np.ndarray] = None, unfillable: Optional[Sequence[int]] = None,
+                     max_dests: int = 0) -> int:
+    """The evictions of ``req_id``'s tokens needed, at least, before :func:`propose` in place
+    with these arguments can return a plan (0: it may now). In place a plan exists iff the holes
+    H of the candidates reach S; keeping ``unfillable`` blocks, iff for some k the cheapest k
+    sources cost at most H(F) + S x min(k - 1, ``max_dests``). An eviction empties one slot of
+    the request: one fillable hole more, or one live token less in an unfillable candidate (a
+    block it makes a candidate included), so it lowers every such shortfall by one at most,
+    and growth writes only the tail. A driver that saw no plan may skip the request until that
+    many evictions happened, while its blocks (the set, its tail), their prefix-cache hashes
+    and sharing and the headroom stay as they were: a block gaining a hash never lowers the
+    shortfall, one losing it or ceasing to be shared may. O(blocks of the request)."""
+    candidates, live_counts = _candidates(table, req_id, tail, excluded)
+    keep = np.isin(candidates, np.asarray(unfillable if unfillable is not None else [], dtype=np.int64))
+    return shortfall(candidates, live_counts, keep, table.S, max_sources, max_dests)
+
+
+def shortfall(blocks: np.ndarray, live_counts: np.ndarray, keep: np.ndarray, S: int, max_sources: int,
+              max_dests: int = 0) -> int:
+    """:func:`in_place_deficit` of given eligible ``blocks`` (:func:`eligible_blocks`), their
+    ``live_counts`` and ``keep`` (a bool per block: unfillable); full blocks are no candidates.
+    A driver that kept the eligible blocks of a request whose block set has not changed since
+    re-checks its shortfall with the live counts of now, without the rest of a proposal.
+    O(blocks log blocks)."""
+    part = live_counts < S
+    candidates, live_counts, keep = blocks[part], live_counts[part], keep[part]
+    if not keep.any():  # none kept (or no candidate): a plan exists iff the holes reach S
+        return max(0, S - int((S - live_counts).sum()))
+    if max_dests <= 0:  # no destination: the cheapest one source decides (the k-th costs more)
+        return max(0, int(np.where(keep, live_counts, S).min()) - int((S - live_counts[~keep]).sum()))
+    _, budget, _, c = _keeping_costs(candidates, live_counts, S, int(max_sources), candidates[keep])
+    k = np.arange(len(c))
+    return max(0, int((c - budget - S * np.minimum(k, max(0, int(max_dests)))).min()))
 
 
 def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests: list) -> np.ndarray:

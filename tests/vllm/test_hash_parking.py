@@ -51,13 +51,13 @@ def test_sources_keep_their_hash_and_fills_lose_theirs(model, lag):
 
 
 def test_keep_prefix_bytes_keeps_every_hit_of_the_repeated_sequences(model):
-    """``keep_prefix_bytes`` (off by default: its step cost): no in-place plan fills a block whose hash
+    """``keep_prefix_bytes`` (on by default): no in-place plan fills a block whose hash
     describes its bytes, so the audit's repeated sequences hit the prefix cache at least as
     often as under Naive-Evict, every hit serving the bytes a fresh prefill writes, while
     relocations still happen."""
     from vtoken.reports import vllm_runs
 
-    res = vllm_runs.prefix_equality(quick=True, seed=0, keep_prefix_bytes=True)
+    res = vllm_runs.prefix_equality(quick=True, seed=0)  # the default
     assert res["passed"], res["detail"]
     row, = res["runs"]
     on = row["cache_on"]
@@ -66,11 +66,11 @@ def test_keep_prefix_bytes_keeps_every_hit_of_the_repeated_sequences(model):
 
 
 def test_without_keep_prefix_bytes_fills_cost_hits(model):
-    """The control: with the setting off (the default), fills take hashed prompt blocks and lose their hash,
+    """The control: with the setting off, fills take hashed prompt blocks and lose their hash,
     and the repeated sequences hit the prefix cache less often than under Naive-Evict."""
     from vtoken.reports import vllm_runs
 
-    res = vllm_runs.prefix_equality(quick=True, seed=0)
+    res = vllm_runs.prefix_equality(quick=True, seed=0, keep_prefix_bytes=False)
     on = res["runs"][0]["cache_on"]
     assert res["passed"] and on["hit_rate_on"] < on["hit_rate_off"], on
 

@@ -131,12 +131,11 @@ class AdapterConfig:
             repeated-sequence workload). Such a block may still be emptied: its live tokens go to
             the holes of blocks without such a hash, then to whole fresh destinations from the
             headroom (each block it frees costs a copy of its live tokens, and a destination
-            while one is needed). Off by default: on, the audit's repeated sequences keep every
-            hit and its decode runs their reduction, but a request whose hashed blocks no plan can
-            empty is proposed for again at every plan step (its reclaim bound does not know which
-            blocks are unfillable): the adapter's step cost with 50% eviction rose from x1.6 to
-            x5.5 plain vLLM in the audit's quick timing. Off: those blocks may be filled and lose
-            their hash (a fill early in a prompt breaks the whole prefix chain).
+            while one is needed). On by default. A request for which no plan exists (its
+            bound counts hashed blocks no plan may fill) is skipped until its evictions could
+            make one (``plans.PlanBook.no_plan``), not proposed for at every plan step. Off:
+            those blocks may be filled and lose their hash (a fill early in a prompt breaks the
+            whole prefix chain for a later request repeating it).
         evict_unfaithful_hashes: drop the prefix-cache hash of blocks computed after the
             request's first eviction (``prefix_hash``).
         headroom_pool_fraction: the headroom is at most 1/this of the live pool (default 16:
@@ -163,7 +162,7 @@ class AdapterConfig:
     checks: bool = True
     table_device: Optional[str] = None
     evict_unfaithful_hashes: bool = True
-    keep_prefix_bytes: bool = False
+    keep_prefix_bytes: bool = True
     check_full_every: int = 64
     paranoid_checks: bool = False
     headroom_pool_fraction: int = 16

@@ -9,20 +9,23 @@ What stays here is the translation to vLLM: which blocks vLLM shares or the sche
 does not hold (excluded from planning), the proposal checked against vLLM's own reference
 counts, prefix-cache hashes dropped, the fence ledger that verifies each source's free, and
 the worker's report turned into the lifecycle's ends.
-Owns: the cached positive reclaim bounds and the requests whose bound is stale (the blocks
-are the lifecycle's).
+Owns: the cached positive reclaim bounds, the requests whose bound is stale, and the requests
+an in-place proposal found no plan for, with what must change before one can (``no_plan``:
+without it a request whose bound counts blocks no plan may fill, hashed ones kept with
+``keep_prefix_bytes``, was proposed for again at every plan check); the blocks are the lifecycle's.
 May call: what it is given (the lifecycle, the token table, the rooms ``reserve``, ``mirror``,
 ``fence``, ``hashes``, ``checker``; vLLM's pool and scheduler through the harness; the request
 side's five questions, :class:`RequestSide`), :mod:`vtoken.planner` (``should_reclaim``,
 ``reclaim_bounds``, ``propose``) and the toolkit's ``plan_hook`` when one is attached. It never
 reads the adapter's attributes.
 Costs: per planning step O(requests whose table changed + requests with a positive bound),
-plus the planner's own cost per plan; per report O(blocks of the reported plans).
+plus the planner's own cost per proposal, made only for requests not skipped in ``no_plan``; per report O(blocks of the reported plans).
 """
 
 from __future__ import annotations
 
 import copy
+import heapq
 
 import numpy as np
 
@@ -33,8 +36,14 @@ from .mirror import unaccounted
 from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
-from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, shared_at_end, \
-    should_reclaim, trigger_inputs
+from ..planner import Proposal, eligible_blocks, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, \
+    shared_at_end, shortfall, should_reclaim, trigger_inputs
+
+# a request skipped after an in-place proposal found no plan is looked at again after this many
+# plan checks when it shares a block (a sharer leaving makes the block eligible: no event of the
+# request's own says so), and after SAFETY_CHECKS in any case
+RETRY_CHECKS = 16
+SAFETY_CHECKS = 256
 
 
 def merge_snapshot(plan: Plan, done: dict) -> None:
@@ -95,6 +104,12 @@ class PlanBook:
         self.plan_hook = None  # the toolkit's contract check, attached through the adapter
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
         self.bound: dict[str, tuple] = {}  # request -> (-its positive reclaim bound, arrival, request), cached
+        # request -> [dead tokens it needs, its block array, tail, headroom size, step to look again
+        # by, its eligible blocks, which are unfillable, destinations allowed, full-context length]
+        # after an in-place proposal found no plan: skipped until one of them says look (_no_plan)
+        self.no_plan: dict[str, list] = {}
+        self.due: list = []  # heap of (look-again step, request's order, request) of ``no_plan``
+        self.head_seen = 0  # the headroom's size at the last plan check
 
     @property
     def plans(self) -> dict[int, Plan]:
@@ -117,15 +132,17 @@ class PlanBook:
         if (need_head and not self.reserve) or steps % cfg.check_every or \
                 not should_reclaim(cfg, **trigger_inputs(t, self.harness.pool.get_num_free_blocks())):
             return
-        bound, arrival = self.bound, self.requests.arrival
+        bound, arrival, no_plan = self.bound, self.requests.arrival, self.no_plan
+        self._wake(steps)
         stale = [r for r in self.stale_bounds if r in t]
         for r in self.stale_bounds.difference(stale):  # gone from the table
             bound.pop(r, None)
+            no_plan.pop(r, None)
         for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
-            if gain > 0:
+            if gain > 0 and not (r in no_plan and self._still_no_plan(r, steps)):
                 bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
             else:
-                bound.pop(r, None)
+                bound.pop(r, None)  # no plan can exist (or none was found, and nothing changed enough since)
         self.stale_bounds = set()
         busy, current, running = self.busy, self.requests.current, self.requests.running
         pool_blocks = self.harness.pool.blocks
@@ -145,6 +162,8 @@ class PlanBook:
             p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude, in_place=cfg.in_place,
                            unfillable=keep)
             if p is None:
+                if cfg.in_place:  # out of the ranking until its table changes enough (or it is due)
+                    self._no_plan(r, steps, tail, exclude, keep, len(head))
                 continue
             if self.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
                 flying = [b for q in self.plans.values() for b in q.blocks]
@@ -155,6 +174,80 @@ class PlanBook:
                 except AssertionError as e:
                     raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self.launch(meta, r, p, tail, head)
+
+    def _no_plan(self, r: str, steps: int, tail, exclude, keep: list, head: int) -> None:
+        """An in-place proposal for ``r`` found no plan: skip ``r`` until it evicted as many
+        tokens as its shortfall (``planner.shortfall``: a plan needs at least that many, at
+        least one), then re-check the shortfall on the same eligible blocks (their live counts now)
+        and propose only when it is 0. Look again at once when what else lowers the shortfall
+        changed: its block set (a moved-on tail is added to the blocks kept here), the headroom
+        grew, its full-context length (which of its hashed blocks are unfillable) changed; after
+        ``RETRY_CHECKS`` plan checks when it shares a block, ``SAFETY_CHECKS`` otherwise. A
+        block gaining a hash never lowers the shortfall; one losing its hash while its request
+        runs is unfaithful already (or a reset, with no request running). O(blocks of r)."""
+        t, cfg = self.table, self.cfg
+        cand = eligible_blocks(t, r, tail, exclude)  # full ones included: an eviction makes one a candidate
+        kept = np.isin(cand, np.asarray(keep, dtype=np.int64))
+        dests = head if keep else 0
+        need = shortfall(cand, t.n_b[cand], kept, t.S, cfg.max_sources, dests)
+        blocks = t.block_array(r)
+        shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
+        due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
+        self.no_plan[r] = [t.length(r) - t.num_live(r) + max(1, need), blocks, tail, head, due, cand, kept, dests,
+                           self.hashes.faithful.get(r)]
+        heapq.heappush(self.due, (due, self.requests.arrival(r), r))
+        del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
+
+    def _wake(self, steps: int) -> None:
+        """Skipped requests (``no_plan``) whose look-again step came, or all of them when the
+        headroom grew past what one was skipped with, are looked at again (``stale_bounds``);
+        the others wait for a change of their own table. O(requests woken + log)."""
+        due, no_plan = self.due, self.no_plan
+        while due and due[0][0] <= steps:
+            when, _, r = heapq.heappop(due)
+            memo = no_plan.get(r)
+            if memo is not None and memo[4] == when:
+                del no_plan[r]
+                self.stale_bounds.add(r)
+        head = len(self.lifecycle.headroom)
+        if head > self.head_seen:
+            self.stale_bounds.update(r for r, m in no_plan.items() if head > m[3])
+        self.head_seen = head
+
+    def _still_no_plan(self, r: str, steps: int) -> bool:
+        """Is ``r`` still skipped (``_no_plan``)? Forgets it when not. O(1) until its evictions
+        reach the shortfall or its tail moves on, then O(its eligible blocks) for the re-check."""
+        t = self.table
+        memo = self.no_plan[r]
+        if steps < memo[4] and len(self.lifecycle.headroom) <= memo[3] and self.hashes.faithful.get(r) == memo[8] and \
+                (t.block_array(r) is memo[1] or self._tail_moved(r, memo)):
+            dead = t.length(r) - t.num_live(r)
+            if dead < memo[0]:
+                return True
+            need = shortfall(memo[5], t.n_b[memo[5]], memo[6], t.S, self.cfg.max_sources, memo[7])
+            if need > 0:
+                memo[0] = dead + need
+                return True
+        del self.no_plan[r]
+        return False
+
+    def _tail_moved(self, r: str, memo: list) -> bool:
+        """Did ``r``'s block set change only by a new tail (the decode step that filled the old
+        one)? Then the old tail joins the eligible blocks in ``memo`` (when a plan may take it:
+        only ``r`` holds it, in its list), unfillable when its hash describes its bytes, and
+        the shortfall is re-checked now (its evictions count from here). O(blocks of r)."""
+        t = self.table
+        arr, tail, cur = memo[1], memo[2], t.block_array(r)
+        new = t.tail_block(r)
+        if tail is None or new == tail or len(cur) != len(arr) + 1 or bool((arr == new).any()) or \
+                not np.isin(arr, cur).all():
+            return False
+        i, blk = self.mirror.index(r, tail), self.harness.pool.blocks[tail]
+        if i is not None and blk.ref_cnt == 1 and t.refs[tail] == 1:
+            memo[5] = np.append(memo[5], tail)
+            memo[6] = np.append(memo[6], blk.block_hash is not None and self.hashes.is_faithful(r, i))
+        memo[0], memo[1], memo[2] = 0, cur, new
+        return True
 
     def _unfillable(self, r: str, blocks: list) -> list:
         """``r``'s blocks a plan may empty but never fill: those whose prefix-cache hash describes
@@ -201,6 +294,7 @@ class PlanBook:
         """``r``'s list was freed (preemption, finish; its plans were orphaned by the
         lifecycle): its bound is forgotten."""
         self.bound.pop(r, None)
+        self.no_plan.pop(r, None)
 
     def absorb(self, reported: dict) -> None:
         """The worker's report (plan id -> :class:`~vtoken.lifecycle.Outcome`), per finished

@@ -17,7 +17,7 @@ the adapter's JSON settings take under ``planner_config``, through the same
 ``checks`` (the scheduler side's runtime checks), ``check_relocations`` (hash-and-compare of
 every relocation in the worker), ``copy_lag`` (a copy completes on its n-th poll), ``seed``,
 ``max_plans_per_step``, ``check_full_every``, ``paranoid_checks``, ``headroom_pool_fraction``,
-``keep_prefix_bytes`` (never fill a block whose prefix-cache hash describes it: hits kept; default off),
+``keep_prefix_bytes`` (never fill a block whose prefix-cache hash describes it: hits kept; default on),
 ``stats_path`` (where the scheduler writes its counters and the worker's as JSON), ``snapshot_dir``
 (where a failing relocation's snapshot goes).
 Owns: nothing but its values (frozen).
@@ -56,7 +56,7 @@ class EngineSettings:
     max_plans_per_step: int = 4
     check_full_every: int = 64
     paranoid_checks: bool = False
-    keep_prefix_bytes: bool = False
+    keep_prefix_bytes: bool = True
     headroom_pool_fraction: int = 16
     stats_path: Optional[str] = None
     snapshot_dir: Optional[str] = None
