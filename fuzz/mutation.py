@@ -93,7 +93,7 @@ EQUIVALENT: list[dict] = [
          "map_cache sets map_src_n with it"),
     dict(file="vtoken/table.py", original="if need <= r.cap:", descs=("<= -> <",),
          reason="need == cap then reallocates to 2*cap and copies: capacity only, same contents"),
-    dict(file="vtoken/table.py", original="slot = np.full(new, -1, dtype=np.int64)", descs=("1 -> 0", "1 -> 2", "remove -"),
+    dict(file="vtoken/table.py", original="hs = np.full(size, -1, dtype=np.int64)", descs=("1 -> 0", "1 -> 2", "remove -"),
          reason=_UNREAD_FILL),
     dict(file="vtoken/table.py", original="self.slot = torch.full((1024,), -1, dtype=torch.int64, device=device)",
          descs=("1024 -> 1023", "1024 -> 1025", "1 -> 0", "1 -> 2", "remove -"),

@@ -190,6 +190,16 @@ def _candidates(table: TokenTable, req_id, tail, excluded) -> tuple[np.ndarray, 
     return candidates[order], live_counts[order]
 
 
+def shortfall_no_dest(fillable: np.ndarray, unfillable: np.ndarray, S: int) -> int:
+    """:func:`shortfall` without destinations, from the live counts of the eligible blocks a plan
+    may fill and of those it may not (full ones included: they offer no hole and cost S). The
+    cheapest single source decides (k sources cost more and the holes are the same): an
+    unfillable one costs its live tokens, a fillable one S, against the fillable blocks' holes;
+    none kept, that is the in-place rule (the holes reach S). O(blocks)."""
+    cheapest = min(int(unfillable.min()), S) if len(unfillable) else S
+    return max(0, cheapest - (S * len(fillable) - int(fillable.sum())))
+
+
 def _keeping_costs(candidates: np.ndarray, live_counts: np.ndarray, S: int, B: int, unfillable):
     """With ``unfillable`` candidates: which candidates are unfillable, the fillable holes
     H(F), the order cheapest first (cost: live count unfillable, S fillable; block id breaking
@@ -226,12 +236,12 @@ def shortfall(blocks: np.ndarray, live_counts: np.ndarray, keep: np.ndarray, S: 
     A driver that kept the eligible blocks of a request whose block set has not changed since
     re-checks its shortfall with the live counts of now, without the rest of a proposal.
     O(blocks log blocks)."""
+    if max_dests <= 0:
+        return shortfall_no_dest(live_counts[~keep], live_counts[keep], S)
     part = live_counts < S
     candidates, live_counts, keep = blocks[part], live_counts[part], keep[part]
     if not keep.any():  # none kept (or no candidate): a plan exists iff the holes reach S
         return max(0, S - int((S - live_counts).sum()))
-    if max_dests <= 0:  # no destination: the cheapest one source decides (the k-th costs more)
-        return max(0, int(np.where(keep, live_counts, S).min()) - int((S - live_counts[~keep]).sum()))
     _, budget, _, c = _keeping_costs(candidates, live_counts, S, int(max_sources), candidates[keep])
     k = np.arange(len(c))
     return max(0, int((c - budget - S * np.minimum(k, max(0, int(max_dests)))).min()))

@@ -4,7 +4,12 @@ The paper's canonical table (section 3.2), in arrays: a scheduler step costs the
 added, evicted or moved, never the tokens already tracked.
 
 State. Per request (``_Req``): ``slot[i] = block * S + offset`` and ``live[i]`` for every
-logical id ``i < n`` (ids are positions), and the set of blocks it references. Per block:
+logical id ``i < n`` (ids are positions), and the set of blocks it references. Struct of arrays:
+a request's length, live count, block count and segments are row ``h`` of per-request arrays,
+its slots and liveness a power-of-two segment of one host pool, so a decode step's growth and
+evictions of every request (``sync_one_each``, ``evict_one_each``: what the scheduler side's
+replica replays each step) are array operations, with Python work only for a request whose
+token opens a block or outgrows its segment. Per block:
 ``refs[b]`` (requests referencing ``b``) and ``n_b[b]`` (slots of ``b`` holding a live token
 of some request, a shared slot counted once). Per slot: ``claims[s]`` (requests with a live
 token at ``s``) and ``placed[s]`` (the id last placed at ``s`` while its block was
@@ -33,8 +38,9 @@ check. A request id must be hashable (``bad_request_id``).
 Limits: ``block_size`` in ``[1, MAX_BLOCK_SIZE]``, ``num_blocks`` in ``[2, MAX_BLOCKS]`` (the
 snapshot schema's) and ``block_size * num_blocks <= MAX_SLOTS``.
 
-Owns: per-request slot/live arrays and block sets, per-block ``refs``/``n_b``, per-slot
-``claims``/``placed``, the device read views; never a block (the caller frees what it returns).
+Owns: the per-request rows, the host pool of slot/live segments, per-request block sets,
+per-block ``refs``/``n_b``, per-slot ``claims``/``placed``, the device read views; never a block
+(the caller frees what it returns).
 May call: vtoken.errors, numpy, torch; never spec/, invariants/, fuzz/ or reports/.
 Costs: O(new tokens) per sync, O(ids) per eviction, O(moves) per apply, ``waste_ratio`` O(1);
 ``export_state`` O(all tokens), for checkers only.
@@ -185,35 +191,84 @@ OWN_TAIL = _OwnTail()
 
 
 class _Req:
-    """One request's host arrays; its device entries live in a segment of the table's pool."""
+    """One request: its block set and read-side cache here; its scalars (length, live count,
+    capacity, segments) in row ``h`` of the table's per-request arrays, its per-token slots and
+    liveness in a segment of the table's host pool, so a decode step's growth and evictions of
+    every request are a few array operations (``sync_one_each``, ``evict_one_each``), not one
+    Python object visit per request. ``slot`` and ``live`` are views of the segment, valid until
+    the table's next growth: read them again after one. Owned by one table; never shared."""
 
-    __slots__ = ("slot", "live", "n", "n_live", "blocks", "block_arr", "base", "cap", "map_cache", "map_len", "map_src_n",
-                 "map_dirty")
+    __slots__ = ("t", "h", "blocks", "block_arr", "map_cache", "map_len", "map_src_n")
 
-    def __init__(self):
-        self.slot = np.full(64, -1, dtype=np.int64)
-        self.live = np.zeros(64, dtype=bool)
-        self.n = 0
-        self.n_live = 0
+    def __init__(self, table: "TokenTable", h: int):
+        self.t = table
+        self.h = h  # the row (freed rows are reused: a _Req is dropped when its request is freed)
         self.blocks: set[int] = set()
         self.block_arr = None  # read-only int64 array of ``blocks``, None once the set changed (block_array)
-        self.base = -1  # device segment [base, base + cap) in the pool
-        self.cap = 0
         self.map_cache = None  # compacted live slots (device), see slot_mapping
         self.map_len = 0
         self.map_src_n = 0  # tokens [0, map_src_n) are reflected in map_cache
-        self.map_dirty = False
 
-    def reserve(self, new: int) -> None:
-        """Grow the host arrays to exactly ``new`` entries (the caller doubles)."""
-        cap = len(self.slot)
-        if new <= cap:
-            return
-        slot = np.full(new, -1, dtype=np.int64)
-        slot[:cap] = self.slot
-        live = np.zeros(new, dtype=bool)
-        live[:cap] = self.live
-        self.slot, self.live = slot, live
+    @property
+    def n(self) -> int:
+        return self.t._n.item(self.h)
+
+    @n.setter
+    def n(self, v: int) -> None:
+        self.t._n[self.h] = v
+
+    @property
+    def n_live(self) -> int:
+        return self.t._nl.item(self.h)
+
+    @n_live.setter
+    def n_live(self, v: int) -> None:
+        self.t._nl[self.h] = v
+
+    @property
+    def cap(self) -> int:
+        """Entries of the host segment and of the device segment (one power-of-two capacity)."""
+        return self.t._cap.item(self.h)
+
+    @property
+    def base(self) -> int:
+        """The device segment's first index in the read-side pool."""
+        return self.t._db.item(self.h)
+
+    @property
+    def map_dirty(self) -> bool:
+        return bool(self.t._dirty[self.h])
+
+    @map_dirty.setter
+    def map_dirty(self, v: bool) -> None:
+        self.t._dirty[self.h] = v
+
+    @property
+    def slot(self) -> np.ndarray:
+        """``slot[i] = block * S + offset`` of token ``i`` (-1 beyond the length): a view (before
+        the first token, a read-only one of 64 entries: indexing past the length stays safe)."""
+        t, h = self.t, self.h
+        cap = t._cap.item(h)
+        if not cap:
+            return _NO_SLOTS
+        b = t._hb.item(h)
+        return t._hs[b:b + cap]
+
+    @property
+    def live(self) -> np.ndarray:
+        """Token ``i`` is live: a view (read-only and all False before the first token)."""
+        t, h = self.t, self.h
+        cap = t._cap.item(h)
+        if not cap:
+            return _NO_LIVE
+        b = t._hb.item(h)
+        return t._hl[b:b + cap]
+
+
+_NO_SLOTS = np.full(64, -1, dtype=np.int64)  # what a request with no token yet shows
+_NO_SLOTS.flags.writeable = False
+_NO_LIVE = np.zeros(64, dtype=bool)
+_NO_LIVE.flags.writeable = False
 
 
 class _DevicePool:
@@ -357,6 +412,24 @@ class TokenTable:
         except (RuntimeError, TypeError, ValueError, AssertionError) as e:  # torch's errors for a bad device
             raise TableError("bad_config", f"device {_show(device)}: {e}") from None
         self._reqs: dict[object, _Req] = {}
+        self._row: dict[object, int] = {}  # request -> its row (the batched paths look rows up in C)
+        # per-request rows: length, live count, capacity, host and device segment bases, a block the
+        # request references (-1: none known; the batched sync's test that a token lands in a block
+        # the request holds already), device slot mapping stale
+        self._n = np.zeros(0, dtype=np.int64)
+        self._nl = np.zeros(0, dtype=np.int64)
+        self._cap = np.zeros(0, dtype=np.int64)
+        self._hb = np.zeros(0, dtype=np.int64)
+        self._db = np.zeros(0, dtype=np.int64)
+        self._last = np.zeros(0, dtype=np.int64)
+        self._nblk = np.zeros(0, dtype=np.int64)  # blocks referenced (len(blocks))
+        self._dirty = np.zeros(0, dtype=bool)
+        self._free_rows: list[int] = []
+        # the host pool of per-token slots and liveness, one power-of-two segment per request
+        self._hs = np.full(1024, -1, dtype=np.int64)
+        self._hl = np.zeros(1024, dtype=bool)
+        self._hused = 0
+        self._hfree: dict[int, list[int]] = {}
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
         self.n_b = np.zeros(self.num_blocks, dtype=np.int32)
         self.claims = np.zeros(self.num_blocks * self.S, dtype=np.int32)
@@ -391,6 +464,69 @@ class TokenTable:
             raise TableError("unknown_request", f"request {req_id!r} is not in the table")
         return r
 
+    def _new_req(self, req_id) -> _Req:
+        """A new, empty request: a row (a freed one reused) and no segment yet. O(1) amortised."""
+        if self._free_rows:
+            h = self._free_rows.pop()
+        else:
+            h = len(self._row) + len(self._free_rows)
+            if h >= len(self._n):  # double every row array
+                size = max(64, 2 * len(self._n))
+                for name in ("_n", "_nl", "_cap", "_hb", "_db", "_last", "_nblk", "_dirty"):
+                    old = getattr(self, name)
+                    new = np.zeros(size, dtype=old.dtype)
+                    new[:len(old)] = old
+                    setattr(self, name, new)
+        self._n[h] = self._nl[h] = self._cap[h] = self._hb[h] = self._nblk[h] = 0
+        self._db[h], self._last[h], self._dirty[h] = -1, -1, False
+        r = self._reqs[req_id] = _Req(self, h)
+        self._row[req_id] = h
+        return r
+
+    def _host_alloc(self, cap: int) -> int:
+        """A host segment of ``cap`` entries (slots -1, not live): a freed one, or the pool's end
+        (doubling the pool: every view of a segment is stale after). O(cap) amortised."""
+        lst = self._hfree.get(cap)
+        if lst:
+            base = lst.pop()
+            self._hs[base:base + cap] = -1
+            self._hl[base:base + cap] = False
+            return base
+        if self._hused + cap > len(self._hs):
+            size = max(2 * len(self._hs), self._hused + cap)
+            hs = np.full(size, -1, dtype=np.int64)
+            hl = np.zeros(size, dtype=bool)
+            hs[:self._hused] = self._hs[:self._hused]
+            hl[:self._hused] = self._hl[:self._hused]
+            self._hs, self._hl = hs, hl
+        base = self._hused
+        self._hused += cap
+        return base
+
+    def _rows_of(self, req_ids) -> np.ndarray:
+        """The rows of ``req_ids`` (repeats allowed); ``bad_request_id`` / ``unknown_request`` for
+        the first bad one. O(requests), in C."""
+        try:
+            return np.array(list(map(self._row.__getitem__, req_ids)), dtype=np.int64)
+        except (KeyError, TypeError):
+            for r in req_ids:
+                self._req(r)  # the first bad id's error
+            raise
+
+    def _rows(self, req_ids, what: str, who: str) -> tuple[list, np.ndarray]:
+        """The rows of distinct requests ``req_ids`` (``bad_request_id``, ``unknown_request`` for
+        the first bad one; ``what`` (its error code) for a request named twice, in ``who``'s
+        words). O(requests), in C."""
+        try:
+            hl = list(map(self._row.__getitem__, req_ids))
+        except (KeyError, TypeError):
+            for r in req_ids:
+                self._req(r)  # the first bad id's error
+            raise
+        if len(set(hl)) != len(hl):
+            raise TableError(what, f"{who}: a request named twice in {list(req_ids)!r}")
+        return hl, np.array(hl, dtype=np.int64)
+
     def _block(self, block_id, what: str = "block") -> int:
         """A block id argument: ``not_integer``, then ``block_out_of_range``. O(1)."""
         b = _index(block_id, what)
@@ -405,6 +541,8 @@ class TokenTable:
         assert b not in r.blocks, f"block {b} referenced twice by one request"
         r.blocks.add(b)
         r.block_arr = None
+        self._last[r.h] = b
+        self._nblk[r.h] += 1
         if self.refs[b] == 0:
             self._ref_blocks += 1
         self.refs[b] += 1
@@ -413,6 +551,9 @@ class TokenTable:
         assert b in r.blocks and self.refs[b] > 0, f"block {b} unreferenced by a request that does not hold it"
         r.blocks.discard(b)
         r.block_arr = None
+        if self._last[r.h] == b:  # _last is a block the request references, or -1
+            self._last[r.h] = -1
+        self._nblk[r.h] -= 1
         self.refs[b] -= 1
         if self.refs[b] == 0:
             self._ref_blocks -= 1
@@ -476,7 +617,7 @@ class TokenTable:
 
         # ---- apply (nothing below can fail)
         if r is None:
-            r = self._reqs[req_id] = _Req()
+            r = self._new_req(req_id)
             self._changed.add(req_id)
         self._grow(r, total_len)
         for b in set(seg.tolist()):
@@ -522,7 +663,7 @@ class TokenTable:
         k = total_len - n
         if k == 0:
             if r is None:
-                self._reqs[req_id] = _Req()
+                self._new_req(req_id)
                 self._changed.add(req_id)
             return np.empty(0, dtype=np.int64)
         if k == 1:
@@ -545,7 +686,7 @@ class TokenTable:
         if (placed != n) if (self.refs[b] - mine) > 0 else (placed != -1):
             raise TableError("slot_conflict", f"request {req_id!r}: token {n} -> block {b} offset {n % S} is held by token {placed}")
         if r is None:
-            r = self._reqs[req_id] = _Req()
+            r = self._new_req(req_id)
         self._place(req_id, r, n, s, b, mine)
         self.placed[s] = n
         c = int(self.claims[s])
@@ -570,44 +711,45 @@ class TokenTable:
         after the other the first's token could decide the second's check: never in a decode
         step, whose blocks are each request's own tail): ``bad_request_id``, ``unknown_request``,
         ``not_integer``, ``block_out_of_range``, ``null_block``, ``slot_conflict``. Returns the
-        slots, in order. O(requests)."""
-        reqs = [self._req(r) for r in req_ids]
-        if len(set(map(id, reqs))) != len(reqs):
-            raise TableError("slot_conflict", f"sync_one_each: a request named twice in {list(req_ids)!r}")
+        slots, in order. O(requests) in array operations, plus Python work only for the requests
+        whose token opens a block, or outgrows its segment."""
+        _, hs = self._rows(req_ids, "slot_conflict", "sync_one_each")
         b = _index_array(block_ids, "sync_one_each: block_ids")
-        if len(b) != len(reqs):
-            raise TableError("not_integer", f"sync_one_each: {len(reqs)} requests but {len(b)} blocks")
+        if len(b) != len(hs):
+            raise TableError("not_integer", f"sync_one_each: {len(hs)} requests but {len(b)} blocks")
         if not len(b):
             return np.empty(0, dtype=np.int64)
         blist = b.tolist()
         if len(set(blist)) != len(blist):  # one after the other, a request's token may decide another's check
             raise TableError("slot_conflict", f"sync_one_each: a block named twice in {blist} (sync one by one)")
         S = self.S
-        n = np.fromiter((r.n for r in reqs), dtype=np.int64, count=len(reqs))
+        n = self._n[hs]
         in_range = min(blist) > NULL_BLOCK and max(blist) < self.num_blocks  # the common case: no mask needed
         bad_range = False if in_range else (b < 0) | (b >= self.num_blocks)
         bs = b if in_range else np.where(bad_range, 1, b)
         s = bs * S + n % S
-        mine = np.fromiter((x in r.blocks for x, r in zip(blist, reqs)), dtype=bool, count=len(reqs))
+        mine = self._last[hs] == b  # the block of its previous token, still referenced
+        opens = np.flatnonzero(~mine).tolist()  # a block it does not hold yet, or not known: ask its set
+        for i in opens:
+            mine[i] = blist[i] in self._reqs[req_ids[i]].blocks
         placed = self.placed[s]
         conflict = np.where(self.refs[bs] - mine > 0, placed != n, placed != -1)
         bad = conflict if in_range else bad_range | (b == NULL_BLOCK) | conflict
         if bad.any():
-            bad_range = np.zeros(len(b), dtype=bool) if in_range else bad_range
-            i = int(np.argmax(bad))
-            rid, t, blk = req_ids[i], int(n[i]), int(b[i])
-            if bad_range[i]:
-                raise TableError("block_out_of_range", f"request {rid!r}: token {t} -> block {_fmt(blk)} outside "
-                                                       f"[0, {self.num_blocks})")
-            if blk == NULL_BLOCK:
-                raise TableError("null_block", f"request {rid!r}: token {t} would land in the null block")
-            raise TableError("slot_conflict", f"request {rid!r}: token {t} -> block {blk} offset {t % S} is held by "
-                                              f"token {int(placed[i])} or named twice")
+            self._refuse_one_each(req_ids, b, n, placed, bad, None if in_range else bad_range)
         # ---- apply (nothing below can fail)
-        pool = self._pool
-        place = self._place
-        for rid, r, t, si, bi, own in zip(req_ids, reqs, n.tolist(), s.tolist(), blist, mine.tolist()):
-            place(rid, r, t, si, bi, own)
+        for i in np.flatnonzero(n >= self._cap[hs]).tolist():  # outgrows its segments (doubling: rare)
+            self._grow(self._reqs[req_ids[i]], int(n[i]) + 1)
+        for i in opens:
+            if not mine[i]:
+                self._ref_block(self._reqs[req_ids[i]], blist[i])
+                self._changed.add(req_ids[i])
+        at = self._hb[hs] + n  # the host segments as they are now (a _grow above may have moved one)
+        self._hs[at] = s
+        self._hl[at] = True
+        self._n[hs] = n + 1
+        self._nl[hs] += 1  # rows distinct: a plain indexed add counts each once
+        self._last[hs] = b
         self.placed[s] = n
         # _claim with distinct blocks (checked above): a plain indexed add counts each once
         before = self.claims[s]
@@ -616,12 +758,25 @@ class TokenTable:
         self.n_b[fresh_b] += 1
         self._live_slots += len(fresh_b)
         assert len(fresh_b) == 0 or self.n_b[fresh_b].max() <= S, "a block holds more than S live slots"
-        if pool.mirrors:  # the segments' bases as they are now (a _grow above may have moved one)
-            gidx = np.fromiter((r.base for r in reqs), dtype=np.int64, count=len(reqs)) + n
+        pool = self._pool
+        if pool.mirrors:  # the device segments as they are now
+            gidx = self._db[hs] + n
             pool.pend_idx.append(gidx)
             pool.pend_val.append(s.copy())
             pool.pend_new.append(gidx)
         return s
+
+    def _refuse_one_each(self, req_ids, b, n, placed, bad, bad_range) -> None:
+        """``sync_one_each``'s error for the first bad request (``bad_range`` None: every block in range)."""
+        i = int(np.argmax(bad))
+        rid, t, blk = req_ids[i], int(n[i]), int(b[i])
+        if bad_range is not None and bad_range[i]:
+            raise TableError("block_out_of_range", f"request {rid!r}: token {t} -> block {_fmt(blk)} outside "
+                                                   f"[0, {self.num_blocks})")
+        if blk == NULL_BLOCK:
+            raise TableError("null_block", f"request {rid!r}: token {t} would land in the null block")
+        raise TableError("slot_conflict", f"request {rid!r}: token {t} -> block {blk} offset {t % self.S} is held by "
+                                          f"token {int(placed[i])} or named twice")
 
     def _place(self, req_id, r: _Req, t: int, s: int, b: int, own: bool) -> None:
         """Token ``t`` (the request's next) live at slot ``s`` of block ``b`` (``own``: the request
@@ -635,23 +790,31 @@ class TokenTable:
         r.slot[t] = s
         r.live[t] = True
         r.n, r.n_live = t + 1, r.n_live + 1
+        self._last[r.h] = b
 
     def _grow(self, r: _Req, need: int) -> None:
-        """Make room for ``need`` tokens in the host arrays and the device segment."""
+        """Make room for ``need`` tokens in the host segment and the device segment."""
         if need <= r.cap:
             return
-        # One power-of-two capacity for the host arrays and the device segment, so a
+        # One power-of-two capacity for the host segment and the device segment, so a
         # check against r.cap covers both (doubling: growth is amortised O(1) per token).
         cap = max(64, 1 << (need - 1).bit_length())
-        r.reserve(cap)
+        h, old, n = r.h, r.cap, r.n
+        hb = self._host_alloc(cap)
+        if old:
+            ob = self._hb.item(h)
+            self._hs[hb:hb + n] = self._hs[ob:ob + n]
+            self._hl[hb:hb + n] = self._hl[ob:ob + n]
+            self._hfree.setdefault(old, []).append(ob)
+        self._hb[h] = hb
         pool = self._pool
         base = pool.alloc(cap)
-        if r.cap and pool.mirrors:
+        if old and pool.mirrors:
             pool.flush()
             pool.slot[base:base + r.n] = pool.slot[r.base:r.base + r.n]
             pool.live[base:base + r.n] = pool.live[r.base:r.base + r.n]
-            pool.release(r.base, r.cap)
-        r.base, r.cap = base, cap
+            pool.release(r.base, old)
+        self._db[h], self._cap[h] = base, cap
 
     # ------------------------------------------------------------------ eviction
     def evict_token(self, req_id, token_id: int) -> None:
@@ -694,33 +857,33 @@ class TokenTable:
         """``evict_tokens(req_ids[i], [token_ids[i]])`` for every ``i`` at once (distinct requests,
         one token each: a decode step's evictions). Every token checked before anything changes:
         ``bad_request_id``, ``unknown_request``, ``not_integer``, ``unknown_token``, ``dead_token``,
-        and ``duplicate_token`` for a request named twice. O(requests)."""
-        reqs = [self._req(r) for r in req_ids]
-        if len(set(map(id, reqs))) != len(reqs):
-            raise TableError("duplicate_token", f"evict_one_each: a request named twice in {list(req_ids)!r}")
+        and ``duplicate_token`` for a request named twice. O(requests) in array operations."""
+        _, hs = self._rows(req_ids, "duplicate_token", "evict_one_each")
         t = _index_array(token_ids, "evict_one_each: token_ids")
-        if len(t) != len(reqs):
-            raise TableError("not_integer", f"evict_one_each: {len(reqs)} requests but {len(t)} tokens")
+        if len(t) != len(hs):
+            raise TableError("not_integer", f"evict_one_each: {len(hs)} requests but {len(t)} tokens")
         if not len(t):
             return
-        tl = t.tolist()
-        for rid, r, x in zip(req_ids, reqs, tl):
-            if not 0 <= x < r.n:
-                raise TableError("unknown_token", f"request {rid!r}: evict token {_fmt(x)} (length {r.n})")
-            if not r.live[x]:
-                raise TableError("dead_token", f"request {rid!r}: evict token {x} (length {r.n})")
+        n = self._n[hs]
+        unknown = (t < 0) | (t >= n)
+        at = self._hb[hs] + np.where(unknown, 0, t)
+        dead = ~unknown & ~self._hl[at]
+        if unknown.any() or dead.any():
+            i = int(np.argmax(unknown | dead))
+            x = int(t[i])
+            if unknown[i]:
+                raise TableError("unknown_token", f"request {req_ids[i]!r}: evict token {_fmt(x)} (length {int(n[i])})")
+            raise TableError("dead_token", f"request {req_ids[i]!r}: evict token {x} (length {int(n[i])})")
         # ---- apply (nothing below can fail)
+        self._hl[at] = False
+        self._nl[hs] -= 1
+        self._dirty[hs] = True
+        slots = self._hs[at]
         pool = self._pool
-        sl = []
-        for r, x in zip(reqs, tl):
-            r.live[x] = False
-            r.n_live -= 1
-            sl.append(int(r.slot[x]))
-            r.map_dirty = True
         if pool.mirrors:
-            pool.pend_dead.append(np.fromiter((r.base for r in reqs), dtype=np.int64, count=len(reqs)) + t)
+            pool.pend_dead.append(self._db[hs] + t)
         self._changed.update(req_ids)
-        slots = np.asarray(sl, dtype=np.int64)
+        sl = slots.tolist()
         if len(set(sl)) == len(sl):  # the common case: no shared slot evicted twice in one step
             after = self.claims[slots] - 1
             self.claims[slots] = after
@@ -877,7 +1040,10 @@ class TokenTable:
                 self._lone_dead.add(b)  # its last sharer left it dead: releasable for the holder
         if r.cap:
             self._pool.release(r.base, r.cap)
+            self._hfree.setdefault(r.cap, []).append(self._hb.item(r.h))
         del self._reqs[req_id]
+        del self._row[req_id]
+        self._free_rows.append(r.h)
         self._changed.add(req_id)
         return blocks
 
@@ -979,9 +1145,21 @@ class TokenTable:
     def reclaim_inputs_many(self, req_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`reclaim_inputs` with each request's own tail, as four int64 arrays in ``req_ids``
         order; the first bad id raises. O(requests)."""
-        rows = [self._reclaim_row(r, self._tail_of(r)) for r in map(self._req, req_ids)]
-        return tuple(np.array(col, dtype=np.int64) for col in zip(*rows)) if rows else \
-            tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
+        hs = self._rows_of(req_ids)
+        n = self._n[hs]
+        has = n > 0
+        tail = np.where(has, self._hs[self._hb[hs] + np.maximum(n - 1, 0)] // self.S, -1)
+        held = has & (self._last[hs] == tail)  # the block of its last token, still referenced
+        for i in np.flatnonzero(has & ~held).tolist():  # not known: ask its set
+            held[i] = int(tail[i]) in self._reqs[req_ids[i]].blocks
+        return (self._nblk[hs], self._nl[hs], held.astype(np.int64),
+                np.where(held, self.n_b[np.where(held, tail, 0)], 0).astype(np.int64))
+
+    def dead_counts(self, req_ids) -> np.ndarray:
+        """Each request's evicted tokens (length - live), int64 in ``req_ids`` order: grows by one
+        per eviction, nothing else changes it. ``bad_request_id`` / ``unknown_request``. O(requests)."""
+        hs = self._rows_of(req_ids)
+        return self._n[hs] - self._nl[hs]
 
     def _tail_of(self, r: _Req) -> int | None:
         """The block of ``r``'s last position (a slot the table wrote: in range), None when empty."""

@@ -13,6 +13,7 @@ Costs: O(new block ids) per output, O(1) per detach, O(list) per :meth:`check_li
 
 from __future__ import annotations
 
+from itertools import compress
 from operator import is_, itemgetter
 from typing import Callable, Optional
 
@@ -55,8 +56,11 @@ class BlockMirror:
         for d in sched_out.scheduled_new_reqs:
             self.start(d.req_id, list(d.block_ids[g]), seq_next)
         resumed = c.resumed_req_ids
-        # a decode step grows few lists: only requests with new blocks (or resumed) are visited
-        for r, nb in [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if (nb and nb[g]) or r in resumed]:
+        # a decode step grows few lists: only requests with new blocks (or resumed) are visited;
+        # vLLM sends None for a request with none, so without a resumed one C picks them out
+        grown = [(r, nb) for r, nb in zip(c.req_ids, c.new_block_ids) if (nb and nb[g]) or r in resumed] if resumed \
+            else [(r, nb) for r, nb in compress(zip(c.req_ids, c.new_block_ids), c.new_block_ids) if nb[g]]
+        for r, nb in grown:
             ids = list(nb[g]) if nb else []
             if r in resumed:
                 self.start(r, ids, seq_next)

@@ -37,7 +37,7 @@ from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
 from ..planner import Proposal, eligible_blocks, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, \
-    shared_at_end, shortfall, should_reclaim, trigger_inputs
+    shared_at_end, shortfall, shortfall_no_dest, should_reclaim, trigger_inputs
 
 # a request skipped after an in-place proposal found no plan is looked at again after this many
 # plan checks when it shares a block (a sharer leaving makes the block eligible: no event of the
@@ -105,7 +105,8 @@ class PlanBook:
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
         self.bound: dict[str, tuple] = {}  # request -> (-its positive reclaim bound, arrival, request), cached
         # request -> [dead tokens it needs, its block array, tail, headroom size, step to look again
-        # by, its eligible blocks, which are unfillable, destinations allowed, full-context length]
+        # by, its eligible blocks a plan may fill, those it may not, destinations allowed,
+        # full-context length, its block set]
         # after an in-place proposal found no plan: skipped until one of them says look (_no_plan)
         self.no_plan: dict[str, list] = {}
         self.due: list = []  # heap of (look-again step, request's order, request) of ``no_plan``
@@ -138,8 +139,10 @@ class PlanBook:
         for r in self.stale_bounds.difference(stale):  # gone from the table
             bound.pop(r, None)
             no_plan.pop(r, None)
+        waiting = [r for r in stale if r in no_plan]
+        dead = dict(zip(waiting, t.dead_counts(waiting).tolist())) if waiting else {}
         for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
-            if gain > 0 and not (r in no_plan and self._still_no_plan(r, steps)):
+            if gain > 0 and not (r in dead and self._still_no_plan(r, steps, dead[r])):
                 bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
             else:
                 bound.pop(r, None)  # no plan can exist (or none was found, and nothing changed enough since)
@@ -186,15 +189,16 @@ class PlanBook:
         block gaining a hash never lowers the shortfall; one losing its hash while its request
         runs is unfaithful already (or a reset, with no request running). O(blocks of r)."""
         t, cfg = self.table, self.cfg
-        cand = eligible_blocks(t, r, tail, exclude)  # full ones included: an eviction makes one a candidate
-        kept = np.isin(cand, np.asarray(keep, dtype=np.int64))
+        eligible = eligible_blocks(t, r, tail, exclude)  # full ones included: an eviction makes one a candidate
+        kept = np.isin(eligible, np.asarray(keep, dtype=np.int64))
+        fill, unfill = eligible[~kept], eligible[kept]
         dests = head if keep else 0
-        need = shortfall(cand, t.n_b[cand], kept, t.S, cfg.max_sources, dests)
         blocks = t.block_array(r)
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
         due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
-        self.no_plan[r] = [t.length(r) - t.num_live(r) + max(1, need), blocks, tail, head, due, cand, kept, dests,
-                           self.hashes.faithful.get(r)]
+        dead = int(t.dead_counts([r])[0])
+        self.no_plan[r] = [dead + max(1, self._shortfall(fill, unfill, dests)), blocks, tail, head, due, fill, unfill,
+                           dests, self.hashes.faithful.get(r), set(blocks.tolist())]
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
         del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
 
@@ -214,17 +218,28 @@ class PlanBook:
             self.stale_bounds.update(r for r, m in no_plan.items() if head > m[3])
         self.head_seen = head
 
-    def _still_no_plan(self, r: str, steps: int) -> bool:
-        """Is ``r`` still skipped (``_no_plan``)? Forgets it when not. O(1) until its evictions
-        reach the shortfall or its tail moves on, then O(its eligible blocks) for the re-check."""
+    def _shortfall(self, fill: np.ndarray, unfill: np.ndarray, dests: int) -> int:
+        """``planner.shortfall`` of eligible blocks split into those a plan may fill and not, with
+        the live counts of now. O(blocks)."""
+        t = self.table
+        if dests <= 0:
+            return shortfall_no_dest(t.n_b[fill], t.n_b[unfill], t.S)
+        both = np.concatenate([fill, unfill])
+        kept = np.zeros(len(both), dtype=bool)
+        kept[len(fill):] = True
+        return shortfall(both, t.n_b[both], kept, t.S, self.cfg.max_sources, dests)
+
+    def _still_no_plan(self, r: str, steps: int, dead: int) -> bool:
+        """Is ``r`` (``dead``: its evicted tokens now) still skipped (``_no_plan``)? Forgets it
+        when not. O(1) until its evictions reach the shortfall or its tail moves on, then
+        O(its eligible blocks) for the re-check."""
         t = self.table
         memo = self.no_plan[r]
         if steps < memo[4] and len(self.lifecycle.headroom) <= memo[3] and self.hashes.faithful.get(r) == memo[8] and \
                 (t.block_array(r) is memo[1] or self._tail_moved(r, memo)):
-            dead = t.length(r) - t.num_live(r)
             if dead < memo[0]:
                 return True
-            need = shortfall(memo[5], t.n_b[memo[5]], memo[6], t.S, self.cfg.max_sources, memo[7])
+            need = self._shortfall(memo[5], memo[6], memo[7])
             if need > 0:
                 memo[0] = dead + need
                 return True
@@ -237,15 +252,15 @@ class PlanBook:
         only ``r`` holds it, in its list), unfillable when its hash describes its bytes, and
         the shortfall is re-checked now (its evictions count from here). O(blocks of r)."""
         t = self.table
-        arr, tail, cur = memo[1], memo[2], t.block_array(r)
+        old, tail, cur = memo[9], memo[2], t.block_array(r)
         new = t.tail_block(r)
-        if tail is None or new == tail or len(cur) != len(arr) + 1 or bool((arr == new).any()) or \
-                not np.isin(arr, cur).all():
+        if tail is None or new == tail or new in old or len(cur) != len(old) + 1 or not old.issubset(cur.tolist()):
             return False
         i, blk = self.mirror.index(r, tail), self.harness.pool.blocks[tail]
         if i is not None and blk.ref_cnt == 1 and t.refs[tail] == 1:
-            memo[5] = np.append(memo[5], tail)
-            memo[6] = np.append(memo[6], blk.block_hash is not None and self.hashes.is_faithful(r, i))
+            k = 6 if blk.block_hash is not None and self.hashes.is_faithful(r, i) else 5
+            memo[k] = np.append(memo[k], tail)
+        old.add(new)
         memo[0], memo[1], memo[2] = 0, cur, new
         return True
 
