@@ -209,60 +209,36 @@ class _Req:
         self.map_len = 0
         self.map_src_n = 0  # tokens [0, map_src_n) are reflected in map_cache
 
-    @property
-    def n(self) -> int:
-        return self.t._n.item(self.h)
+    def _row(name: str, doc: str, cast=int):  # noqa: N805 - builds a property over one row array
+        def get(self):
+            return cast(getattr(self.t, name)[self.h])
 
-    @n.setter
-    def n(self, v: int) -> None:
-        self.t._n[self.h] = v
+        def put(self, v) -> None:
+            getattr(self.t, name)[self.h] = v
 
-    @property
-    def n_live(self) -> int:
-        return self.t._nl.item(self.h)
+        return property(get, put, doc=doc)
 
-    @n_live.setter
-    def n_live(self, v: int) -> None:
-        self.t._nl[self.h] = v
+    n = _row("_n", "Tokens tracked (the next token's position).")
+    n_live = _row("_nl", "Live tokens.")
+    cap = _row("_cap", "Entries of the host segment and of the device segment (one power-of-two capacity).")
+    base = _row("_db", "The device segment's first index in the read-side pool.")
+    map_dirty = _row("_dirty", "The device slot mapping is stale (an eviction or move since it was computed).", bool)
+    del _row
 
-    @property
-    def cap(self) -> int:
-        """Entries of the host segment and of the device segment (one power-of-two capacity)."""
-        return self.t._cap.item(self.h)
-
-    @property
-    def base(self) -> int:
-        """The device segment's first index in the read-side pool."""
-        return self.t._db.item(self.h)
-
-    @property
-    def map_dirty(self) -> bool:
-        return bool(self.t._dirty[self.h])
-
-    @map_dirty.setter
-    def map_dirty(self, v: bool) -> None:
-        self.t._dirty[self.h] = v
-
-    @property
-    def slot(self) -> np.ndarray:
-        """``slot[i] = block * S + offset`` of token ``i`` (-1 beyond the length): a view (before
-        the first token, a read-only one of 64 entries: indexing past the length stays safe)."""
+    def _segment(self, pool: np.ndarray, empty: np.ndarray) -> np.ndarray:
+        """This request's segment of a host pool (a view), or ``empty`` before its first token."""
         t, h = self.t, self.h
         cap = t._cap.item(h)
         if not cap:
-            return _NO_SLOTS
+            return empty
         b = t._hb.item(h)
-        return t._hs[b:b + cap]
+        return pool[b:b + cap]
 
-    @property
-    def live(self) -> np.ndarray:
-        """Token ``i`` is live: a view (read-only and all False before the first token)."""
-        t, h = self.t, self.h
-        cap = t._cap.item(h)
-        if not cap:
-            return _NO_LIVE
-        b = t._hb.item(h)
-        return t._hl[b:b + cap]
+    slot = property(lambda self: self._segment(self.t._hs, _NO_SLOTS),
+                    doc="``slot[i] = block * S + offset`` of token ``i`` (-1 beyond the length): a view (before "
+                        "the first token, a read-only one of 64 entries: indexing past the length stays safe).")
+    live = property(lambda self: self._segment(self.t._hl, _NO_LIVE),
+                    doc="Token ``i`` is live: a view (read-only and all False before the first token).")
 
 
 _NO_SLOTS = np.full(64, -1, dtype=np.int64)  # what a request with no token yet shows
