@@ -164,3 +164,28 @@ def test_batched_growth_after_releases_and_frees(seed):
         got = b.sync_one_each(grow, [lists[r][b.length(r) // b.S] for r in grow])
         assert got.tolist() == want
         _same(a, b)
+
+
+def test_the_block_set_version_changes_exactly_when_the_block_set_does():
+    """``block_versions`` (what the adapter's plan skip compares): the same while a request only
+    grows inside its blocks or evicts; another after a new block, a release, or a freed row reused."""
+    t = TokenTable(4, 64)
+    t.sync_new_tokens("a", [1, 2, 3], 2)
+    t.sync_new_tokens("b", [5, 6], 1)
+    v = t.block_versions(["a", "b"]).tolist()
+    t.sync_one_each(["a", "b"], [1, 5])  # inside block 1 and block 5
+    t.evict_one_each(["a", "b"], [0, 0])
+    assert t.block_versions(["a", "b"]).tolist() == v
+    t.sync_new_tokens("a", [1, 2, 3], 5)  # token 4 opens block 2
+    assert t.block_versions(["a"])[0] != v[0] and t.block_versions(["b"])[0] == v[1]
+    v_b = t.block_versions(["b"])[0]
+    t.evict_tokens("b", [1])
+    t.release_empty_blocks("b", [5])  # b's only block, all dead
+    assert t.block_versions(["b"])[0] != v_b
+    old = {int(x) for x in t.block_versions(["b"])}
+    t.free_request("b")
+    t.sync_new_tokens("c", [7], 1)  # takes b's row
+    assert int(t.block_versions(["c"])[0]) not in old
+    with pytest.raises(TableError) as e:
+        t.block_versions(["b"])
+    assert e.value.code == "unknown_request"

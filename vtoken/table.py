@@ -399,6 +399,7 @@ class TokenTable:
         self._db = np.zeros(0, dtype=np.int64)
         self._last = np.zeros(0, dtype=np.int64)
         self._nblk = np.zeros(0, dtype=np.int64)  # blocks referenced (len(blocks))
+        self._bver = np.zeros(0, dtype=np.int64)  # bumped at every change of the block set
         self._dirty = np.zeros(0, dtype=bool)
         self._free_rows: list[int] = []
         # the host pool of per-token slots and liveness, one power-of-two segment per request
@@ -448,12 +449,13 @@ class TokenTable:
             h = len(self._row) + len(self._free_rows)
             if h >= len(self._n):  # double every row array
                 size = max(64, 2 * len(self._n))
-                for name in ("_n", "_nl", "_cap", "_hb", "_db", "_last", "_nblk", "_dirty"):
+                for name in ("_n", "_nl", "_cap", "_hb", "_db", "_last", "_nblk", "_bver", "_dirty"):
                     old = getattr(self, name)
                     new = np.zeros(size, dtype=old.dtype)
                     new[:len(old)] = old
                     setattr(self, name, new)
         self._n[h] = self._nl[h] = self._cap[h] = self._hb[h] = self._nblk[h] = 0
+        self._bver[h] += 1  # a reused row never shows an earlier request's version
         self._db[h], self._last[h], self._dirty[h] = -1, -1, False
         r = self._reqs[req_id] = _Req(self, h)
         self._row[req_id] = h
@@ -519,6 +521,7 @@ class TokenTable:
         r.block_arr = None
         self._last[r.h] = b
         self._nblk[r.h] += 1
+        self._bver[r.h] += 1
         if self.refs[b] == 0:
             self._ref_blocks += 1
         self.refs[b] += 1
@@ -530,6 +533,7 @@ class TokenTable:
         if self._last[r.h] == b:  # _last is a block the request references, or -1
             self._last[r.h] = -1
         self._nblk[r.h] -= 1
+        self._bver[r.h] += 1
         self.refs[b] -= 1
         if self.refs[b] == 0:
             self._ref_blocks -= 1
@@ -1130,6 +1134,12 @@ class TokenTable:
             held[i] = int(tail[i]) in self._reqs[req_ids[i]].blocks
         return (self._nblk[hs], self._nl[hs], held.astype(np.int64),
                 np.where(held, self.n_b[np.where(held, tail, 0)], 0).astype(np.int64))
+
+    def block_versions(self, req_ids) -> np.ndarray:
+        """Each request's block-set version, int64 in ``req_ids`` order: it changes whenever the
+        request's block set does (equal versions of one request: the same set). Errors as
+        :meth:`dead_counts`. O(requests)."""
+        return self._bver[self._rows_of(req_ids)]
 
     def dead_counts(self, req_ids) -> np.ndarray:
         """Each request's evicted tokens (length - live), int64 in ``req_ids`` order: grows by one

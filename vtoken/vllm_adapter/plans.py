@@ -104,7 +104,7 @@ class PlanBook:
         self.plan_hook = None  # the toolkit's contract check, attached through the adapter
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
         self.bound: dict[str, tuple] = {}  # request -> (-its positive reclaim bound, arrival, request), cached
-        # request -> [dead tokens it needs, its block array, tail, headroom size, step to look again
+        # request -> [dead tokens it needs, its block-set version, tail, headroom size, step to look again
         # by, its eligible blocks a plan may fill, those it may not, destinations allowed,
         # full-context length, its block set]
         # after an in-place proposal found no plan: skipped until one of them says look (_no_plan)
@@ -140,9 +140,9 @@ class PlanBook:
             bound.pop(r, None)
             no_plan.pop(r, None)
         waiting = [r for r in stale if r in no_plan]
-        dead = dict(zip(waiting, t.dead_counts(waiting).tolist())) if waiting else {}
+        skipped = self._still_skipped(waiting, steps) if waiting else ()
         for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
-            if gain > 0 and not (r in dead and self._still_no_plan(r, steps, dead[r])):
+            if gain > 0 and r not in skipped:
                 bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
             else:
                 bound.pop(r, None)  # no plan can exist (or none was found, and nothing changed enough since)
@@ -195,9 +195,10 @@ class PlanBook:
         dests = head if keep else 0
         blocks = t.block_array(r)
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
+        ver = int(t.block_versions([r])[0])
         due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
         dead = int(t.dead_counts([r])[0])
-        self.no_plan[r] = [dead + max(1, self._shortfall(fill, unfill, dests)), blocks, tail, head, due, fill, unfill,
+        self.no_plan[r] = [dead + max(1, self._shortfall(fill, unfill, dests)), ver, tail, head, due, fill, unfill,
                            dests, self.hashes.faithful.get(r), set(blocks.tolist())]
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
         del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
@@ -229,14 +230,27 @@ class PlanBook:
         kept[len(fill):] = True
         return shortfall(both, t.n_b[both], kept, t.S, self.cfg.max_sources, dests)
 
-    def _still_no_plan(self, r: str, steps: int, dead: int) -> bool:
-        """Is ``r`` (``dead``: its evicted tokens now) still skipped (``_no_plan``)? Forgets it
-        when not. O(1) until its evictions reach the shortfall or its tail moves on, then
-        O(its eligible blocks) for the re-check."""
-        t = self.table
+    def _still_skipped(self, waiting: list, steps: int) -> set:
+        """The requests of ``waiting`` (skipped, ``_no_plan``, and changed since) still skipped:
+        their evictions and block-set versions read for all at once, the common case (fewer
+        evictions than the shortfall, the same blocks) decided here. O(waiting)."""
+        t, no_plan, faithful = self.table, self.no_plan, self.hashes.faithful
+        head = len(self.lifecycle.headroom)
+        out = set()
+        for r, dead, ver in zip(waiting, t.dead_counts(waiting).tolist(), t.block_versions(waiting).tolist()):
+            m = no_plan[r]
+            if (ver == m[1] and dead < m[0] and steps < m[4] and head <= m[3] and faithful.get(r) == m[8]) or \
+                    self._still_no_plan(r, steps, dead, ver):
+                out.add(r)
+        return out
+
+    def _still_no_plan(self, r: str, steps: int, dead: int, ver: int) -> bool:
+        """Is ``r`` (``dead``: its evicted tokens now, ``ver``: its block-set version) still
+        skipped (``_no_plan``)? Forgets it when not. O(1) until its evictions reach the shortfall
+        or its tail moves on, then O(its eligible blocks) for the re-check."""
         memo = self.no_plan[r]
         if steps < memo[4] and len(self.lifecycle.headroom) <= memo[3] and self.hashes.faithful.get(r) == memo[8] and \
-                (t.block_array(r) is memo[1] or self._tail_moved(r, memo)):
+                (ver == memo[1] or self._tail_moved(r, memo, ver)):
             if dead < memo[0]:
                 return True
             need = self._shortfall(memo[5], memo[6], memo[7])
@@ -246,7 +260,7 @@ class PlanBook:
         del self.no_plan[r]
         return False
 
-    def _tail_moved(self, r: str, memo: list) -> bool:
+    def _tail_moved(self, r: str, memo: list, ver: int) -> bool:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
         one)? Then the old tail joins the eligible blocks in ``memo`` (when a plan may take it:
         only ``r`` holds it, in its list), unfillable when its hash describes its bytes, and
@@ -261,7 +275,7 @@ class PlanBook:
             k = 6 if blk.block_hash is not None and self.hashes.is_faithful(r, i) else 5
             memo[k] = np.append(memo[k], tail)
         old.add(new)
-        memo[0], memo[1], memo[2] = 0, cur, new
+        memo[0], memo[1], memo[2] = 0, ver, new
         return True
 
     def _unfillable(self, r: str, blocks: list) -> list:
