@@ -12,14 +12,16 @@ the worker's report turned into the lifecycle's ends.
 Owns: the cached positive reclaim bounds, the requests whose bound is stale, and the requests
 an in-place proposal found no plan for, with what must change before one can (``no_plan``:
 without it a request whose bound counts blocks no plan may fill, hashed ones kept with
-``keep_prefix_bytes``, was proposed for again at every plan check); the blocks are the lifecycle's.
+``keep_prefix_bytes``, was proposed for again at every plan check); the blocks are the
+lifecycle's.
 May call: what it is given (the lifecycle, the token table, the rooms ``reserve``, ``mirror``,
 ``fence``, ``hashes``, ``checker``; vLLM's pool and scheduler through the harness; the request
 side's five questions, :class:`RequestSide`), :mod:`vtoken.planner` (``should_reclaim``,
 ``reclaim_bounds``, ``propose``) and the toolkit's ``plan_hook`` when one is attached. It never
 reads the adapter's attributes.
 Costs: per planning step O(requests whose table changed + requests with a positive bound),
-plus the planner's own cost per proposal, made only for requests not skipped in ``no_plan``; per report O(blocks of the reported plans).
+plus the planner's own cost per proposal, made only for requests not skipped in ``no_plan``;
+per report O(blocks of the reported plans).
 """
 
 from __future__ import annotations
