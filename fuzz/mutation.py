@@ -93,18 +93,16 @@ EQUIVALENT: list[dict] = [
          "map_cache sets map_src_n with it"),
     dict(file="vtoken/table.py", original="if need <= r.cap:", descs=("<= -> <",),
          reason="need == cap then reallocates to 2*cap and copies: capacity only, same contents"),
-    dict(file="vtoken/table.py", original="hs = np.full(size, -1, dtype=np.int64)", descs=("1 -> 0", "1 -> 2", "remove -"),
-         reason=_UNREAD_FILL),
-    dict(file="vtoken/table.py", original="self.slot = torch.full((1024,), -1, dtype=torch.int64, device=device)",
-         descs=("1024 -> 1023", "1024 -> 1025", "1 -> 0", "1 -> 2", "remove -"),
-         reason=_UNREAD_FILL + "; alloc() sizes by the slot pool and grows both tensors: 1023 grows one step "
-         "earlier, and 1025 is never used past 1024 (segments are powers of two >= 64)"),
+    dict(file="vtoken/table.py", original="return np.full(size, -1, dtype=np.int64), np.zeros(size, dtype=bool)",
+         descs=("1 -> 0", "1 -> 2", "remove -"), reason=_UNREAD_FILL),
+    dict(file="vtoken/table.py", original="self.slot, self.live = self._new(1024)", descs=("1024 -> 1023", "1024 -> 1025"),
+         reason="initial pool size: alloc() grows the pair when a segment does not fit, so 1023 grows one step "
+         "earlier and 1025 is never used past 1024 (segments are powers of two >= 64)"),
+    dict(file="vtoken/table.py", original="return (torch.full((size,), -1, dtype=torch.int64, device=self.device),",
+         descs=("1 -> 0", "1 -> 2", "remove -"), reason=_UNREAD_FILL),
     dict(file="vtoken/table.py", original="size = max(2 * len(self.slot), self.used + cap)",
          descs=("2 -> 3", "2 -> 1", "* -> //"), reason="pool growth factor: any size >= used + cap holds the "
          "segment; the live entries are copied over"),
-    dict(file="vtoken/table.py", original="self.live = torch.zeros(1024, dtype=torch.bool, device=device)",
-         descs=("1024 -> 1025",), reason="segments are powers of two >= 64, so `used` never reaches 1025 before "
-         "alloc() (sized by the slot pool) grows both tensors"),
     dict(file="vtoken/table.py", original="if len(idx) > 1:  # the last write to an index wins (index_put order is unspecified)",
          descs=("> -> >=", "1 -> 0"), reason="deduplicating a single index (or none) is the identity"),
     dict(file="vtoken/table.py", original="others = np.array([(self.refs[b] - (b in owned)) > 0 if 0 <= b < self.num_blocks else False",

@@ -103,7 +103,11 @@ def propose(table: TokenTable, req_id, headroom: Sequence[int], *, max_sources: 
     """
     S = table.S
     limit = len(headroom) if max_dests is None else max(0, min(int(max_dests), len(headroom)))
-    candidates, live_counts = _candidates(table, req_id, tail, excluded)
+    blocks = eligible_blocks(table, req_id, tail, excluded)
+    nb = table.n_b[blocks]
+    candidates, live_counts = blocks[nb < S], nb[nb < S]
+    order = np.lexsort((candidates, live_counts))  # fewest live first; block id breaks ties
+    candidates, live_counts = candidates[order], live_counts[order]
     if len(candidates) == 0:
         return None, False
     fills: list = []
@@ -151,7 +155,10 @@ def _in_place_keeping(candidates: np.ndarray, live_counts: np.ndarray, S: int, B
     cheapest k candidates are best, and the best k frees the most (the fewest sources among
     equals). An emptied unfillable block keeps its bytes and its hash; a destination's bytes
     are new. ``worthwhile``: a reduction existed without the destination limit."""
-    keep, budget, order, c = _keeping_costs(candidates, live_counts, S, B, unfillable)
+    keep = np.isin(candidates, np.asarray(unfillable, dtype=np.int64))
+    cost, budget = _source_costs(live_counts, keep, S)
+    order = np.lexsort((candidates, cost))  # the cheapest first, block id breaking ties
+    c = np.cumsum(cost[order])[:min(B, len(candidates))]
     need = -(-np.maximum(0, c - budget) // S)  # destinations for the cheapest k = 1.. sources
     reduction = np.arange(1, len(c) + 1) - need
     worthwhile = bool(len(c) and reduction.max() > 0)
@@ -179,72 +186,51 @@ def eligible_blocks(table: TokenTable, req_id, tail, excluded) -> np.ndarray:
     return blocks[ok]
 
 
-def _candidates(table: TokenTable, req_id, tail, excluded) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`propose`'s candidates (the :func:`eligible_blocks` not full of live tokens) and
-    their live counts, fewest live first, block id breaking ties. O(blocks of the request)."""
+def _source_costs(live_counts: np.ndarray, keep: np.ndarray, S: int) -> tuple[np.ndarray, int]:
+    """What emptying each candidate costs the fillable holes (its live tokens when unfillable,
+    ``keep``; S when fillable: its live tokens plus the holes it no longer offers) and those holes H(F)."""
+    return np.where(keep, live_counts, S), int((S - live_counts[~keep]).sum())
+
+
+def split_eligible(table: TokenTable, req_id, *, tail: Optional[int], excluded=None,
+                   unfillable: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
+    """The :func:`eligible_blocks` of ``req_id`` (full ones included) a plan may fill, and those
+    it may only empty (``unfillable``). O(blocks of the request)."""
     blocks = eligible_blocks(table, req_id, tail, excluded)
-    nb = table.n_b[blocks]
-    ok = nb < table.S
-    candidates, live_counts = blocks[ok], nb[ok]
-    order = np.lexsort((candidates, live_counts))
-    return candidates[order], live_counts[order]
-
-
-def shortfall_no_dest(fillable: np.ndarray, unfillable: np.ndarray, S: int) -> int:
-    """:func:`shortfall` without destinations, from the live counts of the eligible blocks a plan
-    may fill and of those it may not (full ones included: they offer no hole and cost S). The
-    cheapest single source decides (k sources cost more and the holes are the same): an
-    unfillable one costs its live tokens, a fillable one S, against the fillable blocks' holes;
-    none kept, that is the in-place rule (the holes reach S). O(blocks)."""
-    cheapest = min(int(unfillable.min()), S) if len(unfillable) else S
-    return max(0, cheapest - (S * len(fillable) - int(fillable.sum())))
-
-
-def _keeping_costs(candidates: np.ndarray, live_counts: np.ndarray, S: int, B: int, unfillable):
-    """With ``unfillable`` candidates: which candidates are unfillable, the fillable holes
-    H(F), the order cheapest first (cost: live count unfillable, S fillable; block id breaking
-    ties) and the cumulative cost of the cheapest k = 1..min(B, candidates) sources."""
-    keep = np.isin(candidates, np.asarray(unfillable, dtype=np.int64))
-    budget = int((S - live_counts[~keep]).sum())
-    cost = np.where(keep, live_counts, S)
-    order = np.lexsort((candidates, cost))  # the cheapest first, block id breaking ties
-    return keep, budget, order, np.cumsum(cost[order])[:min(B, len(candidates))]
+    kept = np.isin(blocks, np.asarray(unfillable if unfillable is not None else [], dtype=np.int64))
+    return blocks[~kept], blocks[kept]
 
 
 def in_place_deficit(table: TokenTable, req_id, *, max_sources: int, tail: Optional[int],
                      excluded: Optional[np.ndarray] = None, unfillable: Optional[Sequence[int]] = None,
                      max_dests: int = 0) -> int:
     """The evictions of ``req_id``'s tokens needed, at least, before :func:`propose` in place
-    with these arguments can return a plan (0: it may now). In place a plan exists iff the holes
-    H of the candidates reach S; keeping ``unfillable`` blocks, iff for some k the cheapest k
-    sources cost at most H(F) + S x min(k - 1, ``max_dests``). An eviction empties one slot of
-    the request: one fillable hole more, or one live token less in an unfillable candidate (a
-    block it makes a candidate included), so it lowers every such shortfall by one at most,
-    and growth writes only the tail. A driver that saw no plan may skip the request until that
-    many evictions happened, while its blocks (the set, its tail), their prefix-cache hashes
-    and sharing and the headroom stay as they were: a block gaining a hash never lowers the
-    shortfall, one losing it or ceasing to be shared may. O(blocks of the request)."""
-    candidates, live_counts = _candidates(table, req_id, tail, excluded)
-    keep = np.isin(candidates, np.asarray(unfillable if unfillable is not None else [], dtype=np.int64))
-    return shortfall(candidates, live_counts, keep, table.S, max_sources, max_dests)
+    with these arguments can return a plan (0: it may now): :func:`shortfall` of its eligible
+    blocks' live counts. O(blocks of the request)."""
+    fill, unfill = split_eligible(table, req_id, tail=tail, excluded=excluded, unfillable=unfillable)
+    return shortfall(table.n_b[fill], table.n_b[unfill], table.S, max_sources, max_dests)
 
 
-def shortfall(blocks: np.ndarray, live_counts: np.ndarray, keep: np.ndarray, S: int, max_sources: int,
-              max_dests: int = 0) -> int:
-    """:func:`in_place_deficit` of given eligible ``blocks`` (:func:`eligible_blocks`), their
-    ``live_counts`` and ``keep`` (a bool per block: unfillable); full blocks are no candidates.
-    A driver that kept the eligible blocks of a request whose block set has not changed since
-    re-checks its shortfall with the live counts of now, without the rest of a proposal.
-    O(blocks log blocks)."""
-    if max_dests <= 0:
-        return shortfall_no_dest(live_counts[~keep], live_counts[keep], S)
-    part = live_counts < S
-    candidates, live_counts, keep = blocks[part], live_counts[part], keep[part]
-    if not keep.any():  # none kept (or no candidate): a plan exists iff the holes reach S
-        return max(0, S - int((S - live_counts).sum()))
-    _, budget, _, c = _keeping_costs(candidates, live_counts, S, int(max_sources), candidates[keep])
-    k = np.arange(len(c))
-    return max(0, int((c - budget - S * np.minimum(k, max(0, int(max_dests)))).min()))
+def shortfall(fillable: np.ndarray, unfillable: np.ndarray, S: int, max_sources: int, max_dests: int = 0) -> int:
+    """From the live counts of the eligible blocks a plan may fill and of those it may only
+    empty (full ones included: no candidates), the evictions needed, at least, before an
+    in-place plan exists. In place a plan exists iff the candidates' holes H reach S; keeping
+    unfillable blocks, iff for some k the cheapest k sources cost at most H(F) + S x min(k - 1,
+    ``max_dests``) (:func:`_source_costs`). An eviction empties one slot of the request: one
+    fillable hole more, or one live token less in an unfillable candidate (a block it makes a
+    candidate included), so it lowers every such shortfall by one at most, and growth writes
+    only the tail. A driver that saw no plan may skip the request until that many evictions
+    happened, while its blocks (the set, its tail), their prefix-cache hashes and sharing and
+    the headroom stay as they were: a block gaining a hash never lowers the shortfall, one
+    losing it or ceasing to be shared may. O(blocks log blocks)."""
+    fill, unfill = fillable[fillable < S], unfillable[unfillable < S]
+    live = np.concatenate([unfill, fill])
+    keep = np.arange(len(live)) < len(unfill)
+    cost, budget = _source_costs(live, keep, S)
+    if max_dests <= 0 or not len(unfill):  # the cheapest one source decides (k sources cost more)
+        return max(0, (int(cost.min()) if len(cost) else S) - budget)
+    c = np.cumsum(np.sort(cost))[:int(max_sources)]
+    return max(0, int((c - budget - S * np.minimum(np.arange(len(c)), int(max_dests))).min()))
 
 
 def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests: list) -> np.ndarray:

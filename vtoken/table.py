@@ -234,10 +234,10 @@ class _Req:
         b = t._hb.item(h)
         return pool[b:b + cap]
 
-    slot = property(lambda self: self._segment(self.t._hs, _NO_SLOTS),
+    slot = property(lambda self: self._segment(self.t._host.slot, _NO_SLOTS),
                     doc="``slot[i] = block * S + offset`` of token ``i`` (-1 beyond the length): a view (before "
                         "the first token, a read-only one of 64 entries: indexing past the length stays safe).")
-    live = property(lambda self: self._segment(self.t._hl, _NO_LIVE),
+    live = property(lambda self: self._segment(self.t._host.live, _NO_LIVE),
                     doc="Token ``i`` is live: a view (read-only and all False before the first token).")
 
 
@@ -247,7 +247,57 @@ _NO_LIVE = np.zeros(64, dtype=bool)
 _NO_LIVE.flags.writeable = False
 
 
-class _DevicePool:
+class _Segments:
+    """A flat pair of arrays (``slot``, ``live``) cut into power-of-two segments, one per
+    request, with a free list per size; the pair doubles when full (the used prefix copied
+    over: every view of a segment is stale after). A subclass makes the arrays (``_new``: the
+    host's numpy, the device's torch) and says what a growth or a release must do first."""
+
+    def __init__(self):
+        self.slot, self.live = self._new(1024)
+        self.used = 0
+        self.free_segs: dict[int, list[int]] = {}
+
+    def _new(self, size: int):
+        raise NotImplementedError
+
+    def _before_move(self) -> None:
+        """Runs before the arrays are replaced or a segment is handed back."""
+
+    def _kill(self, base: int, cap: int) -> None:
+        self.live[base:base + cap] = False
+
+    def alloc(self, cap: int) -> int:
+        """A segment of ``cap`` entries: a freed one, or the pair's end. O(cap) amortised."""
+        lst = self.free_segs.get(cap)
+        if lst:
+            return lst.pop()
+        if self.used + cap > len(self.slot):
+            self._before_move()
+            size = max(2 * len(self.slot), self.used + cap)
+            slot, live = self._new(size)
+            slot[: self.used] = self.slot[: self.used]
+            live[: self.used] = self.live[: self.used]
+            self.slot, self.live = slot, live
+        base = self.used
+        self.used += cap
+        return base
+
+    def release(self, base: int, cap: int) -> None:
+        """Hand segment ``[base, base + cap)`` back: none of it live for its next owner."""
+        self._before_move()
+        self._kill(base, cap)
+        self.free_segs.setdefault(cap, []).append(base)
+
+
+class _HostSegments(_Segments):
+    """The host pool of every request's per-token slots and liveness (numpy)."""
+
+    def _new(self, size: int):
+        return np.full(size, -1, dtype=np.int64), np.zeros(size, dtype=bool)
+
+
+class _DevicePool(_Segments):
     """The read-side lookup cache: per-token slots and live bits of every request, on the device,
     one flat pair of tensors with each request in a power-of-two segment. Mutations queue
     updates, sent in one batched write (``flush``) that every read runs first. Never waits on
@@ -260,35 +310,21 @@ class _DevicePool:
         # CUDA: stage uploads in pinned memory so they are truly asynchronous. (Settable for
         # tests that check the staging on a machine without CUDA.)
         self.pinned = device.type == "cuda" if pinned is None else pinned
-        self.slot = torch.full((1024,), -1, dtype=torch.int64, device=device)
-        self.live = torch.zeros(1024, dtype=torch.bool, device=device)
-        self.used = 0
-        self.free_segs: dict[int, list[int]] = {}
+        super().__init__()
         self.pend_idx: list = []  # global indices whose slot changed (arrays or ints)
         self.pend_val: list = []
         self.pend_new: list = []  # indices that became live (new tokens)
         self.pend_dead: list = []  # indices that died
 
-    def alloc(self, cap: int) -> int:
-        lst = self.free_segs.get(cap)
-        if lst:
-            return lst.pop()
-        if self.used + cap > len(self.slot):
-            self.flush()
-            size = max(2 * len(self.slot), self.used + cap)
-            slot = torch.full((size,), -1, dtype=torch.int64, device=self.device)
-            live = torch.zeros(size, dtype=torch.bool, device=self.device)
-            slot[: self.used] = self.slot[: self.used]
-            live[: self.used] = self.live[: self.used]
-            self.slot, self.live = slot, live
-        base = self.used
-        self.used += cap
-        return base
+    def _new(self, size: int):
+        return (torch.full((size,), -1, dtype=torch.int64, device=self.device),
+                torch.zeros(size, dtype=torch.bool, device=self.device))
 
-    def release(self, base: int, cap: int) -> None:
-        self.flush()  # queued writes must not land on the segment's next owner
-        self.live[base:base + cap].fill_(False)
-        self.free_segs.setdefault(cap, []).append(base)
+    def _before_move(self) -> None:
+        self.flush()  # queued writes must land before a copy, and not on a segment's next owner
+
+    def _kill(self, base: int, cap: int) -> None:
+        self.live[base:base + cap].fill_(False)  # the bit as a kernel argument: no upload, no host wait
 
     @staticmethod
     def _cat(parts) -> np.ndarray:
@@ -402,11 +438,7 @@ class TokenTable:
         self._bver = np.zeros(0, dtype=np.int64)  # bumped at every change of the block set
         self._dirty = np.zeros(0, dtype=bool)
         self._free_rows: list[int] = []
-        # the host pool of per-token slots and liveness, one power-of-two segment per request
-        self._hs = np.full(1024, -1, dtype=np.int64)
-        self._hl = np.zeros(1024, dtype=bool)
-        self._hused = 0
-        self._hfree: dict[int, list[int]] = {}
+        self._host = _HostSegments()  # per-token slots and liveness, one segment per request
         self.refs = np.zeros(self.num_blocks, dtype=np.int32)
         self.n_b = np.zeros(self.num_blocks, dtype=np.int32)
         self.claims = np.zeros(self.num_blocks * self.S, dtype=np.int32)
@@ -461,26 +493,6 @@ class TokenTable:
         self._row[req_id] = h
         return r
 
-    def _host_alloc(self, cap: int) -> int:
-        """A host segment of ``cap`` entries (slots -1, not live): a freed one, or the pool's end
-        (doubling the pool: every view of a segment is stale after). O(cap) amortised."""
-        lst = self._hfree.get(cap)
-        if lst:
-            base = lst.pop()
-            self._hs[base:base + cap] = -1
-            self._hl[base:base + cap] = False
-            return base
-        if self._hused + cap > len(self._hs):
-            size = max(2 * len(self._hs), self._hused + cap)
-            hs = np.full(size, -1, dtype=np.int64)
-            hl = np.zeros(size, dtype=bool)
-            hs[:self._hused] = self._hs[:self._hused]
-            hl[:self._hused] = self._hl[:self._hused]
-            self._hs, self._hl = hs, hl
-        base = self._hused
-        self._hused += cap
-        return base
-
     def _rows_of(self, req_ids) -> np.ndarray:
         """The rows of ``req_ids`` (repeats allowed); ``bad_request_id`` / ``unknown_request`` for
         the first bad one. O(requests), in C."""
@@ -491,19 +503,22 @@ class TokenTable:
                 self._req(r)  # the first bad id's error
             raise
 
-    def _rows(self, req_ids, what: str, who: str) -> tuple[list, np.ndarray]:
-        """The rows of distinct requests ``req_ids`` (``bad_request_id``, ``unknown_request`` for
-        the first bad one; ``what`` (its error code) for a request named twice, in ``who``'s
-        words). O(requests), in C."""
-        try:
-            hl = list(map(self._row.__getitem__, req_ids))
-        except (KeyError, TypeError):
-            for r in req_ids:
-                self._req(r)  # the first bad id's error
-            raise
-        if len(set(hl)) != len(hl):
+    def _rows(self, req_ids, what: str, who: str) -> np.ndarray:
+        """:meth:`_rows_of` distinct requests: ``what`` (an error code) for a request named
+        twice, in ``who``'s words. O(requests), in C."""
+        hs = self._rows_of(req_ids)
+        if len(set(hs.tolist())) != len(hs):
             raise TableError(what, f"{who}: a request named twice in {list(req_ids)!r}")
-        return hl, np.array(hl, dtype=np.int64)
+        return hs
+
+    def _holds(self, req_ids, hs: np.ndarray, b: np.ndarray, ask: np.ndarray) -> np.ndarray:
+        """Does request ``req_ids[i]`` (row ``hs[i]``) reference block ``b[i]``? Its row's last
+        block answers in C (a block it references, or -1); the others where ``ask`` holds look
+        in its block set (the few whose token opens a block). O(requests)."""
+        held = self._last[hs] == b
+        for i in np.flatnonzero(ask & ~held).tolist():
+            held[i] = int(b[i]) in self._reqs[req_ids[i]].blocks
+        return held
 
     def _block(self, block_id, what: str = "block") -> int:
         """A block id argument: ``not_integer``, then ``block_out_of_range``. O(1)."""
@@ -693,7 +708,7 @@ class TokenTable:
         ``not_integer``, ``block_out_of_range``, ``null_block``, ``slot_conflict``. Returns the
         slots, in order. O(requests) in array operations, plus Python work only for the requests
         whose token opens a block, or outgrows its segment."""
-        _, hs = self._rows(req_ids, "slot_conflict", "sync_one_each")
+        hs = self._rows(req_ids, "slot_conflict", "sync_one_each")
         b = _index_array(block_ids, "sync_one_each: block_ids")
         if len(b) != len(hs):
             raise TableError("not_integer", f"sync_one_each: {len(hs)} requests but {len(b)} blocks")
@@ -708,10 +723,7 @@ class TokenTable:
         bad_range = False if in_range else (b < 0) | (b >= self.num_blocks)
         bs = b if in_range else np.where(bad_range, 1, b)
         s = bs * S + n % S
-        mine = self._last[hs] == b  # the block of its previous token, still referenced
-        opens = np.flatnonzero(~mine).tolist()  # a block it does not hold yet, or not known: ask its set
-        for i in opens:
-            mine[i] = blist[i] in self._reqs[req_ids[i]].blocks
+        mine = self._holds(req_ids, hs, bs, np.ones(len(b), dtype=bool))
         placed = self.placed[s]
         conflict = np.where(self.refs[bs] - mine > 0, placed != n, placed != -1)
         bad = conflict if in_range else bad_range | (b == NULL_BLOCK) | conflict
@@ -720,13 +732,13 @@ class TokenTable:
         # ---- apply (nothing below can fail)
         for i in np.flatnonzero(n >= self._cap[hs]).tolist():  # outgrows its segments (doubling: rare)
             self._grow(self._reqs[req_ids[i]], int(n[i]) + 1)
-        for i in opens:
-            if not mine[i]:
-                self._ref_block(self._reqs[req_ids[i]], blist[i])
-                self._changed.add(req_ids[i])
+        for i in np.flatnonzero(~mine).tolist():  # its token opens a block
+            self._ref_block(self._reqs[req_ids[i]], blist[i])
+            self._changed.add(req_ids[i])
         at = self._hb[hs] + n  # the host segments as they are now (a _grow above may have moved one)
-        self._hs[at] = s
-        self._hl[at] = True
+        host = self._host
+        host.slot[at] = s
+        host.live[at] = True
         self._n[hs] = n + 1
         self._nl[hs] += 1  # rows distinct: a plain indexed add counts each once
         self._last[hs] = b
@@ -779,13 +791,13 @@ class TokenTable:
         # One power-of-two capacity for the host segment and the device segment, so a
         # check against r.cap covers both (doubling: growth is amortised O(1) per token).
         cap = max(64, 1 << (need - 1).bit_length())
-        h, old, n = r.h, r.cap, r.n
-        hb = self._host_alloc(cap)
+        h, old, n, host = r.h, r.cap, r.n, self._host
+        hb = host.alloc(cap)
         if old:
             ob = self._hb.item(h)
-            self._hs[hb:hb + n] = self._hs[ob:ob + n]
-            self._hl[hb:hb + n] = self._hl[ob:ob + n]
-            self._hfree.setdefault(old, []).append(ob)
+            host.slot[hb:hb + n] = host.slot[ob:ob + n]
+            host.live[hb:hb + n] = host.live[ob:ob + n]
+            host.release(ob, old)
         self._hb[h] = hb
         pool = self._pool
         base = pool.alloc(cap)
@@ -838,7 +850,7 @@ class TokenTable:
         one token each: a decode step's evictions). Every token checked before anything changes:
         ``bad_request_id``, ``unknown_request``, ``not_integer``, ``unknown_token``, ``dead_token``,
         and ``duplicate_token`` for a request named twice. O(requests) in array operations."""
-        _, hs = self._rows(req_ids, "duplicate_token", "evict_one_each")
+        hs = self._rows(req_ids, "duplicate_token", "evict_one_each")
         t = _index_array(token_ids, "evict_one_each: token_ids")
         if len(t) != len(hs):
             raise TableError("not_integer", f"evict_one_each: {len(hs)} requests but {len(t)} tokens")
@@ -847,7 +859,8 @@ class TokenTable:
         n = self._n[hs]
         unknown = (t < 0) | (t >= n)
         at = self._hb[hs] + np.where(unknown, 0, t)
-        dead = ~unknown & ~self._hl[at]
+        host = self._host
+        dead = ~unknown & ~host.live[at]
         if unknown.any() or dead.any():
             i = int(np.argmax(unknown | dead))
             x = int(t[i])
@@ -855,10 +868,10 @@ class TokenTable:
                 raise TableError("unknown_token", f"request {req_ids[i]!r}: evict token {_fmt(x)} (length {int(n[i])})")
             raise TableError("dead_token", f"request {req_ids[i]!r}: evict token {x} (length {int(n[i])})")
         # ---- apply (nothing below can fail)
-        self._hl[at] = False
+        host.live[at] = False
         self._nl[hs] -= 1
         self._dirty[hs] = True
-        slots = self._hs[at]
+        slots = host.slot[at]
         pool = self._pool
         if pool.mirrors:
             pool.pend_dead.append(self._db[hs] + t)
@@ -1020,7 +1033,7 @@ class TokenTable:
                 self._lone_dead.add(b)  # its last sharer left it dead: releasable for the holder
         if r.cap:
             self._pool.release(r.base, r.cap)
-            self._hfree.setdefault(r.cap, []).append(self._hb.item(r.h))
+            self._host.release(self._hb.item(r.h), r.cap)
         del self._reqs[req_id]
         del self._row[req_id]
         self._free_rows.append(r.h)
@@ -1128,10 +1141,8 @@ class TokenTable:
         hs = self._rows_of(req_ids)
         n = self._n[hs]
         has = n > 0
-        tail = np.where(has, self._hs[self._hb[hs] + np.maximum(n - 1, 0)] // self.S, -1)
-        held = has & (self._last[hs] == tail)  # the block of its last token, still referenced
-        for i in np.flatnonzero(has & ~held).tolist():  # not known: ask its set
-            held[i] = int(tail[i]) in self._reqs[req_ids[i]].blocks
+        tail = np.where(has, self._host.slot[self._hb[hs] + np.maximum(n - 1, 0)] // self.S, -1)
+        held = has & self._holds(req_ids, hs, tail, has)
         return (self._nblk[hs], self._nl[hs], held.astype(np.int64),
                 np.where(held, self.n_b[np.where(held, tail, 0)], 0).astype(np.int64))
 

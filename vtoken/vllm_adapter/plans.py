@@ -28,24 +28,41 @@ from __future__ import annotations
 
 import copy
 import heapq
+from dataclasses import dataclass
+from typing import Optional, Protocol
 
 import numpy as np
-
-from typing import Protocol
 
 from .assumptions import AdapterAssumptionError
 from .mirror import unaccounted
 from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
-from ..planner import Proposal, eligible_blocks, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, \
-    shared_at_end, shortfall, shortfall_no_dest, should_reclaim, trigger_inputs
+from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, shared_at_end, shortfall, \
+    should_reclaim, split_eligible, trigger_inputs
 
 # a request skipped after an in-place proposal found no plan is looked at again after this many
 # plan checks when it shares a block (a sharer leaving makes the block eligible: no event of the
 # request's own says so), and after SAFETY_CHECKS in any case
 RETRY_CHECKS = 16
 SAFETY_CHECKS = 256
+
+
+@dataclass
+class _Skip:
+    """A request an in-place proposal found no plan for (``PlanBook._no_plan``): what it was
+    then, and what must change before a plan may exist."""
+
+    dead_by: int  # its evicted tokens when a plan may first exist (the shortfall reached)
+    version: int  # its block-set version (``TokenTable.block_versions``)
+    blocks: set  # its block set
+    tail: Optional[int]
+    head: int  # the headroom's size
+    due: int  # the plan check to look again by
+    fill: np.ndarray  # its eligible blocks a plan may fill
+    unfill: np.ndarray  # those it may only empty
+    dests: int  # destinations a plan may take
+    faithful: Optional[int]  # its full-context length (which hashed blocks are unfillable)
 
 
 def merge_snapshot(plan: Plan, done: dict) -> None:
@@ -106,11 +123,7 @@ class PlanBook:
         self.plan_hook = None  # the toolkit's contract check, attached through the adapter
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
         self.bound: dict[str, tuple] = {}  # request -> (-its positive reclaim bound, arrival, request), cached
-        # request -> [dead tokens it needs, its block-set version, tail, headroom size, step to look again
-        # by, its eligible blocks a plan may fill, those it may not, destinations allowed,
-        # full-context length, its block set]
-        # after an in-place proposal found no plan: skipped until one of them says look (_no_plan)
-        self.no_plan: dict[str, list] = {}
+        self.no_plan: dict[str, _Skip] = {}  # requests skipped until a plan may exist (_no_plan)
         self.due: list = []  # heap of (look-again step, request's order, request) of ``no_plan``
         self.head_seen = 0  # the headroom's size at the last plan check
 
@@ -191,17 +204,14 @@ class PlanBook:
         block gaining a hash never lowers the shortfall; one losing its hash while its request
         runs is unfaithful already (or a reset, with no request running). O(blocks of r)."""
         t, cfg = self.table, self.cfg
-        eligible = eligible_blocks(t, r, tail, exclude)  # full ones included: an eviction makes one a candidate
-        kept = np.isin(eligible, np.asarray(keep, dtype=np.int64))
-        fill, unfill = eligible[~kept], eligible[kept]
+        fill, unfill = split_eligible(t, r, tail=tail, excluded=exclude, unfillable=keep)
         dests = head if keep else 0
         blocks = t.block_array(r)
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
-        ver = int(t.block_versions([r])[0])
         due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
-        dead = int(t.dead_counts([r])[0])
-        self.no_plan[r] = [dead + max(1, self._shortfall(fill, unfill, dests)), ver, tail, head, due, fill, unfill,
-                           dests, self.hashes.faithful.get(r), set(blocks.tolist())]
+        skip = self.no_plan[r] = _Skip(0, int(t.block_versions([r])[0]), set(blocks.tolist()), tail, head, due, fill,
+                                       unfill, dests, self.hashes.faithful.get(r))
+        skip.dead_by = int(t.dead_counts([r])[0]) + max(1, self._shortfall(skip))
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
         del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
 
@@ -212,72 +222,61 @@ class PlanBook:
         due, no_plan = self.due, self.no_plan
         while due and due[0][0] <= steps:
             when, _, r = heapq.heappop(due)
-            memo = no_plan.get(r)
-            if memo is not None and memo[4] == when:
+            skip = no_plan.get(r)
+            if skip is not None and skip.due == when:
                 del no_plan[r]
                 self.stale_bounds.add(r)
         head = len(self.lifecycle.headroom)
         if head > self.head_seen:
-            self.stale_bounds.update(r for r, m in no_plan.items() if head > m[3])
+            self.stale_bounds.update(r for r, sk in no_plan.items() if head > sk.head)
         self.head_seen = head
 
-    def _shortfall(self, fill: np.ndarray, unfill: np.ndarray, dests: int) -> int:
-        """``planner.shortfall`` of eligible blocks split into those a plan may fill and not, with
-        the live counts of now. O(blocks)."""
+    def _shortfall(self, skip: _Skip) -> int:
+        """``planner.shortfall`` of the blocks kept in ``skip``, with their live counts now. O(blocks)."""
         t = self.table
-        if dests <= 0:
-            return shortfall_no_dest(t.n_b[fill], t.n_b[unfill], t.S)
-        both = np.concatenate([fill, unfill])
-        kept = np.zeros(len(both), dtype=bool)
-        kept[len(fill):] = True
-        return shortfall(both, t.n_b[both], kept, t.S, self.cfg.max_sources, dests)
+        return shortfall(t.n_b[skip.fill], t.n_b[skip.unfill], t.S, self.cfg.max_sources, skip.dests)
 
     def _still_skipped(self, waiting: list, steps: int) -> set:
-        """The requests of ``waiting`` (skipped, ``_no_plan``, and changed since) still skipped:
-        their evictions and block-set versions read for all at once, the common case (fewer
-        evictions than the shortfall, the same blocks) decided here. O(waiting)."""
-        t, no_plan, faithful = self.table, self.no_plan, self.hashes.faithful
-        head = len(self.lifecycle.headroom)
-        out = set()
-        for r, dead, ver in zip(waiting, t.dead_counts(waiting).tolist(), t.block_versions(waiting).tolist()):
-            m = no_plan[r]
-            if (ver == m[1] and dead < m[0] and steps < m[4] and head <= m[3] and faithful.get(r) == m[8]) or \
-                    self._still_no_plan(r, steps, dead, ver):
-                out.add(r)
-        return out
+        """The requests of ``waiting`` (skipped, and changed since) still skipped, their evictions
+        and block-set versions read for all at once. O(waiting)."""
+        t = self.table
+        return {r for r, dead, ver in zip(waiting, t.dead_counts(waiting).tolist(), t.block_versions(waiting).tolist())
+                if self._still_no_plan(r, steps, dead, ver)}
 
     def _still_no_plan(self, r: str, steps: int, dead: int, ver: int) -> bool:
         """Is ``r`` (``dead``: its evicted tokens now, ``ver``: its block-set version) still
         skipped (``_no_plan``)? Forgets it when not. O(1) until its evictions reach the shortfall
         or its tail moves on, then O(its eligible blocks) for the re-check."""
-        memo = self.no_plan[r]
-        if steps < memo[4] and len(self.lifecycle.headroom) <= memo[3] and self.hashes.faithful.get(r) == memo[8] and \
-                (ver == memo[1] or self._tail_moved(r, memo, ver)):
-            if dead < memo[0]:
+        skip = self.no_plan[r]
+        if steps < skip.due and len(self.lifecycle.headroom) <= skip.head and \
+                self.hashes.faithful.get(r) == skip.faithful and (ver == skip.version or self._tail_moved(r, skip, ver)):
+            if dead < skip.dead_by:
                 return True
-            need = self._shortfall(memo[5], memo[6], memo[7])
+            need = self._shortfall(skip)
             if need > 0:
-                memo[0] = dead + need
+                skip.dead_by = dead + need
                 return True
         del self.no_plan[r]
         return False
 
-    def _tail_moved(self, r: str, memo: list, ver: int) -> bool:
+    def _tail_moved(self, r: str, skip: _Skip, ver: int) -> bool:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
-        one)? Then the old tail joins the eligible blocks in ``memo`` (when a plan may take it:
+        one)? Then the old tail joins the eligible blocks in ``skip`` (when a plan may take it:
         only ``r`` holds it, in its list), unfillable when its hash describes its bytes, and
         the shortfall is re-checked now (its evictions count from here). O(blocks of r)."""
         t = self.table
-        old, tail, cur = memo[9], memo[2], t.block_array(r)
-        new = t.tail_block(r)
-        if tail is None or new == tail or new in old or len(cur) != len(old) + 1 or not old.issubset(cur.tolist()):
+        tail, cur, new = skip.tail, t.block_array(r), t.tail_block(r)
+        if tail is None or new == tail or new in skip.blocks or len(cur) != len(skip.blocks) + 1 or \
+                not skip.blocks.issubset(cur.tolist()):
             return False
         i, blk = self.mirror.index(r, tail), self.harness.pool.blocks[tail]
         if i is not None and blk.ref_cnt == 1 and t.refs[tail] == 1:
-            k = 6 if blk.block_hash is not None and self.hashes.is_faithful(r, i) else 5
-            memo[k] = np.append(memo[k], tail)
-        old.add(new)
-        memo[0], memo[1], memo[2] = 0, ver, new
+            if blk.block_hash is not None and self.hashes.is_faithful(r, i):
+                skip.unfill = np.append(skip.unfill, tail)
+            else:
+                skip.fill = np.append(skip.fill, tail)
+        skip.blocks.add(new)
+        skip.dead_by, skip.version, skip.tail = 0, ver, new
         return True
 
     def _unfillable(self, r: str, blocks: list) -> list:
