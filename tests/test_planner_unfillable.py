@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtoken.invariants.plan_contract import view_of
-from vtoken.planner import in_place_deficit, propose
+from vtoken.planner import in_place_deficit, propose, shortfalls
 from vtoken.spec.planner import best_reduction, plan_errors
 from vtoken.table import TokenTable
 
@@ -147,3 +147,29 @@ def test_a_destination_lowers_the_shortfall_when_two_sources_share_it():
     assert propose(t, "r", [9], in_place=True, **kw)[0].reduction == 2  # all three into one block
     t.evict_tokens("r", [3])  # block 1 all dead: a source that costs nothing
     assert in_place_deficit(t, "r", max_dests=0, **kw) == 0
+
+
+_COUNTS = st.lists(st.integers(0, 6), max_size=6)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(reqs=st.lists(st.tuples(_COUNTS, _COUNTS, st.integers(-1, 3)), min_size=1, max_size=6),
+       S=st.integers(1, 6), B=st.integers(1, 5))
+def test_the_batched_shortfalls_are_each_requests_own(reqs, S, B):
+    """``shortfalls`` of many requests (what a plan check re-checks at once) gives each the
+    figure it has alone: no request's blocks, holes or destinations count for another (live
+    counts above S included: never candidates), with and without destinations in the batch."""
+    fill = [np.minimum(np.array(f, dtype=np.int64), S) for f, _, _ in reqs]
+    unfill = [np.minimum(np.array(u, dtype=np.int64), S) for _, u, _ in reqs]
+    dests = [d for _, _, d in reqs]
+    alone = [int(shortfalls([f], [u], S, B, [d])[0]) for f, u, d in zip(fill, unfill, dests)]
+    assert shortfalls(fill, unfill, S, B, dests).tolist() == alone
+    no_dests = [int(shortfalls([f], [u], S, B, [0])[0]) for f, u in zip(fill, unfill)]
+    assert shortfalls(fill, unfill, S, B, [0] * len(reqs)).tolist() == no_dests
+
+
+def test_a_request_without_candidates_is_a_whole_block_short_and_bad_lengths_are_refused():
+    assert shortfalls([np.array([4, 4])], [np.array([], dtype=np.int64)], 4, 2, [1]).tolist() == [4]
+    assert shortfalls([], [], 4, 2, []).tolist() == []
+    with pytest.raises(ValueError, match="2 fillable, 1 unfillable"):
+        shortfalls([np.array([1]), np.array([2])], [np.array([1])], 4, 2, [0, 0])

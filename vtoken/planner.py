@@ -222,15 +222,69 @@ def shortfall(fillable: np.ndarray, unfillable: np.ndarray, S: int, max_sources:
     only the tail. A driver that saw no plan may skip the request until that many evictions
     happened, while its blocks (the set, its tail), their prefix-cache hashes and sharing and
     the headroom stay as they were: a block gaining a hash never lowers the shortfall, one
-    losing it or ceasing to be shared may. O(blocks log blocks)."""
-    fill, unfill = fillable[fillable < S], unfillable[unfillable < S]
-    live = np.concatenate([unfill, fill])
-    keep = np.arange(len(live)) < len(unfill)
-    cost, budget = _source_costs(live, keep, S)
-    if max_dests <= 0 or not len(unfill):  # the cheapest one source decides (k sources cost more)
-        return max(0, (int(cost.min()) if len(cost) else S) - budget)
-    c = np.cumsum(np.sort(cost))[:int(max_sources)]
-    return max(0, int((c - budget - S * np.minimum(np.arange(len(c)), int(max_dests))).min()))
+    losing it or ceasing to be shared may. :func:`shortfalls` of one request. O(blocks log blocks)."""
+    return int(shortfalls([fillable], [unfillable], S, max_sources, [max_dests])[0])
+
+
+def shortfalls(fillable: Sequence[np.ndarray], unfillable: Sequence[np.ndarray], S: int, max_sources: int,
+               max_dests: Sequence[int]) -> np.ndarray:
+    """:func:`shortfall` of many requests at once (request i: ``fillable[i]``, ``unfillable[i]``,
+    ``max_dests[i]``): :func:`shortfalls_flat` of their live counts laid end to end."""
+    n = len(fillable)
+    if len(unfillable) != n or len(max_dests) != n:
+        raise ValueError(f"shortfalls: {n} fillable, {len(unfillable)} unfillable, {len(max_dests)} max_dests")
+    parts = [np.asarray(x, dtype=np.int64).reshape(-1) for pair in zip(unfillable, fillable) for x in pair]
+    live = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return shortfalls_flat(live, [len(u) for u in parts[0::2]], [len(f) for f in parts[1::2]], S, max_sources,
+                           max_dests)
+
+
+def shortfalls_flat(live: np.ndarray, n_unfill: Sequence[int], n_fill: Sequence[int], S: int, max_sources: int,
+                    max_dests: Sequence[int]) -> np.ndarray:
+    """:func:`shortfall` of many requests in one pass of array operations, as an int64 array:
+    ``live`` holds request 0's ``n_unfill[0]`` unfillable then ``n_fill[0]`` fillable live
+    counts, then request 1's, and so on. Per request, min over k = 1..min(B, candidates) of
+    C_k - H(F) - S x min(k - 1, dests), C_k the cheapest k costs (:func:`_source_costs`), at
+    least 0; S for a request without candidates. What a plan check costs for every skipped
+    request whose evictions reached its shortfall: O(their blocks log)."""
+    nu, nf = np.asarray(n_unfill, dtype=np.int64), np.asarray(n_fill, dtype=np.int64)
+    n = len(nu)
+    size = nu + nf
+    dests = np.maximum(np.asarray(max_dests, dtype=np.int64), 0)
+    if len(nf) != n or len(dests) != n or len(live) != int(size.sum()):
+        raise ValueError(f"shortfalls_flat: {len(live)} live counts for {n} requests of {size.tolist()} blocks "
+                         f"({len(nf)} fillable sizes, {len(dests)} max_dests)")
+    if not dests.any():
+        # no destination: the cheapest one source decides (k sources cost more): an unfillable
+        # candidate's live count or S (a fillable one), against H(F) = S nf - its live tokens
+        # (a full block has no hole); no candidate at all is S with H(F) = 0
+        end = np.cumsum(size)
+        u0, f0 = end - size, end - nf
+        cum = np.concatenate(([0], np.cumsum(live)))
+        budget = S * nf - (cum[end] - cum[f0])
+        runs = np.empty(2 * n, dtype=np.int64)
+        runs[0::2], runs[1::2] = u0, f0
+        least = np.minimum.reduceat(np.append(live, S), runs)[0::2]  # an empty run reads the next entry: masked
+        return np.maximum(np.where(nu > 0, np.minimum(least, S), S) - budget, 0)
+    seg = np.repeat(np.arange(n), size)  # each block's request
+    keep = np.arange(len(seg)) - np.repeat(np.cumsum(size) - size, size) < nu[seg]
+    cand = live < S  # full blocks are no candidates
+    seg, keep, live = seg[cand], keep[cand], live[cand]
+    cost, _ = _source_costs(live, keep, S)
+    budget = np.bincount(seg[~keep], weights=S - live[~keep], minlength=n).astype(np.int64)
+    out = np.full(n, S, dtype=np.int64)  # no candidate: a whole block's evictions
+    order = np.lexsort((cost, seg))  # by request, the cheapest first
+    seg, cost = seg[order], cost[order]
+    count = np.bincount(seg, minlength=n)
+    start = np.cumsum(count) - count
+    k = np.arange(len(seg)) - start[seg]  # k - 1: the cost's rank in its request
+    total = np.cumsum(cost)
+    c = total - (total - cost)[start[seg]]  # C_k: the request's cheapest k costs
+    val = c - budget[seg] - S * np.minimum(k, dests[seg])
+    val[k >= int(max_sources)] = np.iinfo(np.int64).max  # at most B sources
+    has = count > 0
+    out[has] = np.minimum.reduceat(val, start[has])
+    return np.maximum(out, 0)
 
 
 def _moves_of(table: TokenTable, req_id, sources: np.ndarray, fills: list, dests: list) -> np.ndarray:

@@ -38,8 +38,8 @@ from .mirror import unaccounted
 from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
-from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, shared_at_end, shortfall, \
-    should_reclaim, split_eligible, trigger_inputs
+from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, shared_at_end, \
+    shortfalls_flat, should_reclaim, split_eligible, trigger_inputs
 
 # a request skipped after an in-place proposal found no plan is looked at again after this many
 # plan checks when it shares a block (a sharer leaving makes the block eligible: no event of the
@@ -211,7 +211,7 @@ class PlanBook:
         due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
         skip = self.no_plan[r] = _Skip(0, int(t.block_versions([r])[0]), set(blocks.tolist()), tail, head, due, fill,
                                        unfill, dests, self.hashes.faithful.get(r))
-        skip.dead_by = int(t.dead_counts([r])[0]) + max(1, self._shortfall(skip))
+        skip.dead_by = int(t.dead_counts([r])[0]) + max(1, self._shortfalls([skip])[0])
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
         del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
 
@@ -231,33 +231,43 @@ class PlanBook:
             self.stale_bounds.update(r for r, sk in no_plan.items() if head > sk.head)
         self.head_seen = head
 
-    def _shortfall(self, skip: _Skip) -> int:
-        """``planner.shortfall`` of the blocks kept in ``skip``, with their live counts now. O(blocks)."""
+    def _shortfalls(self, skips: list) -> list:
+        """``planner.shortfalls`` of the blocks kept in each of ``skips``, with their live counts
+        now, all at once. O(their blocks)."""
         t = self.table
-        return shortfall(t.n_b[skip.fill], t.n_b[skip.unfill], t.S, self.cfg.max_sources, skip.dests)
+        ids = np.concatenate([x for sk in skips for x in (sk.unfill, sk.fill)])
+        return shortfalls_flat(t.n_b[ids], [len(sk.unfill) for sk in skips], [len(sk.fill) for sk in skips], t.S,
+                               self.cfg.max_sources, [sk.dests for sk in skips]).tolist()
 
     def _still_skipped(self, waiting: list, steps: int) -> set:
-        """The requests of ``waiting`` (skipped, and changed since) still skipped, their evictions
-        and block-set versions read for all at once. O(waiting)."""
-        t = self.table
-        return {r for r, dead, ver in zip(waiting, t.dead_counts(waiting).tolist(), t.block_versions(waiting).tolist())
-                if self._still_no_plan(r, steps, dead, ver)}
-
-    def _still_no_plan(self, r: str, steps: int, dead: int, ver: int) -> bool:
-        """Is ``r`` (``dead``: its evicted tokens now, ``ver``: its block-set version) still
-        skipped (``_no_plan``)? Forgets it when not. O(1) until its evictions reach the shortfall
-        or its tail moves on, then O(its eligible blocks) for the re-check."""
-        skip = self.no_plan[r]
-        if steps < skip.due and len(self.lifecycle.headroom) <= skip.head and \
-                self.hashes.faithful.get(r) == skip.faithful and (ver == skip.version or self._tail_moved(r, skip, ver)):
-            if dead < skip.dead_by:
-                return True
-            need = self._shortfall(skip)
-            if need > 0:
-                skip.dead_by = dead + need
-                return True
-        del self.no_plan[r]
-        return False
+        """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``);
+        the others are forgotten. Each stays skipped while nothing but its evictions changed
+        (its look-again step not come, the headroom no larger, its full-context length and
+        block set as they were, or only its tail moved on: ``_tail_moved``) and they are fewer
+        than its shortfall; the shortfalls of those whose evictions reached it are re-checked
+        together (``planner.shortfalls``). Evictions and block-set versions are read for all at
+        once. O(waiting), plus O(eligible blocks) of the re-checked."""
+        t, no_plan = self.table, self.no_plan
+        head, faithful = len(self.lifecycle.headroom), self.hashes.faithful
+        still, recheck = set(), []
+        for r, dead, ver in zip(waiting, t.dead_counts(waiting).tolist(), t.block_versions(waiting).tolist()):
+            skip = no_plan[r]
+            if steps < skip.due and head <= skip.head and faithful.get(r) == skip.faithful and \
+                    (ver == skip.version or self._tail_moved(r, skip, ver)):
+                if dead < skip.dead_by:
+                    still.add(r)
+                else:
+                    recheck.append((r, dead, skip))
+            else:
+                del no_plan[r]
+        if recheck:
+            for (r, dead, skip), need in zip(recheck, self._shortfalls([x[2] for x in recheck])):
+                if need > 0:
+                    skip.dead_by = dead + need
+                    still.add(r)
+                else:
+                    del no_plan[r]
+        return still
 
     def _tail_moved(self, r: str, skip: _Skip, ver: int) -> bool:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
