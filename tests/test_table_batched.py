@@ -168,7 +168,8 @@ def test_batched_growth_after_releases_and_frees(seed):
 
 def test_the_block_set_version_changes_exactly_when_the_block_set_does():
     """``block_versions`` (what the adapter's plan skip compares): the same while a request only
-    grows inside its blocks or evicts; another after a new block, a release, or a freed row reused."""
+    grows inside its blocks or evicts; one more per block referenced or released (the skip reads
+    "one more and one block more" as "one block added"); another after a freed row is reused."""
     t = TokenTable(4, 64)
     t.sync_new_tokens("a", [1, 2, 3], 2)
     t.sync_new_tokens("b", [5, 6], 1)
@@ -177,11 +178,13 @@ def test_the_block_set_version_changes_exactly_when_the_block_set_does():
     t.evict_one_each(["a", "b"], [0, 0])
     assert t.block_versions(["a", "b"]).tolist() == v
     t.sync_new_tokens("a", [1, 2, 3], 5)  # token 4 opens block 2
-    assert t.block_versions(["a"])[0] != v[0] and t.block_versions(["b"])[0] == v[1]
+    assert t.block_versions(["a"])[0] == v[0] + 1 and t.block_versions(["b"])[0] == v[1]
+    t.sync_new_tokens("a", [1, 2, 3, 4, 8], 16)  # blocks 3 and 4 opened by one sync
+    assert t.block_versions(["a"])[0] == v[0] + 3
     v_b = t.block_versions(["b"])[0]
     t.evict_tokens("b", [1])
     t.release_empty_blocks("b", [5])  # b's only block, all dead
-    assert t.block_versions(["b"])[0] != v_b
+    assert t.block_versions(["b"])[0] == v_b + 1
     old = {int(x) for x in t.block_versions(["b"])}
     t.free_request("b")
     t.sync_new_tokens("c", [7], 1)  # takes b's row

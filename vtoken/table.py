@@ -425,6 +425,8 @@ class TokenTable:
             raise TableError("bad_config", f"device {_show(device)}: {e}") from None
         self._reqs: dict[object, _Req] = {}
         self._row: dict[object, int] = {}  # request -> its row (the batched paths look rows up in C)
+        self._row_epoch = 0  # bumped whenever _row changes (a request added or freed): _rows' memo
+        self._rows_memo: list = []  # [(epoch, request list, rows)], the last two _rows found good
         # per-request rows: length, live count, capacity, host and device segment bases, a block the
         # request references (-1: none known; the batched sync's test that a token lands in a block
         # the request holds already), device slot mapping stale
@@ -491,6 +493,7 @@ class TokenTable:
         self._db[h], self._last[h], self._dirty[h] = -1, -1, False
         r = self._reqs[req_id] = _Req(self, h)
         self._row[req_id] = h
+        self._row_epoch += 1
         return r
 
     def _rows_of(self, req_ids) -> np.ndarray:
@@ -505,10 +508,21 @@ class TokenTable:
 
     def _rows(self, req_ids, what: str, who: str) -> np.ndarray:
         """:meth:`_rows_of` distinct requests: ``what`` (an error code) for a request named
-        twice, in ``who``'s words. O(requests), in C."""
+        twice, in ``who``'s words. O(requests), in C. A decode step names the same running
+        requests step after step: the last two lists found good are remembered with the rows
+        they had, and an equal list (no request added or freed since) reuses them (read-only)."""
+        epoch = self._row_epoch
+        if type(req_ids) is list:
+            for e, ids, hs in self._rows_memo:
+                if e == epoch and ids == req_ids:
+                    return hs
         hs = self._rows_of(req_ids)
         if len(set(hs.tolist())) != len(hs):
             raise TableError(what, f"{who}: a request named twice in {list(req_ids)!r}")
+        if type(req_ids) is list:
+            hs.flags.writeable = False
+            self._rows_memo = [(epoch, list(req_ids), hs), self._rows_memo[0]] if self._rows_memo else \
+                [(epoch, list(req_ids), hs)]
         return hs
 
     def _holds(self, req_ids, hs: np.ndarray, b: np.ndarray, ask: np.ndarray) -> np.ndarray:
@@ -516,7 +530,7 @@ class TokenTable:
         block answers in C (a block it references, or -1); the others where ``ask`` holds look
         in its block set (the few whose token opens a block). O(requests)."""
         held = self._last[hs] == b
-        for i in np.flatnonzero(ask & ~held).tolist():
+        for i in np.flatnonzero(~held if ask is None else ask & ~held).tolist():
             held[i] = int(b[i]) in self._reqs[req_ids[i]].blocks
         return held
 
@@ -723,7 +737,7 @@ class TokenTable:
         bad_range = False if in_range else (b < 0) | (b >= self.num_blocks)
         bs = b if in_range else np.where(bad_range, 1, b)
         s = bs * S + n % S
-        mine = self._holds(req_ids, hs, bs, np.ones(len(b), dtype=bool))
+        mine = self._holds(req_ids, hs, bs, None)
         placed = self.placed[s]
         conflict = np.where(self.refs[bs] - mine > 0, placed != n, placed != -1)
         bad = conflict if in_range else bad_range | (b == NULL_BLOCK) | conflict
@@ -1036,6 +1050,7 @@ class TokenTable:
             self._host.release(self._hb.item(r.h), r.cap)
         del self._reqs[req_id]
         del self._row[req_id]
+        self._row_epoch += 1
         self._free_rows.append(r.h)
         self._changed.add(req_id)
         return blocks
@@ -1147,9 +1162,9 @@ class TokenTable:
                 np.where(held, self.n_b[np.where(held, tail, 0)], 0).astype(np.int64))
 
     def block_versions(self, req_ids) -> np.ndarray:
-        """Each request's block-set version, int64 in ``req_ids`` order: it changes whenever the
-        request's block set does (equal versions of one request: the same set). Errors as
-        :meth:`dead_counts`. O(requests)."""
+        """Each request's block-set version, int64 in ``req_ids`` order: it moves by one per block
+        the request references or releases (equal versions of one request: the same set; one
+        apart: one block more or less). Errors as :meth:`dead_counts`. O(requests)."""
         return self._bver[self._rows_of(req_ids)]
 
     def dead_counts(self, req_ids) -> np.ndarray:

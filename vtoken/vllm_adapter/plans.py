@@ -273,11 +273,14 @@ class PlanBook:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
         one)? Then the old tail joins the eligible blocks in ``skip`` (when a plan may take it:
         only ``r`` holds it, in its list), unfillable when its hash describes its bytes, and
-        the shortfall is re-checked now (its evictions count from here). O(blocks of r)."""
+        the shortfall is re-checked now (its evictions count from here). The version moves by
+        one per block referenced or released (``TokenTable.block_versions``): one step on and
+        one block more is one block added, and a block new to the set that holds the last
+        token is the one. O(1), but the append."""
         t = self.table
-        tail, cur, new = skip.tail, t.block_array(r), t.tail_block(r)
-        if tail is None or new == tail or new in skip.blocks or len(cur) != len(skip.blocks) + 1 or \
-                not skip.blocks.issubset(cur.tolist()):
+        tail, new = skip.tail, t.tail_block(r)
+        if tail is None or new == tail or new in skip.blocks or ver != skip.version + 1 or \
+                t.num_blocks_of(r) != len(skip.blocks) + 1:
             return False
         i, blk = self.mirror.index(r, tail), self.harness.pool.blocks[tail]
         if i is not None and blk.ref_cnt == 1 and t.refs[tail] == 1:
