@@ -82,3 +82,36 @@ def test_every_code_list_is_unique():
     for name in ("TABLE_CODES", "ALLOCATOR_CODES", "SNAPSHOT_CODES", "CONFIG_CODES", "CALL_CODES", "ORDER_CODES"):
         codes = getattr(errors, name)
         assert len(codes) == len(set(codes)), name
+
+
+def _all_subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _all_subclasses(sub)
+
+
+@pytest.mark.parametrize("cls", [errors.VTokenError, *sorted(set(_all_subclasses(errors.VTokenError)),
+                                                              key=lambda c: c.__name__)],
+                         ids=lambda c: c.__name__)
+def test_every_error_pickles_with_its_code_message_and_attributes(cls):
+    """An error raised in a worker process crosses to the engine pickled: each comes back as
+    itself (its class, code, message and extra attributes), not as a TypeError of unpickling."""
+    import pickle
+
+    e = errors.RelocationCheckError("hash_mismatch", "token 3 moved", violations=[{"token": 3}]) \
+        if cls is errors.RelocationCheckError else cls("bad_value", "the message")
+    e.extra = {"step": 7}
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is cls and str(back) == str(e) and back.code == e.code and back.args == e.args
+    assert back.__dict__ == e.__dict__
+
+
+def test_the_adapters_assumption_error_pickles():
+    import pickle
+
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    e = AdapterAssumptionError("fence", "block 4 freed before its fence")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is AdapterAssumptionError and str(back) == str(e)
+    assert (back.check, back.detail) == ("fence", "block 4 freed before its fence")

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtoken.invariants.plan_contract import view_of
+from vtoken.errors import CallError
 from vtoken.planner import in_place_deficit, propose, shortfalls
 from vtoken.spec.planner import best_reduction, plan_errors
 from vtoken.table import TokenTable
@@ -171,5 +172,5 @@ def test_the_batched_shortfalls_are_each_requests_own(reqs, S, B):
 def test_a_request_without_candidates_is_a_whole_block_short_and_bad_lengths_are_refused():
     assert shortfalls([np.array([4, 4])], [np.array([], dtype=np.int64)], 4, 2, [1]).tolist() == [4]
     assert shortfalls([], [], 4, 2, []).tolist() == []
-    with pytest.raises(ValueError, match="2 fillable, 1 unfillable"):
+    with pytest.raises(CallError, match="2 fillable, 1 unfillable"):
         shortfalls([np.array([1]), np.array([2])], [np.array([1])], 4, 2, [0, 0])

@@ -12,14 +12,29 @@ Costs: O(1).
 from __future__ import annotations
 
 
+def rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
+    """An exception of ``cls`` with ``args`` and attributes ``state``, made without calling its
+    ``__init__`` (what unpickling calls: an error's constructor takes other arguments than
+    the ``args`` it stores)."""
+    e = cls.__new__(cls, *args)
+    e.args = args
+    e.__dict__.update(state)
+    return e
+
+
 class VTokenError(Exception):
-    """Base class. ``code`` names the problem; the message says where."""
+    """Base class. ``code`` names the problem; the message says where. Pickles (every
+    subclass: its message and attributes as they are), so an error raised in a worker
+    process reaches the engine that started it."""
 
     code = "error"
 
     def __init__(self, code: str, message: str):
         super().__init__(f"[{code}] {message}")
         self.code = code
+
+    def __reduce__(self):
+        return rebuilt, (type(self), self.args, dict(self.__dict__))
 
 
 class TableError(VTokenError):

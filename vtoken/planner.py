@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from .allocator import BlockAllocator
-from .errors import PlanError
+from .errors import CallError, PlanError
 from .fields import need_bool, need_int, need_number
 # the lifecycle's states, re-exported for the paths that drive the manager
 from .lifecycle import ABORTED, APPLIED, COMPLETED, COPYING, PLANNED, AllocatorPort, Copies, Lifecycle, Outcome, Plan  # noqa: F401
@@ -232,7 +232,7 @@ def shortfalls(fillable: Sequence[np.ndarray], unfillable: Sequence[np.ndarray],
     ``max_dests[i]``): :func:`shortfalls_flat` of their live counts laid end to end."""
     n = len(fillable)
     if len(unfillable) != n or len(max_dests) != n:
-        raise ValueError(f"shortfalls: {n} fillable, {len(unfillable)} unfillable, {len(max_dests)} max_dests")
+        raise CallError("bad_shape", f"shortfalls: {n} fillable, {len(unfillable)} unfillable, {len(max_dests)} max_dests")
     parts = [np.asarray(x, dtype=np.int64).reshape(-1) for pair in zip(unfillable, fillable) for x in pair]
     live = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return shortfalls_flat(live, [len(u) for u in parts[0::2]], [len(f) for f in parts[1::2]], S, max_sources,
@@ -252,7 +252,7 @@ def shortfalls_flat(live: np.ndarray, n_unfill: Sequence[int], n_fill: Sequence[
     size = nu + nf
     dests = np.maximum(np.asarray(max_dests, dtype=np.int64), 0)
     if len(nf) != n or len(dests) != n or len(live) != int(size.sum()):
-        raise ValueError(f"shortfalls_flat: {len(live)} live counts for {n} requests of {size.tolist()} blocks "
+        raise CallError("bad_shape", f"shortfalls_flat: {len(live)} live counts for {n} requests of {size.tolist()} blocks "
                          f"({len(nf)} fillable sizes, {len(dests)} max_dests)")
     if not dests.any():
         # no destination: the cheapest one source decides (k sources cost more): an unfillable

@@ -5,11 +5,13 @@ it refuses at start (a vLLM version not audited).
 runtime check raises (its message starts ``assumption broken: <statement> [<name>]``).
 Imported by every module of the adapter.
 Owns: the names only, nothing at run time.
-May call: nothing (standard library only).
+May call: vtoken.errors (``rebuilt``: how its error unpickles).
 Costs: none.
 """
 
 from __future__ import annotations
+
+from ..errors import rebuilt
 
 # name -> the assumption, as a report states it.
 ASSUMPTIONS: dict[str, str] = {
@@ -42,12 +44,16 @@ ASSUMPTIONS: dict[str, str] = {
 
 
 class AdapterAssumptionError(AssertionError):
-    """A runtime check of the adapter failed; ``check`` is the assumption's name."""
+    """A runtime check of the adapter failed; ``check`` is the assumption's name. Pickles
+    (``check``, ``detail`` and the message as they are)."""
 
     def __init__(self, check: str, detail: str):
         self.check = check
         self.detail = detail
         super().__init__(f"assumption broken: {ASSUMPTIONS.get(check, check)} [{check}]: {detail}")
+
+    def __reduce__(self):
+        return rebuilt, (type(self), self.args, dict(self.__dict__))
 
 
 # The audit of a candidate version sets this to that version so its checks can run the adapter.
