@@ -6,6 +6,8 @@ the planner machine (``fuzz/planner_machine.py``) covers the space between the e
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vtoken import BlockAllocator, TokenTable
 from vtoken.allocator import FREE, RESERVED, USED
@@ -502,3 +504,14 @@ def test_in_place_request_finishing_mid_copy_frees_its_fills_only_after_the_copy
     mgr.poll(force_sync=True)
     assert plan.state == ABORTED and all(alloc.state[b] == FREE for b in blocks)
     assert not mgr.is_busy(plan.fills[0])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(blocks=st.lists(st.integers(0, 40), max_size=12), ids=st.lists(st.integers(-5, 60), max_size=12))
+def test_the_planners_membership_test_is_isins(blocks, ids):
+    """``planner._member`` (a mask, what the planner uses instead of np.isin) answers as np.isin,
+    ids out of every block's range (negative, beyond the largest) included."""
+    from vtoken.planner import _member
+
+    b = np.array(blocks, dtype=np.int64)
+    assert _member(b, ids).tolist() == np.isin(b, np.array(ids, dtype=np.int64)).tolist()

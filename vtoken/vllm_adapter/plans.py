@@ -155,7 +155,7 @@ class PlanBook:
             bound.pop(r, None)
             no_plan.pop(r, None)
         waiting = [r for r in stale if r in no_plan]
-        skipped = self._still_skipped(waiting, steps) if waiting else ()
+        skipped, cleared = self._still_skipped(waiting, steps) if waiting else ((), ())
         for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
             if gain > 0 and r not in skipped:
                 bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
@@ -177,6 +177,11 @@ class PlanBook:
             tail = t.tail_block(r)
             head = list(self.lifecycle.headroom)
             keep = self._unfillable(r, blocks) if cfg.in_place and self.keep_prefix_bytes else []
+            # in place, a positive shortfall means propose finds nothing (planner.shortfall's
+            # contract): skipped before proposing, unless its shortfall was just re-checked as 0
+            if cfg.in_place and r not in cleared and self._no_plan(r, steps, tail, exclude, keep, len(head),
+                                                                   found_none=False):
+                continue
             p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude, in_place=cfg.in_place,
                            unfillable=keep)
             if p is None:
@@ -193,11 +198,13 @@ class PlanBook:
                     raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self.launch(meta, r, p, tail, head)
 
-    def _no_plan(self, r: str, steps: int, tail, exclude, keep: list, head: int) -> None:
-        """An in-place proposal for ``r`` found no plan: skip ``r`` until it evicted as many
-        tokens as its shortfall (``planner.shortfall``: a plan needs at least that many, at
-        least one), then re-check the shortfall on the same eligible blocks (their live counts now)
-        and propose only when it is 0. Look again at once when what else lowers the shortfall
+    def _no_plan(self, r: str, steps: int, tail, exclude, keep: list, head: int, found_none: bool = True) -> bool:
+        """An in-place proposal for ``r`` found no plan (``found_none``), or, before proposing,
+        its shortfall is positive: skip ``r`` until it evicted as many tokens as its shortfall
+        (``planner.shortfall``: a plan needs at least that many, at least one), then re-check the
+        shortfall on the same eligible blocks (their live counts now) and propose only when it is
+        0. Returns whether ``r`` is skipped (not, before proposing, when its shortfall is 0: a
+        plan exists). Look again at once when what else lowers the shortfall
         changed: its block set (a moved-on tail is added to the blocks kept here), the headroom
         grew, its full-context length (which of its hashed blocks are unfillable) changed; after
         ``RETRY_CHECKS`` plan checks when it shares a block, ``SAFETY_CHECKS`` otherwise. A
@@ -209,11 +216,16 @@ class PlanBook:
         blocks = t.block_array(r)
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
         due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
-        skip = self.no_plan[r] = _Skip(0, int(t.block_versions([r])[0]), set(blocks.tolist()), tail, head, due, fill,
-                                       unfill, dests, self.hashes.faithful.get(r))
-        skip.dead_by = int(t.dead_counts([r])[0]) + max(1, self._shortfalls([skip])[0])
+        skip = _Skip(0, int(t.block_versions([r])[0]), set(blocks.tolist()), tail, head, due, fill, unfill, dests,
+                     self.hashes.faithful.get(r))
+        need = self._shortfalls([skip])[0]
+        if need == 0 and not found_none:
+            return False
+        skip.dead_by = int(t.dead_counts([r])[0]) + max(1, need)
+        self.no_plan[r] = skip
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
         del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
+        return True
 
     def _wake(self, steps: int) -> None:
         """Skipped requests (``no_plan``) whose look-again step came, or all of them when the
@@ -239,9 +251,10 @@ class PlanBook:
         return shortfalls_flat(t.n_b[ids], [len(sk.unfill) for sk in skips], [len(sk.fill) for sk in skips], t.S,
                                self.cfg.max_sources, [sk.dests for sk in skips]).tolist()
 
-    def _still_skipped(self, waiting: list, steps: int) -> set:
-        """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``);
-        the others are forgotten. Each stays skipped while nothing but its evictions changed
+    def _still_skipped(self, waiting: list, steps: int) -> tuple[set, set]:
+        """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``),
+        and those whose shortfall was re-checked now as 0 (a plan exists: proposed for without
+        another check); the others are forgotten. Each stays skipped while nothing but its evictions changed
         (its look-again step not come, the headroom no larger, its full-context length and
         block set as they were, or only its tail moved on: ``_tail_moved``) and they are fewer
         than its shortfall; the shortfalls of those whose evictions reached it are re-checked
@@ -260,6 +273,7 @@ class PlanBook:
                     recheck.append((r, dead, skip))
             else:
                 del no_plan[r]
+        cleared = set()
         if recheck:
             for (r, dead, skip), need in zip(recheck, self._shortfalls([x[2] for x in recheck])):
                 if need > 0:
@@ -267,7 +281,8 @@ class PlanBook:
                     still.add(r)
                 else:
                     del no_plan[r]
-        return still
+                    cleared.add(r)
+        return still, cleared
 
     def _tail_moved(self, r: str, skip: _Skip, ver: int) -> bool:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
