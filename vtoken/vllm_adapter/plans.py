@@ -214,13 +214,14 @@ class PlanBook:
         fill, unfill = split_eligible(t, r, tail=tail, excluded=exclude, unfillable=keep)
         dests = head if keep else 0
         blocks = t.block_array(r)
-        shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
-        due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
-        skip = _Skip(0, int(t.block_versions([r])[0]), set(blocks.tolist()), tail, head, due, fill, unfill, dests,
-                     self.hashes.faithful.get(r))
+        skip = _Skip(0, 0, set(), tail, head, 0, fill, unfill, dests, None)
         need = self._shortfalls([skip])[0]
         if need == 0 and not found_none:
-            return False
+            return False  # a plan exists: not skipped
+        shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
+        skip.due = due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
+        skip.version, skip.blocks = int(t.block_versions([r])[0]), set(blocks.tolist())
+        skip.faithful = self.hashes.faithful.get(r)
         skip.dead_by = int(t.dead_counts([r])[0]) + max(1, need)
         self.no_plan[r] = skip
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
