@@ -24,7 +24,7 @@ Owns: one harness, scheduler, adapter and worker per variant of a run, dropped w
 May call: vtoken.vllm_adapter (adapter, harness, worker), vtoken.model, vtoken.table, torch, numpy,
 cProfile.
 Costs: one decode per variant, round and repeat on the real vLLM scheduler: about 2 minutes a repeat;
-the profile pass more.
+the profile and breakdown passes more.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class _Run:
 
 
 def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int = 50, profile_evict: bool = False,
-                  repeats: int = 1) -> dict:
+                  repeats: int = 1, breakdown: bool = False) -> dict:
     """Run every variant at each R (interleaved rounds of 5 steps); see the module docstring.
 
     ``repeats``: the whole measurement again, on fresh runs of the same workload; ``ratio`` is
@@ -135,6 +135,8 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
             del runs
         if profile_evict and R == max(Rs):
             out["profile_top10"] = _profile(R, prompts, steps, seed, model)
+        if breakdown:
+            out.setdefault("breakdown_ms", {})[str(R)] = _breakdown(R, prompts, steps, seed, model)
         key = str(R)
         out["ratio_runs"][key] = _ratio_runs(reps, "median_ms")
         out["ratio"][key] = {v: statistics.median(x) for v, x in out["ratio_runs"][key].items()}
@@ -170,6 +172,70 @@ def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:
                 run.step(True)
         done += k
     return runs
+
+
+PHASES = ("replay", "plan", "checks", "other")
+
+
+def _breakdown(R: int, prompts: list, steps: int, seed: int, model) -> dict:
+    """Where an adapter step's price goes: fresh ``plain``, ``off`` and ``evict50`` runs
+    (interleaved in rounds of 5 steps, as the measurement), each adapter hook timed over the
+    same decode window: mean ms per step of ``replay`` (the worker's table changes on the
+    replica), ``plan`` (the plan step: skip checks, proposals, launches), ``checks`` (the
+    runtime checks, full scans included) and ``other`` (the rest of the hooks: the mirror, the
+    clock, the worker's report, releases), beside plain's whole step (``plain_step``). A pass
+    apart: its timers (a few per step) never touch the measured runs."""
+    import time
+
+    runs = {v: _Run(v, R, prompts, steps + 48, seed, model) for v in ("plain", "off", "evict50")}
+    spent: dict = {v: dict.fromkeys(PHASES + ("hooks",), 0.0) for v in ("off", "evict50")}
+    on = [False]
+
+    def timed(obj, name, acc, key):
+        f = getattr(obj, name)
+
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                if on[0]:
+                    acc[key] += time.perf_counter() - t0
+
+        setattr(obj, name, call)  # on this run's own objects only
+
+    for v, acc in spent.items():
+        ad = runs[v].ad
+        for hook in ("_before_schedule", "_restore_withheld", "_after_schedule", "_before_update", "_after_update",
+                     "_on_request_free"):
+            timed(ad, hook, acc, "hooks")
+        timed(ad, "_replay", acc, "replay")
+        timed(ad.book, "plan", acc, "plan")
+        timed(ad.checker, "after_hook", acc, "checks")
+    for run in runs.values():
+        run.prefill(R)
+    on[0] = True
+    for _ in range(0, steps, 5):
+        for run in runs.values():
+            for _ in range(5):
+                run.step(True)
+    out = {"plain_step": statistics.fmean(runs["plain"].times) * 1e3}
+    for v, acc in spent.items():
+        ms = {k: x * 1e3 / len(runs[v].times) for k, x in acc.items()}
+        ms["other"] = ms.pop("hooks") - ms["replay"] - ms["plan"] - ms["checks"]
+        out[v] = {k: round(ms[k], 4) for k in PHASES}
+    out["plain_step"] = round(out["plain_step"], 4)
+    return out
+
+
+def breakdown_text(res: dict, R: str) -> str:
+    """``res["breakdown_ms"][R]`` as one line per variant: each phase's ms per step and its
+    share of plain's step."""
+    b = res["breakdown_ms"][R]
+    plain = b["plain_step"]
+    return "\n".join(f"R={R} {v} (ms/step, x plain's {plain:.2f} ms step): " +
+                     ", ".join(f"{k} {b[v][k]:.3f} (+{b[v][k] / plain:.2f})" for k in PHASES)
+                     for v in ("off", "evict50"))
 
 
 def _profile(R: int, prompts: list, steps: int, seed: int, model) -> list[str]:

@@ -75,6 +75,7 @@ ROWS = [
     (["bench", "nope"], "what"),
     (["bench", "table", "--seed", "-1"], "--seed"),
     (["bench", "table", "--profile"], "--profile"),
+    (["bench", "planner", "--breakdown"], "--breakdown"),
     (["bench-adapter", "--seed", "-1"], "--seed"),
     (["bench-adapter", "--repeats", "0"], "--repeats"),
     (["bench", "table", "--repeats", "2"], "--repeats"),

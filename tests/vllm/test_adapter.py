@@ -692,3 +692,19 @@ def test_in_place_plan_holds_its_fills_hashless_and_gives_them_back(model, async
     assert ad.stats["fills"] > 0 and back > 0, (ad.stats["fills"], back)
     assert ad.stats["dests_used"] == 0 and ad.stats["applied"] > 0
     assert w.hash_failures == 0 and w.hash_checks >= 2 * ad.stats["applied"]
+
+
+def test_the_adapter_bench_breaks_the_step_down_into_its_parts():
+    """``vtoken bench adapter --breakdown``: every part of an adapter step timed in a pass of
+    its own: the replica's replay, the plan step (none with reclamation off), the checks and
+    the rest of the hooks, each a non-negative share; the measured ratios are there as ever."""
+    from vtoken.reports.bench_adapter import PHASES, bench_adapter, breakdown_text
+
+    res = bench_adapter(quick=True, breakdown=True)
+    b = res["breakdown_ms"]["8"]
+    assert b["plain_step"] > 0 and set(res["ratio"]["8"]) >= {"off", "evict50"}
+    for v in ("off", "evict50"):
+        assert set(b[v]) == set(PHASES) and min(b[v].values()) >= 0, b
+        assert b[v]["replay"] > 0 and b[v]["checks"] > 0, b
+    assert b["off"]["plan"] == 0 < b["evict50"]["plan"], b  # reclamation off never plans
+    assert "R=8 evict50 (ms/step" in breakdown_text(res, "8")

@@ -28,6 +28,7 @@ def main_bench(argv) -> int:
     ap.add_argument("--quick", action="store_true", help="a small run (smoke test)")
     ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--profile", action="store_true", help="adapter: add the cProfile top-10 of evict50 at the largest R")
+    ap.add_argument("--breakdown", action="store_true", help="adapter: add a pass timing each part of the adapter's step")
     ap.add_argument("--repeats", type=positive_int, default=None,
                     help="adapter: the whole measurement N times, ratio = the median of the N ratios (default 1)")
     ap.add_argument("--checks", action="store_true", help="engine: the runtime checks and hash-and-compare on")
@@ -37,6 +38,8 @@ def main_bench(argv) -> int:
         ap.error("argument --checks: only with engine")
     if a.profile and a.what != "adapter":
         ap.error("argument --profile: only with adapter")
+    if a.breakdown and a.what != "adapter":
+        ap.error("argument --breakdown: only with adapter")
     if a.repeats is not None and a.what != "adapter":
         ap.error("argument --repeats: only with adapter")
     if a.what == "adapter" and importlib.util.find_spec("vllm") is None:
@@ -56,7 +59,7 @@ def main_bench(argv) -> int:
         from .bench_adapter import main as bench_adapter_main
 
         return bench_adapter_main((["--quick"] if a.quick else []) + ["--seed", str(a.seed)] +
-                                  (["--profile"] if a.profile else []) +
+                                  (["--profile"] if a.profile else []) + (["--breakdown"] if a.breakdown else []) +
                                   (["--repeats", str(a.repeats)] if a.repeats is not None else []))
     res = BENCHES[a.what](seed=a.seed, quick=a.quick)
     print(json.dumps(res, sort_keys=True))
