@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from vtoken.invariants.plan_contract import view_of
 from vtoken.errors import CallError
-from vtoken.planner import in_place_deficit, propose, shortfalls
+from vtoken.planner import in_place_deficit, propose, shortfalls, shortfalls_flat
 from vtoken.spec.planner import best_reduction, plan_errors
 from vtoken.table import TokenTable
 
@@ -174,3 +174,7 @@ def test_a_request_without_candidates_is_a_whole_block_short_and_bad_lengths_are
     assert shortfalls([], [], 4, 2, []).tolist() == []
     with pytest.raises(CallError, match="2 fillable, 1 unfillable"):
         shortfalls([np.array([1]), np.array([2])], [np.array([1])], 4, 2, [0, 0])
+    for args in (([1, 2], [1], [0], [0]), ([1, 2], [1], [1, 1], [0]), ([1, 2, 3], [1], [1], [0])):
+        with pytest.raises(CallError) as e:  # sizes that disagree: named, not a numpy broadcast error
+            shortfalls_flat(np.array(args[0]), args[1], args[2], 4, 2, args[3])
+        assert e.value.code == "bad_shape"

@@ -245,7 +245,8 @@ def shortfalls(fillable: Sequence[np.ndarray], unfillable: Sequence[np.ndarray],
     ``max_dests[i]``): :func:`shortfalls_flat` of their live counts laid end to end."""
     n = len(fillable)
     if len(unfillable) != n or len(max_dests) != n:
-        raise CallError("bad_shape", f"shortfalls: {n} fillable, {len(unfillable)} unfillable, {len(max_dests)} max_dests")
+        raise CallError("bad_shape", f"shortfalls: {n} fillable, {len(unfillable)} unfillable, "
+                                     f"{len(max_dests)} max_dests")
     parts = [np.asarray(x, dtype=np.int64).reshape(-1) for pair in zip(unfillable, fillable) for x in pair]
     live = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return shortfalls_flat(live, [len(u) for u in parts[0::2]], [len(f) for f in parts[1::2]], S, max_sources,
@@ -262,11 +263,11 @@ def shortfalls_flat(live: np.ndarray, n_unfill: Sequence[int], n_fill: Sequence[
     request whose evictions reached its shortfall: O(their blocks log)."""
     nu, nf = np.asarray(n_unfill, dtype=np.int64), np.asarray(n_fill, dtype=np.int64)
     n = len(nu)
-    size = nu + nf
     dests = np.maximum(np.asarray(max_dests, dtype=np.int64), 0)
-    if len(nf) != n or len(dests) != n or len(live) != int(size.sum()):
-        raise CallError("bad_shape", f"shortfalls_flat: {len(live)} live counts for {n} requests of {size.tolist()} blocks "
-                         f"({len(nf)} fillable sizes, {len(dests)} max_dests)")
+    size = nu + nf if len(nf) == n else None
+    if size is None or len(dests) != n or len(live) != int(size.sum()):
+        raise CallError("bad_shape", f"shortfalls_flat: {len(live)} live counts for {n} unfillable sizes, "
+                                     f"{len(nf)} fillable sizes, {len(dests)} max_dests")
     if not dests.any():
         # no destination: the cheapest one source decides (k sources cost more): an unfillable
         # candidate's live count or S (a fillable one), against H(F) = S nf - its live tokens

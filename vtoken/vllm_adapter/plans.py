@@ -213,11 +213,11 @@ class PlanBook:
         t, cfg = self.table, self.cfg
         fill, unfill = split_eligible(t, r, tail=tail, excluded=exclude, unfillable=keep)
         dests = head if keep else 0
-        blocks = t.block_array(r)
-        skip = _Skip(0, 0, set(), tail, head, 0, fill, unfill, dests, None)
+        skip = _Skip(0, 0, set(), tail, head, 0, fill, unfill, dests, None)  # the rest filled in if it is skipped
         need = self._shortfalls([skip])[0]
         if need == 0 and not found_none:
             return False  # a plan exists: not skipped
+        blocks = t.block_array(r)
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
         skip.due = due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
         skip.version, skip.blocks = int(t.block_versions([r])[0]), set(blocks.tolist())
@@ -245,8 +245,8 @@ class PlanBook:
         self.head_seen = head
 
     def _shortfalls(self, skips: list) -> list:
-        """``planner.shortfalls`` of the blocks kept in each of ``skips``, with their live counts
-        now, all at once. O(their blocks)."""
+        """``planner.shortfalls_flat`` of the blocks kept in each of ``skips``, with their live
+        counts now, all at once. O(their blocks)."""
         t = self.table
         ids = np.concatenate([x for sk in skips for x in (sk.unfill, sk.fill)])
         return shortfalls_flat(t.n_b[ids], [len(sk.unfill) for sk in skips], [len(sk.fill) for sk in skips], t.S,
@@ -255,12 +255,13 @@ class PlanBook:
     def _still_skipped(self, waiting: list, steps: int) -> tuple[set, set]:
         """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``),
         and those whose shortfall was re-checked now as 0 (a plan exists: proposed for without
-        another check); the others are forgotten. Each stays skipped while nothing but its evictions changed
-        (its look-again step not come, the headroom no larger, its full-context length and
-        block set as they were, or only its tail moved on: ``_tail_moved``) and they are fewer
-        than its shortfall; the shortfalls of those whose evictions reached it are re-checked
-        together (``planner.shortfalls``). Evictions and block-set versions are read for all at
-        once. O(waiting), plus O(eligible blocks) of the re-checked."""
+        another check); the others are forgotten. Each stays skipped while nothing but its
+        evictions changed (its look-again step not come, the headroom no larger, its
+        full-context length and block set as they were, or only its tail moved on:
+        ``_tail_moved``) and they are fewer than its shortfall; the shortfalls of those whose
+        evictions reached it are re-checked together (``planner.shortfalls_flat``). Evictions
+        and block-set versions are read for all at once. O(waiting), plus O(eligible blocks) of
+        the re-checked."""
         t, no_plan = self.table, self.no_plan
         head, faithful = len(self.lifecycle.headroom), self.hashes.faithful
         still, recheck = set(), []
