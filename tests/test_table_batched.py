@@ -192,3 +192,13 @@ def test_the_block_set_version_changes_exactly_when_the_block_set_does():
     with pytest.raises(TableError) as e:
         t.block_versions(["b"])
     assert e.value.code == "unknown_request"
+
+
+def test_present_keeps_the_ids_in_the_table_in_order_and_names_an_unhashable_one():
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("a", [1], 2)
+    t.sync_new_tokens("c", [2], 1)
+    assert t.present(["c", "b", "a", "c"]) == ["c", "a", "c"] and t.present(set()) == []
+    with pytest.raises(TableError) as e:
+        t.present(["a", ["x"]])
+    assert e.value.code == "bad_request_id"

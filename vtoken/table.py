@@ -1066,6 +1066,16 @@ class TokenTable:
         """Is ``req_id`` in the table? (O(1); an unhashable id is ``bad_request_id``)"""
         return self._get(req_id) is not None
 
+    def present(self, req_ids) -> list:
+        """The ids of ``req_ids`` that are in the table, in their order (O(given), in C; an
+        unhashable id is ``bad_request_id``)."""
+        try:
+            return list(filter(self._reqs.__contains__, req_ids))
+        except TypeError:
+            for r in req_ids:
+                self._get(r)  # the first unhashable id's error
+            raise
+
     def requests(self) -> list:
         """Request ids, in insertion order. O(requests)."""
         return list(self._reqs)

@@ -150,7 +150,7 @@ class PlanBook:
             return
         bound, arrival, no_plan = self.bound, self.requests.arrival, self.no_plan
         self._wake(steps)
-        stale = [r for r in self.stale_bounds if r in t]
+        stale = t.present(self.stale_bounds)
         for r in self.stale_bounds.difference(stale):  # gone from the table
             bound.pop(r, None)
             no_plan.pop(r, None)
@@ -313,8 +313,8 @@ class PlanBook:
         """``r``'s blocks a plan may empty but never fill: those whose prefix-cache hash describes
         their bytes (computed with full context): filling their holes would change what a later
         request repeating the prefix hits. O(blocks of the request)."""
-        pool_blocks, pos = self.harness.pool.blocks, self.mirror.pos.get(r, {})
-        return [b for b in blocks if pool_blocks[b].block_hash is not None and self.hashes.is_faithful(r, pos.get(b, -1))]
+        pool_blocks, pos, k = self.harness.pool.blocks, self.mirror.pos.get(r, {}), self.hashes.faithful_blocks(r)
+        return [b for b in blocks if pool_blocks[b].block_hash is not None and 0 <= pos.get(b, -1) < k]
 
     def launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
         """Refuse a proposal vLLM's pool contradicts (a source or fill shared there), then hand

@@ -57,9 +57,13 @@ class PrefixHashRules:
 
     def is_faithful(self, r: str, index: int) -> bool:
         """Was positional block ``index`` of ``r`` computed with full context?"""
-        if index < 0:
-            return False
-        return (index + 1) * self.S <= self.faithful.get(r, math.inf)
+        return 0 <= index < self.faithful_blocks(r)
+
+    def faithful_blocks(self, r: str) -> int | float:
+        """How many leading positional blocks of ``r`` were computed with full context (its
+        full-context length over S, rounded down; infinite before its first eviction)."""
+        f = self.faithful.get(r)
+        return math.inf if f is None else f // self.S
 
     def evict_unfaithful_grown(self, req_to_blocks) -> None:
         """``evict_unfaithful`` for every request that evicted and whose cached block count
