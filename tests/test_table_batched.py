@@ -202,3 +202,27 @@ def test_present_keeps_the_ids_in_the_table_in_order_and_names_an_unhashable_one
     with pytest.raises(TableError) as e:
         t.present(["a", ["x"]])
     assert e.value.code == "bad_request_id"
+
+
+def test_the_drops_log_names_every_fall_of_a_blocks_live_count():
+    """``TokenTable.drops`` (opt-in): after evictions by every path (one each, several, one at a
+    time), a move and a free, the blocks it logged, counted, are exactly how far each block's
+    live count fell; off (None) by default, so nothing piles up for a table nobody reads."""
+    from collections import Counter
+
+    t = TokenTable(4, 32)
+    assert t.drops is None
+    t.sync_new_tokens("a", [1, 2, 3], 10)
+    t.sync_new_tokens("b", [5, 6], 6)
+    t.drops = []
+    before = t.n_b.copy()
+    t.evict_one_each(["a", "b"], [0, 4])  # blocks 1 and 6
+    t.evict_tokens("a", [1, 5])  # blocks 1 and 2
+    t.evict_tokens("b", [0])  # one id: the scalar path (block 5)
+    t.apply_moves("a", [[9, 3, 1, 1, 0]])  # token 9 out of block 3 into block 1's hole
+    t.free_request("b")
+    drops = Counter(np.hstack(t.drops).tolist())
+    rose = {1: 1}  # the moved token's landing: the only rise
+    fell = {b: int(before[b] - t.n_b[b]) + rose.get(b, 0) for b in range(32)}
+    assert drops == Counter({b: n for b, n in fell.items() if n})
+    assert drops[1] == 2 and drops[3] == 1 and drops[5] == 4 and drops[6] == 2  # b freed with 4 live

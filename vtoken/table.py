@@ -456,6 +456,11 @@ class TokenTable:
         # the only requests that can have a new releasable block without a list change
         self._emptied: set = set()
         self._lone_dead: set = set()  # dead blocks whose other sharers were freed (one holder left)
+        # Opt-in (None: nothing kept): a list that each fall of a block's live count appends to
+        # (its block ids, repeated per live slot lost): what a reader keeping per-block
+        # figures up to date applies, instead of reading every block it follows each step. Its
+        # owner empties it (the adapter's plan book, at each plan check).
+        self.drops: list | None = None
 
     # ------------------------------------------------------------------ helpers
     def _get(self, req_id):
@@ -588,6 +593,8 @@ class TokenTable:
         gone = slots[after == 0]
         np.subtract.at(self.n_b, gone // self.S, 1)
         self._live_slots -= len(gone)
+        if self.drops is not None and len(gone):
+            self.drops.append(gone // self.S)
         return bool(len(gone)) and not self.n_b[gone // self.S].all()  # a block lost its last live token
 
     # ------------------------------------------------------------------ growth
@@ -909,6 +916,8 @@ class TokenTable:
         else:
             np.subtract.at(self.n_b, gb, 1)
         self._live_slots -= len(gone)
+        if self.drops is not None and len(gb):
+            self.drops.append(gb)
         for i in last[self.n_b[slots[last] // self.S] == 0].tolist():
             self._emptied.add(req_ids[i])
 
@@ -927,6 +936,8 @@ class TokenTable:
         if c == 0:
             self.n_b[s // self.S] -= 1
             self._live_slots -= 1
+            if self.drops is not None:
+                self.drops.append(s // self.S)
             if self.n_b[s // self.S] == 0:
                 self._emptied.add(req_id)
         self._pool.pend_dead.append(r.base + t)

@@ -13,16 +13,31 @@ from test_adapter import make, prompt  # noqa: E402 - the adapter tests' builder
 pytestmark = pytest.mark.vllm
 
 
-def _decode(model, monkeypatch, skip: bool) -> dict:
+def _estimates_hold(book) -> None:
+    """Every watched skip record's estimate, min(least, S) - holes, is at most its shortfall
+    computed afresh from the table (a larger one could hide a plan), and every gate row is a
+    record's or free (none leaks)."""
+    t = book.table
+    book._take_drops()  # what the next plan check would apply first
+    for r, sk in book.no_plan.items():
+        if sk.watched and sk.version == int(t.block_versions([r])[0]):
+            exact = book._shortfalls([(sk.unfill, sk.fill, sk.dests)])[0]
+            assert min(sk.least, t.S) - sk.holes <= exact, (r, sk.least, sk.holes, exact)
+    gates = book.gates
+    assert sorted(gates.free + [sk.row for sk in book.no_plan.values()]) == list(range(len(gates.a)))
+
+
+def _decode(model, monkeypatch, skip: bool, S: int = 4, ratio: float = 0.5, policy: str = "random") -> dict:
     import vtoken.vllm_adapter.plans as plans
 
-    ad, w, d = make(model, S=4, N=200, H=0, ratio=0.5, caching=True, keep=True)
+    ad, w, d = make(model, S=S, N=max(200, 1600 // S), H=0, ratio=ratio, caching=True, keep=True, policy=policy)
     calls = {"propose": 0, "skipped_max": 0}
     real = plans.propose
 
     def counting(*a, **k):
         calls["propose"] += 1
         calls["skipped_max"] = max(calls["skipped_max"], len(ad.book.no_plan))
+        _estimates_hold(ad.book)
         return real(*a, **k)
 
     monkeypatch.setattr(plans, "propose", counting)
@@ -40,15 +55,20 @@ def _decode(model, monkeypatch, skip: bool) -> dict:
         ad.add_request(f"q{i}", prompt(i, 40 + 8 * i), max_tokens=60)
     d.drain(max_steps=3000)
     ad.close()
+    assert not ad.book.no_plan and len(ad.book.gates.free) == len(ad.book.gates.a)
     assert w.hash_failures == 0
     return dict(calls, launched=launched, outputs={f"q{i}": ad.output_tokens(f"q{i}") for i in range(6)})
 
 
-def test_a_request_no_plan_can_serve_is_skipped_and_no_plan_is_lost(model, monkeypatch):
+@pytest.mark.parametrize("S, ratio, policy", [(4, 0.5, "random"), (16, 0.6, "random"), (4, 0.4, "h2o")])
+def test_a_request_no_plan_can_serve_is_skipped_and_no_plan_is_lost(model, monkeypatch, S, ratio, policy):
+    """Skipped requests are looked at again by their live counts (watched: the fillable holes
+    and the least unfillable count, updated from the table's drops), or their evictions: the
+    plans are the same, for block sizes, eviction ratios and a policy that evicts by score."""
     with monkeypatch.context() as m:
-        every = _decode(model, m, skip=False)
+        every = _decode(model, m, skip=False, S=S, ratio=ratio, policy=policy)
     with monkeypatch.context() as m:
-        skipping = _decode(model, m, skip=True)
+        skipping = _decode(model, m, skip=True, S=S, ratio=ratio, policy=policy)
     assert every["launched"], "no plan launched: the workload does not exercise the planner"
     assert skipping["launched"] == every["launched"]  # the same plans, at the same steps
     assert skipping["outputs"] == every["outputs"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import heapq
-from dataclasses import dataclass
+from itertools import repeat
 from typing import Optional, Protocol
 
 import numpy as np
@@ -48,21 +48,85 @@ RETRY_CHECKS = 16
 SAFETY_CHECKS = 256
 
 
-@dataclass
+_NEVER = 1 << 62  # a watched record's evictions due: its thresholds decide (PlanBook._watch)
+
+
+class _Gates:
+    """The numbers of every skip record (:class:`_Skip`) in one int64 array, a row per record
+    (rows reused), so a plan check tests every waiting request's record at once
+    (``PlanBook._still_skipped``) instead of one Python visit each. Columns: its evictions when
+    a plan may first exist, block-set version, look-again check, headroom size, full-context
+    length (-1: none), and for a watched record (no destination: ``PlanBook._watch``) the holes
+    of its fillable blocks and the least live count of its unfillable ones (at most S), kept
+    up to date from the table's drops, so ``min(least, S) - holes`` never exceeds its shortfall."""
+
+    DEAD_BY, VERSION, DUE, HEAD, FAITHFUL, HOLES, LEAST = range(7)
+
+    def __init__(self):
+        self.a = np.zeros((64, 7), dtype=np.int64)
+        self.free = list(range(63, -1, -1))
+
+    def take(self) -> int:
+        if not self.free:  # double: rows [n, 2n) free
+            n = len(self.a)
+            self.a = np.concatenate([self.a, np.zeros_like(self.a)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        return self.free.pop()
+
+    def give(self, row: int) -> None:
+        self.free.append(row)
+
+
+def _gate(col: int, doc: str):
+    def get(self):
+        return int(self.gates.a[self.row, col])
+
+    def put(self, v) -> None:
+        self.gates.a[self.row, col] = v
+
+    return property(get, put, doc=doc)
+
+
 class _Skip:
     """A request an in-place proposal found no plan for (``PlanBook._no_plan``): what it was
-    then, and what must change before a plan may exist."""
+    then, and what must change before a plan may exist. Its numbers live in row ``row`` of the
+    book's :class:`_Gates` (given back when the record is dropped: ``PlanBook._unskip``)."""
 
-    dead_by: int  # its evicted tokens when a plan may first exist (the shortfall reached)
-    version: int  # its block-set version (``TokenTable.block_versions``)
-    blocks: set  # its block set
-    tail: Optional[int]
-    head: int  # the headroom's size
-    due: int  # the plan check to look again by
-    fill: np.ndarray  # its eligible blocks a plan may fill
-    unfill: np.ndarray  # those it may only empty
-    dests: int  # destinations a plan may take
-    faithful: Optional[int]  # its full-context length (which hashed blocks are unfillable)
+    __slots__ = ("gates", "row", "blocks", "tail", "fill", "unfill", "dests", "watched")
+
+    def __init__(self, gates: _Gates, *, tail: Optional[int], head: int, fill: np.ndarray, unfill: np.ndarray,
+                 dests: int):
+        self.gates, self.row = gates, gates.take()
+        self.blocks: set = set()  # its block set
+        self.tail = tail
+        self.fill = fill  # its eligible blocks a plan may fill
+        self.unfill = unfill  # those it may only empty
+        self.dests = dests  # destinations a plan may take
+        self.watched = False  # its blocks' live counts followed (PlanBook._watch), not its evictions counted
+        self.gates.a[self.row] = 0
+        self.head = head
+        self.faithful = None
+        self.holes, self.least = -_NEVER, 0  # not watched: the estimate never reads 0
+
+    dead_by = _gate(_Gates.DEAD_BY, "Its evicted tokens when a plan may first exist (the shortfall reached).")
+    version = _gate(_Gates.VERSION, "Its block-set version (``TokenTable.block_versions``).")
+    due = _gate(_Gates.DUE, "The plan check to look again by.")
+    head = _gate(_Gates.HEAD, "The headroom's size.")
+    holes = _gate(_Gates.HOLES, "Watched: the holes of its fillable blocks, H(F).")
+    least = _gate(_Gates.LEAST, "Watched: the least live count of its unfillable blocks (S: none below S).")
+
+    @property
+    def faithful(self) -> Optional[int]:
+        """Its full-context length (which hashed blocks are unfillable), None before one."""
+        v = int(self.gates.a[self.row, _Gates.FAITHFUL])
+        return None if v < 0 else v
+
+    @faithful.setter
+    def faithful(self, v: Optional[int]) -> None:
+        self.gates.a[self.row, _Gates.FAITHFUL] = -1 if v is None else v
+
+
+del _gate
 
 
 def merge_snapshot(plan: Plan, done: dict) -> None:
@@ -123,7 +187,11 @@ class PlanBook:
         self.plan_hook = None  # the toolkit's contract check, attached through the adapter
         self.stale_bounds: set = set()  # requests whose reclaim bound must be recomputed
         self.bound: dict[str, tuple] = {}  # request -> (-its positive reclaim bound, arrival, request), cached
-        self.no_plan: dict[str, _Skip] = {}  # requests skipped until a plan may exist (_no_plan)
+        self.no_plan: dict[str, _Skip] = {}  # requests skipped until a plan may exist (_no_plan; dropped by _unskip)
+        self.gates = _Gates()  # the numbers of the records in no_plan
+        # block -> the watched record's row it is a fillable (1) or unfillable (2) block of; 0: none
+        self.role = np.zeros(table.num_blocks, dtype=np.int8)
+        self.owner = np.zeros(table.num_blocks, dtype=np.int64)
         self.due: list = []  # heap of (look-again step, request's order, request) of ``no_plan``
         self.head_seen = 0  # the headroom's size at the last plan check
 
@@ -144,6 +212,7 @@ class PlanBook:
         shares or the scheduler side does not hold for the request excluded. ``steps``: the
         adapter's non-empty steps so far (the ``check_every`` clock)."""
         t, cfg = self.table, self.cfg
+        self._take_drops()
         need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed
         if (need_head and not self.reserve) or steps % cfg.check_every or \
                 not should_reclaim(cfg, **trigger_inputs(t, self.harness.pool.get_num_free_blocks())):
@@ -153,7 +222,7 @@ class PlanBook:
         stale = t.present(self.stale_bounds)
         for r in self.stale_bounds.difference(stale):  # gone from the table
             bound.pop(r, None)
-            no_plan.pop(r, None)
+            self._unskip(r)
         waiting = [r for r in stale if r in no_plan]
         skipped, cleared = self._still_skipped(waiting, steps) if waiting else ((), ())
         for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
@@ -213,17 +282,19 @@ class PlanBook:
         t, cfg = self.table, self.cfg
         fill, unfill = split_eligible(t, r, tail=tail, excluded=exclude, unfillable=keep)
         dests = head if keep else 0
-        skip = _Skip(0, 0, set(), tail, head, 0, fill, unfill, dests, None)  # the rest filled in if it is skipped
-        need = self._shortfalls([skip])[0]
+        need = self._shortfalls([(unfill, fill, dests)])[0]
         if need == 0 and not found_none:
             return False  # a plan exists: not skipped
         blocks = t.block_array(r)
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
-        skip.due = due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
-        skip.version, skip.blocks = int(t.block_versions([r])[0]), set(blocks.tolist())
+        due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
+        self._unskip(r)
+        skip = self.no_plan[r] = _Skip(self.gates, tail=tail, head=head, fill=fill, unfill=unfill, dests=dests)
+        skip.due, skip.version, skip.blocks = due, int(t.block_versions([r])[0]), set(blocks.tolist())
         skip.faithful = self.hashes.faithful.get(r)
         skip.dead_by = int(t.dead_counts([r])[0]) + max(1, need)
-        self.no_plan[r] = skip
+        if need > 0:
+            self._watch(skip)
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
         del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
         return True
@@ -237,60 +308,129 @@ class PlanBook:
             when, _, r = heapq.heappop(due)
             skip = no_plan.get(r)
             if skip is not None and skip.due == when:
-                del no_plan[r]
+                self._unskip(r)
                 self.stale_bounds.add(r)
         head = len(self.lifecycle.headroom)
         if head > self.head_seen:
             self.stale_bounds.update(r for r, sk in no_plan.items() if head > sk.head)
         self.head_seen = head
 
-    def _shortfalls(self, skips: list) -> list:
-        """``planner.shortfalls_flat`` of the blocks kept in each of ``skips``, with their live
-        counts now, all at once. O(their blocks)."""
+    def _shortfalls(self, kept: list) -> list:
+        """``planner.shortfalls_flat`` of each ``(unfillable, fillable, destinations)`` of
+        ``kept`` (a skip record's blocks), with their live counts now, all at once. O(their blocks)."""
         t = self.table
-        ids = np.concatenate([x for sk in skips for x in (sk.unfill, sk.fill)])
-        return shortfalls_flat(t.n_b[ids], [len(sk.unfill) for sk in skips], [len(sk.fill) for sk in skips], t.S,
-                               self.cfg.max_sources, [sk.dests for sk in skips]).tolist()
+        ids = np.concatenate([x for u, f, _ in kept for x in (u, f)])
+        return shortfalls_flat(t.n_b[ids], [len(u) for u, _, _ in kept], [len(f) for _, f, _ in kept], t.S,
+                               self.cfg.max_sources, [d for _, _, d in kept]).tolist()
+
+    def _watch(self, skip: _Skip) -> None:
+        """Without destinations the shortfall is min(least, S) - H(F) (``planner.shortfalls_flat``):
+        least the smallest live count of the unfillable blocks, H(F) the fillable blocks' holes.
+        Live counts only fall while the block set stays (growth writes the tail, outside both),
+        so the record keeps the two figures and the table's drops update them
+        (``_take_drops``): one hole more per live slot a fillable block loses, the least
+        lowered to an unfillable block's count. Its shortfall is re-checked when that estimate
+        reaches 0, not after each eviction of the request (most land in the tail or in
+        unfillable blocks above the least). With destinations its evictions are counted
+        (``dead_by``). O(its blocks)."""
+        if skip.dests > 0:
+            return
+        t = self.table
+        n_b, S = t.n_b, t.S
+        self._unwatch(skip)
+        skip.holes = S * len(skip.fill) - int(n_b[skip.fill].sum())
+        skip.least = min(int(n_b[skip.unfill].min()), S) if len(skip.unfill) else S
+        self.role[skip.fill], self.role[skip.unfill] = 1, 2
+        self.owner[skip.fill], self.owner[skip.unfill] = skip.row, skip.row
+        skip.watched, skip.dead_by = True, _NEVER
+
+    def _unwatch(self, skip: _Skip) -> None:
+        """Forget the blocks ``skip`` follows (not those a later record follows: a block that
+        changed hands). O(its blocks)."""
+        if skip.watched:
+            for blocks in (skip.fill, skip.unfill):
+                self.role[blocks[self.owner[blocks] == skip.row]] = 0
+            skip.watched = False
+
+    def _take_drops(self) -> None:
+        """Apply the table's drops since the last plan check to the watched records: a drop in a
+        fillable block is a hole more, in an unfillable one a least count no larger than its
+        count now. A block whose record is gone updates what holds its row now: that lowers an
+        estimate, never raises one (a re-check more, never a plan lost). O(drops)."""
+        t = self.table
+        if t.drops is None:
+            t.drops = []  # from the first plan check on (without reclamation nobody empties it)
+            return
+        if not t.drops:
+            return
+        ev = np.hstack(t.drops)
+        t.drops.clear()
+        role, a = self.role[ev], self.gates.a
+        f = ev[role == 1]
+        if len(f):
+            np.add.at(a[:, _Gates.HOLES], self.owner[f], 1)
+        u = ev[role == 2]
+        if len(u):
+            np.minimum.at(a[:, _Gates.LEAST], self.owner[u], t.n_b[u].astype(np.int64))
+
+    def _unskip(self, r: str) -> None:
+        """Drop ``r``'s skip record, if any (its blocks unwatched, its gate row given back)."""
+        skip = self.no_plan.pop(r, None)
+        if skip is not None:
+            self._unwatch(skip)
+            self.gates.give(skip.row)
 
     def _still_skipped(self, waiting: list, steps: int) -> tuple[set, set]:
         """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``),
         and those whose shortfall was re-checked now as 0 (a plan exists: proposed for without
-        another check); the others are forgotten. Each stays skipped while nothing but its
-        evictions changed (its look-again step not come, the headroom no larger, its
-        full-context length and block set as they were, or only its tail moved on:
-        ``_tail_moved``) and they are fewer than its shortfall; the shortfalls of those whose
-        evictions reached it are re-checked together (``planner.shortfalls_flat``). Evictions
-        and block-set versions are read for all at once. O(waiting), plus O(eligible blocks) of
-        the re-checked."""
-        t, no_plan = self.table, self.no_plan
-        head, faithful = len(self.lifecycle.headroom), self.hashes.faithful
-        still, recheck = set(), []
-        for r, dead, ver in zip(waiting, t.dead_counts(waiting).tolist(), t.block_versions(waiting).tolist()):
+        another check); the others are forgotten. Each stays skipped while nothing but its live
+        counts changed (its look-again step not come, the headroom no larger, its full-context
+        length and block set as they were, or only its tail moved on: ``_tail_moved``) and its
+        shortfall cannot be 0 yet (watched: its estimate above 0; else fewer evictions than the
+        shortfall): tested for all at once on the gate rows, with the evictions and block-set
+        versions read off the table at once; the shortfalls of the others are re-checked
+        together (``planner.shortfalls_flat``). O(waiting) in array operations, plus
+        O(eligible blocks) of the re-checked."""
+        t, no_plan, G = self.table, self.no_plan, _Gates
+        n = len(waiting)
+        dead, ver = t.dead_counts(waiting), t.block_versions(waiting)
+        faithful = np.fromiter(map(self.hashes.faithful.get, waiting, repeat(-1, n)), dtype=np.int64, count=n)
+        g = self.gates.a[np.fromiter((no_plan[r].row for r in waiting), dtype=np.int64, count=n)]
+        ok = (steps < g[:, G.DUE]) & (len(self.lifecycle.headroom) <= g[:, G.HEAD]) & (faithful == g[:, G.FAITHFUL])
+        same = ok & (ver == g[:, G.VERSION])
+        fast = same & (dead < g[:, G.DEAD_BY]) & (np.minimum(g[:, G.LEAST], t.S) - g[:, G.HOLES] > 0)
+        still = {waiting[i] for i in np.flatnonzero(fast).tolist()}
+        recheck = []
+        dead_l, ver_l, ok_l, same_l = dead.tolist(), ver.tolist(), ok.tolist(), same.tolist()
+        S = t.S
+        for i in np.flatnonzero(~fast).tolist():
+            r = waiting[i]
             skip = no_plan[r]
-            if steps < skip.due and head <= skip.head and faithful.get(r) == skip.faithful and \
-                    (ver == skip.version or self._tail_moved(r, skip, ver)):
-                if dead < skip.dead_by:
-                    still.add(r)
-                else:
-                    recheck.append((r, dead, skip))
+            if not ok_l[i] or not (same_l[i] or self._tail_moved(r, skip, ver_l[i])):
+                self._unskip(r)
+            elif not same_l[i] and skip.watched and min(skip.least, S) - skip.holes > 0:
+                still.add(r)  # only its tail moved on, and its estimate stays above 0
             else:
-                del no_plan[r]
+                recheck.append((r, dead_l[i], skip))  # its estimate reached 0, or its evictions the shortfall
         cleared = set()
         if recheck:
-            for (r, dead, skip), need in zip(recheck, self._shortfalls([x[2] for x in recheck])):
+            for (r, d, skip), need in zip(recheck, self._shortfalls([(x[2].unfill, x[2].fill, x[2].dests)
+                                                                     for x in recheck])):
                 if need > 0:
-                    skip.dead_by = dead + need
+                    skip.dead_by = d + need
+                    self._watch(skip)
                     still.add(r)
                 else:
-                    del no_plan[r]
+                    self._unskip(r)
                     cleared.add(r)
         return still, cleared
 
     def _tail_moved(self, r: str, skip: _Skip, ver: int) -> bool:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
         one)? Then the old tail joins the eligible blocks in ``skip`` (when a plan may take it:
-        only ``r`` holds it, in its list), unfillable when its hash describes its bytes, and
-        the shortfall is re-checked now (its evictions count from here). The version moves by
+        only ``r`` holds it, in its list), unfillable when its hash describes its bytes. A
+        watched record follows it too (its holes or its least count taken in); an unwatched
+        one's shortfall is re-checked now (its evictions count from here). The version moves by
         one per block referenced or released (``TokenTable.block_versions``): one step on and
         one block more is one block added, and a block new to the set that holds the last
         token is the one. O(1), but the append."""
@@ -301,12 +441,19 @@ class PlanBook:
             return False
         i, blk = self.mirror.index(r, tail), self.harness.pool.blocks[tail]
         if i is not None and blk.ref_cnt == 1 and t.refs[tail] == 1:
+            live = int(t.n_b[tail])
             if blk.block_hash is not None and self.hashes.is_faithful(r, i):
                 skip.unfill = np.append(skip.unfill, tail)
+                role, skip.least = 2, min(skip.least, live)
             else:
                 skip.fill = np.append(skip.fill, tail)
+                role, skip.holes = 1, skip.holes + t.S - live
+            if skip.watched:
+                self.role[tail], self.owner[tail] = role, skip.row
         skip.blocks.add(new)
-        skip.dead_by, skip.version, skip.tail = 0, ver, new
+        skip.version, skip.tail = ver, new
+        if not skip.watched:
+            skip.dead_by = 0
         return True
 
     def _unfillable(self, r: str, blocks: list) -> list:
@@ -354,7 +501,7 @@ class PlanBook:
         """``r``'s list was freed (preemption, finish; its plans were orphaned by the
         lifecycle): its bound is forgotten."""
         self.bound.pop(r, None)
-        self.no_plan.pop(r, None)
+        self._unskip(r)
 
     def absorb(self, reported: dict) -> None:
         """The worker's report (plan id -> :class:`~vtoken.lifecycle.Outcome`), per finished
