@@ -142,6 +142,17 @@ def _index_array(xs, what: str, code: str = "not_integer") -> np.ndarray:
     return _objects_to_int64(xs, what, code)
 
 
+def _repeats(x: np.ndarray) -> np.ndarray:
+    """True where an entry of ``x`` repeats an earlier one. A set decides the usual case (no
+    repeat) in one pass; np.unique's sort runs only when there is one. O(len(x))."""
+    if len(set(x.tolist())) == len(x):
+        return np.zeros(len(x), dtype=bool)
+    _, first = np.unique(x, return_index=True)
+    out = np.ones(len(x), dtype=bool)
+    out[first] = False
+    return out
+
+
 def _is_sequence(xs) -> bool:
     """A positional block list: list, tuple, range or 1-D numpy array (tensors converted first)."""
     if isinstance(xs, (list, tuple, range)):
@@ -966,9 +977,7 @@ class TokenTable:
         c_unknown = (tok < 0) | (tok >= r.n)
         t_safe = np.where(c_unknown, 0, tok)
         c_dead = ~c_unknown & ~r.live[t_safe]
-        _, first = np.unique(tok, return_index=True)
-        c_duptok = np.ones(k, dtype=bool)
-        c_duptok[first] = False
+        c_duptok = _repeats(tok)
         cur = r.slot[t_safe]
         # compared apart, not as src_block * S + src_off: that can wrap in int64
         c_src = (src_block != cur // S) | (src_off != cur % S)
@@ -983,9 +992,7 @@ class TokenTable:
         c_foreign = ~mine & (dref > 0)
         dst = dst_block_safe * S + np.where(c_off, 0, dst_off)
         c_occ = self.claims[dst] > 0  # dst is own or fresh, so a claim is a live token of ours
-        _, first = np.unique(dst, return_index=True)
-        c_dupdst = np.ones(k, dtype=bool)
-        c_dupdst[first] = False
+        c_dupdst = _repeats(dst)
         checks = (
             ("unknown_token", c_unknown), ("dead_token", c_dead), ("duplicate_token", c_duptok),
             ("wrong_source", c_src), ("shared_block", c_srcshared), ("block_out_of_range", c_range),
@@ -1004,7 +1011,7 @@ class TokenTable:
 
     def _apply_valid_moves(self, r: _Req, m, tok, cur, dst) -> list[int]:
         S = self.S
-        for b in np.unique(dst // S).tolist():
+        for b in sorted(set((dst // S).tolist())):  # a plan's few blocks: a set, not np.unique's sort
             if b not in r.blocks:
                 self._ref_block(r, b)
         self._unclaim(cur)
@@ -1014,7 +1021,7 @@ class TokenTable:
         self._pool.pend_idx.append(tok + r.base)
         self._pool.pend_val.append(dst.copy())
         r.map_dirty = True
-        emptied = [b for b in np.unique(cur // S).tolist() if self.n_b[b] == 0]
+        emptied = [b for b in sorted(set((cur // S).tolist())) if self.n_b[b] == 0]
         for b in emptied:
             self._unref_block(r, b)
         return emptied
