@@ -49,6 +49,7 @@ Costs: O(new tokens) per sync, O(ids) per eviction, O(moves) per apply, ``waste_
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -258,7 +259,7 @@ _NO_LIVE = np.zeros(64, dtype=bool)
 _NO_LIVE.flags.writeable = False
 
 
-class _Segments:
+class _Segments(ABC):
     """A flat pair of arrays (``slot``, ``live``) cut into power-of-two segments, one per
     request, with a free list per size; the pair doubles when full (the used prefix copied
     over: every view of a segment is stale after). A subclass makes the arrays (``_new``: the
@@ -269,8 +270,9 @@ class _Segments:
         self.used = 0
         self.free_segs: dict[int, list[int]] = {}
 
+    @abstractmethod
     def _new(self, size: int):
-        raise NotImplementedError
+        """A fresh ``(slot, live)`` pair of ``size`` entries (slot -1, not live)."""
 
     def _before_move(self) -> None:
         """Runs before the arrays are replaced or a segment is handed back."""
@@ -595,6 +597,11 @@ class TokenTable:
         self._live_slots += len(fresh)
         assert len(fresh) == 0 or self.n_b[fresh // self.S].max() <= self.S, "a block holds more than S live slots"
 
+    def _dropped(self, blocks) -> None:
+        """``blocks`` (ids, or one id) each lost a live slot: logged in ``drops`` when it is on."""
+        if self.drops is not None and np.size(blocks):
+            self.drops.append(blocks)
+
     def _unclaim(self, slots: np.ndarray) -> bool:
         if len(slots) == 0:
             return False
@@ -604,8 +611,7 @@ class TokenTable:
         gone = slots[after == 0]
         np.subtract.at(self.n_b, gone // self.S, 1)
         self._live_slots -= len(gone)
-        if self.drops is not None and len(gone):
-            self.drops.append(gone // self.S)
+        self._dropped(gone // self.S)
         return bool(len(gone)) and not self.n_b[gone // self.S].all()  # a block lost its last live token
 
     # ------------------------------------------------------------------ growth
@@ -927,8 +933,7 @@ class TokenTable:
         else:
             np.subtract.at(self.n_b, gb, 1)
         self._live_slots -= len(gone)
-        if self.drops is not None and len(gb):
-            self.drops.append(gb)
+        self._dropped(gb)
         for i in last[self.n_b[slots[last] // self.S] == 0].tolist():
             self._emptied.add(req_ids[i])
 
@@ -947,8 +952,7 @@ class TokenTable:
         if c == 0:
             self.n_b[s // self.S] -= 1
             self._live_slots -= 1
-            if self.drops is not None:
-                self.drops.append(s // self.S)
+            self._dropped(s // self.S)
             if self.n_b[s // self.S] == 0:
                 self._emptied.add(req_id)
         self._pool.pend_dead.append(r.base + t)

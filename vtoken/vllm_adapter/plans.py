@@ -51,6 +51,11 @@ SAFETY_CHECKS = 256
 _NEVER = 1 << 62  # a watched record's evictions due: its thresholds decide (PlanBook._watch)
 
 
+def _estimate(least, holes, S: int):
+    """A watched record's lower bound on its shortfall, min(least, S) - H(F) (ints or arrays)."""
+    return np.minimum(least, S) - holes
+
+
 class _Gates:
     """The numbers of every skip record (:class:`_Skip`) in one int64 array, a row per record
     (rows reused), so a plan check tests every waiting request's record at once
@@ -398,7 +403,7 @@ class PlanBook:
         g = self.gates.a[np.fromiter((no_plan[r].row for r in waiting), dtype=np.int64, count=n)]
         ok = (steps < g[:, G.DUE]) & (len(self.lifecycle.headroom) <= g[:, G.HEAD]) & (faithful == g[:, G.FAITHFUL])
         same = ok & (ver == g[:, G.VERSION])
-        fast = same & (dead < g[:, G.DEAD_BY]) & (np.minimum(g[:, G.LEAST], t.S) - g[:, G.HOLES] > 0)
+        fast = same & (dead < g[:, G.DEAD_BY]) & (_estimate(g[:, G.LEAST], g[:, G.HOLES], t.S) > 0)
         still = {waiting[i] for i in np.flatnonzero(fast).tolist()}
         recheck = []
         dead_l, ver_l, ok_l, same_l = dead.tolist(), ver.tolist(), ok.tolist(), same.tolist()
@@ -408,7 +413,7 @@ class PlanBook:
             skip = no_plan[r]
             if not ok_l[i] or not (same_l[i] or self._tail_moved(r, skip, ver_l[i])):
                 self._unskip(r)
-            elif not same_l[i] and skip.watched and min(skip.least, S) - skip.holes > 0:
+            elif not same_l[i] and skip.watched and _estimate(skip.least, skip.holes, S) > 0:
                 still.add(r)  # only its tail moved on, and its estimate stays above 0
             else:
                 recheck.append((r, dead_l[i], skip))  # its estimate reached 0, or its evictions the shortfall
