@@ -136,3 +136,65 @@ def test_the_driver_refuses_a_worker_writing_the_adapters_own_table():
     w.core.table = ad.table
     with pytest.raises(ConfigError, match="own token table"):
         AdapterDriver(ad, w)
+
+
+# ---------------------------------------------------------------------------- the replica's lag
+def _growth_step(w: LoggedTable, lists: dict) -> list:
+    """One decode step's growth on the worker's table (every request one token), its ops."""
+    reqs = sorted(lists)
+    w.sync_one_each(reqs, [lists[r][w.length(r) // w.S] for r in reqs])
+    return w.take_ops()
+
+
+def _two_requests(max_lag: int):
+    from vtoken.vllm_adapter.messages import Replica
+
+    w, rep = LoggedTable(4, 64, device=None), Replica(TokenTable(4, 64, device=None), max_lag=max_lag)
+    lists = {"a": list(range(1, 16)), "b": list(range(16, 31))}
+    for r, lst in lists.items():
+        w.sync_new_tokens(r, lst, 3)
+    rep.feed(w.take_ops())
+    return w, rep, lists
+
+
+def test_the_replica_holds_back_pure_growth_and_replays_it_first_in_order():
+    """Reports of decode growth only are held (at most ``max_lag``); a full batch, any other op
+    (an eviction here) or ``catch_up`` replays them first, oldest first: the replica then
+    equals the worker's table, and while it lags it is the worker's table of an earlier step."""
+    w, rep, lists = _two_requests(max_lag=3)
+    states = [w.export_state()]
+    for _ in range(3):
+        rep.feed(_growth_step(w, lists))
+        states.append(w.export_state())
+    assert len(rep.held) == 3 and rep.table.export_state() == states[0]  # growth only: held back
+    rep.feed(_growth_step(w, lists))  # a fourth: the batch is full, all four replayed
+    assert not rep.held and rep.table.export_state() == w.export_state() and rep.held_max == 3
+    rep.feed(_growth_step(w, lists))
+    w.evict_tokens("a", [0])
+    rep.feed(w.take_ops())  # an eviction: the held growth first, then it
+    assert not rep.held and rep.table.export_state() == w.export_state()
+    rep.feed(_growth_step(w, lists))
+    rep.catch_up()
+    assert not rep.held and rep.table.export_state() == w.export_state()
+    rep.feed(_growth_step(w, lists), hold=False)  # its owner forbids holding: replayed at once
+    assert not rep.held and rep.table.export_state() == w.export_state()
+
+
+def test_a_replica_with_no_lag_replays_every_report_at_once():
+    w, rep, lists = _two_requests(max_lag=0)
+    for _ in range(3):
+        rep.feed(_growth_step(w, lists))
+        assert not rep.held and rep.table.export_state() == w.export_state()
+    assert rep.held_max == 0
+
+
+def test_a_held_back_change_the_replica_refuses_raises_at_its_replay():
+    """A divergence in held-back growth is not lost: the replay that runs it raises the
+    table's error (``catch_up``, or the next report that is not growth)."""
+    w, rep, lists = _two_requests(max_lag=8)
+    ops = _growth_step(w, lists)
+    bad = [("sync1", ops[0][1], [ops[0][2][1], ops[0][2][1]])]  # both requests' tokens in one block
+    rep.feed(bad)
+    assert rep.held == [bad]
+    with pytest.raises(TableError, match="slot_conflict|named twice"):
+        rep.catch_up()

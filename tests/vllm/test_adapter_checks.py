@@ -200,3 +200,54 @@ def test_a_held_block_vllm_hands_out_again_is_caught_when_it_is_handed_out(model
             assert "entered request" in str(e.__context__), "the incremental check caught it as it was handed out"
             return
     raise AssertionError("never caught")
+
+
+# ---------------------------------------------------------------------------- the replica's lag
+def test_with_reclamation_off_the_replica_lags_by_growth_only_and_catches_up(model):
+    """Reclamation off, no eviction: the replica holds back up to ``MAX_LAG`` reports of decode
+    growth while every hook's checks run on it (they pass: its blocks are a subset of the
+    lists); ``ad.table`` is caught up and equals the worker's table at every step; with
+    ``paranoid_checks`` nothing is held."""
+    from vtoken.vllm_adapter.messages import MAX_LAG
+
+    for paranoid, want in ((False, MAX_LAG), (True, 0)):
+        ad, d = _run(model, reclaim=False, paranoid=paranoid, max_tokens=40)
+        held = 0
+        while ad.has_work():
+            d.step()
+            held = max(held, len(ad.replica.held))
+            assert ad.replica.held or ad._t.export_state() == d.worker.table.export_state()
+        d.drain()
+        assert ad.replica.held_max == want and held == want
+        assert ad.table.export_state() == d.worker.table.export_state() and not ad.replica.held
+        ad.close()
+
+
+def test_a_divergence_in_held_back_growth_is_caught_within_the_lag(model):
+    """The worker reports growth the replica cannot replay (a token in a block its list does
+    not hold): held back, it is still caught (``table_in_step``) at the latest when the batch
+    is full, ``MAX_LAG`` steps on."""
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+    from vtoken.vllm_adapter.messages import MAX_LAG
+
+    ad, d = _run(model, reclaim=False, max_tokens=40)
+    execute = d.worker.execute
+    state = {"done": False}
+
+    def lying(so):  # one report: request q0's growth lands in the null block
+        out = execute(so)
+        ops = out.vtoken_report.ops
+        if not state["done"] and ops and all(op[0] == "sync1" for op in ops):
+            reqs, blocks = ops[0][1], list(ops[0][2])
+            blocks[reqs.index("q0")] = 0
+            ops[0] = ("sync1", reqs, blocks)
+            state["done"] = True
+        return out
+
+    d.worker.execute = lying
+    steps = 0
+    with pytest.raises(AdapterAssumptionError, match="table_in_step") as e:
+        while steps <= MAX_LAG + 1:
+            d.step()
+            steps += 1
+    assert state["done"] and steps <= MAX_LAG and "null" in str(e.value)

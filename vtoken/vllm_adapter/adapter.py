@@ -103,7 +103,7 @@ from .fence import FenceLedger, StepClock
 from .harness import VllmHarness
 from .headroom import Headroom
 from .hooks import scheduler_class
-from .messages import StepMeta, replay
+from .messages import MAX_LAG, Replica, StepMeta
 from .mirror import BlockMirror
 from .plans import PlanBook
 from .port import VllmPort
@@ -186,7 +186,11 @@ class VTokenAdapter:
         self.cfg = config.planner_config
         self.max_plans_per_step = config.max_plans_per_step
         self.checks = config.checks
-        self.table = TokenTable(self.S, self.N, device=config.table_device)
+        # the worker's table replayed (``messages.Replica``); with reclamation off nothing plans on it, so
+        # pure decode growth may lag (up to MAX_LAG reports; none with paranoid checks)
+        self.replica = Replica(TokenTable(self.S, self.N, device=config.table_device),
+                               max_lag=0 if config.paranoid_checks else MAX_LAG)
+        self._t = self.replica.table  # the rooms read it as it stands (a lag is growth only)
         self.worker = None
         self._counts = dict(released_empty=0, preemptions=0)  # the adapter's own events; each room counts its own
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
@@ -246,10 +250,10 @@ class VTokenAdapter:
         self.hashes = PrefixHashRules(self.pool, self.manager, self.S,
                                       dict(hashes_kept=0, hashes_evicted=0, unfaithful_hashes_evicted=0,
                                            source_hashes_dropped=0), enabled=c.evict_unfaithful_hashes)
-        self.checker = RuntimeChecks(harness=self.harness, table=self.table, lifecycle=self.lifecycle,
+        self.checker = RuntimeChecks(harness=self.harness, table=self._t, lifecycle=self.lifecycle,
                                      mirror=self.mirror, fence=self.fence, pending_release=self.pending_release,
                                      full_every=c.check_full_every, paranoid=c.paranoid_checks)
-        self.book = PlanBook(self.lifecycle, harness=self.harness, table=self.table, cfg=self.cfg,
+        self.book = PlanBook(self.lifecycle, harness=self.harness, table=self._t, cfg=self.cfg,
                              stats=dict(moves=0, sources_freed=0, dests_used=0, dests_returned=0, fills=0,
                                         shared_blocks_moved=0),
                              reserve=self.reserve, mirror=self.mirror, fence=self.fence, hashes=self.hashes,
@@ -369,7 +373,7 @@ class VTokenAdapter:
         any worker when no group can hold the table: a sliding-window-only layout)."""
         own = "VTokenAdapter.attach_worker"
         table = getattr(worker, "table", None)
-        if table is self.table:
+        if table is self._t:
             raise ConfigError("inconsistent", f"{own}: the worker writes the adapter's own token "
                                               "table; give it a table of its own (the adapter keeps a replica)")
         geo = (getattr(table, "S", None), getattr(table, "num_blocks", None))
@@ -404,6 +408,7 @@ class VTokenAdapter:
 
     def check_all(self) -> None:
         """Run every runtime check now (tests call this between steps)."""
+        self._catch_up()
         self.checker.check_all()
 
     def has_work(self) -> bool:
@@ -437,7 +442,7 @@ class VTokenAdapter:
 
     def current(self, r: str) -> bool:
         """Is ``r`` mirrored, in the table, and has the worker seen its incarnation's first step?"""
-        return (r in self.mirror and r in self.table
+        return (r in self.mirror and r in self._t
                 and self.mirror.incarnation.get(r, 0) <= self.clock.processed)
 
     def look_again(self, r: str) -> None:
@@ -494,13 +499,14 @@ class VTokenAdapter:
     def _take_changes(self) -> None:
         """Fold in what changed since the last hook (the worker's table mutations, new and
         grown lists): the requests to look at again, and what the checks must cover."""
-        tab, emptied, lists = self.table.take_changed(), self.table.take_emptied(), self.mirror.take_changed()
+        t = self._t
+        tab, emptied, lists = t.take_changed(), t.take_emptied(), self.mirror.take_changed()
         if tab or lists:
             # a block becomes releasable when an eviction empties it, when a sharer leaves it
             # to one holder, or (below) when it stops being the tail; a request whose plan
             # lands or that had to wait is looked at again (look_again, release_todo)
             self.release_todo |= emptied
-            for b in self.table.take_lone_dead():
+            for b in t.take_lone_dead():
                 self.release_todo |= self.mirror.holders(b)
             self.book.stale_bounds |= tab | lists
             self.checker.touch_lists(lists)  # their lists and tables; ownership changes with the adapter's own events
@@ -508,7 +514,6 @@ class VTokenAdapter:
         if new and self.checks:
             self.checker.touch_entries(new)  # blocks vLLM put in a list: never one the adapter holds
         if self.tail_wait:  # O(requests whose all-dead tail was kept)
-            t = self.table
             for r, b in list(self.tail_wait.items()):
                 if r not in t or t.tail_block(r) != b:
                     del self.tail_wait[r]
@@ -544,7 +549,7 @@ class VTokenAdapter:
         """Blocks whose tokens were all evicted: null-substituted and freed at fence ``seq``
         (Naive-Evict does this too; it needs no copy). Only requests whose table changed
         since they were last looked at (or that had to wait) are looked at."""
-        t = self.table
+        t = self._t
         for r in sorted(self.release_todo, key=self.arrival):
             if r not in self.mirror or r not in t:
                 self.release_todo.discard(r)  # gone: nothing to release
@@ -583,6 +588,7 @@ class VTokenAdapter:
         """Preemption or finish: free the blocks held for the request with vLLM's fence for its
         list, orphan its in-flight plans (``Lifecycle.finish``), forget its mirror."""
         r = request.request_id
+        self._catch_up()  # its held-back growth before its blocks change hands
         self.hashes.evict_unfaithful(r, self.req_to_blocks.get(r), upto=1 << 30)
         self.hashes.forget(r)
         fence = self.clock.seq if not self.clock.settled(request) else 0
@@ -605,16 +611,33 @@ class VTokenAdapter:
             self._replay(rep)
 
     def _replay(self, rep) -> None:
-        """The worker's table changes, on the replica (``messages.replay``); a change the
-        replica refuses means the two tables diverged (``table_in_step``)."""
+        """The worker's table changes, on the replica (``messages.Replica``: with reclamation
+        off, a report of pure decode growth may be held back and replayed with the next); a
+        change the replica refuses means the two tables diverged (``table_in_step``)."""
+        self._caught(self.replica.feed, rep.ops, not self.reclaim)
+        self.worker_stats = dict(rep.stats)
+
+    def _catch_up(self) -> None:
+        """Replay what the replica held back (before a reader that decides reads it)."""
+        if self.replica.held:
+            self._caught(self.replica.catch_up)
+
+    @staticmethod
+    def _caught(f, *args) -> None:
         from ..errors import TableError
 
         try:
-            replay(self.table, rep.ops)
+            f(*args)
         except TableError as e:
             raise AdapterAssumptionError("table_in_step", f"the worker's table change does not replay on the "
                                                           f"scheduler side's replica: {e}") from e
-        self.worker_stats = dict(rep.stats)
+
+    @property
+    def table(self) -> TokenTable:
+        """The replica of the worker's token table, caught up (what the worker reported so far
+        replayed: ``table_in_step`` if a held-back change does not replay)."""
+        self._catch_up()
+        return self._t
 
     def _after_update(self, sched_out, out) -> None:
         rep = getattr(out, "vtoken_report", None)
@@ -648,6 +671,7 @@ class VTokenAdapter:
     def drain_idle(self) -> None:
         """At idle (nothing scheduled, nothing in flight): let the worker host-sync its
         copies and absorb the report, so copies that outlived their step are fenced too."""
+        self._catch_up()
         if self.book.plans and self.worker is not None:
             rep = self.worker.synchronize()
             self._replay(rep)
@@ -659,6 +683,7 @@ class VTokenAdapter:
     def close(self) -> dict:
         """Give the headroom back and check that every block returned (``all_returned``)."""
         sched = self.scheduler
+        self._catch_up()
         if self.book.plans:
             self.drain_idle()
         if sched.has_requests():

@@ -14,9 +14,11 @@ the same records (the driver round-trips them through pickle).
   and ``ops``: every change the worker made to its token table this step, in order. The
   scheduler side keeps a replica of the worker's table and replays ``ops`` on it
   (:func:`replay`), so both tables run the same operations in the same order.
+- :class:`Replica`: that replica, which may hold back up to ``MAX_LAG`` reports of pure decode
+  growth (``sync1`` only) and replay them together, when its owner allows it.
 
-Owns: the records, :class:`LoggedTable` (a ``TokenTable`` that logs its own changes) and
-:func:`replay`; no behaviour of either side.
+Owns: the records, :class:`LoggedTable` (a ``TokenTable`` that logs its own changes),
+:func:`replay` and the :class:`Replica` (the scheduler side's table and its held-back reports).
 May call: vtoken.table, numpy.
 Costs: building a record is O(what it carries); a logged change costs O(its arguments) more
 than the change itself (a token sync logs only the block-list entries it read).
@@ -31,7 +33,12 @@ import numpy as np
 from ..errors import OrderError
 from ..table import TokenTable
 
-__all__ = ["plan_order", "StepMeta", "WorkerReport", "LoggedTable", "replay"]
+__all__ = ["plan_order", "StepMeta", "WorkerReport", "LoggedTable", "replay", "Replica", "MAX_LAG"]
+
+# The most reports of pure decode growth the replica may hold back (``Replica``): replayed
+# together, the cold-cache price of the replay's array code is paid once per batch instead
+# of once per step (docs/ARCHITECTURE.md, "What the adapter's step costs").
+MAX_LAG = 8
 
 
 def plan_order(plan, snapshot: dict | None = None, keep=()) -> dict:
@@ -171,3 +178,44 @@ def replay(table: TokenTable, ops: list) -> None:
             raise OrderError("state_mismatch", f"replay: unknown table op {kind!r} (the worker and the scheduler "
                                                f"side run different vtoken versions?)")
     table.flush()
+
+
+class Replica:
+    """The scheduler side's replica of the worker's token table (``table``, owned here), fed
+    each report's ``ops`` in order.
+
+    ``feed(ops, hold=True)``: a report of pure decode growth (every op ``sync1``: each running
+    request's next token, in a block its list holds) may be held back instead of replayed,
+    at most ``max_lag`` of them; any other report (an eviction, a move, a release, a new or
+    freed request), a full batch, or ``catch_up()`` replays what is held first, in the order
+    the worker made the changes. So the table is behind the worker's by decode growth
+    only, never by a change of which blocks hold live tokens elsewhere: the blocks it
+    references stay a subset of what the scheduler side holds for each request (the
+    checks' ``table_in_step`` holds on it), and what a reader that decides (a plan, a
+    release) needs is replayed before it reads (its owner calls ``catch_up``). A change
+    the table refuses raises its ``TableError`` at the replay that runs it (up to
+    ``max_lag`` steps after the worker made it); the held reports are dropped then (the
+    tables diverged: the run is over). ``max_lag`` 0: every report is replayed at once.
+    Costs: a held report O(1); a replay O(its ops) (``replay``)."""
+
+    def __init__(self, table: TokenTable, max_lag: int = MAX_LAG):
+        self.table = table
+        self.max_lag = int(max_lag)
+        self.held: list = []  # the ops lists held back, oldest first
+        self.held_max = 0  # the most reports held back at once (tests, the audit's figures)
+
+    def feed(self, ops: list, hold: bool = True) -> None:
+        """Replay ``ops`` (one report's), or hold them back (see the class docstring)."""
+        if hold and ops and len(self.held) < self.max_lag and all(op[0] == "sync1" for op in ops):
+            self.held.append(ops)
+            self.held_max = max(self.held_max, len(self.held))
+            return
+        self.catch_up()
+        replay(self.table, ops)
+
+    def catch_up(self) -> None:
+        """Replay every held report, oldest first (nothing held: nothing done)."""
+        if self.held:
+            held, self.held = self.held, []
+            for ops in held:
+                replay(self.table, ops)
