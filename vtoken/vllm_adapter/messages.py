@@ -78,8 +78,8 @@ class LoggedTable(TokenTable):
     ``ops`` (only changes that succeeded: a refused call changes nothing and logs nothing).
     ``take_ops()`` hands the log over and starts a new one. The entries are plain tuples:
     ``("sync", req, total_len, j0, [block ids j0..])``, ``("evict", req, ids)``,
-    ``("sync1", [req], [block])`` and ``("evict1", [req], [token])`` (a decode step's one token
-    each), ``("apply", req, moves)``, ``("release", req, ids)``, ``("free", req)``."""
+    ``("sync1", [req], blocks)`` and ``("evict1", [req], tokens)`` (a decode step's one token
+    each; int64 arrays), ``("apply", req, moves)``, ``("release", req, ids)``, ``("free", req)``."""
 
     def __init__(self, block_size: int, num_blocks: int, device="cpu"):
         super().__init__(block_size, num_blocks, device=device)
@@ -103,12 +103,13 @@ class LoggedTable(TokenTable):
 
     def sync_one_each(self, req_ids, block_ids):
         slots = super().sync_one_each(req_ids, block_ids)
-        self.ops.append(("sync1", list(req_ids), [int(b) for b in block_ids]))
+        # int64 arrays: the replica converts them in O(1) checks, not one per element
+        self.ops.append(("sync1", list(req_ids), np.array(block_ids, dtype=np.int64)))
         return slots
 
     def evict_one_each(self, req_ids, token_ids):
         super().evict_one_each(req_ids, token_ids)
-        self.ops.append(("evict1", list(req_ids), [int(x) for x in token_ids]))
+        self.ops.append(("evict1", list(req_ids), np.array(token_ids, dtype=np.int64)))
 
     def evict_token(self, req_id, token_id):
         self.evict_tokens(req_id, [token_id])
