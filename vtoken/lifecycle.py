@@ -253,6 +253,10 @@ class Held(Mapping):
     def __repr__(self) -> str:
         return f"Held({self._by_req!r})"
 
+    def empty(self) -> bool:
+        """Nothing held, by either side of the index (O(1))."""
+        return not self._by_req and not self._owners
+
     def owner(self, block_id: int):
         """The first request holding ``block_id`` (None: nobody)."""
         o = self._owners.get(int(block_id))

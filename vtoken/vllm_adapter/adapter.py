@@ -30,7 +30,10 @@ The rooms of the adapter
   context, hashes of blocks computed after a request's first eviction are dropped;
 - ``checks``: the runtime checks against vLLM's pool (``ASSUMPTIONS`` in ``assumptions``);
 - ``messages``: what rides on the outputs (``StepMeta``, the step's ``Plan`` records) and comes back
-  (``WorkerReport``); ``driver``: the engine-core loop for tests and audits.
+  (``WorkerReport``), and the ``Replica`` of the worker's token table the reports are replayed on
+  (with reclamation off, up to ``MAX_LAG`` reports of pure decode growth are held back and
+  replayed together; ``table`` is always caught up); ``driver``: the engine-core loop for tests
+  and audits.
 
 A step
 ------

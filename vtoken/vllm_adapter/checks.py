@@ -137,12 +137,17 @@ class RuntimeChecks:
         lists, self.touched_lists = self.touched_lists | reqs, set()
         fresh = self.lifecycle.take_fresh()  # the rest of the headroom: at the full scan
         held = [(r, self.held[r]) for r in reqs if r in self.held]
-        self._check_headroom(where, lambda bid: min(self.mirror.holders(bid), default=None), fresh)
-        self._check_new_entries(where)
-        deferred = self._deferred_counts()
-        listed, no = self.mirror.where, ()
-        self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
-        self._check_sources_detached(where, thorough=False)
+        if fresh:
+            self._check_headroom(where, lambda bid: min(self.mirror.holders(bid), default=None), fresh)
+        if self.lifecycle.headroom or self.plans or not self.held.empty():
+            self._check_new_entries(where)
+        else:  # the adapter holds no block (reclamation off, or idle): no new entry can be one of its
+            self.new_entries = []
+        if fresh or held or self.plans:
+            deferred = self._deferred_counts()
+            listed, no = self.mirror.where, ()
+            self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
+            self._check_sources_detached(where, thorough=False)
         self.mirror.check_lists(where, requests=lists)
         if table:
             self.check_table(requests=lists | {p.req_id for p in self.plans.values()})
