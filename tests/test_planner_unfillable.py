@@ -178,3 +178,21 @@ def test_a_request_without_candidates_is_a_whole_block_short_and_bad_lengths_are
         with pytest.raises(CallError) as e:  # sizes that disagree: named, not a numpy broadcast error
             shortfalls_flat(np.array(args[0]), args[1], args[2], 4, 2, args[3])
         assert e.value.code == "bad_shape"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 8), max_size=6), st.lists(st.integers(0, 8), max_size=6), st.integers(1, 4))
+def test_without_destinations_the_shortfall_is_the_two_figures_formula(fill, unfill, B):
+    """``in_place_shortfall(least, holes)`` (what the adapter's skip records keep) is
+    ``shortfall`` with no destination, for any live counts (S = 8), and both are the
+    definition written out: the cheapest one source (an unfillable candidate costs its live
+    tokens, a fillable one S) against the fillable holes; S with no candidate."""
+    from vtoken.planner import in_place_shortfall, shortfall
+
+    S = 8
+    f, u = np.array(fill, dtype=np.int64), np.array(unfill, dtype=np.int64)
+    least = min(int(u.min()), S) if len(u) else S
+    holes = S * len(f) - int(f.sum())
+    costs = [x for x in unfill if x < S] + [S for x in fill if x < S]
+    want = max(min(costs) - holes, 0) if costs else S
+    assert int(in_place_shortfall(least, holes, S)) == shortfall(f, u, S, B, 0) == want

@@ -253,6 +253,15 @@ def shortfalls(fillable: Sequence[np.ndarray], unfillable: Sequence[np.ndarray],
                            max_dests)
 
 
+def in_place_shortfall(least, holes, S: int):
+    """:func:`shortfall` without destinations, from two figures: ``least`` the smallest live
+    count of the unfillable candidates (S when there is none) and ``holes`` H(F) the holes of
+    the fillable blocks: min(least, S) - H(F), at least 0 (the cheapest one source decides).
+    Ints or int arrays alike (a driver keeping the two figures up to date tests it without
+    the blocks; ``shortfalls_flat`` computes them)."""
+    return np.maximum(np.minimum(least, S) - holes, 0)
+
+
 def shortfalls_flat(live: np.ndarray, n_unfill: Sequence[int], n_fill: Sequence[int], S: int, max_sources: int,
                     max_dests: Sequence[int]) -> np.ndarray:
     """:func:`shortfall` of many requests in one pass of array operations, as an int64 array:
@@ -279,7 +288,7 @@ def shortfalls_flat(live: np.ndarray, n_unfill: Sequence[int], n_fill: Sequence[
         runs = np.empty(2 * n, dtype=np.int64)
         runs[0::2], runs[1::2] = u0, f0
         least = np.minimum.reduceat(np.append(live, S), runs)[0::2]  # an empty run reads the next entry: masked
-        return np.maximum(np.where(nu > 0, np.minimum(least, S), S) - budget, 0)
+        return in_place_shortfall(np.where(nu > 0, least, S), budget, S)
     seg = np.repeat(np.arange(n), size)  # each block's request
     keep = np.arange(len(seg)) - np.repeat(np.cumsum(size) - size, size) < nu[seg]
     cand = live < S  # full blocks are no candidates

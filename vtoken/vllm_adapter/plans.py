@@ -38,8 +38,8 @@ from .mirror import unaccounted
 from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
-from ..planner import Proposal, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, shared_at_end, \
-    shortfalls_flat, should_reclaim, split_eligible, trigger_inputs
+from ..planner import Proposal, in_place_shortfall, plan_snapshot, propose, rank_key, ranked, reclaim_bounds, \
+    shared_at_end, shortfalls_flat, should_reclaim, split_eligible, trigger_inputs
 
 # a request skipped after an in-place proposal found no plan is looked at again after this many
 # plan checks when it shares a block (a sharer leaving makes the block eligible: no event of the
@@ -49,11 +49,6 @@ SAFETY_CHECKS = 256
 
 
 _NEVER = 1 << 62  # a watched record's evictions due: its thresholds decide (PlanBook._watch)
-
-
-def _estimate(least, holes, S: int):
-    """A watched record's lower bound on its shortfall, min(least, S) - H(F) (ints or arrays)."""
-    return np.minimum(least, S) - holes
 
 
 class _Gates:
@@ -230,11 +225,13 @@ class PlanBook:
             self._unskip(r)
         waiting = [r for r in stale if r in no_plan]
         skipped, cleared = self._still_skipped(waiting, steps) if waiting else ((), ())
-        for r, gain in zip(stale, reclaim_bounds(t, stale).tolist()):  # the table's tails: the blocks being written
-            if gain > 0 and r not in skipped:
+        # a skipped request has no bound (``_no_plan`` took it out, only this loop puts one back)
+        looked = [r for r in stale if r not in skipped] if skipped else stale
+        for r, gain in zip(looked, reclaim_bounds(t, looked).tolist()):  # the table's tails: the blocks being written
+            if gain > 0:
                 bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
             else:
-                bound.pop(r, None)  # no plan can exist (or none was found, and nothing changed enough since)
+                bound.pop(r, None)  # no plan can exist
         self.stale_bounds = set()
         busy, current, running = self.busy, self.requests.current, self.requests.running
         pool_blocks = self.harness.pool.blocks
@@ -287,7 +284,12 @@ class PlanBook:
         t, cfg = self.table, self.cfg
         fill, unfill = split_eligible(t, r, tail=tail, excluded=exclude, unfillable=keep)
         dests = head if keep else 0
-        need = self._shortfalls([(unfill, fill, dests)])[0]
+        counts = None
+        if dests > 0:
+            need = self._shortfalls([(unfill, fill, dests)])[0]
+        else:  # no destination: the shortfall is the watched estimate itself (planner.shortfalls_flat)
+            counts = self._counts(fill, unfill)
+            need = int(in_place_shortfall(*counts, t.S))
         if need == 0 and not found_none:
             return False  # a plan exists: not skipped
         blocks = t.block_array(r)
@@ -299,7 +301,7 @@ class PlanBook:
         skip.faithful = self.hashes.faithful.get(r)
         skip.dead_by = int(t.dead_counts([r])[0]) + max(1, need)
         if need > 0:
-            self._watch(skip)
+            self._watch(skip, counts)
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
         del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
         return True
@@ -328,8 +330,14 @@ class PlanBook:
         return shortfalls_flat(t.n_b[ids], [len(u) for u, _, _ in kept], [len(f) for _, f, _ in kept], t.S,
                                self.cfg.max_sources, [d for _, _, d in kept]).tolist()
 
-    def _watch(self, skip: _Skip) -> None:
-        """Without destinations the shortfall is min(least, S) - H(F) (``planner.shortfalls_flat``):
+    def _counts(self, fill: np.ndarray, unfill: np.ndarray) -> tuple[int, int]:
+        """``(least, holes)``: the smallest live count of the unfillable blocks (S when none) and
+        the fillable blocks' holes H(F), from the table's live counts now."""
+        n_b, S = self.table.n_b, self.table.S
+        return (min(int(n_b[unfill].min()), S) if len(unfill) else S), S * len(fill) - int(n_b[fill].sum())
+
+    def _watch(self, skip: _Skip, counts: Optional[tuple] = None) -> None:
+        """Without destinations the shortfall is min(least, S) - H(F) (``planner.in_place_shortfall``):
         least the smallest live count of the unfillable blocks, H(F) the fillable blocks' holes.
         Live counts only fall while the block set stays (growth writes the tail, outside both),
         so the record keeps the two figures and the table's drops update them
@@ -340,11 +348,8 @@ class PlanBook:
         (``dead_by``). O(its blocks)."""
         if skip.dests > 0:
             return
-        t = self.table
-        n_b, S = t.n_b, t.S
         self._unwatch(skip)
-        skip.holes = S * len(skip.fill) - int(n_b[skip.fill].sum())
-        skip.least = min(int(n_b[skip.unfill].min()), S) if len(skip.unfill) else S
+        skip.least, skip.holes = counts if counts is not None else self._counts(skip.fill, skip.unfill)
         self.role[skip.fill], self.role[skip.unfill] = 1, 2
         self.owner[skip.fill], self.owner[skip.unfill] = skip.row, skip.row
         skip.watched, skip.dead_by = True, _NEVER
@@ -403,7 +408,7 @@ class PlanBook:
         g = self.gates.a[np.fromiter((no_plan[r].row for r in waiting), dtype=np.int64, count=n)]
         ok = (steps < g[:, G.DUE]) & (len(self.lifecycle.headroom) <= g[:, G.HEAD]) & (faithful == g[:, G.FAITHFUL])
         same = ok & (ver == g[:, G.VERSION])
-        fast = same & (dead < g[:, G.DEAD_BY]) & (_estimate(g[:, G.LEAST], g[:, G.HOLES], t.S) > 0)
+        fast = same & (dead < g[:, G.DEAD_BY]) & (in_place_shortfall(g[:, G.LEAST], g[:, G.HOLES], t.S) > 0)
         still = {waiting[i] for i in np.flatnonzero(fast).tolist()}
         recheck = []
         dead_l, ver_l, ok_l, same_l = dead.tolist(), ver.tolist(), ok.tolist(), same.tolist()
@@ -413,7 +418,7 @@ class PlanBook:
             skip = no_plan[r]
             if not ok_l[i] or not (same_l[i] or self._tail_moved(r, skip, ver_l[i])):
                 self._unskip(r)
-            elif not same_l[i] and skip.watched and _estimate(skip.least, skip.holes, S) > 0:
+            elif not same_l[i] and skip.watched and in_place_shortfall(skip.least, skip.holes, S) > 0:
                 still.add(r)  # only its tail moved on, and its estimate stays above 0
             else:
                 recheck.append((r, dead_l[i], skip))  # its estimate reached 0, or its evictions the shortfall
