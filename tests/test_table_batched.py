@@ -226,3 +226,30 @@ def test_the_drops_log_names_every_fall_of_a_blocks_live_count():
     fell = {b: int(before[b] - t.n_b[b]) + rose.get(b, 0) for b in range(32)}
     assert drops == Counter({b: n for b, n in fell.items() if n})
     assert drops[1] == 2 and drops[3] == 1 and drops[5] == 4 and drops[6] == 2  # b freed with 4 live
+
+
+def test_the_reblocked_log_names_the_requests_whose_block_set_changed():
+    """``TokenTable.reblocked`` (opt-in): growth that opens a block, a move out of a block, a
+    release and a free are logged; growth inside a block and evictions (liveness only) are
+    not; off (None) by default, so nothing piles up for a table nobody reads."""
+    t = TokenTable(4, 32)
+    assert t.reblocked is None and t.take_reblocked() == set()
+    t.sync_new_tokens("a", [1, 2, 3], 6)
+    t.sync_new_tokens("b", [5, 6], 6)
+    t.sync_new_tokens("c", [7], 2)
+    assert t.take_reblocked() == set()  # off: nothing kept
+    t.reblocked = set()
+    t.sync_one_each(["a", "b", "c"], [2, 6, 7])  # tokens 6, 6 and 2: inside blocks they hold
+    t.evict_one_each(["a", "b"], [0, 1])
+    t.evict_tokens("c", [0])
+    assert t.take_reblocked() == set()
+    t.sync_one_each(["a", "b"], [2, 6])  # token 7 of a, 7 of b: still inside
+    t.sync_one_each(["a"], [3])  # token 8 of a opens block 3
+    assert t.take_reblocked() == {"a"} and t.take_reblocked() == set()
+    t.evict_tokens("b", [0, 2, 3])  # block 5 all dead
+    assert t.take_reblocked() == set()
+    t.release_empty_blocks("b", [5])
+    t.apply_moves("a", [[8, 3, 0, 1, 0]])  # a's only token in block 3 into block 1's hole: 3 left
+    assert t.take_reblocked() == {"a", "b"}
+    t.free_request("c")
+    assert t.take_reblocked() == {"c"}

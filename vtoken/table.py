@@ -210,11 +210,12 @@ class _Req:
     Python object visit per request. ``slot`` and ``live`` are views of the segment, valid until
     the table's next growth: read them again after one. Owned by one table; never shared."""
 
-    __slots__ = ("t", "h", "blocks", "block_arr", "map_cache", "map_len", "map_src_n")
+    __slots__ = ("t", "h", "rid", "blocks", "block_arr", "map_cache", "map_len", "map_src_n")
 
-    def __init__(self, table: "TokenTable", h: int):
+    def __init__(self, table: "TokenTable", h: int, rid):
         self.t = table
         self.h = h  # the row (freed rows are reused: a _Req is dropped when its request is freed)
+        self.rid = rid  # its request id
         self.blocks: set[int] = set()
         self.block_arr = None  # read-only int64 array of ``blocks``, None once the set changed (block_array)
         self.map_cache = None  # compacted live slots (device), see slot_mapping
@@ -474,6 +475,10 @@ class TokenTable:
         # figures up to date applies, instead of reading every block it follows each step. Its
         # owner empties it (the adapter's plan book, at each plan check).
         self.drops: list | None = None
+        # Opt-in (None: nothing kept): the requests whose block set changed (a block referenced or
+        # no longer referenced), for a reader that checks which blocks each table references (the
+        # adapter's runtime checks); its owner empties it (take_reblocked)
+        self.reblocked: set | None = None
 
     # ------------------------------------------------------------------ helpers
     def _get(self, req_id):
@@ -509,7 +514,7 @@ class TokenTable:
         self._n[h] = self._nl[h] = self._cap[h] = self._hb[h] = self._nblk[h] = 0
         self._bver[h] += 1  # a reused row never shows an earlier request's version
         self._db[h], self._last[h], self._dirty[h] = -1, -1, False
-        r = self._reqs[req_id] = _Req(self, h)
+        r = self._reqs[req_id] = _Req(self, h, req_id)
         self._row[req_id] = h
         self._row_epoch += 1
         return r
@@ -564,6 +569,8 @@ class TokenTable:
     # claims never go negative, a block never holds more than S live slots.
     def _ref_block(self, r: _Req, b: int) -> None:
         assert b not in r.blocks, f"block {b} referenced twice by one request"
+        if self.reblocked is not None:
+            self.reblocked.add(r.rid)
         r.blocks.add(b)
         r.block_arr = None
         self._last[r.h] = b
@@ -575,6 +582,8 @@ class TokenTable:
 
     def _unref_block(self, r: _Req, b: int) -> None:
         assert b in r.blocks and self.refs[b] > 0, f"block {b} unreferenced by a request that does not hold it"
+        if self.reblocked is not None:
+            self.reblocked.add(r.rid)
         r.blocks.discard(b)
         r.block_arr = None
         if self._last[r.h] == b:  # _last is a block the request references, or -1
@@ -1145,6 +1154,14 @@ class TokenTable:
         """The requests whose blocks or liveness changed since the previous call, and forget them
         (for the adapter's per-request cache: its work grows with what changed). O(changed)."""
         out, self._changed = self._changed, set()
+        return out
+
+    def take_reblocked(self) -> set:
+        """The requests whose block set changed since the previous call (empty unless the
+        ``reblocked`` log is on), and forget them. O(changed)."""
+        if not self.reblocked:
+            return set()
+        out, self.reblocked = self.reblocked, set()
         return out
 
     def take_emptied(self) -> set:

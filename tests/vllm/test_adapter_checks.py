@@ -120,9 +120,10 @@ def test_incremental_mode_scans_less_than_the_pool(model):
 
 def test_an_all_dead_tail_is_released_once_the_tail_moves(model):
     ad, d = _run(model, headroom=None, reclaim=False, requests=1)
-    t, r, S = ad.table, "q0", ad.S
-    while t.length(r) % S:  # until the tail block is full: the next token opens a new block
+    r, S = "q0", ad.S
+    while ad.table.length(r) % S:  # until the tail block is full (ad.table: caught up at each read)
         d.step()
+    t = ad.table
     n = t.length(r)
     tail = t.tail_block(r)
     d.worker.evict_tokens(r, list(range(n - S, n)))  # every token of the tail block dies (the worker's table)
@@ -251,3 +252,40 @@ def test_a_divergence_in_held_back_growth_is_caught_within_the_lag(model):
             d.step()
             steps += 1
     assert state["done"] and steps <= MAX_LAG and "null" in str(e.value)
+
+
+def test_a_table_that_takes_a_block_its_list_does_not_hold_is_caught_on_that_hook(model):
+    """The worker reports growth into a block that is not in the request's list (and its list
+    did not change that step): the replica replays it, and the incremental check of that
+    very hook sees the table reference a block the scheduler side does not hold for the
+    request (the tables whose block set changed are checked, not only the lists vLLM grew)."""
+    from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
+
+    ad, d = _run(model, reclaim=True, max_tokens=40)
+    execute = d.worker.execute
+    state = {"done": False}
+
+    def lying(so):
+        out = execute(so)
+        ops = out.vtoken_report.ops
+        for k, op in enumerate(ops):
+            if state["done"] or op[0] != "sync1" or "q0" not in op[1]:
+                continue
+            i = op[1].index("q0")
+            listed = {b.block_id for b in ad.req_to_blocks["q0"]}
+            if op[2][i] not in ad.mirror.changed and ad._t.length("q0") % ad.S:  # inside its tail, no new block
+                stray = next(b.block_id for b in ad.pool.blocks if not b.is_null and b.ref_cnt == 0
+                             and b.block_id not in listed and ad._t.block_refs(b.block_id) == 0)
+                blocks = np.array(op[2]).copy()
+                blocks[i] = stray
+                ops[k] = ("sync1", op[1], blocks)
+                state["done"] = True
+        return out
+
+    d.worker.execute = lying
+    full = ad.checker.full_scans
+    with pytest.raises(AdapterAssumptionError, match="table_in_step") as e:
+        for _ in range(20):
+            d.step()
+    assert state["done"] and "does not hold" in str(e.value)
+    assert ad.checker.full_scans == full  # the incremental check saw it, not a full scan

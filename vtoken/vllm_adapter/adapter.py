@@ -194,6 +194,8 @@ class VTokenAdapter:
         self.replica = Replica(TokenTable(self.S, self.N, device=config.table_device),
                                max_lag=0 if config.paranoid_checks else MAX_LAG)
         self._t = self.replica.table  # the rooms read it as it stands (a lag is growth only)
+        if self.checks:  # the checks look at the tables whose block set changed, not at every eviction's
+            self._t.reblocked = set()
         self.worker = None
         self._counts = dict(released_empty=0, preemptions=0)  # the adapter's own events; each room counts its own
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
@@ -504,6 +506,11 @@ class VTokenAdapter:
         grown lists): the requests to look at again, and what the checks must cover."""
         t = self._t
         tab, emptied, lists = t.take_changed(), t.take_emptied(), self.mirror.take_changed()
+        reblocked = t.take_reblocked()
+        if reblocked or lists:
+            # their lists and tables: which blocks a table references changes only with its block set
+            # (an eviction changes liveness); ownership changes with the adapter's own events
+            self.checker.touch_lists(reblocked | lists)
         if tab or lists:
             # a block becomes releasable when an eviction empties it, when a sharer leaves it
             # to one holder, or (below) when it stops being the tail; a request whose plan
@@ -512,7 +519,6 @@ class VTokenAdapter:
             for b in t.take_lone_dead():
                 self.release_todo |= self.mirror.holders(b)
             self.book.stale_bounds |= tab | lists
-            self.checker.touch_lists(lists)  # their lists and tables; ownership changes with the adapter's own events
         new = self.mirror.take_new_ids()
         if new and self.checks:
             self.checker.touch_entries(new)  # blocks vLLM put in a list: never one the adapter holds
@@ -638,7 +644,8 @@ class VTokenAdapter:
     @property
     def table(self) -> TokenTable:
         """The replica of the worker's token table, caught up (what the worker reported so far
-        replayed: ``table_in_step`` if a held-back change does not replay)."""
+        replayed: ``table_in_step`` if a held-back change does not replay). The object is the
+        replica itself: kept across steps it may lag again (reclamation off); read it again."""
         self._catch_up()
         return self._t
 

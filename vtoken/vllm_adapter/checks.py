@@ -11,7 +11,8 @@ checks) and ``table_in_step``. It owns nothing and changes nothing.
 What a hook costs (``after_hook``): the checks run on what changed since the last hook,
 plus the adapter's own small, bounded holdings. The adapter reports the requests each of
 its own events changed the holdings of (``touch``: launch, report, release, free) and the
-requests whose list vLLM changed or whose table the worker changed (``touch_lists``); the
+requests whose list vLLM changed or whose table's block set the worker changed (``touch_lists``:
+the table's ``reblocked`` log; an eviction changes liveness, never which blocks it references); the
 check then covers the lists and tables of both, the held destinations and fills of the
 first, the headroom blocks that entered it since the last hook and every block of the
 plans in flight (at most ``max_plans_per_step`` x (B + fills + destinations) per step in
@@ -96,8 +97,8 @@ class RuntimeChecks:
         self.touched_requests.update(requests)
 
     def touch_lists(self, requests) -> None:
-        """Requests whose block list vLLM changed (started, grown) or whose table the worker
-        changed: their lists and tables are checked at the next hook; the blocks the adapter
+        """Requests whose block list vLLM changed (started, grown) or whose table's block set the
+        worker changed: their lists and tables are checked at the next hook; the blocks the adapter
         holds for them did not change hands (O(given))."""
         self.touched_lists.update(requests)
 
