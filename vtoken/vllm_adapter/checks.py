@@ -73,15 +73,18 @@ class RuntimeChecks:
         pending_release: ``(seq, request, block)`` released and not yet applied by the worker
             (the adapter's list, updated in place).
         full_every, paranoid: the full scan's period, or at every hook.
+        incremental: False when no hook runs the checks (the adapter's ``checks`` off): what is
+            touched is not kept (it would only grow); ``check_all`` and ``check_pool`` still scan.
     """
 
     def __init__(self, *, harness, table, lifecycle, mirror, fence, pending_release: list,
-                 full_every: int = 64, paranoid: bool = False):
+                 full_every: int = 64, paranoid: bool = False, incremental: bool = True):
         self.harness, self.table, self.lifecycle = harness, table, lifecycle
         self.held, self.plans = lifecycle.held, lifecycle.in_flight  # the lifecycle's own objects, read here
         self.mirror, self.fence, self.pending_release = mirror, fence, pending_release
         self.full_every = int(full_every)  # >= 1: the adapter refuses less at construction
         self.paranoid = bool(paranoid)
+        self.incremental = bool(incremental)
         self.hooks = 0
         self.full_scans = 0
         self.touched_requests: set = set()  # the adapter changed what it holds for these
@@ -94,19 +97,22 @@ class RuntimeChecks:
         """Requests an event changed the blocks or table of (O(given)): their lists, tables
         and destinations are checked at the next hook (the blocks new to the headroom and
         the plans in flight are checked at every hook)."""
-        self.touched_requests.update(requests)
+        if self.incremental:
+            self.touched_requests.update(requests)
 
     def touch_lists(self, requests) -> None:
         """Requests whose block list vLLM changed (started, grown) or whose table's block set the
         worker changed: their lists and tables are checked at the next hook; the blocks the adapter
         holds for them did not change hands (O(given))."""
-        self.touched_lists.update(requests)
+        if self.incremental:
+            self.touched_lists.update(requests)
 
     def touch_entries(self, entries) -> None:
         """``(request, block id)`` pairs vLLM put in a list (new, grown, resumed): each is
         checked at the next hook against every block the adapter holds (a held block vLLM
         hands out again was freed behind the adapter's back). O(given)."""
-        self.new_entries += entries
+        if self.incremental:
+            self.new_entries += entries
 
     def after_hook(self, where: str, table: bool = False) -> None:
         """The checks of one hook: incremental, or the full scan when it is due."""
