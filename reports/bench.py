@@ -142,28 +142,36 @@ def _planner_setup(R, L, S, evict, headroom, theta_f, seed, max_sources=None):
     return table, alloc, mgr
 
 
-def bench_planner(seed=0, quick=False, rounds=3) -> dict:
-    """Planning-round time vs request count, settled retained blocks vs ideal, and Z3 check time."""
+def bench_planner(seed=0, quick=False, rounds=5) -> dict:
+    """Planning-round time vs request count, settled retained blocks vs ideal, and Z3 check time.
+
+    Every request count's setup is built first and their rounds are run in turn (round k of
+    each count, then round k + 1), so a slow stretch of a shared machine falls on all counts
+    alike; each count's figure is the median of its ``rounds`` round times."""
     S, L = 16, (2048 if quick else 16384)
     counts = (16, 64) if quick else (16, 256, 1024)
     out = {"block_size": S, "tokens_per_request": L, "eviction": "random 50%", "plan_ms": {}}
-    for R in counts:
-        # headroom for one full plan (B destinations at most) per request: each round is a full planning pass
-        from vtoken.planner import PlannerConfig
+    from vtoken.planner import PlannerConfig
 
-        table, alloc, mgr = _planner_setup(R, L, S, 0.5, headroom=PlannerConfig().max_sources * R, theta_f=0.0,
-                                           seed=seed)
-        ts, plans = [], 0
-        for _ in range(rounds):
+    # headroom for one full plan (B destinations at most) per request: each round is a full planning pass
+    setups = {R: _planner_setup(R, L, S, 0.5, headroom=PlannerConfig().max_sources * R, theta_f=0.0, seed=seed)
+              for R in counts}
+    ts: dict = {R: [] for R in counts}
+    plans = dict.fromkeys(counts, 0)
+    for _ in range(rounds):
+        for R in counts:
+            mgr = setups[R][2]
             t0 = time.perf_counter()
             launched = mgr.plan_round()
-            ts.append(time.perf_counter() - t0)
-            plans += len(launched)
+            ts[R].append(time.perf_counter() - t0)
+            plans[R] += len(launched)
             mgr.poll(force_sync=True)
             mgr.refill_headroom()
-        out["plan_ms"][str(R)] = statistics.median(ts) * 1e3
-        print(f"planner R={R} L={L}: median round {out['plan_ms'][str(R)]:.1f} ms, {plans / rounds:.0f} plans/round", flush=True)
-        del table, alloc, mgr
+    for R in counts:
+        out["plan_ms"][str(R)] = statistics.median(ts[R]) * 1e3
+        print(f"planner R={R} L={L}: median round {out['plan_ms'][str(R)]:.1f} ms, {plans[R] / rounds:.0f} plans/round",
+              flush=True)
+    del setups
     keys = [str(c) for c in counts]
     out["plan_ratio_1024_256" if not quick else "plan_ratio_last_prev"] = out["plan_ms"][keys[-1]] / out["plan_ms"][keys[-2]]
     out.update(settle_experiment(R=16 if quick else 64, L=1024 if quick else 4096, seed=seed))
