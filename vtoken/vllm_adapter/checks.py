@@ -146,15 +146,12 @@ class RuntimeChecks:
         held = [(r, self.held[r]) for r in reqs if r in self.held]
         if fresh:
             self._check_headroom(where, lambda bid: min(self.mirror.holders(bid), default=None), fresh)
-        if self.lifecycle.headroom or self.plans or not self.held.empty():
-            self._check_new_entries(where)
-        else:  # the adapter holds no block (reclamation off, or idle): no new entry can be one of its
-            self.new_entries = []
-        if fresh or held or self.plans:
+        self._check_new_entries(where)
+        if fresh or held or self.plans:  # else no hold to count (``_check_refs`` would find none)
             deferred = self._deferred_counts()
             listed, no = self.mirror.where, ()
             self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
-            self._check_sources_detached(where, thorough=False)
+        self._check_sources_detached(where, thorough=False)
         self.mirror.check_lists(where, requests=lists)
         if table:
             self.check_table(requests=lists | {p.req_id for p in self.plans.values()})
@@ -256,8 +253,8 @@ class RuntimeChecks:
         destination in flight or held for a request (``ownership``). O(new entries + plans'
         blocks + headroom)."""
         entries, self.new_entries = self.new_entries, []
-        if not entries:
-            return
+        if not entries or not (self.lifecycle.headroom or self.plans or not self.held.empty()):
+            return  # nothing new, or the adapter holds no block (reclamation off, idle): none can be one of its
         kind = self._roles(self.lifecycle.headroom, ())  # headroom and plans in flight; held blocks by their index
         for r, bid in entries:
             holder = self.held.owner(bid)

@@ -203,7 +203,7 @@ class Replica:
         self.table = table
         self.max_lag = int(max_lag)
         self.held: list = []  # the ops lists held back, oldest first
-        self.held_max = 0  # the most reports held back at once (tests, the audit's figures)
+        self.held_max = 0  # the most reports held back at once (tests)
 
     def feed(self, ops: list, hold: bool = True) -> None:
         """Replay ``ops`` (one report's), or hold them back (see the class docstring)."""
@@ -211,12 +211,14 @@ class Replica:
             self.held.append(ops)
             self.held_max = max(self.held_max, len(self.held))
             return
-        self.catch_up()
-        replay(self.table, ops)
+        replay(self.table, self._take_held() + ops)  # one replay, one flush
 
     def catch_up(self) -> None:
         """Replay every held report, oldest first (nothing held: nothing done)."""
         if self.held:
-            held, self.held = self.held, []
-            for ops in held:
-                replay(self.table, ops)
+            replay(self.table, self._take_held())
+
+    def _take_held(self) -> list:
+        """The held reports' ops, oldest first, as one list; nothing is held after."""
+        held, self.held = self.held, []
+        return [op for ops in held for op in ops]
