@@ -513,6 +513,8 @@ class TokenTable:
                     setattr(self, name, new)
         self._n[h] = self._nl[h] = self._cap[h] = self._hb[h] = self._nblk[h] = 0
         self._bver[h] += 1  # a reused row never shows an earlier request's version
+        if self.reblocked is not None:
+            self.reblocked.add(req_id)
         self._db[h], self._last[h], self._dirty[h] = -1, -1, False
         r = self._reqs[req_id] = _Req(self, h, req_id)
         self._row[req_id] = h

@@ -194,8 +194,8 @@ class VTokenAdapter:
         self.replica = Replica(TokenTable(self.S, self.N, device=config.table_device),
                                max_lag=0 if config.paranoid_checks else MAX_LAG)
         self._t = self.replica.table  # the rooms read it as it stands (a lag is growth only)
-        if self.checks:  # the checks look at the tables whose block set changed, not at every eviction's
-            self._t.reblocked = set()
+        if self.checks or self.reclaim:  # the checks and the plan gates look at the tables whose block
+            self._t.reblocked = set()  # set changed, not at every eviction's
         self.worker = None
         self._counts = dict(released_empty=0, preemptions=0)  # the adapter's own events; each room counts its own
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
@@ -508,6 +508,8 @@ class VTokenAdapter:
         t = self._t
         tab, emptied, lists = t.take_changed(), t.take_emptied(), self.mirror.take_changed()
         reblocked = t.take_reblocked()
+        if reblocked and self.reclaim:
+            self.book.reblocked(reblocked)  # their skip records' versions moved
         if reblocked or lists:
             # their lists and tables: which blocks a table references changes only with its block set
             # (an eviction changes liveness); ownership changes with the adapter's own events

@@ -92,11 +92,11 @@ class _Skip:
     then, and what must change before a plan may exist. Its numbers live in row ``row`` of the
     book's :class:`_Gates` (given back when the record is dropped: ``PlanBook._unskip``)."""
 
-    __slots__ = ("gates", "row", "blocks", "tail", "fill", "unfill", "dests", "watched")
+    __slots__ = ("gates", "row", "req", "blocks", "tail", "fill", "unfill", "dests", "watched")
 
-    def __init__(self, gates: _Gates, *, tail: Optional[int], head: int, fill: np.ndarray, unfill: np.ndarray,
-                 dests: int):
-        self.gates, self.row = gates, gates.take()
+    def __init__(self, gates: _Gates, req: str, *, tail: Optional[int], head: int, fill: np.ndarray,
+                 unfill: np.ndarray, dests: int):
+        self.gates, self.row, self.req = gates, gates.take(), req
         self.blocks: set = set()  # its block set
         self.tail = tail
         self.fill = fill  # its eligible blocks a plan may fill
@@ -193,7 +193,15 @@ class PlanBook:
         self.role = np.zeros(table.num_blocks, dtype=np.int8)
         self.owner = np.zeros(table.num_blocks, dtype=np.int64)
         self.due: list = []  # heap of (look-again step, request's order, request) of ``no_plan``
-        self.head_seen = 0  # the headroom's size at the last plan check
+        # the headroom's size at the end of the last plan check: every record made then was made
+        # with at least as many (a check's launches only take blocks out of it)
+        self.head_seen = 0
+        # the records a plan check must test (_still_skipped): the others' gates cannot have opened
+        self.events: set = set()  # block set or full-context length changed since the last check
+        self.low: set = set()  # watched, estimate at most 0 (a drop took it there, or a re-check left it)
+        self.counted: set = set()  # not watched: their evictions are counted (dead_by)
+        self.by_row: dict[int, str] = {}  # gate row -> the request whose record holds it
+        hashes.changed = set()  # full-context lengths that changed (taken at each plan step)
 
     @property
     def plans(self) -> dict[int, Plan]:
@@ -213,6 +221,9 @@ class PlanBook:
         adapter's non-empty steps so far (the ``check_every`` clock)."""
         t, cfg = self.table, self.cfg
         self._take_drops()
+        if self.hashes.changed:  # full-context lengths changed: those records' gates are tested
+            self.events |= self.hashes.changed & self.no_plan.keys()
+            self.hashes.changed.clear()
         need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed
         if (need_head and not self.reserve) or steps % cfg.check_every or \
                 not should_reclaim(cfg, **trigger_inputs(t, self.harness.pool.get_num_free_blocks())):
@@ -268,6 +279,7 @@ class PlanBook:
                 except AssertionError as e:
                     raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self.launch(meta, r, p, tail, head)
+        self.head_seen = len(self.lifecycle.headroom)
 
     def _no_plan(self, r: str, steps: int, tail, exclude, keep: list, head: int, found_none: bool = True) -> bool:
         """An in-place proposal for ``r`` found no plan (``found_none``), or, before proposing,
@@ -296,7 +308,9 @@ class PlanBook:
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
         due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
         self._unskip(r)
-        skip = self.no_plan[r] = _Skip(self.gates, tail=tail, head=head, fill=fill, unfill=unfill, dests=dests)
+        skip = self.no_plan[r] = _Skip(self.gates, r, tail=tail, head=head, fill=fill, unfill=unfill, dests=dests)
+        self.by_row[skip.row] = r
+        self.counted.add(r)  # until watched
         skip.due, skip.version, skip.blocks = due, int(t.block_versions([r])[0]), set(blocks.tolist())
         skip.faithful = self.hashes.faithful.get(r)
         skip.dead_by = int(t.dead_counts([r])[0]) + max(1, need)
@@ -319,8 +333,16 @@ class PlanBook:
                 self.stale_bounds.add(r)
         head = len(self.lifecycle.headroom)
         if head > self.head_seen:
-            self.stale_bounds.update(r for r, sk in no_plan.items() if head > sk.head)
-        self.head_seen = head
+            grown = [r for r, sk in no_plan.items() if head > sk.head]
+            self.stale_bounds.update(grown)
+            self.events.update(grown)
+
+    def reblocked(self, requests: set) -> None:
+        """``requests``' table block sets changed (the table's ``reblocked`` log, fed by the
+        adapter at each hook): a skip record of theirs is tested at the next plan check (its
+        version moved). O(given)."""
+        if self.no_plan:
+            self.events |= requests & self.no_plan.keys()
 
     def _shortfalls(self, kept: list) -> list:
         """``planner.shortfalls_flat`` of each ``(unfillable, fillable, destinations)`` of
@@ -353,6 +375,7 @@ class PlanBook:
         self.role[skip.fill], self.role[skip.unfill] = 1, 2
         self.owner[skip.fill], self.owner[skip.unfill] = skip.row, skip.row
         skip.watched, skip.dead_by = True, _NEVER
+        self.counted.discard(skip.req)
 
     def _unwatch(self, skip: _Skip) -> None:
         """Forget the blocks ``skip`` follows (not those a later record follows: a block that
@@ -389,6 +412,9 @@ class PlanBook:
         if skip is not None:
             self._unwatch(skip)
             self.gates.give(skip.row)
+            del self.by_row[skip.row]
+            self.counted.discard(r)
+            self.events.discard(r)
 
     def _still_skipped(self, waiting: list, steps: int) -> tuple[set, set]:
         """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``),
@@ -397,11 +423,33 @@ class PlanBook:
         counts changed (its look-again step not come, the headroom no larger, its full-context
         length and block set as they were, or only its tail moved on: ``_tail_moved``) and its
         shortfall cannot be 0 yet (watched: its estimate above 0; else fewer evictions than the
-        shortfall): tested for all at once on the gate rows, with the evictions and block-set
-        versions read off the table at once; the shortfalls of the others are re-checked
-        together (``planner.shortfalls_flat``). O(waiting) in array operations, plus
-        O(eligible blocks) of the re-checked."""
+        shortfall).
+
+        Only the records whose gate may have opened are tested: those whose block set or
+        full-context length changed, or that the headroom's growth woke, since they were last
+        tested (``events``: the table's ``reblocked`` log, the prefix-hash rules' ``changed``),
+        the watched ones whose estimate is at most 0 (read off every gate row at once) and the
+        ones whose evictions are counted (``counted``); every other record passes each test of
+        the gate by construction and stays skipped untested. The tested ones are tested all at
+        once on the gate rows, with the evictions and block-set versions read off the table at
+        once; the shortfalls of those that pass no test are re-checked together
+        (``planner.shortfalls_flat``). O(waiting) set work, O(gate rows) in one array operation,
+        O(tested) in array operations, plus O(eligible blocks) of the re-checked."""
         t, no_plan, G = self.table, self.no_plan, _Gates
+        a = self.gates.a
+        maybe = self.events | self.counted
+        by_row = self.by_row
+        for i in np.flatnonzero(in_place_shortfall(a[:, G.LEAST], a[:, G.HOLES], t.S) <= 0).tolist():
+            r = by_row.get(i)  # a free row's numbers are stale: no record, nothing to test
+            if r is not None:
+                maybe.add(r)
+        tested = [r for r in waiting if r in maybe]
+        still = set(waiting)
+        if not tested:
+            return still, set()
+        still.difference_update(tested)
+        self.events.difference_update(tested)  # an untested record's event waits for its next change
+        waiting = tested
         n = len(waiting)
         dead, ver = t.dead_counts(waiting), t.block_versions(waiting)
         faithful = np.fromiter(map(self.hashes.faithful.get, waiting, repeat(-1, n)), dtype=np.int64, count=n)
@@ -409,7 +457,7 @@ class PlanBook:
         ok = (steps < g[:, G.DUE]) & (len(self.lifecycle.headroom) <= g[:, G.HEAD]) & (faithful == g[:, G.FAITHFUL])
         same = ok & (ver == g[:, G.VERSION])
         fast = same & (dead < g[:, G.DEAD_BY]) & (in_place_shortfall(g[:, G.LEAST], g[:, G.HOLES], t.S) > 0)
-        still = {waiting[i] for i in np.flatnonzero(fast).tolist()}
+        still.update(waiting[i] for i in np.flatnonzero(fast).tolist())
         recheck = []
         dead_l, ver_l, ok_l, same_l = dead.tolist(), ver.tolist(), ok.tolist(), same.tolist()
         S = t.S

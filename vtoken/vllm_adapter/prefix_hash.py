@@ -39,13 +39,16 @@ class PrefixHashRules:
         self.scanned: dict[str, int] = {}  # req -> positional index scanned for unfaithful hashes
         self.kept: list[tuple[int, str]] = []  # (block, why) hashes kept on released blocks
         self.parked: dict[int, list] = {}  # plan id -> [(source block id, its hashes, num_tokens)]
+        # requests whose full-context length changed (None: not kept; the plan book keeps and empties it)
+        self.changed: set | None = None
 
     def restart(self, r: str) -> None:
         """A new block list for ``r`` (new or resumed): nothing of it was scanned."""
         self.scanned.pop(r, None)
 
     def forget(self, r: str) -> None:
-        self.faithful.pop(r, None)
+        if self.faithful.pop(r, None) is not None and self.changed is not None:
+            self.changed.add(r)
         self.scanned.pop(r, None)
 
     def absorb(self, reported: dict, started: dict, processed: int) -> None:
@@ -53,7 +56,11 @@ class PrefixHashRules:
         (``started``: request -> the step its incarnation began, the mirror's) at or before
         ``processed``: the worker has executed that incarnation."""
         late = 1 << 62
-        self.faithful = {r: v for r, v in reported.items() if started.get(r, late) <= processed}
+        new = {r: v for r, v in reported.items() if started.get(r, late) <= processed}
+        old = self.faithful
+        if self.changed is not None and new != old:  # compared in C; the changes are rare (first evictions)
+            self.changed.update(r for r in new.keys() | old.keys() if new.get(r) != old.get(r))
+        self.faithful = new
 
     def is_faithful(self, r: str, index: int) -> bool:
         """Was positional block ``index`` of ``r`` computed with full context?"""
