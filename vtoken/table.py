@@ -477,8 +477,13 @@ class TokenTable:
         self.drops: list | None = None
         # Opt-in (None: nothing kept): the requests whose block set changed (a block referenced or
         # no longer referenced), for a reader that checks which blocks each table references (the
-        # adapter's runtime checks); its owner empties it (take_reblocked)
+        # adapter's runtime checks and plan gates); its owner empties it (take_reblocked)
         self.reblocked: set | None = None
+        # Opt-in (None: nothing kept): (request, block) for each block a request started to
+        # reference, in order, for a reader that checks only what each table gained (the
+        # adapter's incremental checks: a block no longer referenced cannot break "every block
+        # a table references is held for it"); its owner empties it (take_added)
+        self.added: list | None = None
 
     # ------------------------------------------------------------------ helpers
     def _get(self, req_id):
@@ -573,6 +578,8 @@ class TokenTable:
         assert b not in r.blocks, f"block {b} referenced twice by one request"
         if self.reblocked is not None:
             self.reblocked.add(r.rid)
+        if self.added is not None:
+            self.added.append((r.rid, b))
         r.blocks.add(b)
         r.block_arr = None
         self._last[r.h] = b
@@ -1164,6 +1171,14 @@ class TokenTable:
         if not self.reblocked:
             return set()
         out, self.reblocked = self.reblocked, set()
+        return out
+
+    def take_added(self) -> list:
+        """``(request, block)`` for each block a request started to reference since the previous
+        call, in order (empty unless the ``added`` log is on), and forget them. O(added)."""
+        if not self.added:
+            return []
+        out, self.added = self.added, []
         return out
 
     def take_emptied(self) -> set:

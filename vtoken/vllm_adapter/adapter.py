@@ -196,6 +196,8 @@ class VTokenAdapter:
         self._t = self.replica.table  # the rooms read it as it stands (a lag is growth only)
         if self.checks or self.reclaim:  # the checks and the plan gates look at the tables whose block
             self._t.reblocked = set()  # set changed, not at every eviction's
+        if self.checks:  # the table checks look at the blocks a table gained, not at the whole table
+            self._t.added = []
         self.worker = None
         self._counts = dict(released_empty=0, preemptions=0)  # the adapter's own events; each room counts its own
         self.pending_release: list[tuple[int, str, int]] = []  # (seq, req, block) until the worker applied it
@@ -511,9 +513,16 @@ class VTokenAdapter:
         if reblocked and self.reclaim:
             self.book.reblocked(reblocked)  # their skip records' versions moved
         if reblocked or lists:
-            # their lists and tables: which blocks a table references changes only with its block set
-            # (an eviction changes liveness); ownership changes with the adapter's own events
+            # their lists; their tables by what each gained (take_added): a table's blocks change
+            # only with its block set (an eviction changes liveness), what the scheduler side holds
+            # for a request with the adapter's own events (touch) or a list (re)started
             self.checker.touch_lists(reblocked | lists)
+            started = self.mirror.take_started()
+            if started:
+                self.checker.touch_tables(started)
+            added = t.take_added()
+            if added:
+                self.checker.touch_added(added)
         if tab or lists:
             # a block becomes releasable when an eviction empties it, when a sharer leaves it
             # to one holder, or (below) when it stops being the tail; a request whose plan

@@ -13,7 +13,11 @@ plus the adapter's own small, bounded holdings. The adapter reports the requests
 its own events changed the holdings of (``touch``: launch, report, release, free) and the
 requests whose list vLLM changed or whose table's block set the worker changed (``touch_lists``:
 the table's ``reblocked`` log; an eviction changes liveness, never which blocks it references); the
-check then covers the lists and tables of both, the held destinations and fills of the
+check then covers the lists of both, the whole tables of the first, of requests whose list
+(re)started (``touch_tables``) and of those with a plan in flight, and of every other table the
+blocks it gained since (``touch_added``: the table's ``added`` log; a block a table no longer
+references cannot break the check, and what the scheduler side holds for a request changes only
+with those events), the held destinations and fills of the
 first, the headroom blocks that entered it since the last hook and every block of the
 plans in flight (at most ``max_plans_per_step`` x (B + fills + destinations) per step in
 flight), counting a block's holders from the mirror's reverse index and vLLM's deferred
@@ -89,6 +93,8 @@ class RuntimeChecks:
         self.full_scans = 0
         self.touched_requests: set = set()  # the adapter changed what it holds for these
         self.touched_lists: set = set()  # vLLM changed their lists (their holdings unchanged)
+        self.touched_tables: set = set()  # whole tables to check at the next table hook (lists restarted, events)
+        self.added: list = []  # (request, block) a table started to reference, for the next table hook
         self.new_entries: list = []  # (request, block id) vLLM put in a list since the last hook
         self.false_alarms: list[str] = []  # incremental findings the full scan did not confirm
 
@@ -102,10 +108,26 @@ class RuntimeChecks:
 
     def touch_lists(self, requests) -> None:
         """Requests whose block list vLLM changed (started, grown) or whose table's block set the
-        worker changed: their lists and tables are checked at the next hook; the blocks the adapter
-        holds for them did not change hands (O(given))."""
+        worker changed: their lists are checked at the next hook; the blocks the adapter holds for
+        them did not change hands (O(given))."""
         if self.incremental:
             self.touched_lists.update(requests)
+
+    def touch_tables(self, requests) -> None:
+        """Requests whose list (re)started: their whole tables are checked at the next hook that
+        checks tables (O(given))."""
+        if self.incremental:
+            self.touched_tables.update(requests)
+
+    def touch_added(self, pairs) -> None:
+        """``(request, block)``: blocks a table started to reference (the table's ``added`` log),
+        each checked at the next hook that checks tables to be one the scheduler side holds for
+        the request. What a table no longer references cannot break that, and what the scheduler
+        side holds changes only with the adapter's events (``touch``: the whole table is checked)
+        or a list restarted (``touch_tables``): so the tables of requests that only grew are
+        checked by what they gained, not whole (O(given))."""
+        if self.incremental:
+            self.added += pairs
 
     def touch_entries(self, entries) -> None:
         """``(request, block id)`` pairs vLLM put in a list (new, grown, resumed): each is
@@ -121,6 +143,10 @@ class RuntimeChecks:
             self.check_pool(where)
             if table:
                 self.check_table()
+                self.touched_tables.clear()
+                self.added = []
+            else:  # the tables wait for the next hook that checks them
+                self.touched_tables |= self.touched_requests
             self.full_scans += 1
             self.touched_requests.clear()
             self.touched_lists.clear()
@@ -153,8 +179,13 @@ class RuntimeChecks:
             self._check_refs(where, fresh, held, lambda bid: len(listed.get(bid, no)) + deferred.get(bid, 0))
         self._check_sources_detached(where, thorough=False)
         self.mirror.check_lists(where, requests=lists)
+        self.touched_tables |= reqs  # the adapter changed what it holds for them: whole tables
         if table:
-            self.check_table(requests=lists | {p.req_id for p in self.plans.values()})
+            tables, self.touched_tables = self.touched_tables, set()
+            added, self.added = self.added, []
+            tables |= {p.req_id for p in self.plans.values()}
+            self.check_table(requests=tables)
+            self._check_added(added, skip=tables)
 
     # ------------------------------------------------------------------ the full scan
     def check_pool(self, where: str) -> None:
@@ -206,6 +237,26 @@ class RuntimeChecks:
                 raise AdapterAssumptionError(
                     "table_in_step", f"request {r!r}: the token table references blocks {sorted(extra)} that the "
                     f"scheduler side does not hold for it (step {processed})")
+
+    def _check_added(self, added: list, skip: set) -> None:
+        """Each ``(request, block)`` of ``added`` (a block its table started to reference) whose
+        request is not in ``skip`` (checked whole) is held for it by the scheduler side, as
+        :meth:`check_table` has it (its list, its destinations, an in-flight plan, a pending
+        release), while the table still references it. O(added), plus O(pending releases and
+        plans' blocks) when a block is in neither the list nor the held blocks."""
+        t, m, held = self.table, self.mirror, self.held
+        processed = self.fence.clock.processed
+        for r, b in added:
+            if r in skip or b in m.pos.get(r, _NONE) or b in held.get(r, _NONE):
+                continue
+            if r not in m or r not in t or m.incarnation.get(r, 0) > processed or not t.references(r, b):
+                continue
+            if any(x == r and y == b for _, x, y in self.pending_release) or \
+                    any(p.req_id == r and b in p.blocks for p in self.plans.values()):
+                continue
+            raise AdapterAssumptionError(
+                "table_in_step", f"request {r!r}: the token table references blocks {[b]} that the scheduler side "
+                f"does not hold for it (step {processed})")
 
     def check_all(self) -> None:
         self.check_pool("check_all")

@@ -36,6 +36,7 @@ class BlockMirror:
         self.incarnation: dict[str, int] = {}
         self.where: dict[int, set] = {}  # block id -> requests whose list holds it (not substituted)
         self.changed: set = set()  # requests whose list changed since take_changed()
+        self.started: set = set()  # requests whose list (re)started since take_started()
         self.new_ids: list[tuple[str, int]] = []  # (request, block id) entered a list since take_new_ids()
 
     def __contains__(self, r) -> bool:
@@ -95,6 +96,7 @@ class BlockMirror:
             self.where.setdefault(b, set()).add(r)
         self.new_ids += [(r, b) for b in ids]
         self.changed.add(r)
+        self.started.add(r)
         self.ids[r] = ids
         self.expect[r] = [self.blocks[b] for b in ids]
         self.pos[r] = {b: i for i, b in enumerate(ids)}
@@ -124,6 +126,12 @@ class BlockMirror:
     def take_changed(self) -> set:
         """Requests whose list was started, grown, substituted or forgotten since the last call."""
         out, self.changed = self.changed, set()
+        return out
+
+    def take_started(self) -> set:
+        """Requests whose list was started (new or resumed) since the last call; the others of
+        :meth:`take_changed` only grew, were substituted or were forgotten."""
+        out, self.started = self.started, set()
         return out
 
     def take_new_ids(self) -> list[tuple[str, int]]:
