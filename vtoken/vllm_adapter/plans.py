@@ -12,8 +12,9 @@ the worker's report turned into the lifecycle's ends.
 Owns: the cached positive reclaim bounds, the requests whose bound is stale, and the requests
 an in-place proposal found no plan for, with what must change before one can (``no_plan``:
 without it a request whose bound counts blocks no plan may fill, hashed ones kept with
-``keep_prefix_bytes``, was proposed for again at every plan check); the blocks are the
-lifecycle's.
+``keep_prefix_bytes``, was proposed for again at every plan check) and which of those the
+next plan check must test (``events``, ``counted``: the others' gates cannot have opened); the
+blocks are the lifecycle's.
 May call: what it is given (the lifecycle, the token table, the rooms ``reserve``, ``mirror``,
 ``fence``, ``hashes``, ``checker``; vLLM's pool and scheduler through the harness; the request
 side's five questions, :class:`RequestSide`), :mod:`vtoken.planner` (``should_reclaim``,
@@ -198,7 +199,6 @@ class PlanBook:
         self.head_seen = 0
         # the records a plan check must test (_still_skipped): the others' gates cannot have opened
         self.events: set = set()  # block set or full-context length changed since the last check
-        self.low: set = set()  # watched, estimate at most 0 (a drop took it there, or a re-check left it)
         self.counted: set = set()  # not watched: their evictions are counted (dead_by)
         self.by_row: dict[int, str] = {}  # gate row -> the request whose record holds it
         hashes.changed = set()  # full-context lengths that changed (taken at each plan step)

@@ -17,7 +17,8 @@ token ids promise; a hash is dropped only when the bytes change or the block is 
 
 Owns: per request the full-context length (``faithful``) and how far its list was scanned
 (``scanned``); the record of kept hashes (``kept``); per plan in flight its sources' parked
-hashes (``parked``). The hashes themselves are vLLM's.
+hashes (``parked``); when a reader asked for them (the plan book sets ``changed``), the requests
+whose full-context length changed since the reader took them. The hashes themselves are vLLM's.
 May call: ``BlockPool.evict_blocks``, ``_remove_cached_block_hashes`` / ``_insert_block_hash``
 (parking; the contract ``hash_parking``) and the manager's cached-block counts only.
 Costs: each positional block is scanned once per incarnation; per step O(requests that
