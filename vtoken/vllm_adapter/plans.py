@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import heapq
-from itertools import repeat
 from typing import Optional, Protocol
 
 import numpy as np
@@ -430,11 +429,11 @@ class PlanBook:
         tested (``events``: the table's ``reblocked`` log, the prefix-hash rules' ``changed``),
         the watched ones whose estimate is at most 0 (read off every gate row at once) and the
         ones whose evictions are counted (``counted``); every other record passes each test of
-        the gate by construction and stays skipped untested. The tested ones are tested all at
-        once on the gate rows, with the evictions and block-set versions read off the table at
-        once; the shortfalls of those that pass no test are re-checked together
+        the gate by construction and stays skipped untested. The tested ones are tested on their
+        gate rows, with the evictions and block-set versions read off the table at once; the
+        shortfalls of those that pass no test are re-checked together
         (``planner.shortfalls_flat``). O(waiting) set work, O(gate rows) in one array operation,
-        O(tested) in array operations, plus O(eligible blocks) of the re-checked."""
+        O(tested), plus O(eligible blocks) of the re-checked."""
         t, no_plan, G = self.table, self.no_plan, _Gates
         a = self.gates.a
         maybe = self.events | self.counted
@@ -449,27 +448,24 @@ class PlanBook:
             return still, set()
         still.difference_update(tested)
         self.events.difference_update(tested)  # an untested record's event waits for its next change
-        waiting = tested
-        n = len(waiting)
-        dead, ver = t.dead_counts(waiting), t.block_versions(waiting)
-        faithful = np.fromiter(map(self.hashes.faithful.get, waiting, repeat(-1, n)), dtype=np.int64, count=n)
-        g = self.gates.a[np.fromiter((no_plan[r].row for r in waiting), dtype=np.int64, count=n)]
-        ok = (steps < g[:, G.DUE]) & (len(self.lifecycle.headroom) <= g[:, G.HEAD]) & (faithful == g[:, G.FAITHFUL])
-        same = ok & (ver == g[:, G.VERSION])
-        fast = same & (dead < g[:, G.DEAD_BY]) & (in_place_shortfall(g[:, G.LEAST], g[:, G.HOLES], t.S) > 0)
-        still.update(waiting[i] for i in np.flatnonzero(fast).tolist())
+        # the tested are few (an event each): one table read for all, then a Python pass over
+        # their gate rows (each array operation costs more than a record's scalar reads)
+        dead_l, ver_l = t.dead_counts(tested).tolist(), t.block_versions(tested).tolist()
+        head, faithful, get, S = len(self.lifecycle.headroom), self.hashes.faithful, a.item, t.S
         recheck = []
-        dead_l, ver_l, ok_l, same_l = dead.tolist(), ver.tolist(), ok.tolist(), same.tolist()
-        S = t.S
-        for i in np.flatnonzero(~fast).tolist():
-            r = waiting[i]
+        for r, dead, ver in zip(tested, dead_l, ver_l):
             skip = no_plan[r]
-            if not ok_l[i] or not (same_l[i] or self._tail_moved(r, skip, ver_l[i])):
+            row = skip.row
+            ok = steps < get(row, G.DUE) and head <= get(row, G.HEAD) and faithful.get(r, -1) == get(row, G.FAITHFUL)
+            same = ok and ver == get(row, G.VERSION)
+            if same and dead < get(row, G.DEAD_BY) and in_place_shortfall(get(row, G.LEAST), get(row, G.HOLES), S) > 0:
+                still.add(r)  # nothing but its live counts changed, and not enough
+            elif not ok or not (same or self._tail_moved(r, skip, ver)):
                 self._unskip(r)
-            elif not same_l[i] and skip.watched and in_place_shortfall(skip.least, skip.holes, S) > 0:
+            elif not same and skip.watched and in_place_shortfall(skip.least, skip.holes, S) > 0:
                 still.add(r)  # only its tail moved on, and its estimate stays above 0
             else:
-                recheck.append((r, dead_l[i], skip))  # its estimate reached 0, or its evictions the shortfall
+                recheck.append((r, dead, skip))  # its estimate reached 0, or its evictions the shortfall
         cleared = set()
         if recheck:
             for (r, d, skip), need in zip(recheck, self._shortfalls([(x[2].unfill, x[2].fill, x[2].dests)
