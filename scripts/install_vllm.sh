@@ -50,9 +50,13 @@ start=$(date +%s)
 elapsed() { echo "install_vllm: $1 after $(( $(date +%s) - start )) s"; }
 
 # pip, quiet, without this machine's "Location ... is ignored" index warnings; keeps pip's status.
+# An install does not byte-compile (--no-compile): the modules a run imports are compiled at
+# their first import.
 pipq() {
     local rc=0
-    "$PY" -m pip "$@" --quiet > "$work/pip.log" 2>&1 || rc=$?
+    local extra=()
+    [ "$1" = install ] && extra=(--no-compile)
+    "$PY" -m pip "$@" "${extra[@]}" --quiet > "$work/pip.log" 2>&1 || rc=$?
     grep -v 'is ignored: it is neither a file nor a directory' "$work/pip.log" || true
     return "$rc"
 }
