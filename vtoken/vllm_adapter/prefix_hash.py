@@ -42,12 +42,17 @@ class PrefixHashRules:
         self.parked: dict[int, list] = {}  # plan id -> [(source block id, its hashes, num_tokens)]
         # requests whose full-context length changed (None: not kept; the plan book keeps and empties it)
         self.changed: set | None = None
+        # the last report absorbed whole (every request in it visible): an equal one changes nothing
+        # until a list restarts or a request is forgotten (absorb)
+        self._absorbed: dict | None = None
 
     def restart(self, r: str) -> None:
         """A new block list for ``r`` (new or resumed): nothing of it was scanned."""
         self.scanned.pop(r, None)
+        self._absorbed = None  # its incarnation moved: which lengths are visible may change
 
     def forget(self, r: str) -> None:
+        self._absorbed = None
         if self.faithful.pop(r, None) is not None and self.changed is not None:
             self.changed.add(r)
         self.scanned.pop(r, None)
@@ -55,13 +60,18 @@ class PrefixHashRules:
     def absorb(self, reported: dict, started: dict, processed: int) -> None:
         """The worker's full-context lengths, for the requests whose current list started
         (``started``: request -> the step its incarnation began, the mirror's) at or before
-        ``processed``: the worker has executed that incarnation."""
+        ``processed``: the worker has executed that incarnation. A report equal to the last one,
+        all of which was visible, changes nothing while no list restarted and no request was
+        forgotten since (``processed`` only grows): O(requests) compared in C, else in Python."""
+        if reported == self._absorbed:
+            return
         late = 1 << 62
         new = {r: v for r, v in reported.items() if started.get(r, late) <= processed}
         old = self.faithful
         if self.changed is not None and new != old:  # compared in C; the changes are rare (first evictions)
             self.changed.update(r for r in new.keys() | old.keys() if new.get(r) != old.get(r))
         self.faithful = new
+        self._absorbed = dict(reported) if len(new) == len(reported) else None
 
     def is_faithful(self, r: str, index: int) -> bool:
         """Was positional block ``index`` of ``r`` computed with full context?"""
