@@ -184,8 +184,7 @@ class RuntimeChecks:
             tables, self.touched_tables = self.touched_tables, set()
             added, self.added = self.added, []
             tables |= {p.req_id for p in self.plans.values()}
-            self.check_table(requests=tables)
-            self._check_added(added, skip=tables)
+            self.check_table(requests=tables, gained=added)
 
     # ------------------------------------------------------------------ the full scan
     def check_pool(self, where: str) -> None:
@@ -215,48 +214,35 @@ class RuntimeChecks:
         self._check_sources_detached(where, thorough=True)
         self.mirror.check_lists(where)
 
-    def check_table(self, requests=None) -> None:
+    def check_table(self, requests=None, gained=()) -> None:
         """Every block the token table references for a live request is one the scheduler
         side holds for it (its list, its destinations, an in-flight plan, a pending release).
-        ``requests``: only these (default: every mirrored request)."""
-        t = self.table
+        ``requests``: only these, whole (default: every mirrored request). ``gained``:
+        ``(request, block)`` pairs (the table's ``added`` log) of other requests: only those
+        blocks, while the table still references them (a block it no longer references cannot
+        break the check). O(blocks checked + pending releases + plans' blocks)."""
+        t, m = self.table, self.mirror
         processed = self.fence.clock.processed
+        whole = m.ids if requests is None else requests
+        blocks: dict[str, list] = {r: t.block_array(r).tolist() for r in whole
+                                   if r in m and r in t and m.incarnation.get(r, 0) <= processed}
+        for r, b in gained:
+            if r not in whole and r in m and r in t and m.incarnation.get(r, 0) <= processed and t.references(r, b):
+                blocks.setdefault(r, []).append(b)
+        if not blocks:
+            return
         pend: dict[str, set] = {}
         for _, r, b in self.pending_release:
             pend.setdefault(r, set()).add(b)
         inflight: dict[str, set] = {}
         for p in self.plans.values():
             inflight.setdefault(p.req_id, set()).update(p.blocks)
-        m = self.mirror
-        for r in (m.ids if requests is None else requests):
-            if r not in m or r not in t or m.incarnation.get(r, 0) > processed:
-                continue
-            extra = unaccounted(m, self.held, r, t.block_array(r).tolist(),
-                                also=pend.get(r, _NONE) | inflight.get(r, _NONE))
+        for r, ids in blocks.items():
+            extra = unaccounted(m, self.held, r, ids, also=pend.get(r, _NONE) | inflight.get(r, _NONE))
             if extra:
                 raise AdapterAssumptionError(
                     "table_in_step", f"request {r!r}: the token table references blocks {sorted(extra)} that the "
                     f"scheduler side does not hold for it (step {processed})")
-
-    def _check_added(self, added: list, skip: set) -> None:
-        """Each ``(request, block)`` of ``added`` (a block its table started to reference) whose
-        request is not in ``skip`` (checked whole) is held for it by the scheduler side, as
-        :meth:`check_table` has it (its list, its destinations, an in-flight plan, a pending
-        release), while the table still references it. O(added), plus O(pending releases and
-        plans' blocks) when a block is in neither the list nor the held blocks."""
-        t, m, held = self.table, self.mirror, self.held
-        processed = self.fence.clock.processed
-        for r, b in added:
-            if r in skip or b in m.pos.get(r, _NONE) or b in held.get(r, _NONE):
-                continue
-            if r not in m or r not in t or m.incarnation.get(r, 0) > processed or not t.references(r, b):
-                continue
-            if any(x == r and y == b for _, x, y in self.pending_release) or \
-                    any(p.req_id == r and b in p.blocks for p in self.plans.values()):
-                continue
-            raise AdapterAssumptionError(
-                "table_in_step", f"request {r!r}: the token table references blocks {[b]} that the scheduler side "
-                f"does not hold for it (step {processed})")
 
     def check_all(self) -> None:
         self.check_pool("check_all")
