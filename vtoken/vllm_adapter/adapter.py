@@ -256,7 +256,8 @@ class VTokenAdapter:
         self.fence = FenceLedger(self.clock)
         self.hashes = PrefixHashRules(self.pool, self.manager, self.S,
                                       dict(hashes_kept=0, hashes_evicted=0, unfaithful_hashes_evicted=0,
-                                           source_hashes_dropped=0), enabled=c.evict_unfaithful_hashes)
+                                           source_hashes_dropped=0), enabled=c.evict_unfaithful_hashes,
+                                      changes=self.reclaim)
         self.checker = RuntimeChecks(harness=self.harness, table=self._t, lifecycle=self.lifecycle,
                                      mirror=self.mirror, fence=self.fence, pending_release=self.pending_release,
                                      full_every=c.check_full_every, paranoid=c.paranoid_checks,

@@ -200,7 +200,6 @@ class PlanBook:
         self.events: set = set()  # block set or full-context length changed since the last check
         self.counted: set = set()  # not watched: their evictions are counted (dead_by)
         self.by_row: dict[int, str] = {}  # gate row -> the request whose record holds it
-        hashes.changed = set()  # full-context lengths that changed (taken at each plan step)
 
     @property
     def plans(self) -> dict[int, Plan]:
@@ -220,7 +219,7 @@ class PlanBook:
         adapter's non-empty steps so far (the ``check_every`` clock)."""
         t, cfg = self.table, self.cfg
         self._take_drops()
-        if self.hashes.changed:  # full-context lengths changed: those records' gates are tested
+        if self.hashes.changed:  # full-context lengths changed (kept with reclamation): their gates are tested
             self.events |= self.hashes.changed & self.no_plan.keys()
             self.hashes.changed.clear()
         need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed

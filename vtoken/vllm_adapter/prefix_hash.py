@@ -17,7 +17,7 @@ token ids promise; a hash is dropped only when the bytes change or the block is 
 
 Owns: per request the full-context length (``faithful``) and how far its list was scanned
 (``scanned``); the record of kept hashes (``kept``); per plan in flight its sources' parked
-hashes (``parked``); when a reader asked for them (the plan book sets ``changed``), the requests
+hashes (``parked``); with ``changes`` (a reclaiming adapter: its plan book empties it), the requests
 whose full-context length changed since the reader took them. The hashes themselves are vLLM's.
 May call: ``BlockPool.evict_blocks``, ``_remove_cached_block_hashes`` / ``_insert_block_hash``
 (parking; the contract ``hash_parking``) and the manager's cached-block counts only.
@@ -32,7 +32,7 @@ from typing import Optional
 
 
 class PrefixHashRules:
-    def __init__(self, pool, manager, block_size: int, stats: dict, enabled: bool = True):
+    def __init__(self, pool, manager, block_size: int, stats: dict, enabled: bool = True, changes: bool = False):
         self.pool, self.manager, self.S = pool, manager, int(block_size)
         self.stats = stats  # this room's own counters (hashes_kept, hashes_evicted, ...), read by VTokenAdapter.stats
         self.enabled = enabled  # evict_unfaithful_hashes
@@ -40,8 +40,9 @@ class PrefixHashRules:
         self.scanned: dict[str, int] = {}  # req -> positional index scanned for unfaithful hashes
         self.kept: list[tuple[int, str]] = []  # (block, why) hashes kept on released blocks
         self.parked: dict[int, list] = {}  # plan id -> [(source block id, its hashes, num_tokens)]
-        # requests whose full-context length changed (None: not kept; the plan book keeps and empties it)
-        self.changed: set | None = None
+        # requests whose full-context length changed (``changes``; None: not kept): the plan book
+        # empties it at each plan step, so only a reclaiming adapter keeps it (else it would only grow)
+        self.changed: set | None = set() if changes else None
         # the last report absorbed whole (every request in it visible): an equal one changes nothing
         # until a list restarts or a request is forgotten (absorb)
         self._absorbed: dict | None = None
