@@ -441,8 +441,8 @@ class PlanBook:
             r = by_row.get(i)  # a free row's numbers are stale: no record, nothing to test
             if r is not None:
                 maybe.add(r)
-        tested = [r for r in waiting if r in maybe]
         still = set(waiting)
+        tested = list(still & maybe)
         if not tested:
             return still, set()
         still.difference_update(tested)
