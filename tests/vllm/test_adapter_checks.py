@@ -291,20 +291,27 @@ def test_a_table_that_takes_a_block_its_list_does_not_hold_is_caught_on_that_hoo
     assert ad.checker.full_scans == full  # the incremental check saw it, not a full scan
 
 
-def test_with_checks_off_nothing_touched_is_kept(model):
-    """``checks=False``: no hook runs the checks, so the checker keeps none of what the hooks
-    report touched (with eviction and plans: releases, launches, reports); before, those sets
-    grew with every request served. ``check_all`` still scans."""
+def evicting_run(model, max_tokens: int, **settings):
+    """An adapter (``settings``: its own, e.g. ``checks``, ``reclaim``), a worker evicting half of
+    each request at random and a driver, with three 40-token requests added."""
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     S, N = 8, 96
-    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, checks=False,
-                       max_model_len=512)
+    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, max_model_len=512,
+                       **settings)
     w = VTokenWorker(model, ad.table, N, S, policy="random", evict_ratio=0.5, seed=0)
     d = AdapterDriver(ad, w)
     for i in range(3):
-        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 500, size=40).tolist(), max_tokens=60)
+        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 500, size=40).tolist(), max_tokens=max_tokens)
+    return ad, w, d
+
+
+def test_with_checks_off_nothing_touched_is_kept(model):
+    """``checks=False``: no hook runs the checks, so the checker keeps none of what the hooks
+    report touched (with eviction and plans: releases, launches, reports); before, those sets
+    grew with every request served. ``check_all`` still scans."""
+    ad, w, d = evicting_run(model, max_tokens=60, checks=False)
     steps = 0
     while ad.has_work():
         d.step()

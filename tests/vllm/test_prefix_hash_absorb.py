@@ -51,18 +51,9 @@ def test_a_forgotten_request_is_not_brought_back_by_an_equal_report():
 def test_without_reclamation_no_change_is_kept(model):
     """Naive-Evict (reclamation off, eviction on): no plan step empties the rules' record of
     changed full-context lengths, so none is kept (it grew with every request that evicted)."""
-    import numpy as np
+    from test_adapter_checks import evicting_run  # the adapter checks' builder (same folder)
 
-    from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter
-    from vtoken.vllm_adapter.worker import VTokenWorker
-
-    S, N = 8, 96
-    ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, reclaim=False,
-                       max_model_len=512)
-    w = VTokenWorker(model, ad.table, N, S, policy="random", evict_ratio=0.5, seed=0)
-    d = AdapterDriver(ad, w)
-    for i in range(3):
-        ad.add_request(f"q{i}", np.random.default_rng([i]).integers(1, 500, size=40).tolist(), max_tokens=30)
+    ad, w, d = evicting_run(model, max_tokens=30, reclaim=False)
     seen = 0
     while ad.has_work():
         d.step()
