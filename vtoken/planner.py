@@ -259,6 +259,8 @@ def in_place_shortfall(least, holes, S: int):
     the fillable blocks: min(least, S) - H(F), at least 0 (the cheapest one source decides).
     Ints or int arrays alike (a driver keeping the two figures up to date tests it without
     the blocks; ``shortfalls_flat`` computes them)."""
+    if type(least) is int and type(holes) is int:  # one record's figures: no numpy scalar round trip
+        return max(min(least, S) - holes, 0)
     return np.maximum(np.minimum(least, S) - holes, 0)
 
 

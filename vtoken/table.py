@@ -1241,7 +1241,9 @@ class TokenTable:
 
     def _tail_of(self, r: _Req) -> int | None:
         """The block of ``r``'s last position (a slot the table wrote: in range), None when empty."""
-        return r.slot.item(r.n - 1) // self.S if r.n else None  # item(): a Python int, no numpy scalar
+        h = r.h  # row reads by item(): Python ints, no numpy scalar nor segment view (a hot path)
+        n = self._n.item(h)
+        return self._host.slot.item(self._hb.item(h) + n - 1) // self.S if n else None
 
     def _reclaim_row(self, r: _Req, b: int | None) -> tuple[int, int, bool, int]:
         held = b is not None and b in r.blocks

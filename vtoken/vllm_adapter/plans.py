@@ -79,7 +79,7 @@ class _Gates:
 
 def _gate(col: int, doc: str):
     def get(self):
-        return int(self.gates.a[self.row, col])
+        return self.gates.a.item(self.row, col)
 
     def put(self, v) -> None:
         self.gates.a[self.row, col] = v
@@ -94,11 +94,12 @@ class _Skip:
 
     __slots__ = ("gates", "row", "req", "blocks", "tail", "fill", "unfill", "dests", "watched")
 
-    def __init__(self, gates: _Gates, req: str, *, tail: Optional[int], head: int, fill: np.ndarray,
-                 unfill: np.ndarray, dests: int):
+    def __init__(self, gates: _Gates, req: str, *, tail: Optional[int], head: int, fill: list,
+                 unfill: list, dests: int):
         self.gates, self.row, self.req = gates, gates.take(), req
         self.blocks: set = set()  # its block set
         self.tail = tail
+        # lists of block ids: a moved-on tail is appended in O(1) (``PlanBook._tail_moved``)
         self.fill = fill  # its eligible blocks a plan may fill
         self.unfill = unfill  # those it may only empty
         self.dests = dests  # destinations a plan may take
@@ -118,7 +119,7 @@ class _Skip:
     @property
     def faithful(self) -> Optional[int]:
         """Its full-context length (which hashed blocks are unfillable), None before one."""
-        v = int(self.gates.a[self.row, _Gates.FAITHFUL])
+        v = self.gates.a.item(self.row, _Gates.FAITHFUL)
         return None if v < 0 else v
 
     @faithful.setter
@@ -306,7 +307,8 @@ class PlanBook:
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
         due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
         self._unskip(r)
-        skip = self.no_plan[r] = _Skip(self.gates, r, tail=tail, head=head, fill=fill, unfill=unfill, dests=dests)
+        skip = self.no_plan[r] = _Skip(self.gates, r, tail=tail, head=head, fill=fill.tolist(),
+                                       unfill=unfill.tolist(), dests=dests)
         self.by_row[skip.row] = r
         self.counted.add(r)  # until watched
         skip.due, skip.version, skip.blocks = due, int(t.block_versions([r])[0]), set(blocks.tolist())
@@ -346,7 +348,7 @@ class PlanBook:
         """``planner.shortfalls_flat`` of each ``(unfillable, fillable, destinations)`` of
         ``kept`` (a skip record's blocks), with their live counts now, all at once. O(their blocks)."""
         t = self.table
-        ids = np.concatenate([x for u, f, _ in kept for x in (u, f)])
+        ids = np.concatenate([np.asarray(x, dtype=np.int64) for u, f, _ in kept for x in (u, f)])
         return shortfalls_flat(t.n_b[ids], [len(u) for u, _, _ in kept], [len(f) for _, f, _ in kept], t.S,
                                self.cfg.max_sources, [d for _, _, d in kept]).tolist()
 
@@ -380,7 +382,8 @@ class PlanBook:
         changed hands). O(its blocks)."""
         if skip.watched:
             for blocks in (skip.fill, skip.unfill):
-                self.role[blocks[self.owner[blocks] == skip.row]] = 0
+                b = np.asarray(blocks, dtype=np.int64)
+                self.role[b[self.owner[b] == skip.row]] = 0
             skip.watched = False
 
     def _take_drops(self) -> None:
@@ -493,13 +496,13 @@ class PlanBook:
                 t.num_blocks_of(r) != len(skip.blocks) + 1:
             return False
         i, blk = self.mirror.index(r, tail), self.harness.pool.blocks[tail]
-        if i is not None and blk.ref_cnt == 1 and t.refs[tail] == 1:
-            live = int(t.n_b[tail])
+        if i is not None and blk.ref_cnt == 1 and t.refs.item(tail) == 1:
+            live = t.n_b.item(tail)
             if blk.block_hash is not None and self.hashes.is_faithful(r, i):
-                skip.unfill = np.append(skip.unfill, tail)
+                skip.unfill.append(tail)
                 role, skip.least = 2, min(skip.least, live)
             else:
-                skip.fill = np.append(skip.fill, tail)
+                skip.fill.append(tail)
                 role, skip.holes = 1, skip.holes + t.S - live
             if skip.watched:
                 self.role[tail], self.owner[tail] = role, skip.row
