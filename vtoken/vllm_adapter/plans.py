@@ -381,9 +381,8 @@ class PlanBook:
         """Forget the blocks ``skip`` follows (not those a later record follows: a block that
         changed hands). O(its blocks)."""
         if skip.watched:
-            for blocks in (skip.fill, skip.unfill):
-                b = np.asarray(blocks, dtype=np.int64)
-                self.role[b[self.owner[b] == skip.row]] = 0
+            b = np.array(skip.fill + skip.unfill, dtype=np.int64)
+            self.role[b[self.owner[b] == skip.row]] = 0
             skip.watched = False
 
     def _take_drops(self) -> None:
