@@ -180,6 +180,28 @@ def test_the_replica_holds_back_pure_growth_and_replays_it_first_in_order():
     assert not rep.held and rep.table.export_state() == w.export_state()
 
 
+def test_the_replica_knows_which_requests_hold_a_dead_token():
+    """``Replica.evicted``: a request is in it from the first replayed report that evicts one of
+    its tokens (one at a time or a decode step's one each) until its ``free``; a report that
+    evicts is never held, so what is held never changes it."""
+    w, rep, lists = _two_requests(max_lag=3)
+    rep.feed(_growth_step(w, lists))
+    assert rep.held and rep.evicted == set()
+    w.evict_one_each(["a"], [0])
+    rep.feed(w.take_ops())
+    assert not rep.held and rep.evicted == {"a"}
+    rep.feed(_growth_step(w, lists))  # growth: held (the owner's rule decides, here its default)
+    assert rep.held and rep.evicted == {"a"}
+    w.evict_tokens("b", [1, 2])
+    w.free_request("a")
+    rep.feed(w.take_ops())
+    assert not rep.held and rep.evicted == {"b"} and rep.table.export_state() == w.export_state()
+    w.sync_new_tokens("a", lists["a"], 2)  # a new incarnation: no dead token
+    w.free_request("b")
+    rep.feed(w.take_ops())
+    assert rep.evicted == set() and rep.table.export_state() == w.export_state()
+
+
 def test_a_replica_with_no_lag_replays_every_report_at_once():
     w, rep, lists = _two_requests(max_lag=0)
     for _ in range(3):

@@ -224,6 +224,42 @@ def test_with_reclamation_off_the_replica_lags_by_growth_only_and_catches_up(mod
         ad.close()
 
 
+def test_with_reclamation_on_growth_lags_only_while_no_token_is_dead(model):
+    """Reclamation on (the shipped defaults): while no request holds a dead token nothing can
+    plan or release, so decode growth lags as with reclamation off (``MAX_LAG`` reports held);
+    from the first report that evicts (eviction switched on mid-run, at a ratio that evicts
+    every few steps: reports of growth only come between) no report is held while a request
+    holds a dead token; and the plans and releases, step by step, are those of a replica
+    that never lags (``paranoid_checks``: no lag)."""
+    from vtoken.vllm_adapter.messages import MAX_LAG
+
+    logs = {}
+    for paranoid in (False, True):
+        ad, d = _run(model, reclaim=True, headroom=None, paranoid=paranoid, max_tokens=60)
+        log, schedule, rp = [], ad.schedule, ad.replica
+
+        def spy():
+            so = schedule()
+            m = so.vtoken
+            log.append((m.seq, [(p["req_id"], p["sources"], p["fills"], p["dests"], p["moves"].tolist())
+                                for p in m.plans], {r: list(b) for r, b in m.releases.items()}))
+            return so
+
+        ad.schedule = spy
+        while ad.has_work():
+            if d.steps == 12:
+                d.worker.core.evict_ratio = 0.3  # keeps ceil(0.7 n): one eviction every few steps
+            d.step()
+            assert not (rp.held and rp.evicted), "growth held back while a request holds a dead token"
+        d.drain()
+        assert ad.table.export_state() == d.worker.table.export_state() and not rp.held
+        assert rp.held_max == (0 if paranoid else MAX_LAG) and ad.stats["applied"] > 0
+        assert any(plans for _, plans, _ in log)
+        logs[paranoid] = log
+        ad.close()
+    assert logs[False] == logs[True]
+
+
 def test_a_divergence_in_held_back_growth_is_caught_within_the_lag(model):
     """The worker reports growth the replica cannot replay (a token in a block its list does
     not hold): held back, it is still caught (``table_in_step``) at the latest when the batch
@@ -262,6 +298,7 @@ def test_a_table_that_takes_a_block_its_list_does_not_hold_is_caught_on_that_hoo
     from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
 
     ad, d = _run(model, reclaim=True, max_tokens=40)
+    d.worker.evict_tokens("q0", [0])  # a dead token: the replica replays each report at once (no lag)
     execute = d.worker.execute
     state = {"done": False}
 

@@ -31,9 +31,9 @@ The rooms of the adapter
 - ``checks``: the runtime checks against vLLM's pool (``ASSUMPTIONS`` in ``assumptions``);
 - ``messages``: what rides on the outputs (``StepMeta``, the step's ``Plan`` records) and comes back
   (``WorkerReport``), and the ``Replica`` of the worker's token table the reports are replayed on
-  (with reclamation off, up to ``MAX_LAG`` reports of pure decode growth are held back and
-  replayed together; ``table`` is always caught up); ``driver``: the engine-core loop for tests
-  and audits.
+  (with reclamation off, or on while no request holds a dead token, up to ``MAX_LAG`` reports
+  of pure decode growth are held back and replayed together; ``table`` is always caught up);
+  ``driver``: the engine-core loop for tests and audits.
 
 A step
 ------
@@ -189,8 +189,8 @@ class VTokenAdapter:
         self.cfg = config.planner_config
         self.max_plans_per_step = config.max_plans_per_step
         self.checks = config.checks
-        # the worker's table replayed (``messages.Replica``); with reclamation off nothing plans on it, so
-        # pure decode growth may lag (up to MAX_LAG reports; none with paranoid checks)
+        # the worker's table replayed (``messages.Replica``); pure decode growth may lag (up to MAX_LAG
+        # reports; none with paranoid checks) while nothing decides on it (``_replay``)
         self.replica = Replica(TokenTable(self.S, self.N, device=config.table_device),
                                max_lag=0 if config.paranoid_checks else MAX_LAG)
         self._t = self.replica.table  # the rooms read it as it stands (a lag is growth only)
@@ -633,10 +633,14 @@ class VTokenAdapter:
             self._replay(rep)
 
     def _replay(self, rep) -> None:
-        """The worker's table changes, on the replica (``messages.Replica``: with reclamation
-        off, a report of pure decode growth may be held back and replayed with the next); a
-        change the replica refuses means the two tables diverged (``table_in_step``)."""
-        self._caught(self.replica.feed, rep.ops, not self.reclaim)
+        """The worker's table changes, on the replica (``messages.Replica``); a change the
+        replica refuses means the two tables diverged (``table_in_step``). A report of pure
+        decode growth may be held back and replayed with the next while nothing decides on
+        the table: reclamation off, or no request holding a dead token (``Replica.evicted``:
+        then every block but a tail is full, so no plan, release or gate can differ; the
+        adapter's default with no eviction acting lags as reclamation off does)."""
+        rp = self.replica
+        self._caught(rp.feed, rep.ops, not self.reclaim or not rp.evicted)
         self.worker_stats = dict(rep.stats)
 
     def _catch_up(self) -> None:
@@ -658,7 +662,7 @@ class VTokenAdapter:
     def table(self) -> TokenTable:
         """The replica of the worker's token table, caught up (what the worker reported so far
         replayed: ``table_in_step`` if a held-back change does not replay). The object is the
-        replica itself: kept across steps it may lag again (reclamation off); read it again."""
+        replica itself: kept across steps it may lag again (``_replay``); read it again."""
         self._catch_up()
         return self._t
 
