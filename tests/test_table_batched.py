@@ -253,3 +253,39 @@ def test_the_reblocked_log_names_the_requests_whose_block_set_changed():
     assert t.take_reblocked() == {"a", "b"}
     t.free_request("c")
     assert t.take_reblocked() == {"c"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_dead_token_total_is_each_requests_length_less_its_live_tokens(seed):
+    """``num_dead_tokens`` (O(1), kept at each eviction path and at a free) equals the sum over
+    the requests in the table of length - live tokens, through evictions one at a time, in
+    lists, one each, refused calls (nothing counted) and frees."""
+    rng = np.random.default_rng(seed)
+    t = TokenTable(4, 256)
+    lists = {f"r{i}": list(range(20 * i + 1, 20 * i + 20)) for i in range(5)}
+    for r, lst in lists.items():
+        t.sync_new_tokens(r, lst, int(rng.integers(4, 40)))
+
+    def total():
+        return sum(t.length(r) - t.num_live(r) for r in t.requests())
+
+    for step in range(60):
+        reqs = t.requests()
+        pick = reqs[int(rng.integers(len(reqs)))]
+        live = t.live_tokens(pick).tolist()
+        kind = step % 5
+        if kind == 0 and len(live) > 1:
+            t.evict_token(pick, live[0])
+        elif kind == 1 and len(live) > 3:
+            t.evict_tokens(pick, live[1:3])
+        elif kind == 2:
+            each = [r for r in reqs if t.num_live(r) > 1]
+            t.evict_one_each(each, [int(t.live_tokens(r)[0]) for r in each])
+        elif kind == 3:
+            with pytest.raises(TableError):
+                t.evict_tokens(pick, [t.length(pick) + 5])
+        elif len(reqs) > 1:
+            t.free_request(pick)
+            t.sync_new_tokens(pick, lists[pick], int(rng.integers(4, 40)))
+        assert t.num_dead_tokens == total()
+    assert total() > 0

@@ -462,6 +462,7 @@ class TokenTable:
         # Incremental totals for Eq. 1, so waste_ratio() never scans.
         self._live_slots = 0  # sum of n_b
         self._ref_blocks = 0  # blocks with refs > 0
+        self._dead = 0  # tokens evicted, over the requests in the table (sum of length - live)
         # Requests whose blocks or liveness changed since the last take_changed() (growth
         # inside a block already referenced does not count): what a scheduler-side cache
         # keyed by request must recompute (O(1) to record, O(changed) to take).
@@ -895,6 +896,7 @@ class TokenTable:
             raise TableError(code, f"request {req_id!r}: evict token {_fmt(t)} (length {r.n})")
         r.live[ids] = False
         r.n_live -= len(ids)
+        self._dead += len(ids)
         if self._unclaim(r.slot[ids]):
             self._emptied.add(req_id)
         self._pool.pend_dead.append(ids + r.base)
@@ -926,6 +928,7 @@ class TokenTable:
         # ---- apply (nothing below can fail)
         host.live[at] = False
         self._nl[hs] -= 1
+        self._dead += len(hs)
         self._dirty[hs] = True
         slots = host.slot[at]
         pool = self._pool
@@ -963,6 +966,7 @@ class TokenTable:
             raise TableError("dead_token", f"request {req_id!r}: evict token {t} (length {r.n})")
         r.live[t] = False
         r.n_live -= 1
+        self._dead += 1
         s = int(r.slot[t])
         c = int(self.claims[s]) - 1
         assert c >= 0, f"slot {s} unclaimed more often than claimed"
@@ -1080,6 +1084,7 @@ class TokenTable:
         r = self._req(req_id)
         live_ids = np.flatnonzero(r.live[: r.n])
         self._unclaim(r.slot[live_ids])
+        self._dead -= r.n - r.n_live
         blocks = sorted(r.blocks)
         for b in blocks:
             self._unref_block(r, b)
@@ -1311,6 +1316,11 @@ class TokenTable:
     @property
     def num_live_slots(self) -> int:
         return self._live_slots
+
+    @property
+    def num_dead_tokens(self) -> int:
+        """Tokens evicted over the requests in the table (each request's length - live). O(1)."""
+        return self._dead
 
     # ------------------------------------------------------------------ read side
     def flush(self) -> None:

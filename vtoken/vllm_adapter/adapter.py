@@ -636,11 +636,10 @@ class VTokenAdapter:
         """The worker's table changes, on the replica (``messages.Replica``); a change the
         replica refuses means the two tables diverged (``table_in_step``). A report of pure
         decode growth may be held back and replayed with the next while nothing decides on
-        the table: reclamation off, or no request holding a dead token (``Replica.evicted``:
-        then every block but a tail is full, so no plan, release or gate can differ; the
-        adapter's default with no eviction acting lags as reclamation off does)."""
-        rp = self.replica
-        self._caught(rp.feed, rep.ops, not self.reclaim or not rp.evicted)
+        the table: reclamation off, or no token dead (``TokenTable.num_dead_tokens``: then
+        every block but a tail is full, so no plan, release or gate can differ; the adapter's
+        default with no eviction acting lags as reclamation off does)."""
+        self._caught(self.replica.feed, rep.ops, not self.reclaim or not self._t.num_dead_tokens)
         self.worker_stats = dict(rep.stats)
 
     def _catch_up(self) -> None:

@@ -15,8 +15,8 @@ the same records (the driver round-trips them through pickle).
   scheduler side keeps a replica of the worker's table and replays ``ops`` on it
   (:func:`replay`), so both tables run the same operations in the same order.
 - :class:`Replica`: that replica, which may hold back up to ``MAX_LAG`` reports of pure decode
-  growth (``sync1`` only) and replay them together, when its owner allows it; it knows which
-  requests hold a dead token (``evicted``), what the owner's rule asks.
+  growth (``sync1`` only) and replay them together, when its owner allows it (the adapter's rule
+  asks whether any token is dead: ``TokenTable.num_dead_tokens``).
 
 Owns: the records, :class:`LoggedTable` (a ``TokenTable`` that logs its own changes),
 :func:`replay` and the :class:`Replica` (the scheduler side's table and its held-back reports).
@@ -199,11 +199,11 @@ class Replica:
     ``max_lag`` steps after the worker made it); the held reports are dropped then (the
     tables diverged: the run is over). ``max_lag`` 0: every report is replayed at once.
 
-    ``evicted``: the requests whose replayed changes evicted a token, until their ``free``
-    (dead tokens only end with their request): while it is empty no block holds a hole but
-    a tail, so no plan and no release can exist, and a planner may read a table that lags by
-    growth (the adapter's rule, ``VTokenAdapter._replay``). A report with an eviction is
-    never held, so ``evicted`` is exact for what is replayed and held.
+    ``evicted``: the requests holding a dead token, read off the table (``dead_counts``; its
+    O(1) total ``num_dead_tokens`` is what a per-step rule asks): while there is none no block
+    holds a hole but a tail, so no plan and no release can exist, and a planner may read a
+    table that lags by growth (the adapter's rule, ``VTokenAdapter._replay``). A report with
+    an eviction is never held, so the lagging table's dead tokens are the worker's.
     Costs: a held report O(1); a replay O(its ops) (``replay``)."""
 
     def __init__(self, table: TokenTable, max_lag: int = MAX_LAG):
@@ -211,7 +211,6 @@ class Replica:
         self.max_lag = int(max_lag)
         self.held: list = []  # the ops lists held back, oldest first
         self.held_max = 0  # the most reports held back at once (tests)
-        self.evicted: set = set()  # requests holding a dead token (as the replayed changes say)
 
     def feed(self, ops: list, hold: bool = True) -> None:
         """Replay ``ops`` (one report's), or hold them back (see the class docstring)."""
@@ -219,17 +218,14 @@ class Replica:
             self.held.append(ops)
             self.held_max = max(self.held_max, len(self.held))
             return
-        evicted = self.evicted
-        for op in ops:  # in order: a request freed and made again starts with no dead token
-            kind = op[0]
-            if kind == "evict1":
-                evicted.update(op[1])
-            elif kind == "evict":
-                if len(op[2]):
-                    evicted.add(op[1])
-            elif kind == "free":
-                evicted.discard(op[1])
         replay(self.table, self._take_held() + ops)  # one replay, one flush
+
+    @property
+    def evicted(self) -> set:
+        """The requests holding a dead token (the table's; O(requests): not for a per-step rule)."""
+        t = self.table
+        reqs = t.requests()
+        return {r for r, d in zip(reqs, t.dead_counts(reqs).tolist()) if d} if reqs else set()
 
     def catch_up(self) -> None:
         """Replay every held report, oldest first (nothing held: nothing done)."""
