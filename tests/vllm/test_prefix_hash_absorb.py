@@ -13,9 +13,7 @@ pytestmark = pytest.mark.vllm
 def _rules():
     from vtoken.vllm_adapter.prefix_hash import PrefixHashRules
 
-    rules = PrefixHashRules(pool=None, manager=None, block_size=4, stats={})
-    rules.changed = set()  # a reader (the plan book) keeps the changes
-    return rules
+    return PrefixHashRules(pool=None, manager=None, block_size=4, stats={}, changes=True)  # a reader keeps them
 
 
 def test_an_equal_report_changes_nothing_and_a_restart_is_seen():

@@ -260,7 +260,7 @@ class VTokenAdapter:
                                       changes=self.reclaim)
         self.checker = RuntimeChecks(harness=self.harness, table=self._t, lifecycle=self.lifecycle,
                                      mirror=self.mirror, fence=self.fence, pending_release=self.pending_release,
-                                     full_every=c.check_full_every, paranoid=c.paranoid_checks,
+                                     current=self.current, full_every=c.check_full_every, paranoid=c.paranoid_checks,
                                      incremental=c.checks)
         self.book = PlanBook(self.lifecycle, harness=self.harness, table=self._t, cfg=self.cfg,
                              stats=dict(moves=0, sources_freed=0, dests_used=0, dests_returned=0, fills=0,

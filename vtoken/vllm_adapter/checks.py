@@ -76,14 +76,16 @@ class RuntimeChecks:
             but for ``take_fresh``).
         pending_release: ``(seq, request, block)`` released and not yet applied by the worker
             (the adapter's list, updated in place).
+        current: the adapter's question whether a request's table is checkable (mirrored, in
+            the table, its incarnation seen by the worker: ``VTokenAdapter.current``).
         full_every, paranoid: the full scan's period, or at every hook.
         incremental: False when no hook runs the checks (the adapter's ``checks`` off): what is
             touched is not kept (it would only grow); ``check_all`` and ``check_pool`` still scan.
     """
 
-    def __init__(self, *, harness, table, lifecycle, mirror, fence, pending_release: list,
+    def __init__(self, *, harness, table, lifecycle, mirror, fence, pending_release: list, current,
                  full_every: int = 64, paranoid: bool = False, incremental: bool = True):
-        self.harness, self.table, self.lifecycle = harness, table, lifecycle
+        self.harness, self.table, self.lifecycle, self.current = harness, table, lifecycle, current
         self.held, self.plans = lifecycle.held, lifecycle.in_flight  # the lifecycle's own objects, read here
         self.mirror, self.fence, self.pending_release = mirror, fence, pending_release
         self.full_every = int(full_every)  # >= 1: the adapter refuses less at construction
@@ -223,11 +225,10 @@ class RuntimeChecks:
         break the check). O(blocks checked + pending releases + plans' blocks)."""
         t, m = self.table, self.mirror
         processed = self.fence.clock.processed
-        whole = m.ids if requests is None else requests
-        blocks: dict[str, list] = {r: t.block_array(r).tolist() for r in whole
-                                   if r in m and r in t and m.incarnation.get(r, 0) <= processed}
+        whole, current = (m.ids if requests is None else requests), self.current
+        blocks: dict[str, list] = {r: t.block_array(r).tolist() for r in whole if current(r)}
         for r, b in gained:
-            if r not in whole and r in m and r in t and m.incarnation.get(r, 0) <= processed and t.references(r, b):
+            if r not in whole and current(r) and t.references(r, b):
                 blocks.setdefault(r, []).append(b)
         if not blocks:
             return
