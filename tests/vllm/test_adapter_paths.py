@@ -203,15 +203,12 @@ def _step(ad, d):
     return so
 
 
-@pytest.mark.parametrize("lag,async_,in_place", [(6, False, True), (7, False, True), (8, False, True),
-                                                 (9, False, True), (10, False, True), (8, True, True),
-                                                 (8, False, False)])
-def test_a_copy_pending_across_preemption_and_resume(model, lag, async_, in_place):
-    """Copies 6-10 steps late: the request of a plan in flight is preempted (someone else
+def _copy_across_preemption_and_resume(model, lag, async_, in_place):
+    """Copies ``lag`` steps late: the request of a plan in flight is preempted (someone else
     holds every free block, so the last running request loses its list) and resumes (a new
-    block list, its table recomputed) before the copy completes. The old plan must be
-    dropped when it reports (its blocks back to the pool at their fence, its destinations
-    to the headroom), never applied to the new incarnation's table; every block comes back."""
+    block list, its table recomputed) before the copy completes; then every step is drained
+    and the adapter closed. Returns (the adapter, the worker, the plan, what the worker
+    reported of it)."""
     ad, w, d = make(model, S=4, N=40, H=0 if in_place else 2, in_place=in_place, ratio=0.5, batched=64, lag=lag,
                     async_=async_)
     watch = _Watch(ad)
@@ -239,9 +236,37 @@ def test_a_copy_pending_across_preemption_and_resume(model, lag, async_, in_plac
         "the copy completed before the request resumed: not the case under test"
     d.drain()
     ad.close()
-    res = next(res for p, res in watch.reported if p.id == plan.id)
+    return ad, w, plan, next(res for p, res in watch.reported if p.id == plan.id)
+
+
+@pytest.mark.parametrize("lag,async_,in_place", [(6, False, True), (7, False, True), (8, False, True),
+                                                 (9, False, True), (10, False, True), (8, True, True),
+                                                 (8, False, False)])
+def test_a_copy_pending_across_preemption_and_resume(model, lag, async_, in_place):
+    """The old plan must be dropped when it reports (its blocks back to the pool at their
+    fence, its destinations to the headroom), never applied to the new incarnation's table;
+    every block comes back (``close``)."""
+    ad, w, plan, res = _copy_across_preemption_and_resume(model, lag, async_, in_place)
     assert res.status == "aborted" and not res.table_kept, res
     assert ad.stats["applied"] > 0 and w.hash_failures == 0
+
+
+@pytest.mark.parametrize("lag,async_,in_place", [(6, False, True), (10, False, True), (8, True, True),
+                                                 (8, False, False)])
+def test_an_old_plan_applied_to_the_resumed_request_is_caught(model, lag, async_, in_place):
+    """The same steps with the worker's incarnation check dropped (the catalogue's
+    ``worker_resumed_applies_old_plan``: the resumed request's copies are not forgotten, so
+    the old plan lands on the new incarnation's table): the adapter must refuse the plan's
+    end by name, its blocks not the resumed request's alone (the fuzz campaign finds this
+    fault at a rate over seeds; these steps find it every time)."""
+    import re
+
+    from vtoken.errors import VTokenError
+    from vtoken.fuzz.planted import planted
+
+    with planted("worker_resumed_applies_old_plan"), pytest.raises(VTokenError) as caught:
+        _copy_across_preemption_and_resume(model, lag, async_, in_place)
+    assert re.match(r"\[shared_(fill|source)\] plan \d+ of request 'q\d'", str(caught.value)), caught.value
 
 
 
