@@ -1,5 +1,8 @@
 """Exhaustive small-scope checking of the real planner (``vtoken.invariants.small_scope``)."""
 
+import contextlib
+import itertools
+
 import pytest
 
 from vtoken.fuzz.planted import planted
@@ -59,6 +62,25 @@ def test_churn_evicts_and_grows_while_a_copy_is_in_flight():
     (p,) = mgr.plan_round()
     # in place: the first one-live block's token goes into the hole of the second
     assert p.sources == [positions[0][0]] and p.fills == [positions[0][1]] and p.moves[:, 0].tolist() == [1]
+
+
+@pytest.mark.parametrize("fault,bound", [(None, (2, 2, 2)), ("plan_dup_dst", (2, 3, 1)),
+                                         ("plan_moves_tail", (2, 2, 2))])
+def test_a_repeated_snapshot_keeps_the_verdict_of_its_own_check(fault, bound):
+    """The run checks a snapshot identical to one it checked before by that one's verdict:
+    every state gives the same findings, word for word, as when each snapshot is checked
+    afresh (with planted planner faults: the findings repeat where the snapshots do)."""
+    memo: dict = {}
+    checked = found = 0
+    with planted(fault) if fault else contextlib.nullcontext():
+        for S, specs in enumerate_states(*bound):
+            for in_place, churn in itertools.product((True, False), (False, True)):
+                fresh = check_state(S, specs, bound[1], churn=churn, in_place=in_place)
+                again = check_state(S, specs, bound[1], churn=churn, in_place=in_place, memo=memo)
+                assert (fresh[0], fresh[1]) == (again[0], again[1]), (S, specs)
+                checked, found = checked + fresh[0], found + len(fresh[1])
+    assert len(memo) < checked / 2  # snapshots did repeat
+    assert (found > 0) == (fault is not None)
 
 
 @pytest.mark.parametrize("fault,bound,words", [
