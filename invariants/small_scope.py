@@ -197,11 +197,8 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
                 in_place: bool = True, memo: dict | None = None) -> StateResult:
     """Plan, launch, apply; check every snapshot. Returns (snapshots checked, violations)
     (:class:`StateResult`: the violations as text, and as ``.violations``). ``memo``: the
-    verdicts of the snapshots checked so far, kept by the caller across states: a snapshot
-    identical to one in it (the same pickle: the same types, keys and values; the verdict is
-    a function of the snapshot alone) takes its verdict and is still counted as checked.
-    Many states differ only where no plan looks, so their snapshots repeat (at bound
-    (2, 3, 2), 628 distinct of 3712).
+    verdicts so far, by snapshot pickle (the caller's, across states): an identical snapshot
+    takes its verdict, still counted as checked (at bound (2, 3, 2), 628 distinct of 3712).
 
     Round 1 plans and launches (the copy engine needs one poll to finish, so the plans are
     in flight); a second planning pass runs while they are (it should plan nothing on those
@@ -212,15 +209,11 @@ def check_state(S: int, specs: list, max_blocks: int, churn: bool = False,
     found: list[Violation] = []
     checked = 0
 
-    def verdict(snap) -> list[Violation]:
+    def verdict(snap) -> list[Violation]:  # the same types, keys and values: the same verdict
         if memo is None:
             return check_snapshot(snap)
         key = pickle.dumps(snap, protocol=pickle.HIGHEST_PROTOCOL)
-        seen = memo.get(key)
-        if seen is None:
-            seen = memo[key] = tuple(check_snapshot(snap))
-        return list(seen)
-
+        return list(memo[key] if key in memo else memo.setdefault(key, tuple(check_snapshot(snap))))
     try:
         table, alloc, mgr, positions = build_state(S, specs, max_blocks, in_place)
     except Exception as e:  # the table/allocator refused a state the enumerator thinks valid
