@@ -12,10 +12,9 @@ STAMP := $(VENV)/.vtoken-installed
 # bash with pipefail: a recipe's pipe fails when its first command does (pip below)
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
-# pip, quiet, without the warnings of a pip configuration that names index folders this machine
-# lacks ("Location ... is ignored"; one line per package): the terminal keeps what a person reads
-PIP := $(PY) -m pip
-UNWARNED := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+# pip, quiet, without the "Location ... is ignored" warnings of this machine's pip configuration
+# (one line per package): the terminal keeps what a person reads
+PIPQ := bash scripts/pipq.sh $(PY)
 
 .PHONY: test audit audit-matrix vllm engine browser venv clean-venv
 
@@ -28,9 +27,9 @@ venv: $(STAMP)
 # 2-core machine); Python compiles the modules a run imports at their first import and keeps them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip $(UNWARNED)
-	$(PIP) install --quiet --no-compile torch==2.13.0 $(UNWARNED)
-	$(PIP) install --quiet --no-compile -e '.[test]' $(UNWARNED)
+	$(PIPQ) install --upgrade pip
+	$(PIPQ) install torch==2.13.0
+	$(PIPQ) install -e '.[test]'
 	touch $@
 
 # vLLM 0.33.0 for the adapter, its contract tests and the audit. On a machine without a GPU

@@ -49,17 +49,9 @@ start=$(date +%s)
 
 elapsed() { echo "install_vllm: $1 after $(( $(date +%s) - start )) s"; }
 
-# pip, quiet, without this machine's "Location ... is ignored" index warnings; keeps pip's status.
-# An install does not byte-compile (--no-compile): the modules a run imports are compiled at
-# their first import.
-pipq() {
-    local rc=0
-    local extra=()
-    [ "$1" = install ] && extra=(--no-compile)
-    "$PY" -m pip "$@" "${extra[@]}" --quiet > "$work/pip.log" 2>&1 || rc=$?
-    grep -v 'is ignored: it is neither a file nor a directory' "$work/pip.log" || true
-    return "$rc"
-}
+# pip, quiet, without this machine's "Location ... is ignored" index warnings, pip's status kept
+# (scripts/pipq.sh, the Makefile's too).
+pipq() { bash "$(dirname "${BASH_SOURCE[0]}")/pipq.sh" "$PY" "$@"; }
 
 if ! "$PY" -c 'import sys' >/dev/null 2>&1; then
     echo "install_vllm: '$PY' is not a working python" >&2
