@@ -289,3 +289,133 @@ def test_the_dead_token_total_is_each_requests_length_less_its_live_tokens(seed)
             t.sync_new_tokens(pick, lists[pick], int(rng.integers(4, 40)))
         assert t.num_dead_tokens == total()
     assert total() > 0
+
+
+def _rounds(t, lists, rng, K: int, p: float = 0.8, same: bool = False):
+    """``K`` decode steps' growth as the worker logs them: each a random subset of the requests
+    (in a random order), each request's next token in the block its list holds there;
+    ``same``: the same requests in the same order every round (those with room for K tokens)."""
+    n = {r: t.length(r) for r in lists}
+    out = []
+    fixed = [r for r in sorted(lists) if n[r] + K <= len(lists[r]) * t.S]
+    for _ in range(K):
+        reqs = list(fixed) if same else [r for r in rng.permutation(sorted(lists)).tolist()
+                                          if rng.random() < p and n[r] + 1 <= len(lists[r]) * t.S]
+        out.append((reqs, [lists[r][n[r] // t.S] for r in reqs]))
+        for r in reqs:
+            n[r] += 1
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", None])
+@pytest.mark.parametrize("seed", range(10))
+def test_held_growth_rounds_at_once_equal_the_rounds_one_by_one(seed, device):
+    """``sync_rounds`` (the replica replaying held reports of decode growth) changes the table
+    as ``sync_one_each`` round after round does: the state, the slots, the logs the adapter
+    reads (changed, reblocked, added), the batched reads and the read path; through
+    evictions, a request sharing a prefix block, tokens that open blocks and segments that
+    double (lengths across 64)."""
+    a, b, lists, rng = _pair(seed, device=device)
+    big = list(range(70, 100))  # r6: long enough to cross 64 tokens (S = 4: 30 blocks)
+    for t in (a, b):
+        t.sync_new_tokens("r6", big, 58 + seed % 5)
+        t.reblocked, t.added = set(), []
+    lists["r6"] = big
+    for step in range(8):
+        rounds = _rounds(a, lists, rng, int(rng.integers(1, 9)), same=step % 2 == 1)
+        want = [a.sync_one_each(r, blk).tolist() for r, blk in rounds]
+        got = b.sync_rounds(rounds)
+        assert got is not None and got.tolist() == [s for w in want for s in w]
+        assert a.take_reblocked() == b.take_reblocked() and a.take_added() == b.take_added()
+        _same(a, b)
+        victims = [(r, int(rng.choice(a.live_tokens(r)[:-1]))) for r in a.requests() if len(a.live_tokens(r)) > 1]
+        for t in (a, b):
+            t.evict_one_each([r for r, _ in victims], [x for _, x in victims])
+        _same(a, b)
+    a.flush(), b.flush()
+    for r in lists:
+        assert a.slot_mapping(r).tolist() == b.slot_mapping(r).tolist()
+        assert [x.tolist() for x in a.read_view(r)] == [x.tolist() for x in b.read_view(r)]
+
+
+@pytest.mark.parametrize("case", ["unknown", "null", "range", "conflict", "two_requests", "short", "twice"])
+def test_held_growth_that_is_not_the_simple_case_is_declined_unchanged(case):
+    """What ``sync_rounds`` does not decide alone it declines (None) with nothing changed, and
+    the rounds one by one then give the single call's verdict: its error where one is refused
+    (replay's fallback), the same table where they are valid (a block named by two requests in
+    different rounds: one after the other they may be)."""
+    _, t, lists, rng = _pair(3)
+    rounds = _rounds(t, lists, rng, 3, p=1.0)
+    (r0, b0), (r1, b1) = rounds[0], rounds[1]
+    if case == "unknown":
+        rounds[1] = (r1[:-1] + ["nobody"], b1)
+    elif case == "null":
+        b1[0] = 0
+    elif case == "range":
+        b1[0] = 999
+    elif case == "conflict":  # another request's block where that slot holds another token
+        i = r1.index("r1")
+        n = t.length("r1") + 1  # its token in round 1
+        b1[i] = next(b for r, lst in sorted(lists.items()) if r != "r1" for b in lst
+                     if t.placed[b * t.S + n % t.S] not in (-1, n))
+    elif case == "short":
+        rounds[1] = (r1, b1[:-1])
+    elif case == "twice":
+        rounds[0] = (r0 + [r0[0]], b0 + [b0[0]])
+    else:  # "two_requests": r2 grows in a block r3 grew in a round before (refused one by one: r3 placed there)
+        i, j = r0.index("r3"), r1.index("r2")
+        b1[j] = b0[i]
+    before = t.export_state()
+    assert t.sync_rounds(rounds) is None
+    assert t.export_state() == before
+    with pytest.raises(TableError) as e:
+        for r, blk in rounds:
+            t.sync_one_each(r, blk)
+    assert e.value.code == {"unknown": "unknown_request", "null": "null_block", "range": "block_out_of_range",
+                            "conflict": "slot_conflict", "short": "not_integer", "twice": "slot_conflict",
+                            "two_requests": "slot_conflict"}[case]
+
+
+def test_replay_runs_held_growth_at_once_and_falls_back_to_one_by_one():
+    """``messages.replay`` hands consecutive ``sync1`` ops to ``sync_rounds``; where it declines,
+    the ops run one by one, so a bad op raises its own error."""
+    from vtoken.vllm_adapter.messages import replay
+
+    a, b, lists, rng = _pair(5, device=None)
+    rounds = _rounds(a, lists, rng, 4)
+    calls = []
+    real = b.sync_rounds
+    b.sync_rounds = lambda rs: calls.append(len(rs)) or real(rs)
+    replay(b, [("sync1", r, np.array(blk, dtype=np.int64)) for r, blk in rounds])
+    for r, blk in rounds:
+        a.sync_one_each(r, blk)
+    assert calls == [4]
+    _same(a, b)
+    bad = _rounds(a, lists, rng, 2, p=1.0)
+    bad[1][1][0] = 0
+    with pytest.raises(TableError) as e:
+        replay(b, [("sync1", r, np.array(blk, dtype=np.int64)) for r, blk in bad])
+    assert e.value.code == "null_block" and calls == [4, 2]
+
+
+@pytest.mark.parametrize("same_id", [False, True])
+def test_a_fresh_block_two_requests_grow_into_is_declined(same_id):
+    """A block no request referenced before the batch, which ``x`` opens and ``y`` grows into a
+    round later: one by one ``y`` finds it referenced by ``x``, so ``y``'s token may land only
+    where ``x`` placed the same id (``same_id``: accepted, the slot then claimed twice) and is
+    refused elsewhere. The batch, which tests each token against the state before it, must see
+    the second requester and decline (None, nothing changed)."""
+    t = TokenTable(4, 16)
+    t.sync_new_tokens("x", [1], 4)
+    t.sync_new_tokens("y", [2] if same_id else [2, 4], 4 if same_id else 6)
+    rounds = [(["x"], [3]), (["y"], [3])]  # x's token 4 (offset 0); y's token 4 (offset 0) or 6 (offset 2)
+    before = t.export_state()
+    assert t.sync_rounds(rounds) is None and t.export_state() == before
+    if same_id:  # y's token 4 where x placed its token 4: a shared slot, as a prefix hit
+        for r, blk in rounds:
+            t.sync_one_each(r, blk)
+        assert t.export_state()["blocks"][3] == {"refs": 2, "live": 1}
+    else:
+        with pytest.raises(TableError, match="slot_conflict"):
+            for r, blk in rounds:
+                t.sync_one_each(r, blk)
