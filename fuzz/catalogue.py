@@ -74,9 +74,6 @@ CATALOGUE: list[Fault] = [
           (_p(T, "TokenTable._claim", "np.add.at(self.n_b, fresh // self.S, 1)\n        self._live_slots += len(fresh)",
               "np.add.at(self.n_b, slots // self.S, 1)\n        self._live_slots += len(slots)"),
            _p(T, "TokenTable._sync_one", "        if c == 0:\n            self.n_b[b] += 1", "        if True:\n            self.n_b[b] += 1"))),
-    Fault("rounds_nb_once", "3 accounting drift (n_b)",
-          "held growth replayed at once counts the new live slots of a block once per batch", "table",
-          (_p(T, "TokenTable.sync_rounds", "np.add.at(self.n_b, fresh_b, 1)", "self.n_b[fresh_b] += 1"),)),
     Fault("nonatomic_apply_moves", "I2 non-atomic failed apply_moves", "a failing move list applies its valid prefix", "table",
           (_p(T, "TokenTable.apply_moves", "            code = next(name for name, c in checks if c[i])\n",
               "            code = next(name for name, c in checks if c[i])\n            if i > 0:\n"

@@ -14,7 +14,6 @@ contract, error codes and check order included):
   ``release_empty_blocks(req, blocks) -> blocks``, ``free_request(req) -> blocks``;
   optionally ``evict_token(req, id)`` (else ``evict_tokens(req, [id])`` stands in) and the
   batched decode step ``sync_one_each(reqs, blocks) -> slots`` / ``evict_one_each(reqs, ids)``
-  (and, with them, ``sync_rounds([(reqs, blocks), ...]) -> slots or None``: held steps at once)
   (one new token / one victim per request; the machine drives them only where both exist);
 - observations: ``export_state()`` (the plain-data state, as the spec's; optionally
   ``export_request(req)`` and ``export_blocks()``, its parts, which make the checks cheaper), ``slot_mapping(req)``
@@ -70,10 +69,6 @@ __all__ = ["TokenTableProtocol", "PlannerProtocol", "Conforming", "ProtocolError
 class TokenTableProtocol(Protocol):
     S: int
     num_blocks: int
-
-    def _sync_rounds(self, rounds):
-        out = self._call("sync_rounds", rounds)
-        return None if out is None else np.asarray(list(out), dtype=np.int64)
 
     def sync_new_tokens(self, req_id, block_ids, total_len): ...
     def evict_tokens(self, req_id, token_ids): ...
@@ -217,8 +212,6 @@ class Conforming:
             self.sync_one_each = lambda reqs, blocks: np.asarray(
                 list(self._call("sync_one_each", reqs, blocks)), dtype=np.int64)
             self.evict_one_each = lambda reqs, ids: self._call("evict_one_each", reqs, ids)
-            if callable(getattr(impl, "sync_rounds", None)):  # held decode steps at once (None: declined)
-                self.sync_rounds = self._sync_rounds
 
     def _code(self, op: str, e: BaseException) -> str:
         raw = getattr(e, "code", None)

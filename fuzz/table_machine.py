@@ -380,47 +380,6 @@ class TableMachine(SwarmRules):
             self.impl.evict_one_each([r for r, _ in pairs], [x for _, x in pairs])
             event("batched decode step with evictions")
 
-    @precondition(lambda self: self.pos and callable(getattr(self.impl, "sync_rounds", None)))
-    @rule(data=st.data(), rounds=st.integers(2, 5))
-    def held_decode_steps(self, data, rounds):
-        """Several decode steps' growth replayed at once (the replica's held reports):
-        ``sync_rounds`` of rounds each naming some requests' next tokens, some rounds the same
-        requests. The reference grows one token at a time and decides which are valid; the
-        batch must place them where it did, or decline (None) and then give the same slots
-        round by round (``sync_one_each``)."""
-        batch, want = [], []
-        length = {rid: self.impl.length(rid) for rid in self.rids()}  # as the reference grows
-        for _ in range(rounds):
-            grown, blocks = [], []
-            for rid in self.rids():
-                if not data.draw(st.booleans(), label=f"grow {rid}"):
-                    continue
-                n = length[rid]
-                if -(-(n + 1) // self.S) > len(self.pos[rid]):
-                    new = self._alloc(1)
-                    if new is None:
-                        continue
-                    self.pos[rid] += new
-                    self.held[rid] += new
-                block = self.pos[rid][n // self.S]
-                if block in blocks:
-                    continue  # a round names each block once
-                try:
-                    got = self.spec.sync_new_tokens(rid, self.pos[rid], n + 1)
-                except SpecError:
-                    continue  # refused by the reference (unchanged): not in the batch
-                grown.append(rid)
-                blocks.append(block)
-                want += list(got)
-                length[rid] = n + 1
-            batch.append((grown, blocks))
-        TableMachine.ops += 1
-        got = self.impl.sync_rounds(batch)
-        if got is None:
-            event("held growth declined: run round by round")
-            got = [s for grown, blocks in batch for s in self.impl.sync_one_each(grown, blocks)]
-        assert list(got) == want, "held growth placed tokens elsewhere"
-
     @precondition(lambda self: self.pos)
     @rule(data=st.data(), first=st.sampled_from(["evict", "grow", "moves"]))
     def step_then_grow(self, data, first):

@@ -13,7 +13,7 @@ from vtoken.fuzz.table_machine import TableMachine
 
 pytestmark = pytest.mark.invariants
 
-TABLE_FAULTS = ["stale_slot_after_move", "nb_double_count", "rounds_nb_once", "nonatomic_apply_moves", "dup_dst_accepted"]
+TABLE_FAULTS = ["stale_slot_after_move", "nb_double_count", "nonatomic_apply_moves", "dup_dst_accepted"]
 
 
 @pytest.mark.parametrize("fault", TABLE_FAULTS)

@@ -459,7 +459,6 @@ class TokenTable:
         self.n_b = np.zeros(self.num_blocks, dtype=np.int32)
         self.claims = np.zeros(self.num_blocks * self.S, dtype=np.int32)
         self.placed = np.full(self.num_blocks * self.S, -1, dtype=np.int64)
-        self._scratch = None  # per-block int64 scratch of sync_rounds (made at its first use; no meaning between calls)
         # Incremental totals for Eq. 1, so waste_ratio() never scans.
         self._live_slots = 0  # sum of n_b
         self._ref_blocks = 0  # blocks with refs > 0
@@ -811,102 +810,6 @@ class TokenTable:
         pool = self._pool
         if pool.mirrors:  # the device segments as they are now
             gidx = self._db[hs] + n
-            pool.pend_idx.append(gidx)
-            pool.pend_val.append(s.copy())
-            pool.pend_new.append(gidx)
-        return s
-
-    def sync_rounds(self, rounds: Sequence) -> np.ndarray | None:
-        """``sync_one_each(*rounds[k])`` for every ``k`` in order, in one pass: several decode
-        steps' growth (what the scheduler side's replica replays when it held reports back), so
-        the array work is paid once for all the rounds, not once per round. Every token is
-        checked before anything changes, against the state the calls one by one would check it
-        on: a token landing in a block an earlier token of the batch opened finds it referenced by
-        its own request, so its slot test is the opener's (``refs - mine`` at the start).
-
-        Returns the slots (round after round), or None, with nothing changed, when the batch is
-        not the simple case this pass decides alone: a round refused (any error the single call
-        raises), a block named by two requests or a slot twice in the batch. The caller then runs
-        the rounds one by one (``sync_one_each``: the same result, the first refusal's own
-        error, the rounds before it applied). Costs: O(tokens) in array operations (no sort when
-        every round names the same requests, a decode step's usual case), plus Python work per
-        token that opens a block, lands in a block another request references, or outgrows its
-        request's segment."""
-        try:
-            hs = [self._rows(r, "slot_conflict", "sync_rounds") for r, _ in rounds]
-            bs = [_index_array(b, "sync_rounds: block_ids") for _, b in rounds]
-        except TableError:
-            return None
-        if not hs or any(len(h) != len(b) for h, b in zip(hs, bs)):
-            return None if hs else np.empty(0, dtype=np.int64)
-        H, B = np.concatenate(hs), np.concatenate(bs)
-        if not len(B):
-            return np.empty(0, dtype=np.int64)
-        if int(B.min()) <= NULL_BLOCK or int(B.max()) >= self.num_blocks:
-            return None
-        S, K, h0 = self.S, len(hs), hs[0]
-        if all(h is h0 or np.array_equal(h, h0) for h in hs[1:]):  # the same requests each round
-            rows, counts, order = h0, np.full(len(h0), K, dtype=np.int64), None
-            n = (self._n[h0] + np.arange(K, dtype=np.int64)[:, None]).ravel()
-            last_b = B[-len(h0):]
-        else:  # each token's index: its row's length plus the tokens of its row before it
-            order = np.argsort(H, kind="stable")
-            Hs = H[order]
-            starts = np.flatnonzero(np.append(True, Hs[1:] != Hs[:-1]))
-            ends = np.append(starts[1:], len(Hs))
-            rows, counts = Hs[starts], ends - starts
-            n = np.empty(len(H), dtype=np.int64)
-            n[order] = self._n[Hs] + np.arange(len(Hs)) - np.repeat(starts, counts)
-            last_b = B[order[ends - 1]]
-        s = B * S + n % S
-        # K <= S tokens of one request fill distinct offsets; two requests never share a slot once
-        # each block has one requester (below)
-        if int(counts.max()) > S and len(set(s.tolist())) != len(s):
-            return None  # a slot twice
-        scratch = self._scratch
-        if scratch is None:
-            scratch = self._scratch = np.empty(self.num_blocks, dtype=np.int64)
-        scratch[B] = H  # one write wins per block: a block two requests name fails the read back
-        if (scratch[B] != H).any():
-            return None  # a block named by two requests: one after the other, one may decide the other
-        refs = self.refs[B]
-        mine = self._last[H] == B  # did its request reference the block before the batch? Its row's last block
-        ask = np.flatnonzero(~mine & (refs > 0)).tolist()  # else only if someone references it (rare)
-        ids = list(itertools.chain.from_iterable(r for r, _ in rounds))
-        for i in ask:
-            mine[i] = int(B[i]) in self._reqs[ids[i]].blocks
-        placed = self.placed[s]
-        if np.where(refs - mine > 0, placed != n, placed != -1).any():
-            return None
-        # ---- apply (nothing below can fail)
-        final = self._n[rows] + counts
-        for k in np.flatnonzero(final > self._cap[rows]).tolist():  # outgrow their segments (doubling: rare)
-            self._grow(self._reqs[ids[k if order is None else int(order[starts[k]])]], int(final[k]))
-        cand = np.flatnonzero(~mine)
-        if len(cand):  # the tokens that open a block: the first of the batch in a block not referenced before
-            idx = np.arange(len(B), dtype=np.int64)
-            scratch[B[::-1]] = idx[::-1]  # each block's first token
-            for i in cand[scratch[B[cand]] == cand].tolist():  # in batch order, as one by one
-                r = self._reqs[ids[i]]
-                self._ref_block(r, int(B[i]))
-                self._changed.add(r.rid)
-        at = self._hb[H] + n
-        host = self._host
-        host.slot[at] = s
-        host.live[at] = True
-        self._n[rows] = final
-        self._nl[rows] += counts
-        self._last[rows] = last_b  # each row's last token's block
-        self.placed[s] = n
-        before = self.claims[s]
-        self.claims[s] = before + 1  # slots distinct (checked above)
-        fresh_b = s[before == 0] // S
-        np.add.at(self.n_b, fresh_b, 1)
-        self._live_slots += len(fresh_b)
-        assert len(fresh_b) == 0 or self.n_b[fresh_b].max() <= S, "a block holds more than S live slots"
-        pool = self._pool
-        if pool.mirrors:
-            gidx = self._db[H] + n
             pool.pend_idx.append(gidx)
             pool.pend_val.append(s.copy())
             pool.pend_new.append(gidx)

@@ -158,23 +158,10 @@ class _Segment(list):
 def replay(table: TokenTable, ops: list) -> None:
     """Run the worker's logged changes on ``table`` (the scheduler side's replica), in order,
     then flush its read-side mirror (so what it queues stays bounded by one step's changes).
-    Consecutive ``sync1`` ops (held reports of decode growth) run as one ``sync_rounds``, or
-    one by one where it declines (the same result, the same error).
     A change the replica refuses raises the table's own error: the two tables had diverged."""
-    i, end = 0, len(ops)
-    while i < end:
-        op = ops[i]
+    for op in ops:
         kind, r = op[0], op[1]
-        i += 1
-        if kind == "sync1" and i < end and ops[i][0] == "sync1":  # held decode steps: their growth at once
-            j = i
-            while j < end and ops[j][0] == "sync1":
-                j += 1
-            run, i = ops[i - 1:j], j
-            if table.sync_rounds([(o[1], o[2]) for o in run]) is None:  # not the simple case: one by one
-                for o in run:
-                    table.sync_one_each(o[1], o[2])
-        elif kind == "sync":
+        if kind == "sync":
             _, _, total, j0, seg = op
             table.sync_new_tokens(r, _Segment(j0, seg) if j0 else seg, total)
         elif kind == "evict":
