@@ -1089,8 +1089,28 @@ class AdapterMachine(SwarmRules):
         """A copy outliving its request's preemption AND resume (common with copies 6-10
         steps late): the whole pool taken before every step until the last running request,
         whose plan flies, is preempted; relief; steps until it resumes, then ``m`` more."""
+        self._preempt_and_resume(self._last_running_flying(), m)
+
+    @precondition(lambda self: not self.halted and self._live_requests() and self._last_running_flying() is None)
+    @rule(m=st.integers(0, 2), wait=st.integers(1, 8))
+    def plan_then_preempt_and_resume(self, m, wait):
+        """The same case reached from a state where the last running request has no plan in
+        flight (``preempt_and_resume_mid_copy`` is enabled only between the rules of a run
+        whose copies lag, and only while the last running request's plan flies): up to
+        ``wait`` steps until one launches, then its preemption and resume while the copy flies."""
+        for _ in range(wait):
+            self.step(1)
+            if self.halted or self._last_running_flying() is not None:
+                break
+        r = None if self.halted else self._last_running_flying()
+        if r is not None:
+            event("plan of the last running request reached for preempt and resume")
+            self._preempt_and_resume(r, m)
+
+    def _preempt_and_resume(self, r, m):
+        """Preempt ``r`` (the whole pool taken before each step, at most S + 1 steps), relief,
+        up to 4 steps until it resumes, then ``m`` steps."""
         ad = self.vt.ad
-        r = self._last_running_flying()
         for _ in range(self.S + 1):
             if self.halted or all(q.request_id != r for q in ad.scheduler.running):
                 break
