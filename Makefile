@@ -9,11 +9,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.vtoken-installed
-# bash with pipefail: a recipe's pipe fails when its first command does (pip below)
-SHELL := /bin/bash
-.SHELLFLAGS := -o pipefail -c
 # pip, quiet, without the "Location ... is ignored" warnings of this machine's pip configuration
-# (one line per package): the terminal keeps what a person reads
+# (one line per package), pip's exit status kept: the terminal keeps what a person reads
 PIPQ := bash scripts/pipq.sh $(PY)
 
 .PHONY: test audit audit-matrix vllm engine browser venv clean-venv
@@ -22,9 +19,9 @@ venv: $(STAMP)
 
 # torch is pinned here, not in pyproject: on these machines torch==2.13.0 is a CPU wheel
 # already on disk; elsewhere it is the ordinary PyPI build. pyproject asks only torch>=2.1,
-# which the pinned install satisfies, so nothing larger is pulled in. --no-compile: pip would
-# byte-compile every module of every package (torch alone: 35 s with, 9 s without, on the
-# 2-core machine); Python compiles the modules a run imports at their first import and keeps them.
+# which the pinned install satisfies, so nothing larger is pulled in. pipq.sh installs with
+# --no-compile: pip would byte-compile every module of every package (torch alone: 35 s with, 9 s
+# without, on the 2-core machine); Python compiles the modules a run imports at their first import.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIPQ) install --upgrade pip
