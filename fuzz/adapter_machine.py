@@ -1058,11 +1058,15 @@ class AdapterMachine(SwarmRules):
         """The same hard case reached from a quiet state (a plan is in flight between rules
         only with a copy lag or async scheduling, so ``preempt_mid_copy`` is rarely enabled):
         up to ``wait`` steps until a plan launches, then the pressure of ``preempt_mid_copy``."""
-        for _ in range(wait):
-            self.step(1)
-            if self.vt.ad.plans:
-                break
+        self._step_until(lambda: bool(self.vt.ad.plans), wait)
         self._pressure_while_flying(m)
+
+    def _step_until(self, done, most: int) -> None:
+        """Up to ``most`` steps, stopping after the first at which ``done()`` holds."""
+        for _ in range(most):
+            self.step(1)
+            if done():
+                break
 
     def _pressure_while_flying(self, m):
         ad = self.vt.ad
@@ -1098,10 +1102,7 @@ class AdapterMachine(SwarmRules):
         flight (``preempt_and_resume_mid_copy`` is enabled only between the rules of a run
         whose copies lag, and only while the last running request's plan flies): up to
         ``wait`` steps until one launches, then its preemption and resume while the copy flies."""
-        for _ in range(wait):
-            self.step(1)
-            if self.halted or self._last_running_flying() is not None:
-                break
+        self._step_until(lambda: self.halted or self._last_running_flying() is not None, wait)
         r = None if self.halted else self._last_running_flying()
         if r is not None:
             event("plan of the last running request reached for preempt and resume")
