@@ -301,6 +301,8 @@ class Held(Mapping):
     def index_errors(self) -> list:
         """``(block, request)`` pairs on which the inverse index and the held blocks disagree
         (empty unless something wrote to the inner dicts directly)."""
+        if self.empty():  # both sides empty: they agree
+            return []
         held = Counter((b, r) for r, h in self.items() for b in h)
         index = Counter((b, r) for b, rs in self._owners.items() for r in rs)
         return sorted(set(held.items()) ^ set(index.items()), key=repr)

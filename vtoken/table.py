@@ -590,6 +590,31 @@ class TokenTable:
             self._ref_blocks += 1
         self.refs[b] += 1
 
+    def _ref_blocks_each(self, req_ids, idx: list, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """:meth:`_ref_block` for request ``req_ids[i]`` (row ``rows[k]``) and block ``blocks[k]``,
+        ``i = idx[k]``: distinct requests and distinct blocks, none already referenced by its
+        request (``sync_one_each`` checked both). The per-row and per-block counts in one array
+        operation each; the block sets and the logs per request."""
+        reqs = self._reqs
+        rids = [req_ids[i] for i in idx]
+        blist = blocks.tolist()
+        for rid, b in zip(rids, blist):
+            r = reqs[rid]
+            assert b not in r.blocks, f"block {b} referenced twice by one request"
+            r.blocks.add(b)
+            r.block_arr = None
+        if self.reblocked is not None:
+            self.reblocked.update(rids)
+        if self.added is not None:
+            self.added += zip(rids, blist)
+        self._last[rows] = blocks
+        self._nblk[rows] += 1  # rows distinct: a plain indexed add counts each once
+        self._bver[rows] += 1
+        before = self.refs[blocks]  # blocks distinct: likewise
+        self._ref_blocks += int(np.count_nonzero(before == 0))
+        self.refs[blocks] = before + 1
+        self._changed.update(rids)
+
     def _unref_block(self, r: _Req, b: int) -> None:
         assert b in r.blocks and self.refs[b] > 0, f"block {b} unreferenced by a request that does not hold it"
         if self.reblocked is not None:
@@ -789,9 +814,9 @@ class TokenTable:
         # ---- apply (nothing below can fail)
         for i in np.flatnonzero(n >= self._cap[hs]).tolist():  # outgrows its segments (doubling: rare)
             self._grow(self._reqs[req_ids[i]], int(n[i]) + 1)
-        for i in np.flatnonzero(~mine).tolist():  # its token opens a block
-            self._ref_block(self._reqs[req_ids[i]], blist[i])
-            self._changed.add(req_ids[i])
+        opening = np.flatnonzero(~mine)  # its token opens a block
+        if len(opening):
+            self._ref_blocks_each(req_ids, opening.tolist(), hs[opening], b[opening])
         at = self._hb[hs] + n  # the host segments as they are now (a _grow above may have moved one)
         host = self._host
         host.slot[at] = s
@@ -1152,6 +1177,11 @@ class TokenTable:
         """The blocks the request references, sorted (O(blocks log blocks): for snapshots,
         checks and tests, not per-step paths; those use :meth:`block_array`)."""
         return sorted(self._req(req_id).blocks)
+
+    def blocks_outside(self, req_id, *holds) -> set:
+        """The blocks the request references that are in none of ``holds`` (containers of block
+        ids: sets, dicts' keys), as a new set: set differences in C, no array built. O(blocks)."""
+        return self._req(req_id).blocks.difference(*holds)
 
     def block_array(self, req_id) -> np.ndarray:
         """The blocks the request references, in no particular order, as a read-only int64

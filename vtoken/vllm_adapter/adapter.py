@@ -96,7 +96,7 @@ from dataclasses import replace
 from typing import Any, Iterable
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
-from ..errors import ConfigError
+from ..errors import ConfigError, TableError
 from ..fields import need_instance
 from .assumptions import ASSUMPTIONS, AdapterAssumptionError, check_supported_vllm
 from .checks import RuntimeChecks
@@ -514,10 +514,13 @@ class VTokenAdapter:
         if reblocked and self.reclaim:
             self.book.reblocked(reblocked)  # their skip records' versions moved
         if reblocked or lists:
-            # their lists; their tables by what each gained (take_added): a table's blocks change
-            # only with its block set (an eviction changes liveness), what the scheduler side holds
-            # for a request with the adapter's own events (touch) or a list (re)started
-            self.checker.touch_lists(reblocked | lists)
+            # the lists vLLM changed (a table's block set changing leaves vLLM's list as it was:
+            # the list check compares vLLM's list with the mirror, never with the table); the
+            # tables by what each gained (take_added): a table's blocks change only with its block
+            # set (an eviction changes liveness), what the scheduler side holds for a request with
+            # the adapter's own events (touch) or a list (re)started
+            if lists:
+                self.checker.touch_lists(lists)
             started = self.mirror.take_started()
             if started:
                 self.checker.touch_tables(started)
@@ -649,8 +652,6 @@ class VTokenAdapter:
 
     @staticmethod
     def _caught(f, *args) -> None:
-        from ..errors import TableError
-
         try:
             f(*args)
         except TableError as e:
@@ -670,7 +671,8 @@ class VTokenAdapter:
         if rep is not None:
             self._absorb(rep)
         processed = self.clock.processed
-        self.pending_release[:] = [x for x in self.pending_release if x[0] > processed]  # the checks hold it
+        if self.pending_release:  # the checks hold the list itself: filtered in place
+            self.pending_release[:] = [x for x in self.pending_release if x[0] > processed]
         meta = getattr(sched_out, "vtoken", None)
         if meta is not None and meta.seq:
             self.retained.append((meta.seq, self.retained_now(), len(self.scheduler.running)))

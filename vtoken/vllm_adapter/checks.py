@@ -11,9 +11,9 @@ checks) and ``table_in_step``. It owns nothing and changes nothing.
 What a hook costs (``after_hook``): the checks run on what changed since the last hook,
 plus the adapter's own small, bounded holdings. The adapter reports the requests each of
 its own events changed the holdings of (``touch``: launch, report, release, free) and the
-requests whose list vLLM changed or whose table's block set the worker changed (``touch_lists``:
-the table's ``reblocked`` log; an eviction changes liveness, never which blocks it references); the
-check then covers the lists of both, the whole tables of the first, of requests whose list
+requests whose list vLLM changed (``touch_lists``: the mirror's changed lists; a table's block set
+changing leaves vLLM's list as it was, and an eviction changes liveness, never which blocks a table
+references); the check then covers the lists of both, the whole tables of the first, of requests whose list
 (re)started (``touch_tables``) and of those with a plan in flight, and of every other table the
 blocks it gained since (``touch_added``: the table's ``added`` log; a block a table no longer
 references cannot break the check, and what the scheduler side holds for a request changes only
@@ -39,12 +39,14 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import chain
+from operator import attrgetter
 
 from .assumptions import AdapterAssumptionError
 from .mirror import unaccounted
 
 
 _HEADROOM = ("headroom",)
+_block_id = attrgetter("block_id")
 _NONE: frozenset = frozenset()
 _DESTINATIONS = ("held", "dest", "fill")
 
@@ -109,9 +111,8 @@ class RuntimeChecks:
             self.touched_requests.update(requests)
 
     def touch_lists(self, requests) -> None:
-        """Requests whose block list vLLM changed (started, grown) or whose table's block set the
-        worker changed: their lists are checked at the next hook; the blocks the adapter holds for
-        them did not change hands (O(given))."""
+        """Requests whose block list vLLM changed (started, grown): their lists are checked at the
+        next hook; the blocks the adapter holds for them did not change hands (O(given))."""
         if self.incremental:
             self.touched_lists.update(requests)
 
@@ -195,15 +196,22 @@ class RuntimeChecks:
         frees, not the mirror), then every mirrored list against its mirror."""
         self.fence.check()
         # every group's lists: a block the adapter holds is in none of them (other groups' are vLLM's)
-        listed = [(g, r, [b.block_id for b in lst if not b.is_null]) for g, r, lst in self.harness.all_lists()]
-        self._check_other_groups(where, [(g, r, ids) for g, r, ids in listed if g != self.mirror.group])
-        listed = [(r, ids) for _, r, ids in listed]
-        holders = Counter(chain.from_iterable(ids for _, ids in listed))
+        lists = list(self.harness.all_lists())
+        g0 = self.mirror.group
+        self._check_other_groups(where, [(g, r, [b.block_id for b in lst if not b.is_null])
+                                         for g, r, lst in lists if g != g0])
+        # the holders of each block the adapter holds (the only counts read), counted in C over
+        # every list's entries: the pool's blocks are filtered before counting, not each counted
+        mine = self._held_ids()
+        mine.discard(self.harness.pool.null_block.block_id)  # a list holding null holds no block
+        holders = Counter(filter(mine.__contains__, map(_block_id, chain.from_iterable(lst for _, _, lst in lists))))
         in_lists = holders.copy()
         holders.update(self._deferred_counts())
 
         def list_holder(bid):  # the first request whose list holds bid (names a violation)
-            return next((r for r, ids in listed if bid in ids), None) if in_lists.get(bid) else None
+            if not in_lists.get(bid):
+                return None
+            return next((r for _, r, lst in lists if any(b.block_id == bid and not b.is_null for b in lst)), None)
 
         self.lifecycle.take_fresh()
         self.new_entries = []  # every list is scanned below
@@ -226,11 +234,12 @@ class RuntimeChecks:
         t, m = self.table, self.mirror
         processed = self.fence.clock.processed
         whole, current = (m.ids if requests is None else requests), self.current
-        blocks: dict[str, list] = {r: t.block_array(r).tolist() for r in whole if current(r)}
+        todo = [r for r in whole if current(r)]
+        gained_by: dict[str, list] = {}
         for r, b in gained:
             if r not in whole and current(r) and t.references(r, b):
-                blocks.setdefault(r, []).append(b)
-        if not blocks:
+                gained_by.setdefault(r, []).append(b)
+        if not todo and not gained_by:
             return
         pend: dict[str, set] = {}
         for _, r, b in self.pending_release:
@@ -238,12 +247,22 @@ class RuntimeChecks:
         inflight: dict[str, set] = {}
         for p in self.plans.values():
             inflight.setdefault(p.req_id, set()).update(p.blocks)
-        for r, ids in blocks.items():
-            extra = unaccounted(m, self.held, r, ids, also=pend.get(r, _NONE) | inflight.get(r, _NONE))
+        pos, held = m.pos, self.held
+        for r in todo:  # whole tables: the table's own block set less every hold, in C
+            extra = t.blocks_outside(r, pos.get(r, _NONE), held.get(r, _NONE), pend.get(r, _NONE),
+                                     inflight.get(r, _NONE))
             if extra:
-                raise AdapterAssumptionError(
-                    "table_in_step", f"request {r!r}: the token table references blocks {sorted(extra)} that the "
-                    f"scheduler side does not hold for it (step {processed})")
+                self._unheld(r, extra, processed)
+        for r, ids in gained_by.items():
+            extra = unaccounted(m, held, r, ids, also=pend.get(r, _NONE) | inflight.get(r, _NONE))
+            if extra:
+                self._unheld(r, extra, processed)
+
+    @staticmethod
+    def _unheld(r: str, extra, processed: int) -> None:
+        raise AdapterAssumptionError(
+            "table_in_step", f"request {r!r}: the token table references blocks {sorted(extra)} that the "
+            f"scheduler side does not hold for it (step {processed})")
 
     def check_all(self) -> None:
         self.check_pool("check_all")
@@ -258,6 +277,16 @@ class RuntimeChecks:
             return {}
         out = port.deferred_counts()
         out.update(b.block_id for _, blocks in theirs for b in blocks if not b.is_null)
+        return out
+
+    def _held_ids(self) -> set:
+        """Every block id the adapter holds: its headroom, its held blocks, every block of the
+        plans in flight (a new set). O(what it holds)."""
+        out = set(self.lifecycle.headroom)
+        for _, h in self.held.items():
+            out.update(h)
+        for p in self.plans.values():
+            out.update(p.sources, p.fills, p.dests)
         return out
 
     def _roles(self, headroom, held) -> dict[int, tuple]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny_model"
 from . import VLLM_VERSION  # noqa: E402,F401 - one definition (the package's)
 from ..errors import OrderError  # noqa: E402
+from . import layout  # noqa: E402
 from .layout import KV_LAYOUTS  # noqa: E402
 
 
@@ -285,12 +286,10 @@ class VllmHarness:
         """The index of the group the token table mirrors (``layout.table_group``), or None.
         Derived once per scheduler's KV cache coordinator (its groups are fixed when it is
         built): ``req_to_blocks`` reads it on every hook."""
-        from .layout import table_group
-
         coord = self.scheduler.kv_cache_manager.coordinator
         cached = getattr(self, "_table_group", None)
         if cached is None or cached[0] is not coord:
-            cached = self._table_group = (coord, table_group(list(coord.single_type_managers)))
+            cached = self._table_group = (coord, layout.table_group(list(coord.single_type_managers)))
         return cached[1]
 
     @property
