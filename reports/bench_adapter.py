@@ -20,15 +20,20 @@ evicting run's steps are bimodal (steps that plan, steps that do not), where a m
 jump between the modes, while the mean is what the engine thread pays over the run. The
 last stdout line is one JSON object.
 
+``--against REF`` (:func:`bench_against`) compares this tree's adapter with commit REF's in
+one process instead: the two bench runs a change's effect would otherwise need differ by
+more than most changes of the adapter's step do.
+
 Owns: one harness, scheduler, adapter and worker per variant of a run, dropped when it returns.
 May call: vtoken.vllm_adapter (adapter, harness, worker), vtoken.model, vtoken.table, torch, numpy,
-cProfile.
+cProfile; with ``--against``, git (``archive`` of the checkout's commit) and that commit's copy.
 Costs: one decode per variant, round and repeat on the real vLLM scheduler: about 2 minutes a repeat;
 the profile and breakdown passes more.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -37,22 +42,27 @@ import numpy as np
 VARIANTS = ("plain", "off", "defaults", "evict50", "off_nochecks", "defaults_nochecks", "evict50_nochecks")
 
 
-def _model():
+def _model(pkg: str = "vtoken"):
+    """The bench's tiny decoder, built from package ``pkg`` (``vtoken``, or a tree loaded under
+    another name by :func:`_load_tree`: its worker accepts only its own decoder class)."""
+    import importlib
+
     import torch
 
-    from vtoken.model import DecoderConfig, PagedDecoder
-
+    m = importlib.import_module(f"{pkg}.model")
     torch.manual_seed(0)
-    return PagedDecoder(DecoderConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                      intermediate_size=64, vocab_size=64))
+    return m.PagedDecoder(m.DecoderConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                          intermediate_size=64, vocab_size=64))
 
 
 class _Run:
-    def __init__(self, variant: str, R: int, prompts: list, new: int, seed: int, model):
-        from vtoken.table import TokenTable
-        from vtoken.vllm_adapter.adapter import VTokenAdapter
-        from vtoken.vllm_adapter.harness import VllmHarness
-        from vtoken.vllm_adapter.worker import VTokenWorker
+    def __init__(self, variant: str, R: int, prompts: list, new: int, seed: int, model, pkg: str = "vtoken"):
+        import importlib
+
+        TokenTable = importlib.import_module(f"{pkg}.table").TokenTable
+        VTokenAdapter = importlib.import_module(f"{pkg}.vllm_adapter.adapter").VTokenAdapter
+        VllmHarness = importlib.import_module(f"{pkg}.vllm_adapter.harness").VllmHarness
+        VTokenWorker = importlib.import_module(f"{pkg}.vllm_adapter.worker").VTokenWorker
 
         S = 16
         N = sum(-(-(len(p) + new) // S) for p in prompts) + 64
@@ -256,3 +266,121 @@ def _profile(R: int, prompts: list, steps: int, seed: int, model) -> list[str]:
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(r"vtoken[/\\]", 10)
     return [l for l in s.getvalue().splitlines() if l.strip()][:24]
+
+
+# ---------------------------------------------------------------------------- two trees, one process
+_ABS_NAME = re.compile(r"(^|[^A-Za-z0-9_.])vtoken\.")  # vtoken.x, also in importlib strings
+_IMPORT = re.compile(r"^([ \t]*)(from|import) vtoken(?=[ \t]|$)", re.M)
+
+
+def _load_tree(ref: str) -> tuple[str, str]:
+    """Commit ``ref``'s ``vtoken/`` package (``git archive`` of the checkout the installed
+    ``vtoken`` runs from), importable in this process beside it under its own name
+    ``vtoken_at_<commit>``: its absolute imports renamed, its relative ones as they are.
+    Returns ``(package name, commit)``. ``ValueError`` naming the problem when the installed
+    package is not in a git checkout or ``ref`` names no commit there; nothing is loaded then.
+    Owns: a temporary directory holding the copy, removed at exit; one tree per commit and
+    process (asked again, the loaded one is returned)."""
+    import atexit
+    import importlib
+    import io
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+    from pathlib import Path
+
+    import vtoken
+
+    root = Path(vtoken.__file__).resolve().parents[1]
+
+    def git(*args) -> bytes:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True).stdout
+        except FileNotFoundError:
+            raise ValueError(f"ref {ref!r}: git is not installed") from None
+        except subprocess.CalledProcessError as e:
+            why = e.stderr.decode(errors="replace").strip() or "no such commit"
+            raise ValueError(f"ref {ref!r}: `git {' '.join(args)}` failed in {root}: {why}") from None
+
+    commit = git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}").decode().strip()
+    pkg = f"vtoken_at_{commit[:12]}"
+    if pkg in sys.modules:
+        return pkg, commit
+    data = git("archive", "--format=tar", commit, "vtoken")
+    dest = Path(tempfile.mkdtemp(prefix="vtoken-against-"))
+    atexit.register(shutil.rmtree, dest, True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+    (dest / "vtoken").rename(dest / pkg)
+    for f in (dest / pkg).rglob("*.py"):
+        f.write_text(_IMPORT.sub(rf"\1\2 {pkg}", _ABS_NAME.sub(rf"\1{pkg}.", f.read_text())))
+    sys.path.insert(0, str(dest))
+    importlib.invalidate_caches()
+    importlib.import_module(pkg)
+    return pkg, commit
+
+
+def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps: int = 150, repeats: int = 2,
+                  variants=("off", "evict50")) -> dict:
+    """This tree's adapter against commit ``ref``'s, in one process (``vtoken bench adapter
+    --against REF``): a fresh run per variant and tree beside one plain vLLM run, the bench's
+    workload, interleaved in rounds of 5 steps whose order flips each round, so a shared
+    machine's noise hits both trees alike; a difference of about 1% between trees shows,
+    where two bench runs differ by 5% and more. Per R: each variant's mean step over plain's
+    for ``ref`` and this tree (``ratio_mean``, per repeat) and ``head_over_ref``, the ratio of
+    the two means (below 1: this tree is cheaper). The ratios themselves are this harness's,
+    not the bench's (more runs share the process's caches; longer runs plan more).
+    Owns: its runs, dropped per repeat; the loaded tree (:func:`_load_tree`)."""
+    import torch
+
+    bad = [v for v in variants if v not in VARIANTS or v == "plain"]
+    if bad or not variants:
+        raise ValueError(f"--variants: {bad or 'none'}: each must be one of {', '.join(VARIANTS[1:])}")
+    pkg, commit = _load_tree(ref)
+    torch.set_num_threads(1)
+    models = {"vtoken": _model(), pkg: _model(pkg)}
+    if quick:
+        Rs, steps, repeats = (8,), 10, 1
+    sides = (("ref", pkg), ("head", "vtoken"))
+    out = {"against": ref, "commit": commit, "R": list(Rs), "steps": steps, "repeats": int(repeats),
+           "variants": list(variants), "plain_mean_ms": {}, "ratio_mean": {}, "head_over_ref": {}}
+    for R in Rs:
+        rng = np.random.default_rng([seed, R])
+        lo, hi = (32, 64) if quick else (256, 1024)
+        prompts = [rng.integers(1, 63, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(R)]
+        ratios: dict = {f"{v}@{side}": [] for v in variants for side, _ in sides}
+        plain_ms = []
+        for _ in range(max(1, int(repeats))):
+            runs = {"plain": _Run("plain", R, prompts, steps + 48, seed, models["vtoken"])}
+            for v in variants:
+                for side, p in sides:
+                    runs[f"{v}@{side}"] = _Run(v, R, prompts, steps + 48, seed, models[p], pkg=p)
+            for run in runs.values():
+                run.prefill(R)
+            order = list(runs.values())
+            for k in range(0, steps, 5):
+                for run in (order if (k // 5) % 2 == 0 else order[::-1]):
+                    for _ in range(min(5, steps - k)):
+                        run.step(True)
+            plain = statistics.fmean(runs["plain"].times)
+            plain_ms.append(plain * 1e3)
+            for name in ratios:
+                ratios[name].append(statistics.fmean(runs[name].times) / plain)
+            del runs
+        key = str(R)
+        out["plain_mean_ms"][key] = plain_ms
+        out["ratio_mean"][key] = ratios
+        out["head_over_ref"][key] = {v: statistics.fmean(ratios[f"{v}@head"]) / statistics.fmean(ratios[f"{v}@ref"])
+                                     for v in variants}
+    return out
+
+
+def against_text(res: dict, R: str) -> str:
+    """``res`` (:func:`bench_against`) at ``R`` as one line: per variant this tree over the
+    ref's mean step, and each one's mean ratio over plain."""
+    rm = res["ratio_mean"][R]
+    return f"R={R}: " + ", ".join(
+        f"{v} x{x:.3f} of {res['commit'][:12]} (x{statistics.fmean(rm[v + '@ref']):.3f} -> "
+        f"x{statistics.fmean(rm[v + '@head']):.3f} plain)" for v, x in res["head_over_ref"][R].items())

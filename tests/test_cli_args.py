@@ -79,6 +79,15 @@ ROWS = [
     (["bench-adapter", "--seed", "-1"], "--seed"),
     (["bench-adapter", "--repeats", "0"], "--repeats"),
     (["bench", "table", "--repeats", "2"], "--repeats"),
+    (["bench", "table", "--against", "HEAD"], "--against"),
+    (["bench", "planner", "--R", "64"], "--R"),
+    (["bench-adapter", "--variants", "off"], "--variants"),  # only with --against
+    (["bench-adapter", "--R", "64"], "--R"),  # likewise
+    (["bench-adapter", "--against", "HEAD", "--variants", "plain"], "--variants"),
+    (["bench-adapter", "--against", "HEAD", "--variants", ","], "--variants"),
+    (["bench-adapter", "--against", "HEAD", "--R", "0"], "--R"),
+    (["bench-adapter", "--against", "HEAD", "--breakdown"], "--breakdown"),
+    (["bench-adapter", "--against", "no-such-ref"], "--against"),  # refused before any run starts
     # simulate
     (["simulate", "frontier", "--seeds", "0", "--out", "{out}"], "--seeds"),
     (["simulate", "nope"], "experiment"),

@@ -149,6 +149,13 @@ def test_read_api_for_per_step_callers():
     assert sorted(t.block_array("a").tolist()) == t.blocks_of("a") == [1, 2]
     assert t.num_blocks_of("a") == 2 and t.references("a", 2) and not t.references("a", 6)
     assert t.tail_block("a") == 2 and t.tail_block("c") == 6
+    assert t.blocks_outside("a", {1}) == {2} and t.blocks_outside("c", {6: None}, frozenset()) == {1}
+    assert t.blocks_outside("a") == {1, 2} and t.blocks_outside("a", [2], {1}) == set()
+    out = t.blocks_outside("a")
+    out.add(7)  # a new set: the caller's to change, the table's own untouched
+    assert t.blocks_of("a") == [1, 2]
+    with pytest.raises(TableError, match="unknown_request"):
+        t.blocks_outside("zz", {1})
     assert t.releasable_blocks("a").tolist() == [2]  # block 1 is shared, block 2 empty and private
     ids, slots = t.live_slots("a")
     assert ids.tolist() == [0, 1, 2, 3] and slots.tolist() == [4, 5, 6, 7]

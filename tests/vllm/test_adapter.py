@@ -708,3 +708,39 @@ def test_the_adapter_bench_breaks_the_step_down_into_its_parts():
         assert b[v]["replay"] > 0 and b[v]["checks"] > 0, b
     assert b["off"]["plan"] == 0 < b["evict50"]["plan"], b  # reclamation off never plans
     assert "R=8 evict50 (ms/step" in breakdown_text(res, "8")
+
+
+def test_the_adapter_bench_compares_two_trees_in_one_process():
+    """``vtoken bench adapter --against REF``: commit REF's adapter runs beside this tree's in one
+    process, as a package of its own (its absolute imports renamed, so none reaches this tree's
+    modules), each variant's mean step over the same plain run's, per tree. A ref that names no
+    commit is refused by name, with nothing loaded."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import vtoken
+    from vtoken.reports.bench_adapter import _ABS_NAME, _IMPORT, against_text, bench_against
+
+    root = Path(vtoken.__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    path_before = list(sys.path)
+    with pytest.raises(ValueError, match=r"ref 'no-such-ref'.*no such commit"):
+        bench_against("no-such-ref", quick=True)
+    assert sys.path == path_before
+    with pytest.raises(ValueError, match=r"--variants: \['plain'\]"):
+        bench_against("HEAD", quick=True, variants=("plain",))
+
+    res = bench_against("HEAD", quick=True, variants=("off",))
+    assert res["commit"] == head and set(res["ratio_mean"]["8"]) == {"off@ref", "off@head"}
+    assert all(x > 0 for xs in res["ratio_mean"]["8"].values() for x in xs) and res["head_over_ref"]["8"]["off"] > 0
+    pkg = f"vtoken_at_{head[:12]}"
+    ref_table = sys.modules[f"{pkg}.table"]
+    assert ref_table.TokenTable is not vtoken.TokenTable
+    ref_root = Path(sys.modules[pkg].__file__).parent
+    assert root not in ref_root.parents and sys.modules[f"{pkg}.vllm_adapter.adapter"].__file__.startswith(str(ref_root))
+    for f in ref_root.rglob("*.py"):  # no absolute import of this tree's package is left in the copy
+        text = f.read_text()
+        assert not _IMPORT.search(text) and not _ABS_NAME.search(text), f
+    assert against_text(res, "8").startswith(f"R=8: off x") and head[:12] in against_text(res, "8")

@@ -31,6 +31,11 @@ def main_bench(argv) -> int:
     ap.add_argument("--breakdown", action="store_true", help="adapter: add a pass timing each part of the adapter's step")
     ap.add_argument("--repeats", type=positive_int, default=None,
                     help="adapter: the whole measurement N times, ratio = the median of the N ratios (default 1)")
+    ap.add_argument("--against", metavar="REF", default=None,
+                    help="adapter: compare this tree's adapter with commit REF's, in one process")
+    ap.add_argument("--variants", default=None, help="adapter --against: comma-separated variants (default off,evict50)")
+    ap.add_argument("--R", default=None, action="append", dest="Rs",
+                    help="adapter --against: a number of running requests (repeatable; default 64)")
     ap.add_argument("--checks", action="store_true", help="engine: the runtime checks and hash-and-compare on")
     ap.add_argument("--json", action="store_true", help="(the last stdout line is one JSON object either way)")
     a = ap.parse_args(argv)
@@ -42,6 +47,9 @@ def main_bench(argv) -> int:
         ap.error("argument --breakdown: only with adapter")
     if a.repeats is not None and a.what != "adapter":
         ap.error("argument --repeats: only with adapter")
+    for flag, v in (("--against", a.against), ("--variants", a.variants), ("--R", a.Rs)):
+        if v is not None and a.what != "adapter":
+            ap.error(f"argument {flag}: only with adapter")
     if a.what == "adapter" and importlib.util.find_spec("vllm") is None:
         ap.error("argument what: adapter needs vLLM installed (make vllm)")
     if a.what == "engine":  # vLLM's real engine: in the engine environment, a process per mode
@@ -60,7 +68,10 @@ def main_bench(argv) -> int:
 
         return bench_adapter_main((["--quick"] if a.quick else []) + ["--seed", str(a.seed)] +
                                   (["--profile"] if a.profile else []) + (["--breakdown"] if a.breakdown else []) +
-                                  (["--repeats", str(a.repeats)] if a.repeats is not None else []))
+                                  (["--repeats", str(a.repeats)] if a.repeats is not None else []) +
+                                  (["--against", a.against] if a.against is not None else []) +
+                                  (["--variants", a.variants] if a.variants is not None else []) +
+                                  [x for R in a.Rs or () for x in ("--R", R)])
     res = BENCHES[a.what](seed=a.seed, quick=a.quick)
     print(json.dumps(res, sort_keys=True))
     return 0
