@@ -327,10 +327,10 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
     """This tree's adapter against commit ``ref``'s, in one process (``vtoken bench adapter
     --against REF``): a fresh run per variant and tree beside one plain vLLM run, the bench's
     workload, interleaved in rounds of 5 steps whose order flips each round, so a shared
-    machine's noise hits both trees alike; a difference of about 1% between trees shows,
-    where two bench runs differ by 5% and more. Per R: each variant's mean step over plain's
-    for ``ref`` and this tree (``ratio_mean``, per repeat) and ``head_over_ref``, the ratio of
-    the two means (below 1: this tree is cheaper). The ratios themselves are this harness's,
+    machine's noise hits both trees alike: one repeat's ``head/ref`` moves by a few percent
+    (up to 5% at R = 256), where two bench runs of one commit differ by 5% and more. Per R:
+    each variant's mean step over plain's for ``ref`` and this tree (``ratio_mean``, per
+    repeat) and ``head_over_ref``, the ratio of the two means (below 1: this tree is cheaper). The ratios themselves are this harness's,
     not the bench's (more runs share the process's caches; longer runs plan more).
     Owns: its runs, dropped per repeat; the loaded tree (:func:`_load_tree`)."""
     import torch

@@ -236,8 +236,9 @@ class RuntimeChecks:
         whole, current = (m.ids if requests is None else requests), self.current
         todo = [r for r in whole if current(r)]
         gained_by: dict[str, list] = {}
-        for r, b in gained:
-            if r not in whole and current(r) and t.references(r, b):
+        pos = m.pos
+        for r, b in gained:  # a block in the request's list is held for it: never unaccounted
+            if b not in pos.get(r, _NONE) and r not in whole and current(r) and t.references(r, b):
                 gained_by.setdefault(r, []).append(b)
         if not todo and not gained_by:
             return
@@ -247,7 +248,7 @@ class RuntimeChecks:
         inflight: dict[str, set] = {}
         for p in self.plans.values():
             inflight.setdefault(p.req_id, set()).update(p.blocks)
-        pos, held = m.pos, self.held
+        held = self.held
         for r in todo:  # whole tables: the table's own block set less every hold, in C
             extra = t.blocks_outside(r, pos.get(r, _NONE), held.get(r, _NONE), pend.get(r, _NONE),
                                      inflight.get(r, _NONE))
