@@ -440,7 +440,7 @@ class TokenTable:
         self._reqs: dict[object, _Req] = {}
         self._row: dict[object, int] = {}  # request -> its row (the batched paths look rows up in C)
         self._row_epoch = 0  # bumped whenever _row changes (a request added or freed): _rows' memo
-        self._rows_memo: list = []  # [(epoch, request list, rows)], the last two _rows found good
+        self._rows_memo: list = []  # [(epoch, request list, rows)], the two _rows lists used last, the last first
         # per-request rows: length, live count, capacity, host and device segment bases, a block the
         # request references (-1: none known; the batched sync's test that a token lands in a block
         # the request holds already), device slot mapping stale
@@ -541,11 +541,15 @@ class TokenTable:
         """:meth:`_rows_of` distinct requests: ``what`` (an error code) for a request named
         twice, in ``who``'s words. O(requests), in C. A decode step names the same running
         requests step after step: the last two lists found good are remembered with the rows
-        they had, and an equal list (no request added or freed since) reuses them (read-only)."""
+        they had (the last used first), and an equal list (no request added or freed since)
+        reuses them (read-only)."""
         epoch = self._row_epoch
         if type(req_ids) is list:
-            for e, ids, hs in self._rows_memo:
+            memo = self._rows_memo
+            for k, (e, ids, hs) in enumerate(memo):
                 if e == epoch and ids == req_ids:
+                    if k:  # most recently used first: a decode step's growth list stays while its
+                        memo[0], memo[k] = memo[k], memo[0]  # eviction lists, new each step, come and go
                     return hs
         hs = self._rows_of(req_ids)
         if len(set(hs.tolist())) != len(hs):

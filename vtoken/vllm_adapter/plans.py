@@ -34,7 +34,6 @@ from typing import Optional, Protocol
 import numpy as np
 
 from .assumptions import AdapterAssumptionError
-from .mirror import unaccounted
 from .messages import StepMeta, plan_order
 from ..errors import PlanError
 from ..lifecycle import Lifecycle, Outcome, Plan
@@ -49,6 +48,7 @@ SAFETY_CHECKS = 256
 
 
 _NEVER = 1 << 62  # a watched record's evictions due: its thresholds decide (PlanBook._watch)
+_NO_POS: dict = {}  # read-only stand-in for a request with no list entry or held block
 
 
 class _Gates:
@@ -253,11 +253,9 @@ class PlanBook:
             if r in busy or not current(r) or not running(r):
                 continue
             blocks = t.block_array(r).tolist()
-            not_ours = set(unaccounted(self.mirror, self.lifecycle.held, r, blocks))
-            exclude = np.asarray([b for b in blocks if pool_blocks[b].ref_cnt != 1 or b in not_ours], dtype=np.int64)
+            exclude, keep = self._excluded_and_unfillable(r, blocks, cfg.in_place and self.keep_prefix_bytes)
             tail = t.tail_block(r)
             head = list(self.lifecycle.headroom)
-            keep = self._unfillable(r, blocks) if cfg.in_place and self.keep_prefix_bytes else []
             # in place, a positive shortfall means propose finds nothing (planner.shortfall's
             # contract): skipped before proposing, unless its shortfall was just re-checked as 0
             if cfg.in_place and r not in cleared and self._no_plan(r, steps, tail, exclude, keep, len(head),
@@ -511,12 +509,24 @@ class PlanBook:
             skip.dead_by = 0
         return True
 
-    def _unfillable(self, r: str, blocks: list) -> list:
-        """``r``'s blocks a plan may empty but never fill: those whose prefix-cache hash describes
-        their bytes (computed with full context): filling their holes would change what a later
+    def _excluded_and_unfillable(self, r: str, blocks: list, unfillable: bool) -> tuple[np.ndarray, list]:
+        """Of ``r``'s ``blocks`` (in their order), in one pass: those no plan may touch (shared in
+        vLLM, ``ref_cnt != 1``, or not held for ``r`` by the scheduler side: neither in its list
+        nor among its held blocks), as an int64 array; and, with ``unfillable``, those a plan may
+        empty but never fill: whose prefix-cache hash describes their bytes (a list position
+        computed with full context), since filling their holes would change what a later
         request repeating the prefix hits. O(blocks of the request)."""
-        pool_blocks, pos, k = self.harness.pool.blocks, self.mirror.pos.get(r, {}), self.hashes.faithful_blocks(r)
-        return [b for b in blocks if pool_blocks[b].block_hash is not None and 0 <= pos.get(b, -1) < k]
+        pool_blocks, pos = self.harness.pool.blocks, self.mirror.pos.get(r, _NO_POS)
+        not_ours = self.table.blocks_outside(r, pos, self.lifecycle.held.get(r, _NO_POS))
+        k = self.hashes.faithful_blocks(r) if unfillable else 0
+        exclude, keep = [], []
+        for b in blocks:
+            blk = pool_blocks[b]
+            if blk.ref_cnt != 1 or b in not_ours:
+                exclude.append(b)
+            if k and blk.block_hash is not None and 0 <= pos.get(b, -1) < k:
+                keep.append(b)
+        return np.asarray(exclude, dtype=np.int64), keep
 
     def launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
         """Refuse a proposal vLLM's pool contradicts (a source or fill shared there), then hand
