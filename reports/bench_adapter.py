@@ -322,7 +322,7 @@ def _load_tree(ref: str) -> tuple[str, str]:
     return pkg, commit
 
 
-def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps: int = 150, repeats: int = 2,
+def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps: int = 150, repeats: int = 3,
                   variants=("off", "evict50")) -> dict:
     """This tree's adapter against commit ``ref``'s, in one process (``vtoken bench adapter
     --against REF``): a fresh run per variant and tree beside one plain vLLM run, the bench's

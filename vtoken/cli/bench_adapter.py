@@ -40,7 +40,7 @@ def main(argv=None) -> int:
                     help="add a pass that times each part of the adapter's step (replay, plan, checks, other)")
     ap.add_argument("--repeats", type=positive_int, default=None,
                     help="the whole measurement N times; ratio = the median of the N ratios (default 1; "
-                         "--against: 2)")
+                         "--against: 3)")
     ap.add_argument("--against", metavar="REF", default=None,
                     help="compare this tree's adapter with commit REF's, in one process (mean step over plain's)")
     ap.add_argument("--variants", type=_variants, default=None,
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                 ap.error(f"argument {flag}: not with --against")
         try:
             res = bench_against(a.against, seed=a.seed, quick=a.quick, Rs=tuple(a.Rs or (64,)),
-                                repeats=a.repeats or 2, variants=a.variants or ("off", "evict50"))
+                                repeats=a.repeats or 3, variants=a.variants or ("off", "evict50"))
         except ValueError as e:  # the ref (the variants were checked by their type above)
             ap.error(f"argument --against: {e}")
         for R in res["head_over_ref"]:
