@@ -156,6 +156,13 @@ def test_read_api_for_per_step_callers():
     assert t.blocks_of("a") == [1, 2]
     with pytest.raises(TableError, match="unknown_request"):
         t.blocks_outside("zz", {1})
+    with pytest.raises(TableError, match=r"not_integer.*container of block ids, got 5"):
+        t.blocks_outside("a", {1}, 5)
+    with pytest.raises(TableError, match=r"not_integer.*got None"):
+        t.blocks_outside("a", None)
+    with pytest.raises(TableError, match=r"not_integer.*got an unhashable entry"):
+        t.blocks_outside("a", [[1]])
+    assert t.blocks_of("a") == [1, 2]  # refused: nothing changed
     assert t.releasable_blocks("a").tolist() == [2]  # block 1 is shared, block 2 empty and private
     ids, slots = t.live_slots("a")
     assert ids.tolist() == [0, 1, 2, 3] and slots.tolist() == [4, 5, 6, 7]

@@ -154,6 +154,14 @@ def _repeats(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _iterable(x) -> bool:
+    try:
+        iter(x)
+    except TypeError:
+        return False
+    return True
+
+
 def _is_sequence(xs) -> bool:
     """A positional block list: list, tuple, range or 1-D numpy array (tensors converted first)."""
     if isinstance(xs, (list, tuple, range)):
@@ -1183,9 +1191,19 @@ class TokenTable:
         return sorted(self._req(req_id).blocks)
 
     def blocks_outside(self, req_id, *holds) -> set:
-        """The blocks the request references that are in none of ``holds`` (containers of block
-        ids: sets, dicts' keys), as a new set: set differences in C, no array built. O(blocks)."""
-        return self._req(req_id).blocks.difference(*holds)
+        """The blocks the request references that are in none of ``holds`` (iterables of block
+        ids: sets, dicts' keys, lists), as a new set: set differences in C, no array built.
+        Checks: ``bad_request_id``, ``unknown_request``, then ``not_integer`` for a hold that is
+        not iterable or holds an unhashable entry (the table unchanged either way). O(blocks +
+        holds)."""
+        r = self._req(req_id)
+        try:
+            return r.blocks.difference(*holds)
+        except TypeError:  # a hold not iterable, or holding an unhashable entry
+            bad = [h for h in holds if not _iterable(h)]
+            got = _show(bad[0]) if bad else "an unhashable entry"
+            raise TableError("not_integer", f"blocks_outside: each hold must be a container of block ids, "
+                                            f"got {got}") from None
 
     def block_array(self, req_id) -> np.ndarray:
         """The blocks the request references, in no particular order, as a read-only int64
