@@ -42,7 +42,6 @@ from itertools import chain
 from operator import attrgetter
 
 from .assumptions import AdapterAssumptionError
-from .mirror import unaccounted
 
 
 _HEADROOM = ("headroom",)
@@ -202,7 +201,8 @@ class RuntimeChecks:
                                          for g, r, lst in lists if g != g0])
         # the holders of each block the adapter holds (the only counts read), counted in C over
         # every list's entries: the pool's blocks are filtered before counting, not each counted
-        mine = self._held_ids()
+        held = list(self.held.items())
+        mine = set(self._hold_ids(self.lifecycle.headroom, held)[0])
         mine.discard(self.harness.pool.null_block.block_id)  # a list holding null holds no block
         holders = Counter(filter(mine.__contains__, map(_block_id, chain.from_iterable(lst for _, _, lst in lists))))
         in_lists = holders.copy()
@@ -211,7 +211,7 @@ class RuntimeChecks:
         def list_holder(bid):  # the first request whose list holds bid (names a violation)
             if not in_lists.get(bid):
                 return None
-            return next((r for _, r, lst in lists if any(b.block_id == bid and not b.is_null for b in lst)), None)
+            return next((r for _, r, lst in lists if any(b.block_id == bid for b in lst)), None)  # bid is never null
 
         self.lifecycle.take_fresh()
         self.new_entries = []  # every list is scanned below
@@ -220,7 +220,7 @@ class RuntimeChecks:
             raise AdapterAssumptionError("ownership", f"{where}: the held-block index disagrees with the held blocks: "
                                                       f"{stale[:8]}")
         self._check_headroom(where, list_holder, self.lifecycle.headroom)
-        self._check_refs(where, self.lifecycle.headroom, list(self.held.items()), lambda bid: holders.get(bid, 0))
+        self._check_refs(where, self.lifecycle.headroom, held, lambda bid: holders.get(bid, 0))
         self._check_sources_detached(where, thorough=True)
         self.mirror.check_lists(where)
 
@@ -249,13 +249,16 @@ class RuntimeChecks:
         for p in self.plans.values():
             inflight.setdefault(p.req_id, set()).update(p.blocks)
         held = self.held
+
+        def holds(r) -> tuple:  # what the scheduler side holds for r: its list, held blocks, releases, plans
+            return pos.get(r, _NONE), held.get(r, _NONE), pend.get(r, _NONE), inflight.get(r, _NONE)
+
         for r in todo:  # whole tables: the table's own block set less every hold, in C
-            extra = t.blocks_outside(r, pos.get(r, _NONE), held.get(r, _NONE), pend.get(r, _NONE),
-                                     inflight.get(r, _NONE))
+            extra = t.blocks_outside(r, *holds(r))
             if extra:
                 self._unheld(r, extra, processed)
         for r, ids in gained_by.items():
-            extra = unaccounted(m, held, r, ids, also=pend.get(r, _NONE) | inflight.get(r, _NONE))
+            extra = set(ids).difference(*holds(r))
             if extra:
                 self._unheld(r, extra, processed)
 
@@ -280,15 +283,18 @@ class RuntimeChecks:
         out.update(b.block_id for _, blocks in theirs for b in blocks if not b.is_null)
         return out
 
-    def _held_ids(self) -> set:
-        """Every block id the adapter holds: its headroom, its held blocks, every block of the
-        plans in flight (a new set). O(what it holds)."""
-        out = set(self.lifecycle.headroom)
-        for _, h in self.held.items():
-            out.update(h)
+    def _hold_ids(self, headroom, held) -> tuple[list, list]:
+        """``(ids, dest_like)``: every hold the adapter has, one entry per hold, in the order the
+        errors name them (``headroom`` ids, ``held``'s ``(request, {id: None})`` pairs, each plan
+        in flight's sources, fills and destinations), and of those the blocks that must carry no
+        prefix hash (held blocks, every block of a plan in flight). O(what it holds)."""
+        dest_like = [b for _, h in held for b in h]
+        ids = list(headroom) + dest_like
         for p in self.plans.values():
-            out.update(p.sources, p.fills, p.dests)
-        return out
+            more = list(p.fills) + list(p.dests)
+            ids += list(p.sources) + more
+            dest_like += more + list(p.sources)  # no hash on any block of a plan in flight
+        return ids, dest_like
 
     def _roles(self, headroom, held) -> dict[int, tuple]:
         """Each block of ``headroom`` (ids), of ``held``'s ``(request, {id: None})`` pairs and of
@@ -361,12 +367,7 @@ class RuntimeChecks:
         comprehension; only when that finds something are the roles worked out and the first
         violation (in the order headroom, held, plans) named."""
         blocks, cached = self.harness.pool.blocks, self.harness.pool.cached_block_hashes_by_block
-        dest_like = [b for _, h in held for b in h]
-        ids = list(headroom) + dest_like  # every hold, in the order the errors name them
-        for p in self.plans.values():
-            more = list(p.fills) + list(p.dests)
-            ids += list(p.sources) + more
-            dest_like += more + list(p.sources)  # no hash on any block of a plan in flight
+        ids, dest_like = self._hold_ids(headroom, held)
         if not ids:
             return
         mine = Counter(ids)

@@ -217,12 +217,3 @@ class BlockMirror:
                         "null_substitution", f"{where}: request {r!r} index {i}: req_to_blocks has block "
                         f"{blk.block_id}, the outputs gave {bid}")
 
-
-_NO_BLOCKS: dict = {}  # read-only stand-in for a request with no entry
-
-
-def unaccounted(mirror: BlockMirror, held, r: str, block_ids, also=frozenset()) -> list[int]:
-    """Of ``block_ids``, those the scheduler side does not hold for ``r`` (sorted): not in its
-    list (``mirror.pos``), not held for it (``held``: the lifecycle's ``{request: {block id:
-    None}}``), not in ``also``; set differences in C. O(len(block_ids))."""
-    return sorted(set(block_ids).difference(mirror.pos.get(r, _NO_BLOCKS), held.get(r, _NO_BLOCKS), also))
