@@ -133,9 +133,7 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
     out = {"ratio": {}, "ratio_mean": {}, "spread": {}, "median_ms": {}, "ratio_runs": {}, "R": list(Rs), "steps": steps,
            "repeats": int(repeats), "variants": list(VARIANTS)}
     for R in Rs:
-        rng = np.random.default_rng([seed, R])
-        lo, hi = (32, 64) if quick else (256, 1024)
-        prompts = [rng.integers(1, 63, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(R)]
+        prompts = _prompts(seed, R, quick)
         reps = []
         for rep in range(max(1, int(repeats))):
             runs = _measure(R, prompts, steps, seed, model)
@@ -174,14 +172,24 @@ def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:
     runs = {v: _Run(v, R, prompts, new, seed, model) for v in VARIANTS}
     for run in runs.values():
         run.prefill(R)
-    done = 0
-    while done < steps:
-        k = min(5, steps - done)
-        for run in runs.values():
-            for _ in range(k):
-                run.step(True)
-        done += k
+    _rounds(list(runs.values()), steps)
     return runs
+
+
+def _prompts(seed: int, R: int, quick: bool) -> list:
+    """The bench's ``R`` prompts for ``seed`` (256-1024 tokens each; 32-64 when ``quick``)."""
+    rng = np.random.default_rng([seed, R])
+    lo, hi = (32, 64) if quick else (256, 1024)
+    return [rng.integers(1, 63, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(R)]
+
+
+def _rounds(runs: list, steps: int, flip: bool = False) -> None:
+    """``steps`` measured decode steps of every run, interleaved in rounds of 5 (the last may be
+    shorter); ``flip``: the runs' order reversed every other round."""
+    for k in range(0, steps, 5):
+        for run in (runs[::-1] if flip and (k // 5) % 2 else runs):
+            for _ in range(min(5, steps - k)):
+                run.step(True)
 
 
 PHASES = ("replay", "plan", "checks", "other")
@@ -225,10 +233,7 @@ def _breakdown(R: int, prompts: list, steps: int, seed: int, model) -> dict:
     for run in runs.values():
         run.prefill(R)
     on[0] = True
-    for _ in range(0, steps, 5):
-        for run in runs.values():
-            for _ in range(5):
-                run.step(True)
+    _rounds(list(runs.values()), steps)
     out = {"plain_step": statistics.fmean(runs["plain"].times) * 1e3}
     for v, acc in spent.items():
         ms = {k: x * 1e3 / len(runs[v].times) for k, x in acc.items()}
@@ -347,9 +352,7 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
     out = {"against": ref, "commit": commit, "R": list(Rs), "steps": steps, "repeats": int(repeats),
            "variants": list(variants), "plain_mean_ms": {}, "ratio_mean": {}, "head_over_ref": {}}
     for R in Rs:
-        rng = np.random.default_rng([seed, R])
-        lo, hi = (32, 64) if quick else (256, 1024)
-        prompts = [rng.integers(1, 63, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(R)]
+        prompts = _prompts(seed, R, quick)
         ratios: dict = {f"{v}@{side}": [] for v in variants for side, _ in sides}
         plain_ms = []
         for _ in range(max(1, int(repeats))):
@@ -359,11 +362,7 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
                     runs[f"{v}@{side}"] = _Run(v, R, prompts, steps + 48, seed, models[p], pkg=p)
             for run in runs.values():
                 run.prefill(R)
-            order = list(runs.values())
-            for k in range(0, steps, 5):
-                for run in (order if (k // 5) % 2 == 0 else order[::-1]):
-                    for _ in range(min(5, steps - k)):
-                        run.step(True)
+            _rounds(list(runs.values()), steps, flip=True)
             plain = statistics.fmean(runs["plain"].times)
             plain_ms.append(plain * 1e3)
             for name in ratios:
