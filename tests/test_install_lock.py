@@ -1,0 +1,72 @@
+"""``scripts/install_vllm.sh``'s locked dependencies (``scripts/vllm-locks/``): the shipped
+locks hold only exact pins and none of the packages the installer refuses (torch, CUDA,
+triton), and a lock that breaks either rule is refused before anything is installed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "install_vllm.sh"
+LOCKS = sorted((REPO / "scripts" / "vllm-locks").glob("*.txt"))
+
+
+def _regex(name: str) -> re.Pattern:
+    m = re.search(rf"^{name}='([^']+)'$", SCRIPT.read_text(), flags=re.M)
+    assert m, f"{name} not found in {SCRIPT}"
+    return re.compile(m.group(1))
+
+
+def test_the_default_vllm_has_a_lock_for_this_python_and_torch():
+    import torch
+
+    py = "%d.%d" % sys.version_info[:2]
+    name = f"vllm-0.33.0-py{py}-torch{torch.__version__.replace('+', '_')}.txt"
+    assert (REPO / "scripts" / "vllm-locks" / name) in LOCKS, [p.name for p in LOCKS]
+
+
+@pytest.mark.parametrize("lock", LOCKS, ids=lambda p: p.name)
+def test_a_shipped_lock_pins_exact_versions_and_nothing_the_installer_refuses(lock):
+    drop, skip = _regex("DROP"), _regex("SKIP")
+    pins = [ln.strip() for ln in lock.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert len(pins) > 50  # vLLM's closure, not a stub
+    for pin in pins:
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)", pin)
+        assert m, pin
+        name = re.sub(r"[-_.]+", "-", m.group(1)).lower()
+        assert not drop.match(name) and not skip.match(name), pin
+    names = [re.sub(r"[-_.]+", "-", p.split("==")[0]).lower() for p in pins]
+    assert len(set(names)) == len(names)  # one pin per package
+
+
+@pytest.mark.parametrize("lock_text,words", [
+    ("requests==2.32.3\ntorch==2.13.0\n", "it pins torch/CUDA or skipped packages: torch==2.13.0"),
+    ("requests==2.32.3\ntriton==3.9.0\n", "it pins torch/CUDA or skipped packages: triton==3.9.0"),
+    ("requests>=2\n", "not a 'name==version' pin: 'requests>=2'"),
+])
+def test_a_bad_lock_is_refused_before_anything_is_installed(tmp_path, lock_text, words):
+    """The installer run for real up to the lock (vLLM made unimportable by a stub package, the
+    wheel a stand-in file: the lock path reads neither): it stops with the lock's fault named."""
+    import torch
+
+    stub = tmp_path / "stub" / "vllm"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('stub: vLLM not installed here')\n")
+    wheels, locks = tmp_path / "wheels", tmp_path / "locks"
+    wheels.mkdir()
+    locks.mkdir()
+    (wheels / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    py = "%d.%d" % sys.version_info[:2]
+    (locks / f"vllm-0.33.0-py{py}-torch{torch.__version__.replace('+', '_')}.txt").write_text(lock_text)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "stub"), "VTOKEN_WHEEL_DIR": str(wheels),
+           "VTOKEN_VLLM_LOCKS": str(locks), "HOME": str(tmp_path)}
+    p = subprocess.run(["bash", str(SCRIPT), sys.executable, "0.33.0"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert words in p.stderr, p.stdout + p.stderr
+    assert "dependencies installed" not in p.stdout + p.stderr
