@@ -1,6 +1,7 @@
 """``scripts/install_vllm.sh``'s locked dependencies (``scripts/vllm-locks/``): the shipped
 locks hold only exact pins and none of the packages the installer refuses (torch, CUDA,
-triton), and a lock that breaks either rule is refused before anything is installed."""
+triton), and a lock that breaks either rule is refused before anything is installed; and the
+quiet pip (``scripts/pipq.sh``) those installs run through."""
 
 from __future__ import annotations
 
@@ -70,3 +71,25 @@ def test_a_bad_lock_is_refused_before_anything_is_installed(tmp_path, lock_text,
     assert p.returncode != 0, p.stdout + p.stderr
     assert words in p.stderr, p.stdout + p.stderr
     assert "dependencies installed" not in p.stdout + p.stderr
+
+
+def test_pipq_drops_the_two_known_warnings_keeps_the_rest_and_pips_status(tmp_path):
+    """``scripts/pipq.sh`` (the Makefile's and the installer's pip): the index-folder warnings
+    and setuptools' editable-install block go; every other line, an unfinished block's lines
+    past its 12, and pip's exit status stay."""
+    out = tmp_path / "pip-output.txt"
+    out.write_text("Collecting x\n"
+                   "WARNING: Location '/nope' is ignored: it is neither a file nor a directory.\n"
+                   "  /tmp/b/editable_wheel.py:354: BuildBackendWarning: Editable installation.\n"
+                   "  !!\n          ****\n  !!\n"
+                   "    with strategy, WheelFile(wheel_path, \"w\") as wheel_obj:\n"
+                   "ERROR: a real error\n"
+                   "  /tmp/b/editable_wheel.py:354: BuildBackendWarning: Editable installation.\n"
+                   + "".join(f"  line {i}\n" for i in range(14)))
+    fake = tmp_path / "fakepy"
+    fake.write_text(f"#!/bin/bash\ncat {out}\nexit 3\n")
+    fake.chmod(0o755)
+    p = subprocess.run(["bash", str(REPO / "scripts" / "pipq.sh"), str(fake), "install", "x"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 3
+    assert p.stdout.splitlines() == ["Collecting x", "ERROR: a real error", "  line 11", "  line 12", "  line 13"]
