@@ -202,7 +202,7 @@ class RuntimeChecks:
         # the holders of each block the adapter holds (the only counts read), counted in C over
         # every list's entries: the pool's blocks are filtered before counting, not each counted
         held = list(self.held.items())
-        mine = set(self._hold_ids(self.lifecycle.headroom, held)[0])
+        mine = set(self.lifecycle.headroom).union(self._held_ids(held))
         mine.discard(self.harness.pool.null_block.block_id)  # a list holding null holds no block
         holders = Counter(filter(mine.__contains__, map(_block_id, chain.from_iterable(lst for _, _, lst in lists))))
         in_lists = holders.copy()
@@ -283,18 +283,16 @@ class RuntimeChecks:
         out.update(b.block_id for _, blocks in theirs for b in blocks if not b.is_null)
         return out
 
-    def _hold_ids(self, headroom, held) -> tuple[list, list]:
-        """``(ids, dest_like)``: every hold the adapter has, one entry per hold, in the order the
-        errors name them (``headroom`` ids, ``held``'s ``(request, {id: None})`` pairs, each plan
-        in flight's sources, fills and destinations), and of those the blocks that must carry no
-        prefix hash (held blocks, every block of a plan in flight). O(what it holds)."""
-        dest_like = [b for _, h in held for b in h]
-        ids = list(headroom) + dest_like
+    def _held_ids(self, held) -> list:
+        """Every hold the adapter has besides its headroom, one entry per hold, in the order the
+        errors name them: ``held``'s ``(request, {id: None})`` pairs, then each plan in flight's
+        sources, fills and destinations. None of them may carry a prefix hash. O(what it holds)."""
+        ids = [b for _, h in held for b in h]
         for p in self.plans.values():
-            more = list(p.fills) + list(p.dests)
-            ids += list(p.sources) + more
-            dest_like += more + list(p.sources)  # no hash on any block of a plan in flight
-        return ids, dest_like
+            ids += p.sources
+            ids += p.fills
+            ids += p.dests
+        return ids
 
     def _roles(self, headroom, held) -> dict[int, tuple]:
         """Each block of ``headroom`` (ids), of ``held``'s ``(request, {id: None})`` pairs and of
@@ -367,7 +365,8 @@ class RuntimeChecks:
         comprehension; only when that finds something are the roles worked out and the first
         violation (in the order headroom, held, plans) named."""
         blocks, cached = self.harness.pool.blocks, self.harness.pool.cached_block_hashes_by_block
-        ids, dest_like = self._hold_ids(headroom, held)
+        dest_like = self._held_ids(held)  # no hash on a held block nor any block of a plan in flight
+        ids = list(headroom) + dest_like  # every hold, in the order the errors name them
         if not ids:
             return
         mine = Counter(ids)
