@@ -8,7 +8,10 @@ all in one process, interleaved in rounds (a shared machine's noise hits them al
 - ``off``: the adapter with reclamation off (indirection only);
 - ``defaults``: the adapter at its defaults, no eviction acting;
 - ``evict50``: the adapter at its defaults, 50% random eviction (plans every few steps);
-- the three adapter variants again with ``checks=False``.
+- the three adapter variants again with ``checks=False``;
+- only with ``--against`` (``AGAINST_ONLY``): ``evict50_keepoff``, ``evict50`` with
+  ``keep_prefix_bytes`` off (in-place plans may fill a block whose hash describes its bytes):
+  what keeping prefix-cache hits costs the step on this workload, whose prompts no request repeats.
 
 Sync scheduling, prefix caching on, S = 16, prompts of 256-1024 tokens, a pool large enough
 that nothing is preempted. Per variant and R: the median of the per-step cost over the
@@ -40,6 +43,7 @@ import time
 import numpy as np
 
 VARIANTS = ("plain", "off", "defaults", "evict50", "off_nochecks", "defaults_nochecks", "evict50_nochecks")
+AGAINST_ONLY = ("evict50_keepoff",)  # selectable with --against --variants, not run by the bench itself
 
 
 def _model(pkg: str = "vtoken"):
@@ -77,6 +81,8 @@ class _Run:
             for i, p in enumerate(prompts):
                 self.harness.add_request(f"r{i}", p, max_tokens=new)
         else:
+            if variant.endswith("keepoff"):  # only then: a tree from before the setting takes the others
+                kw["keep_prefix_bytes"] = False
             self.ad = VTokenAdapter(reclaim=not variant.startswith("off"), checks=not variant.endswith("nochecks"), **kw)
             self.sched = self.ad.scheduler
             table = self.ad.table
@@ -340,9 +346,9 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
     Owns: its runs, dropped per repeat; the loaded tree (:func:`_load_tree`)."""
     import torch
 
-    bad = [v for v in variants if v not in VARIANTS or v == "plain"]
+    bad = [v for v in variants if v not in VARIANTS + AGAINST_ONLY or v == "plain"]
     if bad or not variants:
-        raise ValueError(f"--variants: {bad or 'none'}: each must be one of {', '.join(VARIANTS[1:])}")
+        raise ValueError(f"--variants: {bad or 'none'}: each must be one of {', '.join(VARIANTS[1:] + AGAINST_ONLY)}")
     pkg, commit = _load_tree(ref)
     torch.set_num_threads(1)
     models = {"vtoken": _model(), pkg: _model(pkg)}

@@ -744,3 +744,21 @@ def test_the_adapter_bench_compares_two_trees_in_one_process():
         text = f.read_text()
         assert not _IMPORT.search(text) and not _ABS_NAME.search(text), f
     assert against_text(res, "8").startswith(f"R=8: off x") and head[:12] in against_text(res, "8")
+
+
+def test_the_adapter_benchs_keepoff_variant_turns_only_prefix_keeping_off():
+    """``evict50_keepoff`` (``--against`` only): the ``evict50`` adapter with ``keep_prefix_bytes``
+    off and every other setting as ``evict50``'s; the bench itself does not run it, and a name
+    outside both lists is refused by name."""
+    from vtoken.reports.bench_adapter import AGAINST_ONLY, VARIANTS, _model, _Run, bench_against
+
+    assert "evict50_keepoff" in AGAINST_ONLY and not set(AGAINST_ONLY) & set(VARIANTS)
+    prompts = [[1 + (i * 7 + j) % 60 for j in range(40)] for i in range(3)]
+    model = _model()
+    on, off = (_Run(v, 3, prompts, 8, 0, model) for v in ("evict50", "evict50_keepoff"))
+    assert on.ad.config.keep_prefix_bytes is True and off.ad.config.keep_prefix_bytes is False
+    assert {k: v for k, v in vars(on.ad.config).items() if k != "keep_prefix_bytes"} == \
+        {k: v for k, v in vars(off.ad.config).items() if k != "keep_prefix_bytes"}
+    assert on.w.evict_ratio == off.w.evict_ratio == 0.5
+    with pytest.raises(ValueError, match=r"--variants: \['evict50_keep'\]"):
+        bench_against("HEAD", quick=True, variants=("evict50_keep",))
