@@ -106,6 +106,14 @@ class _Run:
             self.times.append((t1 - t0) + (t3 - t2))
         return sched_out.total_num_scheduled_tokens > 0
 
+    def work(self, steps: int) -> dict:
+        """What the adapter did over the run (its counters) and the blocks it retained, by the
+        mean over the last ``steps`` non-empty steps (``VTokenAdapter.retained``): what a
+        variant's step cost buys."""
+        st, kept = self.ad.stats, [x[1] for x in getattr(self.ad, "retained", [])[-steps:]]
+        return {"plans": st.get("plans"), "sources_freed": st.get("sources_freed"), "moves": st.get("moves"),
+                "retained_mean": statistics.fmean(kept) if kept else None}  # None: a ref that does not count it
+
     def prefill(self, R: int) -> None:
         """Step (chunked prefill, not measured) until all ``R`` requests run and decode."""
         for _ in range(200):
@@ -341,7 +349,9 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
     machine's noise hits both trees alike: one repeat's ``head/ref`` moves by a few percent
     (up to 5% at R = 256), where two bench runs of one commit differ by 5% and more. Per R:
     each variant's mean step over plain's for ``ref`` and this tree (``ratio_mean``, per
-    repeat) and ``head_over_ref``, the ratio of the two means (below 1: this tree is cheaper). The ratios themselves are this harness's,
+    repeat) and ``head_over_ref``, the ratio of the two means (below 1: this tree is cheaper);
+    ``work``: per variant and tree, per repeat, its plans, sources freed, moves and mean retained
+    blocks (``_Run.work``: what the step cost bought). The ratios themselves are this harness's,
     not the bench's (more runs share the process's caches; longer runs plan more).
     Owns: its runs, dropped per repeat; the loaded tree (:func:`_load_tree`)."""
     import torch
@@ -356,11 +366,11 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
         Rs, steps, repeats = (8,), 10, 1
     sides = (("ref", pkg), ("head", "vtoken"))
     out = {"against": ref, "commit": commit, "R": list(Rs), "steps": steps, "repeats": int(repeats),
-           "variants": list(variants), "plain_mean_ms": {}, "ratio_mean": {}, "head_over_ref": {}}
+           "variants": list(variants), "plain_mean_ms": {}, "ratio_mean": {}, "head_over_ref": {}, "work": {}}
     for R in Rs:
         prompts = _prompts(seed, R, quick)
         ratios: dict = {f"{v}@{side}": [] for v in variants for side, _ in sides}
-        plain_ms = []
+        plain_ms, work = [], {}
         for _ in range(max(1, int(repeats))):
             runs = {"plain": _Run("plain", R, prompts, steps + 48, seed, models["vtoken"])}
             for v in variants:
@@ -373,10 +383,12 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
             plain_ms.append(plain * 1e3)
             for name in ratios:
                 ratios[name].append(statistics.fmean(runs[name].times) / plain)
+                work.setdefault(name, []).append(runs[name].work(steps))
             del runs
         key = str(R)
         out["plain_mean_ms"][key] = plain_ms
         out["ratio_mean"][key] = ratios
+        out["work"][key] = work
         out["head_over_ref"][key] = {v: statistics.fmean(ratios[f"{v}@head"]) / statistics.fmean(ratios[f"{v}@ref"])
                                      for v in variants}
     return out

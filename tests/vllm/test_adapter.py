@@ -735,6 +735,10 @@ def test_the_adapter_bench_compares_two_trees_in_one_process():
     res = bench_against("HEAD", quick=True, variants=("off",))
     assert res["commit"] == head and set(res["ratio_mean"]["8"]) == {"off@ref", "off@head"}
     assert all(x > 0 for xs in res["ratio_mean"]["8"].values() for x in xs) and res["head_over_ref"]["8"]["off"] > 0
+    work = res["work"]["8"]  # what each run did: reclamation off plans nothing, and blocks stay in use
+    assert set(work) == {"off@ref", "off@head"} and all(len(w) == 1 for w in work.values())
+    assert all(w[0]["plans"] == w[0]["sources_freed"] == w[0]["moves"] == 0 < w[0]["retained_mean"]
+               for w in work.values()), work
     pkg = f"vtoken_at_{head[:12]}"
     ref_table = sys.modules[f"{pkg}.table"]
     assert ref_table.TokenTable is not vtoken.TokenTable
