@@ -115,7 +115,7 @@ class _Incarnations:
 
 def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: int, num_blocks: int,
          block_size: int = 16, prefix_caching: bool = True, async_scheduling: bool = True, copy_lag: int = 0,
-         headroom: int = 8, snapshot_dir=None, late: Optional[dict] = None, evict_ratio: float = 0.5,
+         headroom: Optional[int] = None, snapshot_dir=None, late: Optional[dict] = None, evict_ratio: float = 0.5,
          max_num_batched_tokens: int = 2048, then: Optional[Callable[[Callable], dict]] = None,
          kv_layout: str = "full", keep_prefix_bytes: Optional[bool] = None) -> dict:
     """One decode through the adapter; returns outputs and measurements (raises on a broken
@@ -123,9 +123,11 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
     ``then``: called once every request has finished, with ``output_tokens(req_id)``; the
     requests it returns (id -> prompt) are decoded next (a later request repeating an
     earlier one's prompt or its whole sequence).
-    ``headroom``: the planner defaults but for a small reservation: in-place plans never use
-    it, but the reservation path (out-of-place plans, ``in_place=False``) stays under the
-    audit's runtime checks (the planted ``adapter_headroom_to_allocate`` is caught here).
+    ``headroom``: None, the adapter's defaults (what the audit audits: in-place plans keeping
+    hashed bytes, with the soft reservation of ``AdapterConfig.keep_headroom`` for their
+    destinations, so the reservation path stays under the audit's runtime checks and the
+    planted ``adapter_headroom_to_allocate`` is caught here); a number: the planner's own
+    reservation of that size instead.
     ``kv_layout``: vLLM's KV cache groups (``hybrid``: full attention + a sliding window of two
     blocks, read by the model's odd layers). ``keep_prefix_bytes``: the adapter's setting
     (in-place plans never fill a block its prefix-cache hash describes); None: its default."""
@@ -133,7 +135,8 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
 
     ad = VTokenAdapter(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                        async_scheduling=async_scheduling, reclaim=reclaim,
-                       planner_config=default_adapter_planner_config(headroom=headroom),
+                       planner_config=default_adapter_planner_config(**({} if headroom is None else
+                                                                         {"headroom": headroom})),
                        max_num_batched_tokens=max_num_batched_tokens, kv_layout=kv_layout,
                        **({} if keep_prefix_bytes is None else {"keep_prefix_bytes": keep_prefix_bytes}))
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,

@@ -29,16 +29,17 @@ def prompt(i: int, n: int, base: int = 0) -> list[int]:
 
 
 def make(model, *, S=8, N=48, H=4, caching=True, async_=False, lag=0, policy="random", ratio=0.5,
-         reclaim=True, batched=2048, seed=0, vllm_clock=False, keep=False):
+         reclaim=True, batched=2048, seed=0, vllm_clock=False, keep=False, soft=None):
     """An adapter, its worker and driver. ``vllm_clock``: vLLM's deferred frees are on (as a
     KV-consumer connector sets them) before the adapter attaches, so the fence runs on vLLM's
-    counters; else on the adapter's own. ``keep``: ``keep_prefix_bytes``."""
+    counters; else on the adapter's own. ``keep``: ``keep_prefix_bytes``; ``soft``:
+    ``keep_headroom`` (None: the adapter's default; it acts only with ``keep`` and ``H`` 0)."""
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
     from vtoken.vllm_adapter.harness import VllmHarness
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     own = dict(reclaim=reclaim, planner_config=default_adapter_planner_config(headroom=H), headroom_pool_fraction=4,
-               keep_prefix_bytes=keep)
+               keep_prefix_bytes=keep, **({} if soft is None else {"keep_headroom": soft}))
     vllm_side = dict(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_,
                      max_num_batched_tokens=batched, max_model_len=512)
     if vllm_clock:
@@ -378,6 +379,58 @@ def test_an_abort_reaches_a_request_held_back_by_backpressure(model):
     ad.pool.free_blocks(grabbed)
     run_to_end(ad, d)
     assert ad.requests["b"].status == RequestStatus.FINISHED_ABORTED
+
+
+def test_the_soft_reservation_is_held_only_while_an_evicted_token_may_need_it(model):
+    """``keep_headroom`` (the default with ``keep_prefix_bytes``, in-place plans and no planner
+    headroom): with nothing evicted nothing is reserved (vLLM's own tests see the whole pool);
+    with evictions destinations are held and plans take them; no step is back-pressured; and
+    once no evicted token is left the reservation goes back at the next ``schedule()``."""
+    for ratio in (0.0, 0.5):
+        ad, w, d = make(model, S=8, N=120, H=0, ratio=ratio, keep=True)
+        assert (ad.reserve.size, ad.reserve.soft, ad.reserve.target()) == (0, 32, 0)
+        for i in range(3):
+            ad.add_request(f"q{i}", prompt(i, 30 + 9 * i), max_tokens=40)
+        held = []
+        for _ in range(400):
+            if not ad.has_work():
+                break
+            d.step()
+            held.append(len(ad.headroom))
+            if ratio and len(ad.headroom) and ad.scheduler.running:
+                ad.reserve.needed = lambda: False  # as when the last evicted token left
+                ad.reserve.before_schedule()
+                assert not ad.headroom and ad.stats["headroom_yielded"] >= 1
+                ad.reserve.needed = lambda: ad.table.num_dead_tokens > 0
+        run_to_end(ad, d)
+        assert ad.stats["backpressure_steps"] == 0
+        if ratio:
+            assert max(held) > 0 and ad.stats["dests_used"] > 0, (held, ad.stats)
+        else:
+            assert max(held) == 0 and ad.stats["plans"] == 0
+
+
+def test_the_soft_reservation_leaves_the_next_admission_its_prompt(model):
+    """A soft reservation keeps the waiting queue's next prompt free while requests run (a
+    planner reservation keeps it only at idle and holds fresh admissions back while short):
+    with the pool otherwise dry, the request is admitted at the next step."""
+    ad, w, d = make(model, S=8, N=64, H=0, ratio=0.5, keep=True)
+    ad.add_request("a", prompt(0, 40), max_tokens=60)
+    for _ in range(30):
+        d.step()
+        if len(ad.headroom):
+            break
+    assert len(ad.headroom), "no reservation taken: not the case under test"
+    ad.lifecycle.give_back(len(ad.headroom) // 2 + 1)  # below its target: it would take free blocks again
+    spare = 3 + 1  # b's prompt (24 tokens) and a's next block
+    grabbed = ad.pool.get_new_blocks(max(0, ad.pool.get_num_free_blocks() - spare))
+    ad.add_request("b", prompt(1, 24), max_tokens=4)
+    d.step()
+    b = ad.scheduler.requests["b"]
+    assert b.num_computed_tokens > 0 and b in ad.scheduler.running, "the soft reservation kept an admission out"
+    assert ad.stats["backpressure_steps"] == 0
+    ad.pool.free_blocks(grabbed)
+    run_to_end(ad, d)
 
 
 # ---------------------------------------------------------------------------- drain

@@ -16,14 +16,16 @@ pytestmark = pytest.mark.vllm
 def _run(model, full_every=64, paranoid=False, ratio=0.0, headroom=4, reclaim=True, requests=3, vocab=500,
          max_tokens=60):
     """``requests`` decoding (40-token prompts) after 3 steps. ``headroom``: on top of the planner
-    defaults (None: the shipped defaults, in place, no headroom)."""
+    defaults (None: the shipped defaults, in place, but no reservation at all: the adapter's soft
+    one, ``keep_headroom``, off, so these scenarios' blocks change hands only as they plan)."""
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
     from vtoken.vllm_adapter.worker import VTokenWorker
 
     S, N = 8, 96
     cfg = None if headroom is None else default_adapter_planner_config(headroom=headroom)
     ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=True, async_scheduling=False, planner_config=cfg,
-                       max_model_len=512, check_full_every=full_every, paranoid_checks=paranoid, reclaim=reclaim)
+                       max_model_len=512, check_full_every=full_every, paranoid_checks=paranoid, reclaim=reclaim,
+                       keep_headroom=0)
     w = VTokenWorker(model, ad.table, N, S, check_relocations=RelocationChecker, policy="random", evict_ratio=ratio, seed=0)
     d = AdapterDriver(ad, w)
     for i in range(requests):

@@ -22,6 +22,7 @@ ADAPTER_BAD = [
     ("max_plans_per_step", 0, "out_of_range"), ("max_plans_per_step", 2.5, "bad_type"),
     ("check_full_every", 0, "out_of_range"), ("check_full_every", False, "bad_type"),
     ("headroom_pool_fraction", 0, "out_of_range"),
+    ("keep_headroom", -1, "out_of_range"), ("keep_headroom", 4.0, "bad_type"), ("keep_headroom", True, "bad_type"),
     ("prefix_caching", 1, "bad_type"), ("async_scheduling", "yes", "bad_type"), ("reclaim", None, "bad_type"),
     ("checks", 0, "bad_type"), ("evict_unfaithful_hashes", "no", "bad_type"), ("paranoid_checks", 1.0, "bad_type"),
     ("planner_config", {"headrom": 4}, "unsupported"), ("planner_config", [4], "bad_type"),

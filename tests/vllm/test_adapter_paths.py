@@ -22,7 +22,9 @@ def prompt(i: int, n: int, base: int = 0) -> list[int]:
 def make(model, *, S=4, N=64, H=0, in_place=True, caching=True, async_=False, lag=0, ratio=0.5, reclaim=True,
          batched=2048, engine=None, seed=0, **engine_kw):
     """An adapter, its worker and driver. ``engine``: a copy-engine class of the toolkit, built
-    with ``engine_kw`` (``table=True`` hands it the worker's own table)."""
+    with ``engine_kw`` (``table=True`` hands it the worker's own table). ``H`` is the only
+    reservation (the adapter's soft one, ``keep_headroom``, off: these paths' scenarios are timed
+    by their plans)."""
     if harness.vllm_version() is None:
         pytest.fail("vLLM not installed: run scripts/install_vllm.sh", pytrace=False)
     from vtoken.vllm_adapter.adapter import AdapterDriver, VTokenAdapter, default_adapter_planner_config
@@ -31,7 +33,7 @@ def make(model, *, S=4, N=64, H=0, in_place=True, caching=True, async_=False, la
 
     ad = VTokenAdapter(block_size=S, num_blocks=N, prefix_caching=caching, async_scheduling=async_, reclaim=reclaim,
                        planner_config=default_adapter_planner_config(headroom=H, in_place=in_place),
-                       max_num_batched_tokens=batched, max_model_len=512, headroom_pool_fraction=4)
+                       max_num_batched_tokens=batched, max_model_len=512, headroom_pool_fraction=4, keep_headroom=0)
     factory = None
     wt = LoggedTable(S, N)  # the worker's own table (the adapter's is its replica)
     if engine is not None:

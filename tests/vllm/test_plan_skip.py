@@ -28,11 +28,13 @@ def _estimates_hold(book) -> None:
 
 
 def _decode(model, monkeypatch, skip: bool, S: int = 4, ratio: float = 0.5, policy: str = "random",
-            H: int = 0, keep: bool = True, lag: int = 0, seed: int = 0, n: int = 6) -> dict:
+            H: int = 0, keep: bool = True, lag: int = 0, seed: int = 0, n: int = 6, soft: int = 0) -> dict:
+    """``H``: the planner's reservation; ``soft``: the adapter's soft one (``keep_headroom``, with
+    ``keep`` and ``H`` 0); both 0: no destination at all."""
     import vtoken.vllm_adapter.plans as plans
 
     ad, w, d = make(model, S=S, N=max(200, 1600 // S), H=H, ratio=ratio, caching=True, keep=keep, policy=policy,
-                    lag=lag, seed=seed)
+                    lag=lag, seed=seed, soft=soft)
     calls = {"propose": 0, "skipped_max": 0}
     real = plans.propose
 
@@ -62,22 +64,24 @@ def _decode(model, monkeypatch, skip: bool, S: int = 4, ratio: float = 0.5, poli
     return dict(calls, launched=launched, outputs={f"q{i}": ad.output_tokens(f"q{i}") for i in range(n)})
 
 
-@pytest.mark.parametrize("S, ratio, policy, H", [(4, 0.5, "random", 0), (16, 0.6, "random", 0), (4, 0.4, "h2o", 0),
-                                                 (4, 0.5, "random", 6)])
-def test_a_request_no_plan_can_serve_is_skipped_and_no_plan_is_lost(model, monkeypatch, S, ratio, policy, H):
+@pytest.mark.parametrize("S, ratio, policy, H, soft", [(4, 0.5, "random", 0, 0), (16, 0.6, "random", 0, 0),
+                                                       (4, 0.4, "h2o", 0, 0), (4, 0.5, "random", 6, 0),
+                                                       (4, 0.5, "random", 0, 32)])
+def test_a_request_no_plan_can_serve_is_skipped_and_no_plan_is_lost(model, monkeypatch, S, ratio, policy, H, soft):
     """Skipped requests are looked at again by their live counts (watched: the fillable holes
     and the least unfillable count, updated from the table's drops), or their evictions (with
     a headroom, hashed blocks may be emptied into destinations: counted records); only the
     records whose gate may have opened are tested (``PlanBook._still_skipped``): the plans
-    are the same, for block sizes, eviction ratios, a policy that evicts by score and a headroom."""
+    are the same, for block sizes, eviction ratios, a policy that evicts by score, a headroom
+    and the adapter's soft reservation (its default)."""
     with monkeypatch.context() as m:
-        every = _decode(model, m, skip=False, S=S, ratio=ratio, policy=policy, H=H)
+        every = _decode(model, m, skip=False, S=S, ratio=ratio, policy=policy, H=H, soft=soft)
     with monkeypatch.context() as m:
-        skipping = _decode(model, m, skip=True, S=S, ratio=ratio, policy=policy, H=H)
+        skipping = _decode(model, m, skip=True, S=S, ratio=ratio, policy=policy, H=H, soft=soft)
     assert every["launched"], "no plan launched: the workload does not exercise the planner"
     assert skipping["launched"] == every["launched"]  # the same plans, at the same steps
     assert skipping["outputs"] == every["outputs"]
-    if H:  # the headroom grows back before each check past what a record was made with: each is woken
+    if H or soft:  # the headroom grows back before each check past what a record was made with: each is woken
         return  # (a record made after a launch took blocks out was never woken before: a plan came late)
     assert every["skipped_max"] == 0 < skipping["skipped_max"]
     # proposals that found nothing are what the skip saves
@@ -91,15 +95,15 @@ def _sweep(k: int) -> dict:
     g = np.random.default_rng([38, k])
     return dict(S=int(g.choice([4, 8, 16])), ratio=float(g.choice([0.3, 0.5, 0.7])), policy=str(g.choice(["random", "h2o"])),
                 H=int(g.choice([0, 0, 3, 6])), keep=bool(g.integers(0, 4) > 0), lag=int(g.choice([0, 0, 1, 2])),
-                seed=k, n=int(g.integers(3, 8)))
+                seed=k, n=int(g.integers(3, 8)), soft=int(g.choice([0, 32])))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", range(24))
 def test_skipping_loses_no_plan_across_settings(model, monkeypatch, k):
     """The skip gates against proposing for every request with a positive bound at every check,
-    across block sizes, eviction ratios, policies, headrooms, copy lags, ``keep_prefix_bytes``
-    and workloads: the same plans at the same steps and the same outputs (with the headroom wake compared with the
+    across block sizes, eviction ratios, policies, headrooms (the planner's, the adapter's soft
+    one), copy lags, ``keep_prefix_bytes`` and workloads: the same plans at the same steps and the same outputs (with the headroom wake compared with the
     headroom at the start of the last check, 3 of these 24 failed)."""
     cfg = _sweep(k)
     with monkeypatch.context() as m:

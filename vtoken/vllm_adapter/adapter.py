@@ -72,8 +72,10 @@ through the sliding-window group's own blocks (``layout.WorkerLayout``).
 
 Where vLLM's own tests see a difference (the audit's vllm-own-tests check, 0.33.0,
 ``tests/v1/core`` with the adapter attached and no eviction acting): while requests run, a
-headroom (out-of-place compaction only; the default in-place plans reserve none) is held:
-exact free-block counts differ by it (tests that set one).
+planner headroom (``planner_config.headroom``; none by default) is held: exact free-block counts
+differ by it (tests that set one). The default's soft reservation for the destinations of
+plans that keep hashed bytes (``keep_headroom``) is held only while a request holds an evicted
+token: with nothing evicted it takes no block.
 
 Prefix caching: shared-prefix blocks are never moved, filled or released (a candidate must
 have ``ref_cnt == 1`` in vLLM's pool and be referenced by one request in the token table);
@@ -249,7 +251,8 @@ class VTokenAdapter:
                                 c.headroom_pool_fraction, self.S,
                                 dict(backpressure_steps=0, held_back_max=0, headroom_idle_returns=0,
                                      headroom_yielded=0), groups=self.groups,
-                                frees_waiting=self.frees_waiting)
+                                frees_waiting=self.frees_waiting, soft=self._keep_headroom(c),
+                                needed=lambda: self._t.num_dead_tokens > 0)
         self.mirror = BlockMirror(self.req_to_blocks, self.pool.null_block, self.pool.blocks,
                                   on_start=self._on_list_start, group=self.group,
                                   groups=self.groups)
@@ -268,6 +271,13 @@ class VTokenAdapter:
                              reserve=self.reserve, mirror=self.mirror, fence=self.fence, hashes=self.hashes,
                              checker=self.checker, requests=self, max_plans_per_step=self.max_plans_per_step,
                              checks=self.checks, keep_prefix_bytes=c.keep_prefix_bytes)
+
+    def _keep_headroom(self, c: AdapterConfig) -> int:
+        """The soft reservation's size (``AdapterConfig.keep_headroom``): only where in-place plans
+        keep hashed bytes and the planner reserves nothing itself (its destinations serve only
+        the hashed blocks' tokens: ``planner._in_place_keeping``); 0 otherwise."""
+        on = self.reclaim and c.keep_prefix_bytes and self.cfg.in_place and not self.cfg.headroom
+        return c.keep_headroom if on else 0
 
     @classmethod
     def attach(cls, scheduler, **settings) -> "VTokenAdapter":

@@ -18,14 +18,16 @@ from __future__ import annotations
 class Headroom:
     """The reservation policy of one adapter: ``harness`` (whose ``scheduler`` and ``pool`` are
     the adapter's), ``lifecycle`` (the reserved blocks), ``size`` (``PlannerConfig.headroom``; 0:
-    nothing taken or withheld), at most 1/``pool_fraction`` of the live pool; ``block_size`` (a
+    nothing taken or withheld), at most 1/``pool_fraction`` of the live pool; ``soft``
+    (``AdapterConfig.keep_headroom``, only with ``size`` 0): a reservation held while
+    ``needed()`` (a callable) says a plan may take a destination, never withholding; ``block_size`` (a
     waiting prompt's blocks are kept for it); ``stats``, this room's own counters
     (``VTokenAdapter.stats`` reads them); ``groups``: vLLM's
     KV cache groups (each grows its own list from the one pool: a step may take a block per group);
     ``frees_waiting``: a callable, do fenced frees wait for a step."""
 
     def __init__(self, harness, lifecycle, size: int, pool_fraction: int, block_size: int, stats: dict, *,
-                 groups: int, frees_waiting):
+                 groups: int, frees_waiting, soft: int = 0, needed=None):
         assert int(pool_fraction) >= 1, "the adapter refuses headroom_pool_fraction < 1 before building"
         self.harness, self.lifecycle = harness, lifecycle
         self.size = int(size)
@@ -34,6 +36,10 @@ class Headroom:
         self.stats = stats
         self.groups = int(groups)
         self.frees_waiting = frees_waiting  # do fenced frees wait for a step? (vLLM's or the adapter's port's)
+        # the soft reservation (``size`` 0): up to ``soft`` blocks while ``needed()`` says a plan may
+        # take one, from what growth and the next admission leave, never holding an admission back
+        self.soft = int(soft) if not self.size else 0
+        self.needed = needed
         self.withheld: list = []  # fresh requests sitting out the current schedule()
         self.starved = False  # given back because nothing could be admitted beside it
 
@@ -44,13 +50,15 @@ class Headroom:
         return bool(self.lifecycle.headroom)
 
     def target(self) -> int:
-        """The reservation's size now: ``size``, capped at 1/``pool_fraction`` of the live pool (so
-        a tight pool is never starved by a full headroom). O(1)."""
-        return min(self.size, (self.harness.pool.num_gpu_blocks - 1) // self.pool_fraction)
+        """The reservation's size now: ``size``, or ``soft`` while ``needed()`` (else 0), capped at
+        1/``pool_fraction`` of the live pool (so a tight pool is never starved by a full
+        headroom). O(1)."""
+        size = self.size or (self.soft if self.soft and self.needed() else 0)
+        return min(size, (self.harness.pool.num_gpu_blocks - 1) // self.pool_fraction)
 
     def short(self) -> bool:
-        """Below its target: admissions are held back (``withhold``)."""
-        return len(self.lifecycle.headroom) < self.target()
+        """Below its target: admissions are held back (``withhold``); never for a soft reservation."""
+        return bool(self.size) and len(self.lifecycle.headroom) < self.target()
 
     def give_back(self) -> int:
         """Every block back to vLLM's free queue now; returns how many."""
@@ -59,19 +67,25 @@ class Headroom:
     def before_schedule(self) -> None:
         """Top the reservation up, yielding to growth first (one free block per group kept per
         running request and, when idle, the next admission's prompt in every group: vLLM never
-        preempts or stalls for a block the headroom holds); then withhold fresh admissions while
-        short. O(1)."""
+        preempts or stalls for a block the headroom holds; a soft reservation keeps that prompt's
+        room while others run too, and gives back what its target no longer covers); then
+        withhold fresh admissions while short. O(1)."""
         sched, pool, lc = self.harness.scheduler, self.harness.pool, self.lifecycle
-        if self.size:
+        if self.size or self.soft:
             free, reserve = pool.get_num_free_blocks(), len(sched.running) * self.groups
-            if not sched.running and len(sched.waiting):  # idle: the next admission's prompt first
+            # idle, the next admission's prompt first; a soft reservation leaves it room always
+            if (not sched.running or self.soft) and len(sched.waiting):
                 head = sched.waiting.peek_request()
                 reserve += -(-(head.num_tokens - head.num_computed_tokens) // self.S) * self.groups
+            target = self.target()
             if free < reserve and lc.headroom:
                 lc.give_back(reserve - free)
                 self.stats["headroom_yielded"] += 1
+            elif self.soft and len(lc.headroom) > target:  # a soft reservation no plan needs now
+                lc.give_back(len(lc.headroom) - target)
+                self.stats["headroom_yielded"] += 1
             elif not self.starved and sched.get_num_unfinished_requests():  # nothing reserved while idle
-                take = min(self.target() - len(lc.headroom), free - reserve)
+                take = min(target - len(lc.headroom), free - reserve)
                 if take > 0:
                     lc.refill(len(lc.headroom) + take)
         self.withhold()

@@ -529,7 +529,8 @@ class PlanBook:
         return np.asarray(exclude, dtype=np.int64), keep
 
     def launch(self, meta: StepMeta, r: str, p: Proposal, tail, head: list[int]) -> None:
-        """Refuse a proposal vLLM's pool contradicts (a source or fill shared there), then hand
+        """Refuse a proposal vLLM's pool contradicts (a source or fill shared there, a destination
+        not held once by the adapter: ``reservation``), then hand
         it to the lifecycle: the destinations leave the headroom, the sources and fills are
         taken over from the request (null-substituted in its list through
         :meth:`RequestSide.detach_listed`, or out of its held blocks; ``plan.list_index``
@@ -548,6 +549,13 @@ class PlanBook:
                     "shared_never_moved", f"plan for request {r!r} takes block {blk.block_id} as a "
                     f"{'source' if k < len(sources) else 'fill'} (vLLM ref_cnt {blk.ref_cnt}, table refs "
                     f"{int(self.table.refs[blk.block_id])}) at step {meta.seq}")
+        for b in p.dests:  # a reserved block is held once, by the adapter: never handed out, never hashed
+            blk = pool_blocks[b]
+            if blk.ref_cnt != 1 or blk.block_hash is not None:
+                raise AdapterAssumptionError(
+                    "reservation", f"plan for request {r!r} takes headroom block {b} as a destination, but vLLM's "
+                    f"pool counts it ref_cnt {blk.ref_cnt}{' and hashed' if blk.block_hash is not None else ''} "
+                    f"at step {meta.seq}")
         plan = self.lifecycle.new_plan(r, p.sources, p.dests, p.moves, p.fills, seq=meta.seq)
         if self.cfg.record_snapshots:
             plan.snapshot = plan_snapshot(self.table, r, plan.id, p, tail, head, self.plans.values())
