@@ -18,6 +18,7 @@ the adapter's JSON settings take under ``planner_config``, through the same
 every relocation in the worker), ``copy_lag`` (a copy completes on its n-th poll), ``seed``,
 ``max_plans_per_step``, ``check_full_every``, ``paranoid_checks``, ``headroom_pool_fraction``,
 ``keep_prefix_bytes`` (never fill a block whose prefix-cache hash describes it: hits kept; default on),
+``keep_headroom`` (the soft reservation for those plans' destinations, ``AdapterConfig.keep_headroom``),
 ``stats_path`` (where the scheduler writes its counters and the worker's as JSON), ``snapshot_dir``
 (where a failing relocation's snapshot goes).
 Owns: nothing but its values (frozen).
@@ -57,6 +58,7 @@ class EngineSettings:
     check_full_every: int = 64
     paranoid_checks: bool = False
     keep_prefix_bytes: bool = True
+    keep_headroom: int = 32
     headroom_pool_fraction: int = 16
     stats_path: Optional[str] = None
     snapshot_dir: Optional[str] = None
@@ -75,7 +77,7 @@ class EngineSettings:
         for name in ("reclaim", "checks", "check_relocations", "paranoid_checks", "keep_prefix_bytes"):
             put(name, need_bool(_OWN, name, getattr(self, name)))
         for name, lo in (("copy_lag", 0), ("seed", 0), ("max_plans_per_step", 1), ("check_full_every", 1),
-                         ("headroom_pool_fraction", 1)):
+                         ("headroom_pool_fraction", 1), ("keep_headroom", 0)):
             put(name, need_int(_OWN, name, getattr(self, name), lo))
         for name in ("stats_path", "snapshot_dir"):
             need_instance(_OWN, name, getattr(self, name), str, none_ok=True)
@@ -128,4 +130,4 @@ class EngineSettings:
         return dict(reclaim=self.reclaim, planner_config=self.planner_config(), checks=self.checks,
                     max_plans_per_step=self.max_plans_per_step, check_full_every=self.check_full_every,
                     paranoid_checks=self.paranoid_checks, headroom_pool_fraction=self.headroom_pool_fraction,
-                    keep_prefix_bytes=self.keep_prefix_bytes)
+                    keep_prefix_bytes=self.keep_prefix_bytes, keep_headroom=self.keep_headroom)
