@@ -81,6 +81,8 @@ def test_a_request_no_plan_can_serve_is_skipped_and_no_plan_is_lost(model, monke
     assert every["launched"], "no plan launched: the workload does not exercise the planner"
     assert skipping["launched"] == every["launched"]  # the same plans, at the same steps
     assert skipping["outputs"] == every["outputs"]
+    if soft:  # its destinations were taken (else the case is the no-headroom one again)
+        assert any(dests for *_, dests in every["launched"]), "no plan took a destination from the soft reservation"
     if H or soft:  # the headroom grows back before each check past what a record was made with: each is woken
         return  # (a record made after a launch took blocks out was never woken before: a plan came late)
     assert every["skipped_max"] == 0 < skipping["skipped_max"]
