@@ -274,10 +274,10 @@ class VTokenAdapter:
 
     def _keep_headroom(self, c: AdapterConfig) -> int:
         """The soft reservation's size (``AdapterConfig.keep_headroom``): only where in-place plans
-        keep hashed bytes and the planner reserves nothing itself (its destinations serve only
-        the hashed blocks' tokens: ``planner._in_place_keeping``); 0 otherwise."""
-        on = self.reclaim and c.keep_prefix_bytes and self.cfg.in_place and not self.cfg.headroom
-        return c.keep_headroom if on else 0
+        keep hashed bytes (its destinations serve only the hashed blocks' tokens:
+        ``planner._in_place_keeping``); 0 otherwise. ``Headroom`` drops it where the planner
+        reserves blocks itself."""
+        return c.keep_headroom if self.reclaim and c.keep_prefix_bytes and self.cfg.in_place else 0
 
     @classmethod
     def attach(cls, scheduler, **settings) -> "VTokenAdapter":
