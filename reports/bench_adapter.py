@@ -44,6 +44,7 @@ import numpy as np
 
 VARIANTS = ("plain", "off", "defaults", "evict50", "off_nochecks", "defaults_nochecks", "evict50_nochecks")
 AGAINST_ONLY = ("evict50_keepoff",)  # selectable with --against --variants, not run by the bench itself
+AGAINST_VARIANTS = VARIANTS[1:] + AGAINST_ONLY  # what --against --variants may name (never plain)
 
 
 def _model(pkg: str = "vtoken"):
@@ -356,9 +357,9 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
     Owns: its runs, dropped per repeat; the loaded tree (:func:`_load_tree`)."""
     import torch
 
-    bad = [v for v in variants if v not in VARIANTS + AGAINST_ONLY or v == "plain"]
+    bad = [v for v in variants if v not in AGAINST_VARIANTS]
     if bad or not variants:
-        raise ValueError(f"--variants: {bad or 'none'}: each must be one of {', '.join(VARIANTS[1:] + AGAINST_ONLY)}")
+        raise ValueError(f"--variants: {bad or 'none'}: each must be one of {', '.join(AGAINST_VARIANTS)}")
     pkg, commit = _load_tree(ref)
     torch.set_num_threads(1)
     models = {"vtoken": _model(), pkg: _model(pkg)}

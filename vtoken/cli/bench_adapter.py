@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import json
 
-from ..reports.bench_adapter import (AGAINST_ONLY, VARIANTS, against_text, bench_adapter, bench_against,
-                                     breakdown_text, ratio_text)
+from ..reports.bench_adapter import (AGAINST_VARIANTS, against_text, bench_adapter, bench_against, breakdown_text,
+                                     ratio_text)
 from ..reports import bench_adapter as _measurement
 
 
 def _variants(text: str) -> tuple:
-    """``--variants``: comma-separated names of adapter variants (not ``plain``; ``AGAINST_ONLY``'s too)."""
+    """``--variants``: comma-separated names of ``AGAINST_VARIANTS`` (adapter variants, not ``plain``)."""
     import argparse
 
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [v for v in names if v not in VARIANTS + AGAINST_ONLY or v == "plain"]
+    bad = [v for v in names if v not in AGAINST_VARIANTS]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"{', '.join(bad) or 'none given'}: each must be one of "
-                                         f"{', '.join(VARIANTS[1:] + AGAINST_ONLY)}")
+                                         f"{', '.join(AGAINST_VARIANTS)}")
     return names
 
 
