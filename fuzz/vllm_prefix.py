@@ -135,8 +135,7 @@ def _run(*, reclaim: bool, prompts: dict, max_tokens: int, policy: str, seed: in
 
     ad = VTokenAdapter(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
                        async_scheduling=async_scheduling, reclaim=reclaim,
-                       planner_config=default_adapter_planner_config(**({} if headroom is None else
-                                                                         {"headroom": headroom})),
+                       planner_config=None if headroom is None else default_adapter_planner_config(headroom=headroom),
                        max_num_batched_tokens=max_num_batched_tokens, kv_layout=kv_layout,
                        **({} if keep_prefix_bytes is None else {"keep_prefix_bytes": keep_prefix_bytes}))
     w = VTokenWorker(_model(), ad.table, num_blocks, block_size, policy=policy, evict_ratio=evict_ratio,
