@@ -398,10 +398,10 @@ def test_the_soft_reservation_is_held_only_while_an_evicted_token_may_need_it(mo
             d.step()
             held.append(len(ad.headroom))
             if ratio and len(ad.headroom) and ad.scheduler.running:
-                ad.reserve.needed = lambda: False  # as when the last evicted token left
+                needed, ad.reserve.needed = ad.reserve.needed, lambda: False  # as when the last evicted token left
                 ad.reserve.before_schedule()
                 assert not ad.headroom and ad.stats["headroom_yielded"] >= 1
-                ad.reserve.needed = lambda: ad.table.num_dead_tokens > 0
+                ad.reserve.needed = needed
         run_to_end(ad, d)
         assert ad.stats["backpressure_steps"] == 0
         if ratio:
