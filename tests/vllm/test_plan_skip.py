@@ -28,14 +28,17 @@ def _estimates_hold(book) -> None:
 
 
 def _decode(model, monkeypatch, skip: bool, S: int = 4, ratio: float = 0.5, policy: str = "random",
-            H: int = 0, keep: bool = True, lag: int = 0, seed: int = 0, n: int = 6, soft: int = 0) -> dict:
+            H: int = 0, keep: bool = True, lag: int = 0, seed: int = 0, n: int = 6, soft: int = 0,
+            defer: bool = True) -> dict:
     """``H``: the planner's reservation; ``soft``: the adapter's soft one (``keep_headroom``, with
-    ``keep`` and ``H`` 0); both 0: no destination at all."""
+    ``keep`` and ``H`` 0); both 0: no destination at all. ``defer`` False: a record woken by
+    the headroom's growth is tested at once, as before deferral (``PlanBook._still_skipped``).
+    ``records``: the skip records made."""
     import vtoken.vllm_adapter.plans as plans
 
     ad, w, d = make(model, S=S, N=max(200, 1600 // S), H=H, ratio=ratio, caching=True, keep=keep, policy=policy,
                     lag=lag, seed=seed, soft=soft)
-    calls = {"propose": 0, "skipped_max": 0}
+    calls = {"propose": 0, "skipped_max": 0, "records": 0}
     real = plans.propose
 
     def counting(*a, **k):
@@ -47,6 +50,17 @@ def _decode(model, monkeypatch, skip: bool, S: int = 4, ratio: float = 0.5, poli
     monkeypatch.setattr(plans, "propose", counting)
     if not skip:  # the behaviour before: a request with a positive bound is proposed for at every check
         monkeypatch.setattr(ad.book, "_no_plan", lambda *a, **k: None)
+    else:
+        no_plan, still_skipped = ad.book._no_plan, ad.book._still_skipped
+
+        def made(*a, **k):
+            out = no_plan(*a, **k)
+            calls["records"] += bool(out)
+            return out
+
+        monkeypatch.setattr(ad.book, "_no_plan", made)
+        if not defer:
+            monkeypatch.setattr(ad.book, "_still_skipped", lambda w, s, defer=False, every=False: still_skipped(w, s, every=every))
     launched = []
     launch = ad.book.launch
 
@@ -66,14 +80,18 @@ def _decode(model, monkeypatch, skip: bool, S: int = 4, ratio: float = 0.5, poli
 
 @pytest.mark.parametrize("S, ratio, policy, H, soft", [(4, 0.5, "random", 0, 0), (16, 0.6, "random", 0, 0),
                                                        (4, 0.4, "h2o", 0, 0), (4, 0.5, "random", 6, 0),
-                                                       (4, 0.5, "random", 0, 32)])
+                                                       (4, 0.5, "random", 0, 32), (4, 0.5, "random", 0, 2),
+                                                       (8, 0.5, "random", 0, 4)])
 def test_a_request_no_plan_can_serve_is_skipped_and_no_plan_is_lost(model, monkeypatch, S, ratio, policy, H, soft):
     """Skipped requests are looked at again by their live counts (watched: the fillable holes
     and the least unfillable count, updated from the table's drops), or their evictions (with
     a headroom, hashed blocks may be emptied into destinations: counted records); only the
     records whose gate may have opened are tested (``PlanBook._still_skipped``): the plans
     are the same, for block sizes, eviction ratios, a policy that evicts by score, a headroom
-    and the adapter's soft reservation (its default)."""
+    and the adapter's soft reservation (its default, and small ones the first plans of a check
+    empty). A record the headroom's growth woke is tested again at its turn in the ranking
+    (deferred), not remade at once: the same plans as testing it at once, and with a small soft
+    reservation fewer records made."""
     with monkeypatch.context() as m:
         every = _decode(model, m, skip=False, S=S, ratio=ratio, policy=policy, H=H, soft=soft)
     with monkeypatch.context() as m:
@@ -83,6 +101,13 @@ def test_a_request_no_plan_can_serve_is_skipped_and_no_plan_is_lost(model, monke
     assert skipping["outputs"] == every["outputs"]
     if soft:  # its destinations were taken (else the case is the no-headroom one again)
         assert any(dests for *_, dests in every["launched"]), "no plan took a destination from the soft reservation"
+    if H or soft:  # a record woken by the headroom's refill is tested at its turn, not remade at every check
+        with monkeypatch.context() as m:
+            eager = _decode(model, m, skip=True, S=S, ratio=ratio, policy=policy, H=H, soft=soft, defer=False)
+        assert eager["launched"] == every["launched"]
+        assert skipping["records"] <= eager["records"], (skipping["records"], eager["records"])
+        if 0 < soft <= 4:  # refilled before each check, taken by the first plans: records were remade each time
+            assert 0 < skipping["records"] < eager["records"], (skipping["records"], eager["records"])
     if H or soft:  # the headroom grows back before each check past what a record was made with: each is woken
         return  # (a record made after a launch took blocks out was never woken before: a plan came late)
     assert every["skipped_max"] == 0 < skipping["skipped_max"]
@@ -97,7 +122,7 @@ def _sweep(k: int) -> dict:
     g = np.random.default_rng([38, k])
     return dict(S=int(g.choice([4, 8, 16])), ratio=float(g.choice([0.3, 0.5, 0.7])), policy=str(g.choice(["random", "h2o"])),
                 H=int(g.choice([0, 0, 3, 6])), keep=bool(g.integers(0, 4) > 0), lag=int(g.choice([0, 0, 1, 2])),
-                seed=k, n=int(g.integers(3, 8)), soft=int(g.choice([0, 32])))
+                seed=k, n=int(g.integers(3, 8)), soft=int(g.choice([0, 2, 32])))
 
 
 @pytest.mark.slow

@@ -234,8 +234,11 @@ class PlanBook:
             bound.pop(r, None)
             self._unskip(r)
         waiting = [r for r in stale if r in no_plan]
-        skipped, cleared = self._still_skipped(waiting, steps) if waiting else ((), ())
+        # deferred: gates that failed only because the headroom grew; tested again at their turn
+        skipped, cleared, _ = self._still_skipped(waiting, steps, defer=True) if waiting else ((), (), ())
         # a skipped request has no bound (``_no_plan`` took it out, only this loop puts one back)
+        for r in skipped:
+            bound.pop(r, None)  # one left by a round that stopped before a deferred record's turn
         looked = [r for r in stale if r not in skipped] if skipped else stale
         for r, gain in zip(looked, reclaim_bounds(t, looked).tolist()):  # the table's tails: the blocks being written
             if gain > 0:
@@ -252,6 +255,13 @@ class PlanBook:
                 break
             if r in busy or not current(r) or not running(r):
                 continue
+            if r in no_plan:  # deferred: its gate tested with the headroom the plans before it left
+                still, now_clear, _ = self._still_skipped([r], steps, every=True)
+                if still:
+                    del bound[r]
+                    continue
+                if now_clear:
+                    cleared = set(cleared) | now_clear
             blocks = t.block_array(r).tolist()
             exclude, keep = self._excluded_and_unfillable(r, blocks, cfg.in_place and self.keep_prefix_bytes)
             tail = t.tail_block(r)
@@ -414,7 +424,7 @@ class PlanBook:
             self.counted.discard(r)
             self.events.discard(r)
 
-    def _still_skipped(self, waiting: list, steps: int) -> tuple[set, set]:
+    def _still_skipped(self, waiting: list, steps: int, defer: bool = False, every: bool = False) -> tuple[set, set, set]:
         """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``),
         and those whose shortfall was re-checked now as 0 (a plan exists: proposed for without
         another check); the others are forgotten. Each stays skipped while nothing but its live
@@ -432,19 +442,31 @@ class PlanBook:
         gate rows, with the evictions and block-set versions read off the table at once; the
         shortfalls of those that pass no test are re-checked together
         (``planner.shortfalls_flat``). O(waiting) set work, O(gate rows) in one array operation,
-        O(tested), plus O(eligible blocks) of the re-checked."""
+        O(tested), plus O(eligible blocks) of the re-checked.
+
+        ``defer``: a record whose gate failed only because the headroom is larger than it was
+        made with (its look-again step not come, its full-context length as it was) is neither
+        skipped nor dropped but returned as deferred (third set): it keeps its record and gets
+        a bound, and the plan loop tests it again at its turn (``every``: each of ``waiting``
+        tested, no scan), with the headroom the plans ranked before it left. The round's first
+        plans usually take the destinations that woke it, and a record tested then stays as it
+        is instead of being remade (an O(blocks) eligibility pass) at every check."""
         t, no_plan, G = self.table, self.no_plan, _Gates
         a = self.gates.a
-        maybe = self.events | self.counted
-        by_row = self.by_row
-        for i in np.flatnonzero(in_place_shortfall(a[:, G.LEAST], a[:, G.HOLES], t.S) <= 0).tolist():
-            r = by_row.get(i)  # a free row's numbers are stale: no record, nothing to test
-            if r is not None:
-                maybe.add(r)
-        still = set(waiting)
-        tested = list(still & maybe)
+        if every:
+            still, tested = set(), list(waiting)
+        else:
+            maybe = self.events | self.counted
+            by_row = self.by_row
+            for i in np.flatnonzero(in_place_shortfall(a[:, G.LEAST], a[:, G.HOLES], t.S) <= 0).tolist():
+                r = by_row.get(i)  # a free row's numbers are stale: no record, nothing to test
+                if r is not None:
+                    maybe.add(r)
+            still = set(waiting)
+            tested = list(still & maybe)
+        deferred = set()
         if not tested:
-            return still, set()
+            return still, set(), deferred
         still.difference_update(tested)
         self.events.difference_update(tested)  # an untested record's event waits for its next change
         # the tested are few (an event each): one table read for all, then a Python pass over
@@ -455,7 +477,12 @@ class PlanBook:
         for r, dead, ver in zip(tested, dead_l, ver_l):
             skip = no_plan[r]
             row = skip.row
-            ok = steps < get(row, G.DUE) and head <= get(row, G.HEAD) and faithful.get(r, -1) == get(row, G.FAITHFUL)
+            ok = steps < get(row, G.DUE) and faithful.get(r, -1) == get(row, G.FAITHFUL)
+            if ok and head > get(row, G.HEAD):
+                if defer:
+                    deferred.add(r)
+                    continue
+                ok = False
             same = ok and ver == get(row, G.VERSION)
             if same and dead < get(row, G.DEAD_BY) and in_place_shortfall(get(row, G.LEAST), get(row, G.HOLES), S) > 0:
                 still.add(r)  # nothing but its live counts changed, and not enough
@@ -476,7 +503,7 @@ class PlanBook:
                 else:
                     self._unskip(r)
                     cleared.add(r)
-        return still, cleared
+        return still, cleared, deferred
 
     def _tail_moved(self, r: str, skip: _Skip, ver: int) -> bool:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
