@@ -221,10 +221,14 @@ CATALOGUE: list[Fault] = [
     Fault("adapter_pop_not_null", "positional block list broken",
           "a source is popped from vLLM's block list instead of null-substituted", "adapter",
           (_p(MI, "BlockMirror.detach_many", "lst[i] = self.null", "lst.pop(i)"),)),
-    Fault("adapter_headroom_to_allocate", "3 reservation leak", "headroom blocks are handed back to vLLM's allocate_slots",
+    Fault("adapter_headroom_to_allocate", "3 reservation leak",
+          "headroom blocks (reserved, or drawn for a plan's destinations) are handed back to vLLM's allocate_slots",
           "adapter", (_p(HR, "Headroom.before_schedule", "lc.refill(len(lc.headroom) + take)",
                          "lc.refill(len(lc.headroom) + take)\n"
-                         "                    pool.free_blocks([pool.blocks[b] for b in lc.headroom[-take:]])"),)),
+                         "                    pool.free_blocks([pool.blocks[b] for b in lc.headroom[-take:]])"),
+                      _p(HR, "Headroom.draw", "        lc.refill(n + k)\n",
+                         "        lc.refill(n + k)\n"
+                         "        self.harness.pool.free_blocks([self.harness.pool.blocks[b] for b in lc.headroom[n:]])\n"))),
     Fault("adapter_dests_unfenced", "8 block freed before its fence (preemption / finish)",
           "a finished or preempted request's destinations are freed at once, not at vLLM's fence", "adapter",
           (_p(AD, "VTokenAdapter._on_request_free", "self.lifecycle.finish(r, fence)", "self.lifecycle.finish(r, 0)"),)),

@@ -25,7 +25,7 @@ directly. Patching one helper would miss the others, so the plugin patches the c
   an adapter-built scheduler.
   ``isinstance`` checks of the tests still hold (the new class subclasses the old one).
 * settings: the adapter's defaults (reclamation on, ``PlannerConfig()``: in-place
-  compaction, so no planner headroom; the soft reservation of ``keep_headroom`` is held only
+  compaction, so no planner headroom; the soft reservation of ``keep_headroom`` is drawn only
   while a request holds an evicted token, so none here; runtime checks on) unless ``--vtoken-adapter-settings JSON`` says otherwise
   (``settings_arg``: the JSON shape of ``vtoken.vllm_adapter.config``, nested planner settings
   included, checked before any test runs). No eviction

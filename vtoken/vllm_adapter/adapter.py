@@ -74,7 +74,7 @@ Where vLLM's own tests see a difference (the audit's vllm-own-tests check, 0.33.
 ``tests/v1/core`` with the adapter attached and no eviction acting): while requests run, a
 planner headroom (``planner_config.headroom``; none by default) is held: exact free-block counts
 differ by it (tests that set one). The default's soft reservation for the destinations of
-plans that keep hashed bytes (``keep_headroom``) is held only while a request holds an evicted
+plans that keep hashed bytes (``keep_headroom``) is drawn at launch, only while a request holds an evicted
 token: with nothing evicted it takes no block.
 
 Prefix caching: shared-prefix blocks are never moved, filled or released (a candidate must

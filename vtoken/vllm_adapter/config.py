@@ -138,11 +138,12 @@ class AdapterConfig:
             whole prefix chain for a later request repeating it).
         keep_headroom: with ``keep_prefix_bytes``, in-place plans and no reservation of the planner's
             (``planner_config.headroom`` 0), the destinations those plans may take for hashed
-            blocks' tokens, up to this many (default 32; 0: none): a soft reservation, held only
-            while some request holds an evicted token (no plan can need one otherwise: vLLM's own
-            tests, where nothing is evicted, never see it), taken only from free blocks beyond what
-            growth and the next admission's prompt need, and never a reason to hold an admission
-            back (``headroom.Headroom``). Without it each plan empties one hashed block at a time
+            blocks' tokens, up to this many a step (default 32; 0: none): a soft reservation, drawn
+            from vLLM's free blocks when a plan launches (never held between steps: no idle block
+            is taken from vLLM), only while some request holds an evicted token (no plan can need
+            one otherwise: vLLM's own tests, where nothing is evicted, never see it), only from free
+            blocks beyond what growth and the next admission's prompt need, and never a reason to
+            hold an admission back (``headroom.Headroom``). Without it each plan empties one hashed block at a time
             into the other blocks' holes: on the bench's workload (prompts of 256-1024 tokens,
             50% random eviction, R = 64 / 256) 283 / 563 plans kept 2763 / 11226 blocks, with 32
             destinations 107 / 385 plans kept 1918 / 8173 (docs/ARCHITECTURE.md).

@@ -4,8 +4,12 @@ they yield to growth, and admission back-pressure while the reservation is short
 The reserved blocks themselves are the lifecycle's (``Lifecycle.headroom``: block ids, taken
 from vLLM's pool with ``get_new_blocks``, ref_cnt 1, in no request's list, never hashed); plans
 take destinations there and put unwritten ones back (``vtoken.lifecycle``). This room decides
-only sizes and timing: top up, yield, give back, withhold fresh admissions.
-Owns: the requests withheld from the current ``schedule()`` and the ``starved`` flag.
+only sizes and timing: top up, yield, give back, withhold fresh admissions. A soft reservation
+(the vLLM adapter's default) holds nothing between steps: the plan book draws a plan's
+destinations into the headroom as it launches (``draw``), within what ``drawable`` says, and
+unwritten ones go back at the plan's end.
+Owns: the requests withheld from the current ``schedule()``, the ``starved`` flag and the
+count of blocks drawn in the current step.
 May call: the lifecycle (``refill``, ``give_back``), vLLM's pool (the free count) and the
 scheduler's waiting queue, both read through the harness each time (vLLM's tests swap the
 manager after construction).
@@ -19,8 +23,9 @@ class Headroom:
     """The reservation policy of one adapter: ``harness`` (whose ``scheduler`` and ``pool`` are
     the adapter's), ``lifecycle`` (the reserved blocks), ``size`` (``PlannerConfig.headroom``; 0:
     nothing taken or withheld), at most 1/``pool_fraction`` of the live pool; ``soft``
-    (``AdapterConfig.keep_headroom``, only with ``size`` 0): a reservation held while
-    ``needed()`` (a callable) says a plan may take a destination, never withholding; ``block_size`` (a
+    (``AdapterConfig.keep_headroom``, only with ``size`` 0): up to that many destinations a
+    step, drawn from vLLM's free blocks when a plan launches (:meth:`draw`) while ``needed()``
+    (a callable) says a plan may take one, never held between steps, never withholding; ``block_size`` (a
     waiting prompt's blocks are kept for it); ``stats``, this room's own counters
     (``VTokenAdapter.stats`` reads them); ``groups``: vLLM's
     KV cache groups (each grows its own list from the one pool: a step may take a block per group);
@@ -36,10 +41,11 @@ class Headroom:
         self.stats = stats
         self.groups = int(groups)
         self.frees_waiting = frees_waiting  # do fenced frees wait for a step? (vLLM's or the adapter's port's)
-        # the soft reservation (``size`` 0): up to ``soft`` blocks while ``needed()`` says a plan may
-        # take one, from what growth and the next admission leave, never holding an admission back
+        # the soft reservation (``size`` 0): up to ``soft`` blocks a step, drawn at launch while
+        # ``needed()`` says a plan may take one, from what growth and the next admission leave
         self.soft = int(soft) if not self.size else 0
         self.needed = needed
+        self.drawn = 0  # the soft reservation's blocks drawn in this step (drawable)
         self.withheld: list = []  # fresh requests sitting out the current schedule()
         self.starved = False  # given back because nothing could be admitted beside it
 
@@ -64,31 +70,58 @@ class Headroom:
         """Every block back to vLLM's free queue now; returns how many."""
         return len(self.lifecycle.give_back())
 
+    def kept_for_vllm(self) -> int:
+        """The free blocks a reservation leaves vLLM: one per group per running request (its next
+        block) and, when idle or for a soft reservation always, the waiting queue's next prompt
+        in every group. O(1)."""
+        sched = self.harness.scheduler
+        reserve = len(sched.running) * self.groups
+        if (not sched.running or self.soft) and len(sched.waiting):
+            head = sched.waiting.peek_request()
+            reserve += -(-(head.num_tokens - head.num_computed_tokens) // self.S) * self.groups
+        return reserve
+
     def before_schedule(self) -> None:
-        """Top the reservation up, yielding to growth first (one free block per group kept per
-        running request and, when idle, the next admission's prompt in every group: vLLM never
-        preempts or stalls for a block the headroom holds; a soft reservation keeps that prompt's
-        room while others run too, and gives back what its target no longer covers); then
-        withhold fresh admissions while short. O(1)."""
-        sched, pool, lc = self.harness.scheduler, self.harness.pool, self.lifecycle
-        if self.size or self.soft:
-            free, reserve = pool.get_num_free_blocks(), len(sched.running) * self.groups
-            # idle, the next admission's prompt first; a soft reservation leaves it room always
-            if (not sched.running or self.soft) and len(sched.waiting):
-                head = sched.waiting.peek_request()
-                reserve += -(-(head.num_tokens - head.num_computed_tokens) // self.S) * self.groups
-            target = self.target()
+        """Top a reservation (``size``) up, yielding to growth first (:meth:`kept_for_vllm`: vLLM
+        never preempts or stalls for a block the headroom holds), then withhold fresh admissions
+        while short. A soft one holds nothing across ``schedule()``: a block left from a plan's
+        end goes back, and this step's draws (:meth:`drawable`) start again. O(1)."""
+        lc = self.lifecycle
+        if self.soft:
+            self.drawn = 0
+            if lc.headroom:
+                lc.give_back()
+        elif self.size:
+            pool = self.harness.pool
+            free, reserve = pool.get_num_free_blocks(), self.kept_for_vllm()
             if free < reserve and lc.headroom:
                 lc.give_back(reserve - free)
                 self.stats["headroom_yielded"] += 1
-            elif self.soft and len(lc.headroom) > target:  # a soft reservation no plan needs now
-                lc.give_back(len(lc.headroom) - target)
-                self.stats["headroom_yielded"] += 1
-            elif not self.starved and sched.get_num_unfinished_requests():  # nothing reserved while idle
-                take = min(target - len(lc.headroom), free - reserve)
+            elif not self.starved and self.harness.scheduler.get_num_unfinished_requests():  # none while idle
+                take = min(self.target() - len(lc.headroom), free - reserve)
                 if take > 0:
                     lc.refill(len(lc.headroom) + take)
         self.withhold()
+
+    def drawable(self) -> int:
+        """A soft reservation's destinations a plan may still draw from vLLM's free blocks at
+        launch, in this step (:meth:`draw`): its target less what the step drew, within what
+        :meth:`kept_for_vllm` leaves; 0 without one. Nothing is held for it between steps, so
+        no idle block is taken from vLLM and none is counted kept. O(1)."""
+        if not self.soft:
+            return 0
+        spare = self.harness.pool.get_num_free_blocks() - self.kept_for_vllm()
+        return max(0, min(self.target() - self.drawn - len(self.lifecycle.headroom), spare))
+
+    def draw(self, k: int) -> list:
+        """``k`` (at most :meth:`drawable`) blocks from vLLM's free queue into the headroom's
+        end, for the plan being launched; returns them in order."""
+        assert 0 < k <= self.drawable(), f"draw {k}: at most {self.drawable()} drawable"
+        lc = self.lifecycle
+        n = len(lc.headroom)
+        lc.refill(n + k)
+        self.drawn += k
+        return lc.headroom[n:]
 
     def withhold(self) -> None:
         """Admission back-pressure, inside one ``schedule()``: while short, the waiting
@@ -127,8 +160,11 @@ class Headroom:
 
     def after_update(self, plans_in_flight: bool) -> None:
         """Nothing runs: nothing is reserved (vLLM's leak checks and free counts see the whole
-        pool); retaken at the next ``schedule()`` with work."""
+        pool); retaken at the next ``schedule()`` with work. A soft reservation's blocks back
+        from a plan's end (unwritten destinations) go back at once."""
         sched = self.harness.scheduler
-        if self.lifecycle.headroom and not plans_in_flight and not sched.running and not self.frees_waiting():
+        if self.soft and self.lifecycle.headroom:
+            self.give_back()
+        elif self.lifecycle.headroom and not plans_in_flight and not sched.running and not self.frees_waiting():
             self.give_back()
             self.stats["headroom_idle_returns"] += 1

@@ -216,8 +216,10 @@ class PlanBook:
         """Stages 1-3: eligibility (``should_reclaim`` every ``check_every`` steps), requests
         by their reclaimable-block bound (recomputed only for requests whose table changed,
         cached while positive), then one plan per request (``propose``), with the blocks vLLM
-        shares or the scheduler side does not hold for the request excluded. ``steps``: the
-        adapter's non-empty steps so far (the ``check_every`` clock)."""
+        shares or the scheduler side does not hold for the request excluded. A proposal's
+        destinations are the headroom's blocks, then what the soft reservation may still draw
+        (:meth:`_destinations`), drawn from vLLM's pool only for a plan that uses them. ``steps``:
+        the adapter's non-empty steps so far (the ``check_every`` clock)."""
         t, cfg = self.table, self.cfg
         self._take_drops()
         if self.hashes.changed:  # full-context lengths changed (kept with reclamation): their gates are tested
@@ -265,7 +267,7 @@ class PlanBook:
             blocks = t.block_array(r).tolist()
             exclude, keep = self._excluded_and_unfillable(r, blocks, cfg.in_place and self.keep_prefix_bytes)
             tail = t.tail_block(r)
-            head = list(self.lifecycle.headroom)
+            head = self._destinations()
             # in place, a positive shortfall means propose finds nothing (planner.shortfall's
             # contract): skipped before proposing, unless its shortfall was just re-checked as 0
             if cfg.in_place and r not in cleared and self._no_plan(r, steps, tail, exclude, keep, len(head),
@@ -277,6 +279,9 @@ class PlanBook:
                 if cfg.in_place:  # out of the ranking until its table changes enough (or it is due)
                     self._no_plan(r, steps, tail, exclude, keep, len(head))
                 continue
+            if len(p.dests) and p.dests[-1] >= t.num_blocks:  # placeholders: drawn from vLLM's pool now
+                p = self._draw(p)
+            head = list(self.lifecycle.headroom)  # the destinations that exist (none drawn but the plan's)
             if self.plan_hook is not None:  # the toolkit's contract check (spec.planner), when attached
                 flying = [b for q in self.plans.values() for b in q.blocks]
                 try:  # an in-place plan uses no destination (its view has no headroom) unless it keeps hashed bytes
@@ -286,7 +291,37 @@ class PlanBook:
                 except AssertionError as e:
                     raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self.launch(meta, r, p, tail, head)
-        self.head_seen = len(self.lifecycle.headroom)
+        self.head_seen = self._head_size()
+
+    def _head_size(self) -> int:
+        """The destinations a plan may take now: the headroom's blocks and what the soft
+        reservation may still draw (``Headroom.drawable``). O(1)."""
+        return len(self.lifecycle.headroom) + self.reserve.drawable()
+
+    def _destinations(self) -> list:
+        """The destinations a proposal may use, in order: the headroom's blocks, then one
+        placeholder id (``num_blocks`` on, never a block) per block the soft reservation may
+        still draw; a proposal that uses placeholders draws real blocks for them at launch
+        (:meth:`_draw`). O(destinations)."""
+        head, extra = list(self.lifecycle.headroom), self.reserve.drawable()
+        if extra:
+            nb = self.table.num_blocks
+            head += range(nb, nb + extra)
+        return head
+
+    def _draw(self, p: Proposal) -> Proposal:
+        """``p`` with its placeholder destinations (:meth:`_destinations`: the ids ``num_blocks``,
+        ``num_blocks + 1``, ... after the headroom's blocks, in order) replaced by blocks drawn
+        from vLLM's free queue now (``Headroom.draw``: appended to the headroom, so the plan's
+        destinations are its front as the launch expects), in its destinations and moves.
+        O(the plan's moves)."""
+        nb = self.table.num_blocks
+        k = sum(1 for d in p.dests if d >= nb)
+        got = np.asarray(self.reserve.draw(k), dtype=np.int64)
+        moves = p.moves.copy()
+        at = moves[:, 3] >= nb
+        moves[at, 3] = got[moves[at, 3] - nb]
+        return Proposal(p.sources, [d if d < nb else int(got[d - nb]) for d in p.dests], moves, p.fills)
 
     def _no_plan(self, r: str, steps: int, tail, exclude, keep: list, head: int, found_none: bool = True) -> bool:
         """An in-place proposal for ``r`` found no plan (``found_none``), or, before proposing,
@@ -339,7 +374,7 @@ class PlanBook:
             if skip is not None and skip.due == when:
                 self._unskip(r)
                 self.stale_bounds.add(r)
-        head = len(self.lifecycle.headroom)
+        head = self._head_size()
         if head > self.head_seen:
             grown = [r for r, sk in no_plan.items() if head > sk.head]
             self.stale_bounds.update(grown)
@@ -472,7 +507,7 @@ class PlanBook:
         # the tested are few (an event each): one table read for all, then a Python pass over
         # their gate rows (each array operation costs more than a record's scalar reads)
         dead_l, ver_l = t.dead_counts(tested).tolist(), t.block_versions(tested).tolist()
-        head, faithful, get, S = len(self.lifecycle.headroom), self.hashes.faithful, a.item, t.S
+        head, faithful, get, S = self._head_size(), self.hashes.faithful, a.item, t.S
         recheck = []
         for r, dead, ver in zip(tested, dead_l, ver_l):
             skip = no_plan[r]
