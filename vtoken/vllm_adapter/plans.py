@@ -229,27 +229,9 @@ class PlanBook:
         if (need_head and not self.reserve) or steps % cfg.check_every or \
                 not should_reclaim(cfg, **trigger_inputs(t, self.harness.pool.get_num_free_blocks())):
             return
-        bound, arrival, no_plan = self.bound, self.requests.arrival, self.no_plan
-        self._wake(steps)
-        stale = t.present(self.stale_bounds)
-        for r in self.stale_bounds.difference(stale):  # gone from the table
-            bound.pop(r, None)
-            self._unskip(r)
-        waiting = [r for r in stale if r in no_plan]
-        # deferred: gates that failed only because the headroom grew; tested again at their turn
-        skipped, cleared, _ = self._still_skipped(waiting, steps, defer=True) if waiting else ((), (), ())
-        # a skipped request has no bound (``_no_plan`` took it out, only this loop puts one back)
-        for r in skipped:
-            bound.pop(r, None)  # one left by a round that stopped before a deferred record's turn
-        looked = [r for r in stale if r not in skipped] if skipped else stale
-        for r, gain in zip(looked, reclaim_bounds(t, looked).tolist()):  # the table's tails: the blocks being written
-            if gain > 0:
-                bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
-            else:
-                bound.pop(r, None)  # no plan can exist
-        self.stale_bounds = set()
+        bound, no_plan = self.bound, self.no_plan
+        cleared = self._refresh_bounds(steps)
         busy, current, running = self.busy, self.requests.current, self.requests.running
-        pool_blocks = self.harness.pool.blocks
         # stage 3's one order (planner.ranked: largest bound first, arrival breaks ties); the
         # eligibility tests run only on the requests reached before the step's plans or the headroom run out
         for r in ranked(bound.values()):
@@ -262,8 +244,7 @@ class PlanBook:
                 if still:
                     del bound[r]
                     continue
-                if now_clear:
-                    cleared = set(cleared) | now_clear
+                cleared |= now_clear
             blocks = t.block_array(r).tolist()
             exclude, keep = self._excluded_and_unfillable(r, blocks, cfg.in_place and self.keep_prefix_bytes)
             tail = t.tail_block(r)
@@ -292,6 +273,33 @@ class PlanBook:
                     raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self.launch(meta, r, p, tail, head)
         self.head_seen = self._head_size()
+
+    def _refresh_bounds(self, steps: int) -> set:
+        """Stage 2 for the requests whose bound is stale (their table changed, or their skip
+        record was woken): gone ones forgotten, skipped ones left out of the ranking, the others'
+        bounds recomputed (``reclaim_bounds``: the table's tails, the blocks being written).
+        Returns the requests whose shortfall was re-checked as 0 (proposed for without another
+        check). O(stale requests) plus the gates' tests (:meth:`_still_skipped`)."""
+        t, bound, arrival, no_plan = self.table, self.bound, self.requests.arrival, self.no_plan
+        self._wake(steps)
+        stale = t.present(self.stale_bounds)
+        for r in self.stale_bounds.difference(stale):  # gone from the table
+            bound.pop(r, None)
+            self._unskip(r)
+        waiting = [r for r in stale if r in no_plan]
+        # deferred: gates that failed only because the headroom grew; tested again at their turn
+        skipped, cleared, _ = self._still_skipped(waiting, steps, defer=True) if waiting else ((), set(), ())
+        # a skipped request has no bound (``_no_plan`` took it out, only the plan loop puts one back)
+        for r in skipped:
+            bound.pop(r, None)  # one left by a round that stopped before a deferred record's turn
+        looked = [r for r in stale if r not in skipped] if skipped else stale
+        for r, gain in zip(looked, reclaim_bounds(t, looked).tolist()):
+            if gain > 0:
+                bound[r] = rank_key(gain, arrival(r), r)  # stage 3's sort key, kept with the bound
+            else:
+                bound.pop(r, None)  # no plan can exist
+        self.stale_bounds = set()
+        return cleared
 
     def _head_size(self) -> int:
         """The destinations a plan may take now: the headroom's blocks and what the soft
@@ -459,6 +467,18 @@ class PlanBook:
             self.counted.discard(r)
             self.events.discard(r)
 
+    def _to_test(self, waiting: list) -> tuple[set, list]:
+        """``waiting``'s records split into those that stay skipped untested and those whose gate
+        may have opened (:meth:`_still_skipped`): an event since their last test, evictions
+        counted, or a watched estimate at most 0 (one pass over the gate rows)."""
+        a, maybe, by_row = self.gates.a, self.events | self.counted, self.by_row
+        for i in np.flatnonzero(in_place_shortfall(a[:, _Gates.LEAST], a[:, _Gates.HOLES], self.table.S) <= 0).tolist():
+            r = by_row.get(i)  # a free row's numbers are stale: no record, nothing to test
+            if r is not None:
+                maybe.add(r)
+        still = set(waiting)
+        return still, list(still & maybe)
+
     def _still_skipped(self, waiting: list, steps: int, defer: bool = False, every: bool = False) -> tuple[set, set, set]:
         """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``),
         and those whose shortfall was re-checked now as 0 (a plan exists: proposed for without
@@ -488,17 +508,7 @@ class PlanBook:
         is instead of being remade (an O(blocks) eligibility pass) at every check."""
         t, no_plan, G = self.table, self.no_plan, _Gates
         a = self.gates.a
-        if every:
-            still, tested = set(), list(waiting)
-        else:
-            maybe = self.events | self.counted
-            by_row = self.by_row
-            for i in np.flatnonzero(in_place_shortfall(a[:, G.LEAST], a[:, G.HOLES], t.S) <= 0).tolist():
-                r = by_row.get(i)  # a free row's numbers are stale: no record, nothing to test
-                if r is not None:
-                    maybe.add(r)
-            still = set(waiting)
-            tested = list(still & maybe)
+        still, tested = (set(), list(waiting)) if every else self._to_test(waiting)
         deferred = set()
         if not tested:
             return still, set(), deferred
