@@ -201,6 +201,10 @@ class PlanBook:
         self.events: set = set()  # block set or full-context length changed since the last check
         self.counted: set = set()  # not watched: their evictions are counted (dead_by)
         self.by_row: dict[int, str] = {}  # gate row -> the request whose record holds it
+        # deferred records whose gate passed every test but the headroom's at this round's start
+        # (their request's table does not change within the round): skipped at their turn unless
+        # the headroom left then is larger than the one they were made with
+        self.still_at_turn: set = set()
 
     @property
     def plans(self) -> dict[int, Plan]:
@@ -240,7 +244,10 @@ class PlanBook:
             if r in busy or not current(r) or not running(r):
                 continue
             if r in no_plan:  # deferred: its gate tested with the headroom the plans before it left
-                still, now_clear, _ = self._still_skipped([r], steps, every=True)
+                if r in self.still_at_turn and self._head_size() <= no_plan[r].head:
+                    del bound[r]  # all but the headroom tested at the round's start: still skipped
+                    continue
+                still, now_clear = self._still_skipped([r], steps, every=True)
                 if still:
                     del bound[r]
                     continue
@@ -287,8 +294,9 @@ class PlanBook:
             bound.pop(r, None)
             self._unskip(r)
         waiting = [r for r in stale if r in no_plan]
+        self.still_at_turn = set()
         # deferred: gates that failed only because the headroom grew; tested again at their turn
-        skipped, cleared, _ = self._still_skipped(waiting, steps, defer=True) if waiting else ((), set(), ())
+        skipped, cleared = self._still_skipped(waiting, steps, defer=True) if waiting else ((), set())
         # a skipped request has no bound (``_no_plan`` took it out, only the plan loop puts one back)
         for r in skipped:
             bound.pop(r, None)  # one left by a round that stopped before a deferred record's turn
@@ -479,7 +487,7 @@ class PlanBook:
         still = set(waiting)
         return still, list(still & maybe)
 
-    def _still_skipped(self, waiting: list, steps: int, defer: bool = False, every: bool = False) -> tuple[set, set, set]:
+    def _still_skipped(self, waiting: list, steps: int, defer: bool = False, every: bool = False) -> tuple[set, set]:
         """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``),
         and those whose shortfall was re-checked now as 0 (a plan exists: proposed for without
         another check); the others are forgotten. Each stays skipped while nothing but its live
@@ -500,18 +508,17 @@ class PlanBook:
         O(tested), plus O(eligible blocks) of the re-checked.
 
         ``defer``: a record whose gate failed only because the headroom is larger than it was
-        made with (its look-again step not come, its full-context length as it was) is neither
-        skipped nor dropped but returned as deferred (third set): it keeps its record and gets
-        a bound, and the plan loop tests it again at its turn (``every``: each of ``waiting``
-        tested, no scan), with the headroom the plans ranked before it left. The round's first
-        plans usually take the destinations that woke it, and a record tested then stays as it
-        is instead of being remade (an O(blocks) eligibility pass) at every check."""
+        made with is deferred, neither skipped nor dropped: it keeps its record, gets a bound,
+        and the plan loop decides at its turn, with the headroom the plans ranked before it left
+        (the round's first plans usually take the destinations that woke it): skipped if every
+        other test passed now (``still_at_turn``) and that headroom is no larger, else tested
+        again (``every``: each of ``waiting``, no scan). So it is not remade (an O(blocks)
+        eligibility pass) at every check."""
         t, no_plan, G = self.table, self.no_plan, _Gates
         a = self.gates.a
         still, tested = (set(), list(waiting)) if every else self._to_test(waiting)
-        deferred = set()
         if not tested:
-            return still, set(), deferred
+            return still, set()
         still.difference_update(tested)
         self.events.difference_update(tested)  # an untested record's event waits for its next change
         # the tested are few (an event each): one table read for all, then a Python pass over
@@ -523,19 +530,17 @@ class PlanBook:
             skip = no_plan[r]
             row = skip.row
             ok = steps < get(row, G.DUE) and faithful.get(r, -1) == get(row, G.FAITHFUL)
-            if ok and head > get(row, G.HEAD):
-                if defer:
-                    deferred.add(r)
-                    continue
-                ok = False
+            grown = ok and head > get(row, G.HEAD)  # deferred, or (not deferring) a gate opened
+            ok = ok and (defer or not grown)
+            stays = self.still_at_turn if grown else still  # deferred: skipped unless the headroom is larger at its turn
             same = ok and ver == get(row, G.VERSION)
             if same and dead < get(row, G.DEAD_BY) and in_place_shortfall(get(row, G.LEAST), get(row, G.HOLES), S) > 0:
-                still.add(r)  # nothing but its live counts changed, and not enough
+                stays.add(r)  # nothing but its live counts changed, and not enough
             elif not ok or not (same or self._tail_moved(r, skip, ver)):
                 self._unskip(r)
             elif not same and skip.watched and in_place_shortfall(skip.least, skip.holes, S) > 0:
-                still.add(r)  # only its tail moved on, and its estimate stays above 0
-            else:
+                stays.add(r)  # only its tail moved on, and its estimate stays above 0
+            elif not grown:  # (grown: re-checked at its turn, against the headroom then)
                 recheck.append((r, dead, skip))  # its estimate reached 0, or its evictions the shortfall
         cleared = set()
         if recheck:
@@ -548,7 +553,7 @@ class PlanBook:
                 else:
                     self._unskip(r)
                     cleared.add(r)
-        return still, cleared, deferred
+        return still, cleared
 
     def _tail_moved(self, r: str, skip: _Skip, ver: int) -> bool:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
