@@ -41,7 +41,8 @@ A step
 ``BlockPool.get_new_blocks`` and held by the adapter (ref_cnt 1, in no request's list), so
 ``allocate_slots`` cannot see them; it yields to growth first (one free block kept per
 running request and, when idle, for the next prompt: vLLM never preempts or stalls for a
-block the headroom holds). While the headroom is short, requests that never ran sit out the
+block the headroom holds); the default's soft reservation holds nothing here: a plan draws its
+destinations from vLLM's free blocks as it launches (``Headroom.draw``). While the headroom is short, requests that never ran sit out the
 ``schedule()`` call (admission back-pressure; they stay in vLLM's ``requests`` and waiting
 queue between calls, so ``finish_requests`` and ``has_requests`` see them; not when nothing
 else could run, so a pool too small for the headroom cannot deadlock).
