@@ -120,6 +120,7 @@ class Headroom:
         lc = self.lifecycle
         n = len(lc.headroom)
         lc.refill(n + k)
+        assert len(lc.headroom) == n + k, f"draw {k}: the pool gave {len(lc.headroom) - n}"
         self.drawn += k
         return lc.headroom[n:]
 
