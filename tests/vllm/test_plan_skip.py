@@ -101,15 +101,16 @@ def test_a_request_no_plan_can_serve_is_skipped_and_no_plan_is_lost(model, monke
     assert skipping["outputs"] == every["outputs"]
     if soft:  # its destinations were taken (else the case is the no-headroom one again)
         assert any(dests for *_, dests in every["launched"]), "no plan took a destination from the soft reservation"
-    if H or soft:  # a record woken by the headroom's refill is tested at its turn, not remade at every check
+    if H or soft:  # the headroom grows back before each check past what a record was made with: each is woken
+        # (a record made after a launch took blocks out was never woken before: a plan came late);
+        # a woken record is tested at its turn, not remade at every check
         with monkeypatch.context() as m:
             eager = _decode(model, m, skip=True, S=S, ratio=ratio, policy=policy, H=H, soft=soft, defer=False)
         assert eager["launched"] == every["launched"]
         assert skipping["records"] <= eager["records"], (skipping["records"], eager["records"])
-        if 0 < soft <= 4:  # refilled before each check, taken by the first plans: records were remade each time
+        if 0 < soft <= 4:  # drawable again at each check, taken by the first plans: records were remade each time
             assert 0 < skipping["records"] < eager["records"], (skipping["records"], eager["records"])
-    if H or soft:  # the headroom grows back before each check past what a record was made with: each is woken
-        return  # (a record made after a launch took blocks out was never woken before: a plan came late)
+        return
     assert every["skipped_max"] == 0 < skipping["skipped_max"]
     # proposals that found nothing are what the skip saves
     assert skipping["propose"] * 2 <= every["propose"], (skipping["propose"], every["propose"])
