@@ -244,14 +244,17 @@ class PlanBook:
             if r in busy or not current(r) or not running(r):
                 continue
             if r in no_plan:  # deferred: its gate tested with the headroom the plans before it left
-                if r in self.still_at_turn and self._head_size() <= no_plan[r].head:
+                if self._head_size() > no_plan[r].head:
+                    self._unskip(r)  # more destinations than it was made with: looked at as any request
+                elif r in self.still_at_turn:
                     del bound[r]  # all but the headroom tested at the round's start: still skipped
                     continue
-                still, now_clear = self._still_skipped([r], steps, every=True)
-                if still:
-                    del bound[r]
-                    continue
-                cleared |= now_clear
+                else:
+                    still, now_clear = self._still_skipped([r], steps, every=True)
+                    if still:
+                        del bound[r]
+                        continue
+                    cleared |= now_clear
             blocks = t.block_array(r).tolist()
             exclude, keep = self._excluded_and_unfillable(r, blocks, cfg.in_place and self.keep_prefix_bytes)
             tail = t.tail_block(r)
