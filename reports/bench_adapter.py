@@ -11,7 +11,10 @@ all in one process, interleaved in rounds (a shared machine's noise hits them al
 - the three adapter variants again with ``checks=False``;
 - only with ``--against`` (``AGAINST_ONLY``): ``evict50_keepoff``, ``evict50`` with
   ``keep_prefix_bytes`` off (in-place plans may fill a block whose hash describes its bytes):
-  what keeping prefix-cache hits costs the step on this workload, whose prompts no request repeats.
+  what keeping prefix-cache hits costs the step on this workload, whose prompts no request repeats;
+  ``evict50_noplan``, ``evict50`` with reclamation off (the worker evicts, no plan is made): the
+  floor of an evicting step on this design, the worker's evictions and growth replayed on the
+  scheduler side's replica and checked, whatever the plans cost.
 
 Sync scheduling, prefix caching on, S = 16, prompts of 256-1024 tokens, a pool large enough
 that nothing is preempted. Per variant and R: the median of the per-step cost over the
@@ -43,7 +46,7 @@ import time
 import numpy as np
 
 VARIANTS = ("plain", "off", "defaults", "evict50", "off_nochecks", "defaults_nochecks", "evict50_nochecks")
-AGAINST_ONLY = ("evict50_keepoff",)  # selectable with --against --variants, not run by the bench itself
+AGAINST_ONLY = ("evict50_keepoff", "evict50_noplan")  # selectable with --against --variants, not run by the bench itself
 AGAINST_VARIANTS = VARIANTS[1:] + AGAINST_ONLY  # what --against --variants may name (never plain)
 
 
@@ -84,7 +87,8 @@ class _Run:
         else:
             if variant.endswith("keepoff"):  # only then: a tree from before the setting takes the others
                 kw["keep_prefix_bytes"] = False
-            self.ad = VTokenAdapter(reclaim=not variant.startswith("off"), checks=not variant.endswith("nochecks"), **kw)
+            self.ad = VTokenAdapter(reclaim=not (variant.startswith("off") or variant.endswith("noplan")),
+                                    checks=not variant.endswith("nochecks"), **kw)
             self.sched = self.ad.scheduler
             table = self.ad.table
             for i, p in enumerate(prompts):

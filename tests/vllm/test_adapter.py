@@ -809,8 +809,8 @@ def test_the_adapter_bench_compares_two_trees_in_one_process():
 
 def test_the_adapter_benchs_keepoff_variant_turns_only_prefix_keeping_off():
     """``evict50_keepoff`` (``--against`` only): the ``evict50`` adapter with ``keep_prefix_bytes``
-    off and every other setting as ``evict50``'s; the bench itself does not run it, and a name
-    outside both lists is refused by name."""
+    off and every other setting as ``evict50``'s; ``evict50_noplan`` the same with reclamation off;
+    the bench itself runs neither, and a name outside both lists is refused by name."""
     from vtoken.reports.bench_adapter import AGAINST_ONLY, VARIANTS, _model, _Run, bench_against
 
     assert "evict50_keepoff" in AGAINST_ONLY and not set(AGAINST_ONLY) & set(VARIANTS)
@@ -821,5 +821,9 @@ def test_the_adapter_benchs_keepoff_variant_turns_only_prefix_keeping_off():
     assert {k: v for k, v in vars(on.ad.config).items() if k != "keep_prefix_bytes"} == \
         {k: v for k, v in vars(off.ad.config).items() if k != "keep_prefix_bytes"}
     assert on.w.evict_ratio == off.w.evict_ratio == 0.5
+    noplan = _Run("evict50_noplan", 3, prompts, 8, 0, model)  # the floor: evictions, reclamation off
+    assert "evict50_noplan" in AGAINST_ONLY and noplan.ad.reclaim is False and noplan.ad.checks is True
+    assert noplan.w.evict_ratio == 0.5 and {k: v for k, v in vars(noplan.ad.config).items() if k != "reclaim"} == \
+        {k: v for k, v in vars(on.ad.config).items() if k != "reclaim"}
     with pytest.raises(ValueError, match=r"--variants: \['evict50_keep'\]"):
         bench_against("HEAD", quick=True, variants=("evict50_keep",))

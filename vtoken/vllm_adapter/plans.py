@@ -234,7 +234,7 @@ class PlanBook:
                 not should_reclaim(cfg, **trigger_inputs(t, self.harness.pool.get_num_free_blocks())):
             return
         bound, no_plan = self.bound, self.no_plan
-        cleared = self._refresh_bounds(steps)
+        self._refresh_bounds(steps)
         busy, current, running = self.busy, self.requests.current, self.requests.running
         # stage 3's one order (planner.ranked: largest bound first, arrival breaks ties); the
         # eligibility tests run only on the requests reached before the step's plans or the headroom run out
@@ -249,21 +249,16 @@ class PlanBook:
                 elif r in self.still_at_turn:
                     del bound[r]  # all but the headroom tested at the round's start: still skipped
                     continue
-                else:
-                    still, now_clear = self._still_skipped([r], steps, every=True)
-                    if still:
-                        del bound[r]
-                        continue
-                    cleared |= now_clear
+                elif self._still_skipped([r], steps, every=True):
+                    del bound[r]
+                    continue
             blocks = t.block_array(r).tolist()
             exclude, keep = self._excluded_and_unfillable(r, blocks, cfg.in_place and self.keep_prefix_bytes)
             tail = t.tail_block(r)
             head = self._destinations()
-            # in place, a positive shortfall means propose finds nothing (planner.shortfall's
-            # contract): skipped before proposing, unless its shortfall was just re-checked as 0
-            if cfg.in_place and r not in cleared and self._no_plan(r, steps, tail, exclude, keep, len(head),
-                                                                   found_none=False):
-                continue
+            # proposed for at once: a failing proposal costs less than the shortfall that would
+            # predict it (planner.shortfall's contract: in place, positive means propose finds
+            # nothing), and most requests reached here have a plan
             p, _ = propose(t, r, head, max_sources=cfg.max_sources, tail=tail, excluded=exclude, in_place=cfg.in_place,
                            unfillable=keep)
             if p is None:
@@ -284,12 +279,11 @@ class PlanBook:
             self.launch(meta, r, p, tail, head)
         self.head_seen = self._head_size()
 
-    def _refresh_bounds(self, steps: int) -> set:
+    def _refresh_bounds(self, steps: int) -> None:
         """Stage 2 for the requests whose bound is stale (their table changed, or their skip
         record was woken): gone ones forgotten, skipped ones left out of the ranking, the others'
         bounds recomputed (``reclaim_bounds``: the table's tails, the blocks being written).
-        Returns the requests whose shortfall was re-checked as 0 (proposed for without another
-        check). O(stale requests) plus the gates' tests (:meth:`_still_skipped`)."""
+        O(stale requests) plus the gates' tests (:meth:`_still_skipped`)."""
         t, bound, arrival, no_plan = self.table, self.bound, self.requests.arrival, self.no_plan
         self._wake(steps)
         stale = t.present(self.stale_bounds)
@@ -299,7 +293,7 @@ class PlanBook:
         waiting = [r for r in stale if r in no_plan]
         self.still_at_turn = set()
         # deferred: gates that failed only because the headroom grew; tested again at their turn
-        skipped, cleared = self._still_skipped(waiting, steps, defer=True) if waiting else ((), set())
+        skipped = self._still_skipped(waiting, steps, defer=True) if waiting else ()
         # a skipped request has no bound (``_no_plan`` took it out, only the plan loop puts one back)
         for r in skipped:
             bound.pop(r, None)  # one left by a round that stopped before a deferred record's turn
@@ -310,7 +304,6 @@ class PlanBook:
             else:
                 bound.pop(r, None)  # no plan can exist
         self.stale_bounds = set()
-        return cleared
 
     def _head_size(self) -> int:
         """The destinations a plan may take now: the headroom's blocks and what the soft
@@ -342,13 +335,11 @@ class PlanBook:
         moves[at, 3] = got[moves[at, 3] - nb]
         return Proposal(p.sources, [d if d < nb else int(got[d - nb]) for d in p.dests], moves, p.fills)
 
-    def _no_plan(self, r: str, steps: int, tail, exclude, keep: list, head: int, found_none: bool = True) -> bool:
-        """An in-place proposal for ``r`` found no plan (``found_none``), or, before proposing,
-        its shortfall is positive: skip ``r`` until it evicted as many tokens as its shortfall
-        (``planner.shortfall``: a plan needs at least that many, at least one), then re-check the
-        shortfall on the same eligible blocks (their live counts now) and propose only when it is
-        0. Returns whether ``r`` is skipped (not, before proposing, when its shortfall is 0: a
-        plan exists). Look again at once when what else lowers the shortfall
+    def _no_plan(self, r: str, steps: int, tail, exclude, keep: list, head: int) -> None:
+        """An in-place proposal for ``r`` found no plan: skip ``r`` until it evicted as many
+        tokens as its shortfall (``planner.shortfall``: a plan needs at least that many, at least
+        one), then re-check the shortfall on the same eligible blocks (their live counts now) and
+        propose only when it is 0. Look again at once when what else lowers the shortfall
         changed: its block set (a moved-on tail is added to the blocks kept here), the headroom
         grew, its full-context length (which of its hashed blocks are unfillable) changed; after
         ``RETRY_CHECKS`` plan checks when it shares a block, ``SAFETY_CHECKS`` otherwise. A
@@ -363,8 +354,6 @@ class PlanBook:
         else:  # no destination: the shortfall is the watched estimate itself (planner.shortfalls_flat)
             counts = self._counts(fill, unfill)
             need = int(in_place_shortfall(*counts, t.S))
-        if need == 0 and not found_none:
-            return False  # a plan exists: not skipped
         blocks = t.block_array(r)
         shares = len(exclude) > 0 or bool((t.refs[blocks] > 1).any())
         due = steps + (RETRY_CHECKS if shares else SAFETY_CHECKS) * cfg.check_every
@@ -380,7 +369,6 @@ class PlanBook:
             self._watch(skip, counts)
         heapq.heappush(self.due, (due, self.requests.arrival(r), r))
         del self.bound[r]  # out of the ranking: back when its table changed enough (or it is due)
-        return True
 
     def _wake(self, steps: int) -> None:
         """Skipped requests (``no_plan``) whose look-again step came, or all of them when the
@@ -490,10 +478,9 @@ class PlanBook:
         still = set(waiting)
         return still, list(still & maybe)
 
-    def _still_skipped(self, waiting: list, steps: int, defer: bool = False, every: bool = False) -> tuple[set, set]:
-        """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``),
-        and those whose shortfall was re-checked now as 0 (a plan exists: proposed for without
-        another check); the others are forgotten. Each stays skipped while nothing but its live
+    def _still_skipped(self, waiting: list, steps: int, defer: bool = False, every: bool = False) -> set:
+        """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``);
+        the others are forgotten (one whose shortfall was re-checked now as 0 gets a bound). Each stays skipped while nothing but its live
         counts changed (its look-again step not come, the headroom no larger, its full-context
         length and block set as they were, or only its tail moved on: ``_tail_moved``) and its
         shortfall cannot be 0 yet (watched: its estimate above 0; else fewer evictions than the
@@ -521,7 +508,7 @@ class PlanBook:
         a = self.gates.a
         still, tested = (set(), list(waiting)) if every else self._to_test(waiting)
         if not tested:
-            return still, set()
+            return still
         still.difference_update(tested)
         self.events.difference_update(tested)  # an untested record's event waits for its next change
         # the tested are few (an event each): one table read for all, then a Python pass over
@@ -545,7 +532,6 @@ class PlanBook:
                 stays.add(r)  # only its tail moved on, and its estimate stays above 0
             elif not grown:  # (grown: re-checked at its turn, against the headroom then)
                 recheck.append((r, dead, skip))  # its estimate reached 0, or its evictions the shortfall
-        cleared = set()
         if recheck:
             for (r, d, skip), need in zip(recheck, self._shortfalls([(x[2].unfill, x[2].fill, x[2].dests)
                                                                      for x in recheck])):
@@ -555,8 +541,7 @@ class PlanBook:
                     still.add(r)
                 else:
                     self._unskip(r)
-                    cleared.add(r)
-        return still, cleared
+        return still
 
     def _tail_moved(self, r: str, skip: _Skip, ver: int) -> bool:
         """Did ``r``'s block set change only by a new tail (the decode step that filled the old
