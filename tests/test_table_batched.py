@@ -289,3 +289,108 @@ def test_the_dead_token_total_is_each_requests_length_less_its_live_tokens(seed)
             t.sync_new_tokens(pick, lists[pick], int(rng.integers(4, 40)))
         assert t.num_dead_tokens == total()
     assert total() > 0
+
+
+def _plans(t, rng, reqs: list) -> list:
+    """One proposal's moves per request of ``reqs`` that has one (in place, or out of place into
+    fresh blocks of 64..127, two per request, distinct), blocks shared in the table excluded
+    (the planner's rule)."""
+    from vtoken.planner import propose
+
+    fresh = [b for b in range(64, t.num_blocks) if t.refs[b] == 0]
+    items = []
+    for i, r in enumerate(reqs):
+        shared = [b for b in t.block_array(r).tolist() if t.refs[b] > 1]
+        p, _ = propose(t, r, fresh[2 * i:2 * i + 2], max_sources=int(rng.integers(1, 5)),
+                       tail=t.tail_block(r), excluded=np.array(shared, dtype=np.int64), in_place=bool(rng.random() < 0.5))
+        if p is not None and len(p.moves):
+            items.append((r, p.moves))
+    return items
+
+
+@pytest.mark.parametrize("device", ["cpu", None])
+@pytest.mark.parametrize("seed", range(8))
+def test_batched_moves_equal_the_single_calls(seed, device):
+    """``apply_moves_each`` (the replica replays a report's plans so) does what ``apply_moves``
+    does request after request: the same emptied sources, the same state, logs and reads."""
+    a, b, lists, rng = _pair(seed, device=device)
+    for r in lists:  # long enough for plans with several sources
+        for t in (a, b):
+            t.sync_new_tokens(r, lists[r], max(t.length(r), len(lists[r]) * t.S - 6))
+    applied = 0
+    for _ in range(12):
+        for r in lists:
+            live = a.live_tokens(r)
+            if len(live) > 1:
+                dead = [int(x) for x in live[:-1] if rng.random() < 0.3]
+                for t in (a, b):
+                    t.evict_tokens(r, dead)
+        items = _plans(a, rng, [r for r in lists if rng.random() < 0.8])
+        want = [a.apply_moves(r, m) for r, m in items]
+        assert b.apply_moves_each(items) == want
+        applied += len(items) > 1
+        _same(a, b)
+        for r in lists:  # the read path (a device mirror recomputes what a move made stale)
+            assert a.slot_mapping(r).tolist() == b.slot_mapping(r).tolist(), r
+        for r in lists:  # the blocks a plan emptied go back (the caller frees them): its own tail grows
+            if a.length(r) + 1 <= len(lists[r]) * a.S and a.tail_block(r) in a.block_array(r).tolist():
+                for t in (a, b):
+                    t.sync_new_tokens(r, lists[r], t.length(r) + 1)
+        _same(a, b)
+    assert applied >= 2, applied  # the workload exercises batches of several requests
+
+
+def _moves_pair(seed: int = 3):
+    """A table with evictions and two requests' valid proposals (r1 and r2 out of place, into
+    their fresh blocks 100.. and 104..), for the refusals below."""
+    from vtoken.planner import propose
+
+    _, t, lists, rng = _pair(seed)
+    for r in ("r1", "r2"):
+        t.sync_new_tokens(r, lists[r], 24)
+        t.evict_tokens(r, list(range(0, 24, 2)))
+    items = []
+    for i, r in enumerate(("r1", "r2")):
+        p, _ = propose(t, r, list(range(100 + 4 * i, 104 + 4 * i)), max_sources=4, tail=t.tail_block(r),
+                       in_place=False)
+        items.append((r, np.array(p.moves, dtype=np.int64)))
+    return t, items
+
+
+@pytest.mark.parametrize("case", ["twice", "second_bad", "fresh_twice", "emptied_reused", "unknown"])
+def test_a_refused_batch_of_moves_changes_nothing(case):
+    """Refused as a whole, naming the request and the move's index in its own list: a request
+    named twice, a bad move in the second request's list, one fresh block named by two requests
+    (foreign for the second, as one after the other), a block the first request empties named as
+    the second's destination (refused in a batch: its blocks go back after the call), an unknown
+    request."""
+    t, items = _moves_pair()
+    (r1, m1), (r2, m2) = items
+    before = t.export_state()
+    code, where = {"twice": ("duplicate_token", "'r1' named twice"), "second_bad": ("dead_token", "'r2': move #1 "),
+                   "fresh_twice": ("foreign_block", "'r2': move #0 "), "emptied_reused": ("foreign_block", "'r2': move #0 "),
+                   "unknown": ("unknown_request", "'nobody'")}[case]
+    if case == "twice":
+        items = [(r1, m1), (r1, m1[:1])]
+    elif case == "second_bad":
+        m2 = m2.copy()
+        m2[1, 0] = 0  # an evicted token
+        items = [(r1, m1), (r2, m2)]
+    elif case == "fresh_twice":
+        m2 = m2.copy()
+        m2[:, 3] = m1[0, 3]  # r1's first fresh destination block
+        m2[:, 4] = np.arange(len(m2)) % t.S
+        items = [(r1, m1), (r2, m2[:1])]
+    elif case == "emptied_reused":
+        src = int(m1[0, 1])  # a source of r1's plan, emptied by it
+        m2 = m2[:1].copy()
+        m2[0, 3], m2[0, 4] = src, 0
+        items = [(r1, m1), (r2, m2)]
+    else:
+        items = [(r1, m1), ("nobody", m2)]
+    with pytest.raises(TableError, match=where) as e:
+        t.apply_moves_each(items)
+    assert e.value.code == code
+    assert t.export_state() == before
+    if case == "emptied_reused":  # one after the other it is accepted: the block was free again
+        assert t.apply_moves(r1, m1) and t.apply_moves(r2, m2) == []

@@ -627,6 +627,32 @@ class TokenTable:
         self.refs[blocks] = before + 1
         self._changed.update(rids)
 
+    def _ref_block_list(self, r: _Req, bl: list) -> None:
+        """:meth:`_ref_block` for each of ``bl``, distinct blocks ``r`` does not reference, in
+        order (a plan's new destinations): the per-block counts in one array operation each, the
+        same asserts and logs. O(len(bl)), in C but for the block set."""
+        if len(bl) < 4:  # the arrays' fixed price is more than a few scalar calls
+            for b in bl:
+                self._ref_block(r, b)
+            return
+        blocks = r.blocks
+        for b in bl:
+            assert b not in blocks, f"block {b} referenced twice by one request"
+            blocks.add(b)
+        arr = np.array(bl, dtype=np.int64)  # distinct: a repeat failed the assert above
+        if self.reblocked is not None:
+            self.reblocked.add(r.rid)
+        if self.added is not None:
+            self.added += [(r.rid, b) for b in bl]
+        r.block_arr = None
+        h = r.h
+        self._last[h] = bl[-1]
+        self._nblk[h] += len(bl)
+        self._bver[h] += len(bl)
+        before = self.refs[arr]
+        self._ref_blocks += int(np.count_nonzero(before == 0))
+        self.refs[arr] = before + 1
+
     def _unref_block(self, r: _Req, b: int) -> None:
         assert b in r.blocks and self.refs[b] > 0, f"block {b} unreferenced by a request that does not hold it"
         if self.reblocked is not None:
@@ -1058,19 +1084,43 @@ class TokenTable:
         ``bad_offset``, ``null_block``, ``shared_block`` / ``foreign_block`` (destination),
         ``slot_occupied``, ``duplicate_destination``. O(moves). A destination the request did not
         reference becomes its. Returns the sources left with no live token, sorted, which the table
-        stops referencing and the caller frees."""
-        r = self._req(req_id)
-        m = _moves_array(moves, f"request {req_id!r}: moves")
-        if len(m) == 0:
-            return []
-        S, NB = self.S, self.num_blocks
+        stops referencing and the caller frees. (:meth:`apply_moves_each` of one request.)"""
+        return self.apply_moves_each([(req_id, moves)])[0]
+
+    def apply_moves_each(self, items) -> list[list[int]]:
+        """:meth:`apply_moves` of each ``(req_id, moves)`` of ``items`` (distinct requests: one
+        named twice is ``duplicate_token``), validated together and applied together: every
+        item's ids and move rows are checked first (in order), then every move's checks (the
+        first bad move, in the items' order and then the moves', raises, naming its request and
+        its index in that request's list), and nothing changes unless all pass. The same as
+        applying them one after the other, but that a block referenced by another item's
+        request, even one that item empties, is never a destination (``foreign_block``), and a
+        fresh block is the destination of the first item naming it only. (What the scheduler
+        side's replica replays: the plans a worker report ends, one request each, I4.) Returns
+        each item's emptied sources, as :meth:`apply_moves` does. O(moves + items), in array
+        operations over all items' moves at once."""
+        rs, ms = self._move_items(items)
+        out: list[list[int]] = [[] for _ in rs]
+        at = [i for i, m in enumerate(ms) if len(m)]
+        if not at:
+            return out
+        if len(at) == len(rs) == 1:  # the one-request call: no concatenation, no request index
+            m, ri = ms[0], np.zeros(len(ms[0]), dtype=np.int64)
+        else:
+            rs, m = [rs[i] for i in at], np.concatenate([ms[i] for i in at])
+            ri = np.repeat(np.arange(len(at), dtype=np.int64), [len(ms[i]) for i in at])
+        S, NB, host = self.S, self.num_blocks, self._host
+        rows = np.array([r.h for r in rs], dtype=np.int64)
         tok, src_block, src_off, dst_block, dst_off = m.T
-        k = len(m)
-        c_unknown = (tok < 0) | (tok >= r.n)
-        t_safe = np.where(c_unknown, 0, tok)
-        c_dead = ~c_unknown & ~r.live[t_safe]
-        c_duptok = _repeats(tok)
-        cur = r.slot[t_safe]
+        c_unknown = (tok < 0) | (tok >= self._n[rows][ri])
+        g = self._hb[rows][ri] + np.where(c_unknown, 0, tok)  # each token's host index
+        if c_unknown.all():  # (a request without a segment has no host index at all)
+            g = np.zeros(len(m), dtype=np.int64)
+            c_dead, cur = np.zeros(len(m), dtype=bool), np.zeros(len(m), dtype=np.int64)
+        else:
+            g = np.where(c_unknown, g[np.argmin(c_unknown)], g)  # a known token's index stands in
+            c_dead, cur = ~c_unknown & ~host.live[g], host.slot[g]
+        c_duptok = _repeats(np.where(c_unknown, -1 - np.arange(len(m)), g))  # an unknown id is reported as such
         # compared apart, not as src_block * S + src_off: that can wrap in int64
         c_src = (src_block != cur // S) | (src_off != cur % S)
         c_srcshared = self.refs[cur // S] > 1
@@ -1079,10 +1129,9 @@ class TokenTable:
         c_off = (dst_off < 0) | (dst_off >= S)
         c_null = dst_block == NULL_BLOCK
         dref = self.refs[dst_block_safe]
-        ub, inv = np.unique(dst_block_safe, return_inverse=True)  # a plan's moves land in few blocks
-        mine = np.fromiter((b in r.blocks for b in ub.tolist()), dtype=bool, count=len(ub))[inv]
+        mine, fresh_taken = self._destinations_of(rs, ri, dst_block_safe, dref)
         c_dshared = mine & (dref > 1)
-        c_foreign = ~mine & (dref > 0)
+        c_foreign = (~mine & (dref > 0)) | fresh_taken
         dst = dst_block_safe * S + np.where(c_off, 0, dst_off)
         c_occ = self.claims[dst] > 0  # dst is own or fresh, so a claim is a live token of ours
         c_dupdst = _repeats(dst)
@@ -1092,31 +1141,88 @@ class TokenTable:
             ("bad_offset", c_off), ("null_block", c_null), ("shared_block", c_dshared),
             ("foreign_block", c_foreign), ("slot_occupied", c_occ), ("duplicate_destination", c_dupdst),
         )
-        bad = np.zeros(k, dtype=bool)
+        bad = np.zeros(len(m), dtype=bool)
         for _, c in checks:
             bad |= c
         if bad.any():
             i = int(np.argmax(bad))
             code = next(name for name, c in checks if c[i])
-            raise TableError(code, f"request {req_id!r}: move #{i} ({', '.join(_fmt(int(x)) for x in m[i])})")
-        self._changed.add(req_id)
-        return self._apply_valid_moves(r, m, tok, cur, dst)
+            k = int(ri[i])
+            j = i - int(np.searchsorted(ri, k))  # its index in its request's list
+            raise TableError(code, f"request {rs[k].rid!r}: move #{j} ({', '.join(_fmt(int(x)) for x in m[i])})")
+        for k, e in zip(at, self._apply_valid_moves(rs, ri, tok, g, cur, dst)):
+            out[k] = e
+        return out
 
-    def _apply_valid_moves(self, r: _Req, m, tok, cur, dst) -> list[int]:
-        S = self.S
-        for b in sorted(set((dst // S).tolist())):  # a plan's few blocks: a set, not np.unique's sort
-            if b not in r.blocks:
-                self._ref_block(r, b)
+    def _move_items(self, items) -> tuple[list, list]:
+        """:meth:`apply_moves_each`'s argument checks, item after item: the request (``bad_request_id``,
+        ``unknown_request``, ``duplicate_token`` when named again), its moves (``bad_move``).
+        Returns the requests and their moves as (k, 5) int64 arrays."""
+        rs, ms, seen = [], [], set()
+        for req_id, moves in items:
+            r = self._req(req_id)
+            if req_id in seen:
+                raise TableError("duplicate_token", f"apply_moves_each: request {req_id!r} named twice")
+            seen.add(req_id)
+            rs.append(r)
+            ms.append(_moves_array(moves, f"request {req_id!r}: moves"))
+        return rs, ms
+
+    def _destinations_of(self, rs: list, ri: np.ndarray, blocks: np.ndarray, dref: np.ndarray):
+        """Per move: is its destination block one its request ``rs[ri]`` references (``mine``), and
+        is it a fresh block (referenced by no request) that an earlier item names too
+        (``taken``: foreign once that item has taken it). O(moves) in array operations, plus a
+        set pass over each item's few distinct destination blocks."""
+        if len(rs) == 1:  # a plan's moves land in few blocks
+            ub, inv = np.unique(blocks, return_inverse=True)
+            own = rs[0].blocks
+            return np.fromiter((b in own for b in ub.tolist()), dtype=bool, count=len(ub))[inv], \
+                np.zeros(len(blocks), dtype=bool)
+        NB = self.num_blocks
+        key = ri * NB + blocks
+        uk = np.unique(key)
+        mine_keys, taken_keys, first = [], [], {}
+        for x in uk.tolist():  # ascending: by item, then by block
+            k, b = divmod(x, NB)
+            if b in rs[k].blocks:
+                mine_keys.append(x)
+            elif self.refs[b] == 0 and first.setdefault(b, k) != k:
+                taken_keys.append(x)
+        mine = np.isin(key, mine_keys) if mine_keys else np.zeros(len(key), dtype=bool)
+        taken = np.isin(key, taken_keys) if taken_keys else np.zeros(len(key), dtype=bool)
+        return mine, taken
+
+    def _apply_valid_moves(self, rs: list, ri: np.ndarray, tok, g, cur, dst) -> list[list[int]]:
+        """Apply moves :meth:`apply_moves_each` validated: move ``i`` of request ``rs[ri[i]]``,
+        token ``tok[i]`` (host index ``g[i]``) from slot ``cur[i]`` to ``dst[i]``. Returns each
+        request's emptied sources (sorted), no longer referenced."""
+        S, host = self.S, self._host
+        db = self._db[np.array([r.h for r in rs], dtype=np.int64)]
+        if len(rs) == 1:  # a plan's few blocks: a set, not a sort
+            new = [[b for b in sorted(set((dst // S).tolist())) if b not in rs[0].blocks]]
+        else:
+            new = [[] for _ in rs]
+            for k, b in sorted(set(zip(ri.tolist(), (dst // S).tolist()))):
+                if b not in rs[k].blocks:
+                    new[k].append(b)
+        for r, bl in zip(rs, new):
+            self._ref_block_list(r, bl)
         self._unclaim(cur)
         self._claim(dst)
-        r.slot[tok] = dst
+        host.slot[g] = dst
         self.placed[dst] = tok
-        self._pool.pend_idx.append(tok + r.base)
+        self._pool.pend_idx.append(tok + db[ri])
         self._pool.pend_val.append(dst.copy())
-        r.map_dirty = True
-        src = np.unique(cur // S)
-        emptied = src[self.n_b[src] == 0].tolist()
-        self._unref_blocks(r, emptied)
+        self._dirty[[r.h for r in rs]] = True
+        src = np.unique(ri * self.num_blocks + cur // S)  # each request's sources, ascending
+        src = src[self.n_b[src % self.num_blocks] == 0]
+        emptied: list[list[int]] = [[] for _ in rs]
+        for x in src.tolist():
+            k, b = divmod(x, self.num_blocks)
+            emptied[k].append(b)
+        for r, e in zip(rs, emptied):
+            self._unref_blocks(r, e)
+            self._changed.add(r.rid)
         return emptied
 
     def release_empty_blocks(self, req_id, block_ids: Iterable[int]) -> list[int]:

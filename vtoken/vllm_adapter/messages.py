@@ -158,9 +158,22 @@ class _Segment(list):
 def replay(table: TokenTable, ops: list) -> None:
     """Run the worker's logged changes on ``table`` (the scheduler side's replica), in order,
     then flush its read-side mirror (so what it queues stays bounded by one step's changes).
-    A change the replica refuses raises the table's own error: the two tables had diverged."""
-    for op in ops:
+    A change the replica refuses raises the table's own error: the two tables had diverged.
+    Consecutive moves of distinct requests (the plans a report ends, one request each) replay
+    in one ``apply_moves_each``: one validation and one application for all of them."""
+    i, n = 0, len(ops)
+    while i < n:
+        op = ops[i]
         kind, r = op[0], op[1]
+        i += 1
+        if kind == "apply":
+            items, seen = [(r, op[2])], {r}
+            while i < n and ops[i][0] == "apply" and ops[i][1] not in seen:
+                items.append((ops[i][1], ops[i][2]))
+                seen.add(ops[i][1])
+                i += 1
+            table.apply_moves_each(items)
+            continue
         if kind == "sync":
             _, _, total, j0, seg = op
             table.sync_new_tokens(r, _Segment(j0, seg) if j0 else seg, total)
@@ -170,8 +183,6 @@ def replay(table: TokenTable, ops: list) -> None:
             table.sync_one_each(r, op[2])
         elif kind == "evict1":  # a decode step's one-token evictions
             table.evict_one_each(r, op[2])
-        elif kind == "apply":
-            table.apply_moves(r, op[2])
         elif kind == "release":
             table.release_empty_blocks(r, op[2])
         elif kind == "free":
