@@ -9,7 +9,8 @@ a request's length, live count, block count and segments are row ``h`` of per-re
 its slots and liveness a power-of-two segment of one host pool, so a decode step's growth and
 evictions of every request (``sync_one_each``, ``evict_one_each``: what the scheduler side's
 replica replays each step) are array operations, with Python work only for a request whose
-token opens a block or outgrows its segment. Per block:
+token opens a block or outgrows its segment; the plans a report ends are one
+``apply_moves_each``. Per block:
 ``refs[b]`` (requests referencing ``b``) and ``n_b[b]`` (slots of ``b`` holding a live token
 of some request, a shared slot counted once). Per slot: ``claims[s]`` (requests with a live
 token at ``s``) and ``placed[s]`` (the id last placed at ``s`` while its block was

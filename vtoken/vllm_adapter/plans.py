@@ -480,11 +480,11 @@ class PlanBook:
 
     def _still_skipped(self, waiting: list, steps: int, defer: bool = False, every: bool = False) -> set:
         """The requests of ``waiting`` (skipped, and changed since) still skipped (``_no_plan``);
-        the others are forgotten (one whose shortfall was re-checked now as 0 gets a bound). Each stays skipped while nothing but its live
-        counts changed (its look-again step not come, the headroom no larger, its full-context
-        length and block set as they were, or only its tail moved on: ``_tail_moved``) and its
-        shortfall cannot be 0 yet (watched: its estimate above 0; else fewer evictions than the
-        shortfall).
+        the others are forgotten (one whose shortfall was re-checked now as 0 gets a bound and is
+        proposed for). Each stays skipped while nothing but its live counts changed (its
+        look-again step not come, the headroom no larger, its full-context length and block set
+        as they were, or only its tail moved on: ``_tail_moved``) and its shortfall cannot be 0
+        yet (watched: its estimate above 0; else fewer evictions than the shortfall).
 
         Only the records whose gate may have opened are tested: those whose block set or
         full-context length changed, or that the headroom's growth woke, since they were last
