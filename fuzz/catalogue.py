@@ -69,7 +69,7 @@ CATALOGUE: list[Fault] = [
           "table", (_p(T, "TokenTable._sync_one", "s = b * S + n % S", "s = b * (S + 1) + n % S"),)),
     Fault("stale_slot_after_move", "6 stale lookup cache after a move", "the device slot cache is not updated by apply_moves",
           "table", (_p(T, "TokenTable._apply_valid_moves",
-                       "        self._pool.pend_idx.append(tok + db[ri])\n        self._pool.pend_val.append(dst.copy())\n", ""),)),
+                       "        self._pool.pend_idx.append(tok + self._db[rows][ri])\n        self._pool.pend_val.append(dst.copy())\n", ""),)),
     Fault("nb_double_count", "3 accounting drift (n_b)", "n_b counts a shared slot once per request", "table",
           (_p(T, "TokenTable._claim", "np.add.at(self.n_b, fresh // self.S, 1)\n        self._live_slots += len(fresh)",
               "np.add.at(self.n_b, slots // self.S, 1)\n        self._live_slots += len(slots)"),
@@ -77,7 +77,7 @@ CATALOGUE: list[Fault] = [
     Fault("nonatomic_apply_moves", "I2 non-atomic failed apply_moves", "a failing move list applies its valid prefix", "table",
           (_p(T, "TokenTable.apply_moves_each", "            code = next(name for name, c in checks if c[i])\n",
               "            code = next(name for name, c in checks if c[i])\n            if i > 0:\n"
-              "                self._apply_valid_moves(rs, ri[:i], tok[:i], g[:i], cur[:i], dst[:i])\n"),)),
+              "                self._apply_valid_moves(rs, rows, ri[:i], tok[:i], g[:i], cur[:i], dst[:i])\n"),)),
     Fault("dup_dst_accepted", "9 duplicate destination slot", "apply_moves accepts two moves into one slot", "table",
           (_p(T, "TokenTable.apply_moves_each", ' ("slot_occupied", c_occ), ("duplicate_destination", c_dupdst),',
               ' ("slot_occupied", c_occ),'),)),

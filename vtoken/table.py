@@ -605,9 +605,10 @@ class TokenTable:
 
     def _ref_blocks_each(self, req_ids, idx: list, rows: np.ndarray, blocks: np.ndarray) -> None:
         """:meth:`_ref_block` for request ``req_ids[i]`` (row ``rows[k]``) and block ``blocks[k]``,
-        ``i = idx[k]``: distinct requests and distinct blocks, none already referenced by its
-        request (``sync_one_each`` checked both). The per-row and per-block counts in one array
-        operation each; the block sets and the logs per request."""
+        ``i = idx[k]``, in order: distinct blocks, none already referenced by its request
+        (``sync_one_each`` and ``apply_moves_each`` checked both); a request named more than once
+        (a plan's new destinations) in consecutive entries. The per-row and per-block counts in
+        one array operation each; the block sets and the logs per request."""
         reqs = self._reqs
         rids = [req_ids[i] for i in idx]
         blist = blocks.tolist()
@@ -620,39 +621,19 @@ class TokenTable:
             self.reblocked.update(rids)
         if self.added is not None:
             self.added += zip(rids, blist)
-        self._last[rows] = blocks
-        self._nblk[rows] += 1  # rows distinct: a plain indexed add counts each once
-        self._bver[rows] += 1
-        before = self.refs[blocks]  # blocks distinct: likewise
+        if len(rows) > 1 and (rows[1:] == rows[:-1]).any():  # a request's several blocks
+            last = np.r_[rows[1:] != rows[:-1], True]  # each request's last entry
+            self._last[rows[last]] = blocks[last]
+            np.add.at(self._nblk, rows, 1)
+            np.add.at(self._bver, rows, 1)
+        else:
+            self._last[rows] = blocks
+            self._nblk[rows] += 1  # rows distinct: a plain indexed add counts each once
+            self._bver[rows] += 1
+        before = self.refs[blocks]  # blocks distinct: a plain indexed write
         self._ref_blocks += int(np.count_nonzero(before == 0))
         self.refs[blocks] = before + 1
         self._changed.update(rids)
-
-    def _ref_block_list(self, r: _Req, bl: list) -> None:
-        """:meth:`_ref_block` for each of ``bl``, distinct blocks ``r`` does not reference, in
-        order (a plan's new destinations): the per-block counts in one array operation each, the
-        same asserts and logs. O(len(bl)), in C but for the block set."""
-        if len(bl) < 4:  # the arrays' fixed price is more than a few scalar calls
-            for b in bl:
-                self._ref_block(r, b)
-            return
-        blocks = r.blocks
-        for b in bl:
-            assert b not in blocks, f"block {b} referenced twice by one request"
-            blocks.add(b)
-        arr = np.array(bl, dtype=np.int64)  # distinct: a repeat failed the assert above
-        if self.reblocked is not None:
-            self.reblocked.add(r.rid)
-        if self.added is not None:
-            self.added += [(r.rid, b) for b in bl]
-        r.block_arr = None
-        h = r.h
-        self._last[h] = bl[-1]
-        self._nblk[h] += len(bl)
-        self._bver[h] += len(bl)
-        before = self.refs[arr]
-        self._ref_blocks += int(np.count_nonzero(before == 0))
-        self.refs[arr] = before + 1
 
     def _unref_block(self, r: _Req, b: int) -> None:
         assert b in r.blocks and self.refs[b] > 0, f"block {b} unreferenced by a request that does not hold it"
@@ -1105,23 +1086,18 @@ class TokenTable:
         at = [i for i, m in enumerate(ms) if len(m)]
         if not at:
             return out
-        if len(at) == len(rs) == 1:  # the one-request call: no concatenation, no request index
-            m, ri = ms[0], np.zeros(len(ms[0]), dtype=np.int64)
-        else:
-            rs, m = [rs[i] for i in at], np.concatenate([ms[i] for i in at])
-            ri = np.repeat(np.arange(len(at), dtype=np.int64), [len(ms[i]) for i in at])
+        rs = [rs[i] for i in at]
+        m = ms[at[0]] if len(at) == 1 else np.concatenate([ms[i] for i in at])
+        ri = np.repeat(np.arange(len(at), dtype=np.int64), [len(ms[i]) for i in at])  # each move's request
         S, NB, host = self.S, self.num_blocks, self._host
         rows = np.array([r.h for r in rs], dtype=np.int64)
         tok, src_block, src_off, dst_block, dst_off = m.T
         c_unknown = (tok < 0) | (tok >= self._n[rows][ri])
-        g = self._hb[rows][ri] + np.where(c_unknown, 0, tok)  # each token's host index
-        if c_unknown.all():  # (a request without a segment has no host index at all)
-            g = np.zeros(len(m), dtype=np.int64)
-            c_dead, cur = np.zeros(len(m), dtype=bool), np.zeros(len(m), dtype=np.int64)
-        else:
-            g = np.where(c_unknown, g[np.argmin(c_unknown)], g)  # a known token's index stands in
-            c_dead, cur = ~c_unknown & ~host.live[g], host.slot[g]
-        c_duptok = _repeats(np.where(c_unknown, -1 - np.arange(len(m)), g))  # an unknown id is reported as such
+        # each token's host index (an unknown one reads its request's first entry: the host pool
+        # is never empty, and the move is refused as unknown before any other check of it counts)
+        g = self._hb[rows][ri] + np.where(c_unknown, 0, tok)
+        c_dead, cur = ~c_unknown & ~host.live[g], host.slot[g]
+        c_duptok = _repeats(g)
         # compared apart, not as src_block * S + src_off: that can wrap in int64
         c_src = (src_block != cur // S) | (src_off != cur % S)
         c_srcshared = self.refs[cur // S] > 1
@@ -1151,7 +1127,7 @@ class TokenTable:
             k = int(ri[i])
             j = i - int(np.searchsorted(ri, k))  # its index in its request's list
             raise TableError(code, f"request {rs[k].rid!r}: move #{j} ({', '.join(_fmt(int(x)) for x in m[i])})")
-        for k, e in zip(at, self._apply_valid_moves(rs, ri, tok, g, cur, dst)):
+        for k, e in zip(at, self._apply_valid_moves(rs, rows, ri, tok, g, cur, dst)):
             out[k] = e
         return out
 
@@ -1171,55 +1147,38 @@ class TokenTable:
 
     def _destinations_of(self, rs: list, ri: np.ndarray, blocks: np.ndarray, dref: np.ndarray):
         """Per move: is its destination block one its request ``rs[ri]`` references (``mine``), and
-        is it a fresh block (referenced by no request) that an earlier item names too
+        is it a fresh block (``dref`` 0: referenced by no request) that an earlier item names too
         (``taken``: foreign once that item has taken it). O(moves) in array operations, plus a
-        set pass over each item's few distinct destination blocks."""
-        if len(rs) == 1:  # a plan's moves land in few blocks
-            ub, inv = np.unique(blocks, return_inverse=True)
-            own = rs[0].blocks
-            return np.fromiter((b in own for b in ub.tolist()), dtype=bool, count=len(ub))[inv], \
-                np.zeros(len(blocks), dtype=bool)
+        Python pass over the distinct (request, block) pairs: a plan's moves land in few blocks."""
         NB = self.num_blocks
-        key = ri * NB + blocks
-        uk = np.unique(key)
-        mine_keys, taken_keys, first = [], [], {}
-        for x in uk.tolist():  # ascending: by item, then by block
-            k, b = divmod(x, NB)
-            if b in rs[k].blocks:
-                mine_keys.append(x)
-            elif self.refs[b] == 0 and first.setdefault(b, k) != k:
-                taken_keys.append(x)
-        mine = np.isin(key, mine_keys) if mine_keys else np.zeros(len(key), dtype=bool)
-        taken = np.isin(key, taken_keys) if taken_keys else np.zeros(len(key), dtype=bool)
-        return mine, taken
+        uk, first_at, inv = np.unique(ri * NB + blocks, return_index=True, return_inverse=True)
+        mine, taken, first = [], [], {}
+        for k, b, refs in zip(*(x.tolist() for x in (*np.divmod(uk, NB), dref[first_at]))):  # by item, then block
+            own = b in rs[k].blocks
+            mine.append(own)
+            taken.append(not own and refs == 0 and first.setdefault(b, k) != k)
+        return np.array(mine, dtype=bool)[inv], np.array(taken, dtype=bool)[inv]
 
-    def _apply_valid_moves(self, rs: list, ri: np.ndarray, tok, g, cur, dst) -> list[list[int]]:
-        """Apply moves :meth:`apply_moves_each` validated: move ``i`` of request ``rs[ri[i]]``,
-        token ``tok[i]`` (host index ``g[i]``) from slot ``cur[i]`` to ``dst[i]``. Returns each
-        request's emptied sources (sorted), no longer referenced."""
-        S, host = self.S, self._host
-        db = self._db[np.array([r.h for r in rs], dtype=np.int64)]
-        if len(rs) == 1:  # a plan's few blocks: a set, not a sort
-            new = [[b for b in sorted(set((dst // S).tolist())) if b not in rs[0].blocks]]
-        else:
-            new = [[] for _ in rs]
-            for k, b in sorted(set(zip(ri.tolist(), (dst // S).tolist()))):
-                if b not in rs[k].blocks:
-                    new[k].append(b)
-        for r, bl in zip(rs, new):
-            self._ref_block_list(r, bl)
+    def _apply_valid_moves(self, rs: list, rows: np.ndarray, ri: np.ndarray, tok, g, cur, dst) -> list[list[int]]:
+        """Apply moves :meth:`apply_moves_each` validated: move ``i`` of request ``rs[ri[i]]`` (row
+        ``rows[ri[i]]``), token ``tok[i]`` (host index ``g[i]``) from slot ``cur[i]`` to ``dst[i]``.
+        Returns each request's emptied sources (sorted), no longer referenced."""
+        S, NB, host = self.S, self.num_blocks, self._host
+        ks, bs = np.divmod(np.unique(ri * NB + dst // S), NB)  # each request's destination blocks, ascending
+        new = [j for j, (k, b) in enumerate(zip(ks.tolist(), bs.tolist())) if b not in rs[k].blocks]
+        if new:
+            self._ref_blocks_each([r.rid for r in rs], ks[new].tolist(), rows[ks[new]], bs[new])
         self._unclaim(cur)
         self._claim(dst)
         host.slot[g] = dst
         self.placed[dst] = tok
-        self._pool.pend_idx.append(tok + db[ri])
+        self._pool.pend_idx.append(tok + self._db[rows][ri])
         self._pool.pend_val.append(dst.copy())
-        self._dirty[[r.h for r in rs]] = True
-        src = np.unique(ri * self.num_blocks + cur // S)  # each request's sources, ascending
-        src = src[self.n_b[src % self.num_blocks] == 0]
+        self._dirty[rows] = True
+        src = np.unique(ri * NB + cur // S)  # each request's sources, ascending
+        src = src[self.n_b[src % NB] == 0]
         emptied: list[list[int]] = [[] for _ in rs]
-        for x in src.tolist():
-            k, b = divmod(x, self.num_blocks)
+        for k, b in zip(*(x.tolist() for x in np.divmod(src, NB))):
             emptied[k].append(b)
         for r, e in zip(rs, emptied):
             self._unref_blocks(r, e)
