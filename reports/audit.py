@@ -607,11 +607,13 @@ def check_adapter_bench(ctx) -> CheckResult:
     res["vllm_version"] = ver
     parts = [f"R={R}: " + ratio_text(res, R) for R in res["ratio"]]
     means = [f"R={R}: " + ratio_text(res, R, "ratio_mean") for R in res["ratio_mean"]]
+    runs = [f"R={R}: " + ratio_text(res, R, "ratio_run") for R in res["ratio_run"]]
     how = (f"quick timing: R={', '.join(map(str, res['R']))}, {res['steps']} decode steps, {res['repeats']} repeat(s); "
            f"the full benchmark: vtoken bench adapter --repeats 3")
     return CheckResult("adapter-step-cost", None,
                        f"scheduler-side step cost x plain vLLM {ver} (checks on unless _nochecks; {how}): "
-                       + "; ".join(parts) + "; from mean step costs: " + "; ".join(means),
+                       + "; ".join(parts) + "; from mean step costs: " + "; ".join(means)
+                       + "; over the whole run (prefill and the requests' ends included): " + "; ".join(runs),
                        metrics=res, measurement=True)
 
 

@@ -23,7 +23,11 @@ median of each variant. ``--repeats N`` runs the whole measurement N times on fr
 same workload and reports the median of the N ratios (each in ``ratio_runs``): on a shared
 machine one run's ratio moves by +-0.1. ``ratio_mean`` is the same from mean step costs: an
 evicting run's steps are bimodal (steps that plan, steps that do not), where a median can
-jump between the modes, while the mean is what the engine thread pays over the run. The
+jump between the modes, while the mean is what the engine thread pays over the window.
+``ratio_run`` is the same from each run's total scheduler time over the whole run, its every
+step (``run_steps``) from the first ``schedule()`` to the last request's end: the prefill steps
+(a prompt's tokens entered in the table and its replica) and the steps where requests finish
+(their tables freed), which a window of decode steps leaves out. The
 last stdout line is one JSON object.
 
 ``--against REF`` (:func:`bench_against`) compares this tree's adapter with commit REF's in
@@ -97,7 +101,10 @@ class _Run:
                               check_relocations=False)
         if variant != "plain":
             self.ad.attach_worker(self.w)
-        self.times: list[float] = []
+        self.times: list[float] = []  # the measured window's steps
+        self.run_times: list[float] = []  # every step, from the first schedule() on
+        self.done = False  # a step scheduled nothing: every request has finished
+        self.window: dict = {}  # work() over the window, taken at its end (window_end)
 
     def step(self, measure: bool) -> bool:
         t0 = time.perf_counter()
@@ -107,9 +114,17 @@ class _Run:
         t2 = time.perf_counter()
         self.sched.update_from_output(sched_out, out)
         t3 = time.perf_counter()
+        self.run_times.append((t1 - t0) + (t3 - t2))
         if measure:
-            self.times.append((t1 - t0) + (t3 - t2))
-        return sched_out.total_num_scheduled_tokens > 0
+            self.times.append(self.run_times[-1])
+        self.done = sched_out.total_num_scheduled_tokens == 0
+        return not self.done
+
+    def window_end(self, steps: int) -> None:
+        """The measured window is over: its work (:meth:`work`, plain: none) kept in ``window``
+        before the run goes on to its end."""
+        if self.variant != "plain":
+            self.window = dict(self.work(steps), applied=self.ad.stats.get("applied"))
 
     def work(self, steps: int) -> dict:
         """What the adapter did over the run (its counters) and the blocks it retained, by the
@@ -119,12 +134,16 @@ class _Run:
         return {"plans": st.get("plans"), "sources_freed": st.get("sources_freed"), "moves": st.get("moves"),
                 "retained_mean": statistics.fmean(kept) if kept else None}  # None: a ref that does not count it
 
+    def prefilled(self, R: int) -> bool:
+        """All ``R`` requests run and decode."""
+        return len(self.sched.running) == R and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                                    for r in self.sched.running)
+
     def prefill(self, R: int) -> None:
-        """Step (chunked prefill, not measured) until all ``R`` requests run and decode."""
+        """Step (chunked prefill, not in the window) until all ``R`` requests run and decode."""
         for _ in range(200):
             self.step(False)
-            if len(self.sched.running) == R and all(r.num_computed_tokens >= r.num_prompt_tokens
-                                                       for r in self.sched.running):
+            if self.prefilled(R):
                 return
 
     def stats(self) -> dict:
@@ -133,7 +152,8 @@ class _Run:
         med = statistics.median(self.times)
         return {"median_ms": med * 1e3, "mean_ms": statistics.fmean(self.times) * 1e3,
                 "p25_ms": self.times[n // 4] * 1e3, "p75_ms": self.times[(3 * n) // 4] * 1e3,
-                "spread": (self.times[(3 * n) // 4] - self.times[n // 4]) / med if med else 0.0, "steps": n}
+                "spread": (self.times[(3 * n) // 4] - self.times[n // 4]) / med if med else 0.0, "steps": n,
+                "run_ms": sum(self.run_times) * 1e3, "run_steps": len(self.run_times)}
 
 
 def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int = 50, profile_evict: bool = False,
@@ -149,7 +169,8 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
     model = _model()
     if quick:
         Rs, steps = (8,), 10
-    out = {"ratio": {}, "ratio_mean": {}, "spread": {}, "median_ms": {}, "ratio_runs": {}, "R": list(Rs), "steps": steps,
+    out = {"ratio": {}, "ratio_mean": {}, "ratio_run": {}, "run_steps": {}, "spread": {}, "median_ms": {}, "ratio_runs": {},
+           "R": list(Rs), "steps": steps,
            "repeats": int(repeats), "variants": list(VARIANTS)}
     for R in Rs:
         prompts = _prompts(seed, R, quick)
@@ -158,7 +179,7 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
             runs = _measure(R, prompts, steps, seed, model)
             reps.append({v: r.stats() for v, r in runs.items()})
             if rep == 0:
-                out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].ad.stats["applied"]
+                out.setdefault("applied_plans", {})[str(R)] = runs["evict50"].window["applied"]
             del runs
         if profile_evict and R == max(Rs):
             out["profile_top10"] = _profile(R, prompts, steps, seed, model)
@@ -168,31 +189,58 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
         out["ratio_runs"][key] = _ratio_runs(reps, "median_ms")
         out["ratio"][key] = {v: statistics.median(x) for v, x in out["ratio_runs"][key].items()}
         out["ratio_mean"][key] = {v: statistics.median(x) for v, x in _ratio_runs(reps, "mean_ms").items()}
+        out["ratio_run"][key] = {v: statistics.median(x) for v, x in _ratio_runs(reps, "run_ms").items()}
+        out["run_steps"][key] = {v: reps[0][v]["run_steps"] for v in VARIANTS}
         out["median_ms"][key] = {v: statistics.median(st[v]["median_ms"] for st in reps) for v in VARIANTS}
         out["spread"][key] = {v: statistics.median(st[v]["spread"] for st in reps) for v in VARIANTS}
     return out
 
 
 def _ratio_runs(reps: list, stat: str) -> dict:
-    """Per adapter variant, each repeat's ``stat`` (``median_ms`` or ``mean_ms``) over plain's."""
+    """Per adapter variant, each repeat's ``stat`` (``median_ms``, ``mean_ms`` or ``run_ms``)
+    over plain's."""
     return {v: [st[v][stat] / st["plain"][stat] for st in reps] for v in VARIANTS if v != "plain"}
 
 
 def ratio_text(res: dict, R: str, key: str = "ratio") -> str:
-    """``res[key]`` (the median-based ``ratio`` or ``ratio_mean``) at ``R`` as one line:
+    """``res[key]`` (the median-based ``ratio``, ``ratio_mean`` or ``ratio_run``) at ``R`` as one line:
     ``off x1.07, defaults x1.09, ...``."""
     return ", ".join(f"{v} x{x:.2f}" for v, x in res[key][R].items())
 
 
 def _measure(R: int, prompts: list, steps: int, seed: int, model) -> dict:
-    """One interleaved measurement: a fresh run per variant, prefilled, then ``steps`` decode
-    steps each in rounds of 5."""
+    """One interleaved measurement: a fresh run per variant, the whole run of each timed
+    (:func:`_whole_runs`), the window its first ``steps`` decode steps."""
     new = steps + 48  # decoding through the measured steps and the profile
     runs = {v: _Run(v, R, prompts, new, seed, model) for v in VARIANTS}
-    for run in runs.values():
-        run.prefill(R)
-    _rounds(list(runs.values()), steps)
+    _whole_runs(list(runs.values()), R, steps)
     return runs
+
+
+def _whole_runs(runs: list, R: int, steps: int, flip: bool = False) -> None:
+    """Every run from its first step to its end, interleaved: the prefill one step a run per
+    round (until each has all ``R`` requests decoding), the window (:func:`_rounds`, ``steps``
+    decode steps each, its work kept: ``_Run.window_end``), then the rest in rounds of 5 until
+    every request has finished. Each run's every step lands in ``run_times``: the scheduler's
+    total over the run, prefill and the requests' ends included, which a window of decode
+    steps leaves out."""
+    for _ in range(200):
+        todo = [run for run in runs if not run.prefilled(R)]
+        if not todo:
+            break
+        for run in todo:
+            run.step(False)
+    _rounds(runs, steps, flip)
+    for run in runs:
+        run.window_end(steps)
+    for k in range(100000):
+        todo = [run for run in runs if not run.done]
+        if not todo:
+            return
+        for run in (todo[::-1] if flip and k % 2 else todo):
+            for _ in range(5):
+                if not run.step(False):
+                    break
 
 
 def _prompts(seed: int, R: int, quick: bool) -> list:
@@ -356,7 +404,8 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
     each variant's mean step over plain's for ``ref`` and this tree (``ratio_mean``, per
     repeat) and ``head_over_ref``, the ratio of the two means (below 1: this tree is cheaper);
     ``work``: per variant and tree, per repeat, its plans, sources freed, moves and mean retained
-    blocks (``_Run.work``: what the step cost bought). The ratios themselves are this harness's,
+    blocks (``_Run.work``: what the step cost bought); ``ratio_run`` and ``run_head_over_ref``: the same
+    from each run's total over the whole run (the bench's ``ratio_run``). The ratios themselves are this harness's,
     not the bench's (more runs share the process's caches; longer runs plan more).
     Owns: its runs, dropped per repeat; the loaded tree (:func:`_load_tree`)."""
     import torch
@@ -371,38 +420,44 @@ def bench_against(ref: str, seed: int = 0, quick: bool = False, Rs=(64,), steps:
         Rs, steps, repeats = (8,), 10, 1
     sides = (("ref", pkg), ("head", "vtoken"))
     out = {"against": ref, "commit": commit, "R": list(Rs), "steps": steps, "repeats": int(repeats),
-           "variants": list(variants), "plain_mean_ms": {}, "ratio_mean": {}, "head_over_ref": {}, "work": {}}
+           "variants": list(variants), "plain_mean_ms": {}, "ratio_mean": {}, "ratio_run": {}, "head_over_ref": {},
+           "run_head_over_ref": {}, "work": {}}
     for R in Rs:
         prompts = _prompts(seed, R, quick)
         ratios: dict = {f"{v}@{side}": [] for v in variants for side, _ in sides}
+        whole: dict = {name: [] for name in ratios}
         plain_ms, work = [], {}
         for _ in range(max(1, int(repeats))):
             runs = {"plain": _Run("plain", R, prompts, steps + 48, seed, models["vtoken"])}
             for v in variants:
                 for side, p in sides:
                     runs[f"{v}@{side}"] = _Run(v, R, prompts, steps + 48, seed, models[p], pkg=p)
-            for run in runs.values():
-                run.prefill(R)
-            _rounds(list(runs.values()), steps, flip=True)
+            _whole_runs(list(runs.values()), R, steps, flip=True)
             plain = statistics.fmean(runs["plain"].times)
             plain_ms.append(plain * 1e3)
             for name in ratios:
                 ratios[name].append(statistics.fmean(runs[name].times) / plain)
-                work.setdefault(name, []).append(runs[name].work(steps))
+                whole[name].append(sum(runs[name].run_times) / sum(runs["plain"].run_times))
+                work.setdefault(name, []).append({k: x for k, x in runs[name].window.items() if k != "applied"})
             del runs
         key = str(R)
         out["plain_mean_ms"][key] = plain_ms
         out["ratio_mean"][key] = ratios
+        out["ratio_run"][key] = whole
         out["work"][key] = work
         out["head_over_ref"][key] = {v: statistics.fmean(ratios[f"{v}@head"]) / statistics.fmean(ratios[f"{v}@ref"])
                                      for v in variants}
+        out["run_head_over_ref"][key] = {v: statistics.fmean(whole[f"{v}@head"]) / statistics.fmean(whole[f"{v}@ref"])
+                                         for v in variants}
     return out
 
 
 def against_text(res: dict, R: str) -> str:
     """``res`` (:func:`bench_against`) at ``R`` as one line: per variant this tree over the
     ref's mean step, and each one's mean ratio over plain."""
-    rm = res["ratio_mean"][R]
+    rm, rr = res["ratio_mean"][R], res["ratio_run"][R]
     return f"R={R}: " + ", ".join(
         f"{v} x{x:.3f} of {res['commit'][:12]} (x{statistics.fmean(rm[v + '@ref']):.3f} -> "
-        f"x{statistics.fmean(rm[v + '@head']):.3f} plain)" for v, x in res["head_over_ref"][R].items())
+        f"x{statistics.fmean(rm[v + '@head']):.3f} plain; whole run x{res['run_head_over_ref'][R][v]:.3f}: "
+        f"x{statistics.fmean(rr[v + '@ref']):.3f} -> x{statistics.fmean(rr[v + '@head']):.3f})"
+        for v, x in res["head_over_ref"][R].items())

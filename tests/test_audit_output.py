@@ -113,7 +113,7 @@ def _fake_bench(calls):
         calls.append(dict(quick=quick, Rs=tuple(Rs), steps=steps, repeats=repeats))
         rs = (8,) if quick else Rs
         ratio = {str(R): {"off": 1.05, "defaults": 1.1} for R in rs}
-        return {"ratio": ratio, "ratio_mean": ratio, "R": list(rs), "steps": 10 if quick else steps,
+        return {"ratio": ratio, "ratio_mean": ratio, "ratio_run": ratio, "R": list(rs), "steps": 10 if quick else steps,
                 "repeats": repeats}
     return bench_adapter
 

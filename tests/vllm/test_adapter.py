@@ -765,6 +765,11 @@ def test_the_adapter_bench_breaks_the_step_down_into_its_parts():
         assert b[v]["replay"] > 0 and b[v]["checks"] > 0, b
     assert b["off"]["plan"] == 0 < b["evict50"]["plan"], b  # reclamation off never plans
     assert "R=8 evict50 (ms/step" in breakdown_text(res, "8")
+    # the whole run beside the window: every variant ran the same steps, prefill and the
+    # requests' ends (10 decode steps + 48 tokens after them) included
+    steps = res["run_steps"]["8"]
+    assert len(set(steps.values())) == 1 and steps["plain"] > res["steps"] + 48, steps
+    assert set(res["ratio_run"]["8"]) == set(res["ratio"]["8"]) and min(res["ratio_run"]["8"].values()) > 0
 
 
 def test_the_adapter_bench_compares_two_trees_in_one_process():
@@ -792,6 +797,8 @@ def test_the_adapter_bench_compares_two_trees_in_one_process():
     res = bench_against("HEAD", quick=True, variants=("off",))
     assert res["commit"] == head and set(res["ratio_mean"]["8"]) == {"off@ref", "off@head"}
     assert all(x > 0 for xs in res["ratio_mean"]["8"].values() for x in xs) and res["head_over_ref"]["8"]["off"] > 0
+    assert all(x > 0 for xs in res["ratio_run"]["8"].values() for x in xs) and res["run_head_over_ref"]["8"]["off"] > 0
+    assert "whole run x" in against_text(res, "8")
     work = res["work"]["8"]  # what each run did: reclamation off plans nothing, and blocks stay in use
     assert set(work) == {"off@ref", "off@head"} and all(len(w) == 1 for w in work.values())
     assert all(w[0]["plans"] == w[0]["sources_freed"] == w[0]["moves"] == 0 < w[0]["retained_mean"]

@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     for R in res["ratio"]:
         print(f"R={R}: plain {res['median_ms'][R]['plain']:.2f} ms/step; " + ratio_text(res, R))
         print(f"R={R}, from mean step costs: " + ratio_text(res, R, "ratio_mean"))
+        print(f"R={R}, over the whole run ({res['run_steps'][R]['plain']} steps, prefill and ends included): "
+              + ratio_text(res, R, "ratio_run"))
         if a.breakdown:
             print(breakdown_text(res, R))
     for line in res.get("profile_top10", []):
