@@ -62,9 +62,8 @@ CATALOGUE: list[Fault] = [
     Fault("waste_drift", "3 accounting drift", "the live-slot total is not decremented on a one-token eviction (F drifts)",
           "table", (_p(T, "TokenTable._evict_one", "self._live_slots -= 1", "self._live_slots -= 0"),)),
     Fault("refcount_leak", "4 ref-count leak", "finishing a request keeps its reference on shared blocks", "table",
-          (_p(T, "TokenTable.free_request", "        for b in blocks:\n            self._unref_block(r, b)",
-              "        for b in blocks:\n            if self.refs[b] > 1:\n                continue\n"
-              "            self._unref_block(r, b)"),)),
+          (_p(T, "TokenTable.free_request", "        self._unref_blocks(r, blocks)\n",
+              "        self._unref_blocks(r, [b for b in blocks if self.refs[b] <= 1])\n"),)),
     Fault("slot_formula_wrong_s", "5 wrong block size in the slot formula", "a one-token sync computes its slot with S+1",
           "table", (_p(T, "TokenTable._sync_one", "s = b * S + n % S", "s = b * (S + 1) + n % S"),)),
     Fault("stale_slot_after_move", "6 stale lookup cache after a move", "the device slot cache is not updated by apply_moves",

@@ -622,10 +622,11 @@ class TokenTable:
         if self.added is not None:
             self.added += zip(rids, blist)
         if len(rows) > 1 and (rows[1:] == rows[:-1]).any():  # a request's several blocks
-            last = np.r_[rows[1:] != rows[:-1], True]  # each request's last entry
+            last = np.flatnonzero(np.r_[rows[1:] != rows[:-1], True])  # each request's last entry
             self._last[rows[last]] = blocks[last]
-            np.add.at(self._nblk, rows, 1)
-            np.add.at(self._bver, rows, 1)
+            runs = np.diff(last, prepend=-1)  # each request's entries: one run of consecutive ones
+            self._nblk[rows[last]] += runs  # one entry per request: a plain indexed add
+            self._bver[rows[last]] += runs
         else:
             self._last[rows] = blocks
             self._nblk[rows] += 1  # rows distinct: a plain indexed add counts each once
@@ -720,13 +721,17 @@ class TokenTable:
         bad_null = blk == NULL_BLOCK
         slots = np.where(bad_range, 0, blk) * S + pos % S
         owned = r.blocks if r is not None else ()
+        seglist = seg.tolist()
         # A block another request references is a shared prefix: the slot must already
         # hold this very token. Otherwise the slot must be unused since the block was taken.
-        others = np.array([(self.refs[b] - (b in owned)) > 0 if 0 <= b < self.num_blocks else False
-                           for b in seg.tolist()], dtype=bool)[pos // S - j0]
+        seg_in = (seg >= 0) & (seg < self.num_blocks)
+        mine = np.fromiter((b in owned for b in seglist), dtype=bool, count=len(seglist)) if owned else False
+        others = (seg_in & (self.refs[np.where(seg_in, seg, 0)] - mine > 0))[pos // S - j0]
         placed = self.placed[slots]
         bad_conf = np.where(others, placed != pos, placed != -1)
-        if len(np.unique(slots)) != k:  # a block named at two new positions
+        # distinct entries place distinct slots (an entry's tokens have distinct offsets); out of
+        # range ones all read block 0, and the first of those is refused before any repeat
+        if len(set(seglist)) != len(seglist) and len(np.unique(slots)) != k:  # a block named at two new positions
             _, first = np.unique(slots, return_index=True)
             dup = np.ones(k, dtype=bool)
             dup[first] = False
@@ -746,10 +751,13 @@ class TokenTable:
             r = self._new_req(req_id)
             self._changed.add(req_id)
         self._grow(r, total_len)
-        for b in set(seg.tolist()):
-            if b not in r.blocks:
-                self._ref_block(r, b)
-                self._changed.add(req_id)
+        fresh = [b for b in dict.fromkeys(seglist) if b not in r.blocks]  # in list order: the tail's last
+        if len(fresh) == 1:
+            self._ref_block(r, fresh[0])
+            self._changed.add(req_id)
+        elif fresh:  # a prompt's blocks: the counts in one array operation each
+            self._ref_blocks_each([req_id], [0] * len(fresh), np.full(len(fresh), r.h, dtype=np.int64),
+                                  np.array(fresh, dtype=np.int64))
         r.slot[n:total_len] = slots
         r.live[n:total_len] = True
         r.n, r.n_live = total_len, r.n_live + k
@@ -1218,10 +1226,10 @@ class TokenTable:
         self._unclaim(r.slot[live_ids])
         self._dead -= r.n - r.n_live
         blocks = sorted(r.blocks)
-        for b in blocks:
-            self._unref_block(r, b)
-            if self.refs[b] == 1 and self.n_b[b] == 0:
-                self._lone_dead.add(b)  # its last sharer left it dead: releasable for the holder
+        self._unref_blocks(r, blocks)
+        if blocks:
+            arr = np.array(blocks, dtype=np.int64)  # its last sharer left it dead: releasable for the holder
+            self._lone_dead.update(arr[(self.refs[arr] == 1) & (self.n_b[arr] == 0)].tolist())
         if r.cap:
             self._pool.release(r.base, r.cap)
             self._host.release(self._hb.item(r.h), r.cap)
