@@ -44,6 +44,11 @@ def _rows_agree(t):
 def _same(a, b):
     _rows_agree(a), _rows_agree(b)
     assert a.export_state() == b.export_state()
+    rids = a.requests()  # the per-request counts (lengths, live tokens, blocks) besides the arrays
+    assert [tuple(map(int, x)) for x in zip(*a.reclaim_inputs_many(rids))] == \
+        [tuple(map(int, x)) for x in zip(*b.reclaim_inputs_many(rids))]
+    assert a.dead_counts(rids).tolist() == b.dead_counts(rids).tolist() and a.num_dead_tokens == b.num_dead_tokens
+    assert [a.num_live(r) for r in rids] == [b.num_live(r) for r in rids]
     assert a.take_changed() == b.take_changed() and a.take_emptied() == b.take_emptied()
     assert a.waste_ratio() == b.waste_ratio() and a.num_live_slots == b.num_live_slots
 
@@ -154,7 +159,7 @@ def test_batched_growth_after_releases_and_frees(seed):
             for t in (a, b):
                 t.sync_new_tokens(gone, lists[gone], n)
             _same(a, b)
-        reqs = [r for r in lists if rng.random() < 0.8]
+        reqs = [r for r in lists if rng.random() < 0.7]
         victims = [(r, int(x)) for r in reqs for x in a.live_tokens(r)[:int(rng.integers(0, 5))]]
         for r, x in victims:
             a.evict_tokens(r, [x])
@@ -394,3 +399,94 @@ def test_a_refused_batch_of_moves_changes_nothing(case):
     assert t.export_state() == before
     if case == "emptied_reused":  # one after the other it is accepted: the block was free again
         assert t.apply_moves(r1, m1) and t.apply_moves(r2, m2) == []
+
+
+def _steps(a, lists, rng, reqs, k, how):
+    """``k`` decode steps' blocks for ``reqs`` (one int64 array a step), from their positional
+    lists, then bent as ``how`` asks: ``foreign`` (a request names another's block at a later
+    step), ``back`` (one returns to a block it left), ``two`` (one opens two fresh blocks),
+    ``fresh_shared`` (two requests name one fresh block at two steps), ``held`` (one names the
+    block of a request not grown), ``null`` / ``range`` (a bad block at the last step), ``lists``
+    (Python lists, not arrays)."""
+    S = a.S
+    steps = [np.array([lists[r][(a.length(r) + j) // S] for r in reqs], dtype=np.int64) for j in range(k)]
+    i = int(rng.integers(len(reqs)))
+    if how == "foreign" and len(reqs) > 1:
+        steps[-1][i] = steps[0][(i + 1) % len(reqs)]
+    elif how == "back" and k >= 3:
+        steps[1][i], steps[2][i] = 99, steps[0][i]
+    elif how == "two" and k >= 2:
+        steps[0][i], steps[1][i] = 100, 101
+    elif how == "fresh_shared" and len(reqs) > 1 and k >= 2:  # one fresh block, two requests, two steps
+        steps[0][i], steps[1][(i + 1) % len(reqs)] = 100, 100
+    elif how == "held":  # the block of a request the steps do not grow: its slot is held
+        out = [r for r in lists if r not in reqs]
+        if out:
+            steps[-1][i] = lists[out[0]][0]
+    elif how == "null":
+        steps[-1][i] = 0
+    elif how == "range":
+        steps[-1][i] = 10 ** 6
+    if how == "lists":
+        steps = [x.tolist() for x in steps]
+    return steps
+
+
+@pytest.mark.parametrize("device", ["cpu", None])
+@pytest.mark.parametrize("seed", range(8))  # _pair's seeds (r5's shared prefix needs r0's tokens)
+def test_several_steps_of_growth_equal_the_calls_one_by_one(seed, device):
+    """``sync_steps_each`` (the replica's held-back decode steps in one call) leaves the state,
+    the logs and the reads the ``sync_one_each`` calls leave, on its array path and on every
+    case it hands to the calls (a block two requests name, one a request comes back to, two
+    fresh blocks, more steps than S, lists); a refusal raises the calls' error after the steps
+    before it, as the calls do."""
+    a, b, lists, rng = _pair(seed, device=device)
+    for t in (a, b):
+        t.added, t.reblocked = [], set()
+    hows = ["plain"] * 6 + ["foreign", "back", "two", "fresh_shared", "held", "null", "range", "lists"]
+    for rnd in range(24):
+        reqs = [r for r in lists if rng.random() < 0.7]
+        victims = [(r, int(rng.choice(a.live_tokens(r)[:-1]))) for r in reqs
+                   if len(a.live_tokens(r)) > 1 and rng.random() < 0.3]
+        for t in (a, b):  # evictions between: runs whose blocks were emptied, tails dead
+            for r, x in victims:
+                t.evict_tokens(r, [x])
+        k = int(rng.choice([2, 3, 4, 4, 5]))  # S = 4: 5 steps go one by one
+        reqs = [r for r in reqs if a.length(r) + k <= len(lists[r]) * a.S]
+        if not reqs:
+            continue
+        how = hows[(seed + rnd) % len(hows)]
+        steps = _steps(a, lists, rng, reqs, k, how)
+        want = err_a = None
+        try:
+            want = [a.sync_one_each(reqs, x) for x in steps]
+        except TableError as e:
+            err_a = e
+        if err_a is None:
+            got = b.sync_steps_each(reqs, steps)
+            assert [x.tolist() for x in got] == [x.tolist() for x in want], how
+        else:
+            with pytest.raises(TableError) as err_b:
+                b.sync_steps_each(reqs, steps)
+            assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
+        _same(a, b)
+        assert a.take_added() == b.take_added() and a.take_reblocked() == b.take_reblocked(), how
+    a.flush(), b.flush()
+    for r in lists:
+        assert a.slot_mapping(r).tolist() == b.slot_mapping(r).tolist()
+        assert [x.tolist() for x in a.read_view(r)] == [x.tolist() for x in b.read_view(r)]
+
+
+def test_several_steps_of_growth_take_the_array_path_for_decode_growth(monkeypatch):
+    """Positional decode growth (each request's next tokens in its list's blocks, a fresh block
+    opened on the way) is validated and applied without the one-by-one calls."""
+    _, t, lists, _ = _pair(1)
+    calls = []
+    real = TokenTable.sync_one_each
+    monkeypatch.setattr(TokenTable, "sync_one_each", lambda self, *a: calls.append(a) or real(self, *a))
+    reqs = [r for r in lists if t.length(r) + 4 <= len(lists[r]) * t.S]
+    blocks = [t.num_blocks_of(r) for r in reqs]
+    got = t.sync_steps_each(reqs, [np.array([lists[r][(t.length(r) + j) // t.S] for r in reqs], dtype=np.int64)
+                                   for j in range(4)])
+    assert calls == [] and len(got) == 4 and len(reqs) >= 3
+    assert [t.num_blocks_of(r) for r in reqs] == [x + 1 for x in blocks]  # S = 4 steps: each opened one block

@@ -129,6 +129,11 @@ def _to_numpy(x):
     return x
 
 
+# the per-slot and per-block counts' dtype: np.add.at takes its fast path only for an increment of
+# the array's own dtype (a Python int 1 costs ten times more on int32)
+_ONE = np.int32(1)
+
+
 def _index_array(xs, what: str, code: str = "not_integer") -> np.ndarray:
     """Any list of integers (see the module docstring) -> a flat int64 array, O(len(xs))."""
     xs = _to_numpy(xs)
@@ -621,10 +626,17 @@ class TokenTable:
             self.reblocked.update(rids)
         if self.added is not None:
             self.added += zip(rids, blist)
-        if len(rows) > 1 and (rows[1:] == rows[:-1]).any():  # a request's several blocks
-            last = np.flatnonzero(np.r_[rows[1:] != rows[:-1], True])  # each request's last entry
+        m = len(rows)
+        if m > 1 and rows[0] == rows[-1]:  # one request's blocks (its entries are consecutive): a prompt's
+            h = int(rows[0])
+            assert (rows == h).all(), "a request's entries are not consecutive"
+            self._last[h] = blocks[-1]
+            self._nblk[h] += m
+            self._bver[h] += m
+        elif m > 1 and (rows[1:] == rows[:-1]).any():  # a request's several blocks
+            last = np.append(np.flatnonzero(rows[1:] != rows[:-1]), m - 1)  # each request's last entry
             self._last[rows[last]] = blocks[last]
-            runs = np.diff(last, prepend=-1)  # each request's entries: one run of consecutive ones
+            runs = last - np.append(-1, last[:-1])  # each request's entries: one run of consecutive ones
             self._nblk[rows[last]] += runs  # one entry per request: a plain indexed add
             self._bver[rows[last]] += runs
         else:
@@ -687,7 +699,7 @@ class TokenTable:
         before = self.claims[slots]
         self.claims[slots] = before + 1
         fresh = slots[before == 0]
-        np.add.at(self.n_b, fresh // self.S, 1)
+        np.add.at(self.n_b, fresh // self.S, _ONE)
         self._live_slots += len(fresh)
         assert len(fresh) == 0 or self.n_b[fresh // self.S].max() <= self.S, "a block holds more than S live slots"
 
@@ -703,7 +715,7 @@ class TokenTable:
         assert after.min() >= 0, "a slot unclaimed more often than claimed"
         self.claims[slots] = after
         gone = slots[after == 0]
-        np.subtract.at(self.n_b, gone // self.S, 1)
+        np.subtract.at(self.n_b, gone // self.S, _ONE)
         self._live_slots -= len(gone)
         self._dropped(gone // self.S)
         return bool(len(gone)) and not self.n_b[gone // self.S].all()  # a block lost its last live token
@@ -897,6 +909,77 @@ class TokenTable:
             pool.pend_new.append(gidx)
         return s
 
+    def sync_steps_each(self, req_ids: Sequence, steps: Sequence) -> list[np.ndarray]:
+        """``sync_one_each(req_ids, steps[j])`` for ``j = 0, 1, ...`` in order: several decode
+        steps' growth of the same requests (the replica's held-back reports) in one call. The
+        same checks, state and logs as the calls one by one, a refusal included: the steps
+        before the refused one applied, its error raised. Returns each step's slots.
+
+        One set of array operations when the steps need nothing but one-by-one checks against
+        the table as it was: each step an int64 array of one block per request, every block in
+        range and not null, no block named by two requests or by one request after it left it,
+        at most ``S`` steps, each request opening at most one block, and no slot conflict.
+        Anything else runs the calls one by one (which raise where they would). O(steps x
+        requests) in array operations, plus Python work for the requests opening a block."""
+        k = len(steps)
+        hs = self._rows(req_ids, "slot_conflict", "sync_one_each")  # the first call's first check
+        R, S = len(hs), self.S
+        if k < 2 or R == 0 or k > S or not all(type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (R,)
+                                                 for x in steps):
+            return [self.sync_one_each(req_ids, x) for x in steps]
+        B = np.stack(steps)  # k x R: step j, request i
+        if not (B.min() > NULL_BLOCK and B.max() < self.num_blocks):
+            return [self.sync_one_each(req_ids, x) for x in steps]
+        moved = B[1:] != B[:-1]  # a request's token in another block than its previous one
+        head = np.vstack([np.ones((1, R), dtype=bool), moved])  # the first token of each run in one block
+        heads = B[head]
+        if len(set(heads.tolist())) != len(heads):  # a block two requests name, or one a request came back to
+            return [self.sync_one_each(req_ids, x) for x in steps]
+        held = np.zeros((k, R), dtype=bool)  # each run's block referenced by its request before the call
+        held[0] = self._holds(req_ids, hs, B[0], None)
+        for j, i in zip(*(x.tolist() for x in np.nonzero(moved))):
+            held[j + 1, i] = int(B[j + 1, i]) in self._reqs[req_ids[i]].blocks
+        opening = head & ~held
+        if (opening.sum(axis=0) > 1).any():  # a request opening two blocks: its refs logged step by step
+            return [self.sync_one_each(req_ids, x) for x in steps]
+        run = np.maximum.accumulate(np.where(head, np.arange(k)[:, None], 0), axis=0)  # each token's run head
+        mine = held[run, np.arange(R)]
+        n = self._n[hs]
+        tok = n + np.arange(k)[:, None]
+        s = B * S + tok % S  # distinct: each run at most S tokens, the runs' blocks distinct
+        placed = self.placed[s]
+        # no other request names these blocks in the call, so their references are the table's now
+        if np.where(self.refs[B] - mine > 0, placed != tok, placed != -1).any():
+            return [self.sync_one_each(req_ids, x) for x in steps]
+        # ---- apply (nothing below can fail)
+        for i in np.flatnonzero(n + k > self._cap[hs]).tolist():  # outgrows its segments (doubling: rare)
+            self._grow(self._reqs[req_ids[i]], int(n[i]) + k)
+        oj, oi = np.nonzero(opening)  # step by step, in request order: as the calls log them
+        if len(oi):
+            self._ref_blocks_each(req_ids, oi.tolist(), hs[oi], B[oj, oi])
+        at = self._hb[hs] + tok  # the host segments as they are now (a _grow above may have moved one)
+        host = self._host
+        host.slot[at] = s
+        host.live[at] = True
+        self._n[hs] = n + k
+        self._nl[hs] += k  # rows distinct: a plain indexed add counts each once
+        self._last[hs] = B[-1]
+        flat = s.ravel()
+        self.placed[flat] = tok.ravel()
+        before = self.claims[flat]
+        self.claims[flat] = before + 1
+        fresh_b = flat[before == 0] // S
+        np.add.at(self.n_b, fresh_b, _ONE)  # a block's several new tokens
+        self._live_slots += len(fresh_b)
+        assert len(fresh_b) == 0 or self.n_b[fresh_b].max() <= S, "a block holds more than S live slots"
+        pool = self._pool
+        if pool.mirrors:  # the device segments as they are now
+            gidx = (self._db[hs] + tok).ravel()
+            pool.pend_idx.append(gidx)
+            pool.pend_val.append(flat.copy())
+            pool.pend_new.append(gidx)
+        return list(s)
+
     def _refuse_one_each(self, req_ids, b, n, placed, bad, bad_range) -> None:
         """``sync_one_each``'s error for the first bad request (``bad_range`` None: every block in range)."""
         i = int(np.argmax(bad))
@@ -1024,7 +1107,7 @@ class TokenTable:
             last = np.arange(len(sl))  # each slot's one evictor is its last
             gone = slots[after == 0]
         else:
-            np.subtract.at(self.claims, slots, 1)
+            np.subtract.at(self.claims, slots, _ONE)
             after = self.claims[slots]
             _, lst = np.unique(slots[::-1], return_index=True)  # one after the other, a shared slot's
             last = len(sl) - 1 - lst  # last evictor is the one that emptied its block
@@ -1034,7 +1117,7 @@ class TokenTable:
         if len(set(gb.tolist())) == len(gb):  # each block once: a plain indexed update counts right
             self.n_b[gb] -= 1
         else:
-            np.subtract.at(self.n_b, gb, 1)
+            np.subtract.at(self.n_b, gb, _ONE)
         self._live_slots -= len(gone)
         self._dropped(gb)
         for i in last[self.n_b[slots[last] // self.S] == 0].tolist():

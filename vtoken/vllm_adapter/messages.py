@@ -160,7 +160,8 @@ def replay(table: TokenTable, ops: list) -> None:
     then flush its read-side mirror (so what it queues stays bounded by one step's changes).
     A change the replica refuses raises the table's own error: the two tables had diverged.
     Consecutive moves of distinct requests (the plans a report ends, one request each) replay
-    in one ``apply_moves_each``: one validation and one application for all of them."""
+    in one ``apply_moves_each``: one validation and one application for all of them; consecutive
+    decode growth of the same requests (held-back reports) in one ``sync_steps_each``."""
     i, n = 0, len(ops)
     while i < n:
         op = ops[i]
@@ -179,8 +180,15 @@ def replay(table: TokenTable, ops: list) -> None:
             table.sync_new_tokens(r, _Segment(j0, seg) if j0 else seg, total)
         elif kind == "evict":
             table.evict_tokens(r, op[2])
-        elif kind == "sync1":  # a decode step's growth, one token each
-            table.sync_one_each(r, op[2])
+        elif kind == "sync1":  # a decode step's growth, one token each; the held-back steps of
+            steps = [op[2]]  # the same requests (consecutive reports) in one call
+            while i < n and ops[i][0] == "sync1" and ops[i][1] == r:
+                steps.append(ops[i][2])
+                i += 1
+            if len(steps) == 1:
+                table.sync_one_each(r, steps[0])
+            else:
+                table.sync_steps_each(r, steps)
         elif kind == "evict1":  # a decode step's one-token evictions
             table.evict_one_each(r, op[2])
         elif kind == "release":
