@@ -490,3 +490,106 @@ def test_several_steps_of_growth_take_the_array_path_for_decode_growth(monkeypat
                                    for j in range(4)])
     assert calls == [] and len(got) == 4 and len(reqs) >= 3
     assert [t.num_blocks_of(r) for r in reqs] == [x + 1 for x in blocks]  # S = 4 steps: each opened one block
+
+
+def _chunks(t, rng, how: str) -> list:
+    """A prefill step's chunks for ``t``: new requests' prompts and more of the running ones'
+    (``(req_id, block_ids, total_len)``), each in blocks of its own, then bent as ``how`` asks:
+    ``shared`` (a new request's prompt in another's blocks: a prefix hit, its tokens placed),
+    ``twice`` (two chunks name one fresh block), ``same`` (one request twice), ``one`` (a chunk
+    of one token), ``null`` / ``conflict`` (a bad block in the last chunk), ``unknown`` (a
+    request id the table refuses), ``segment`` (a list only from the chunk's first entry on)."""
+    S = t.S
+    free = iter(b for b in range(1, t.num_blocks) if t.refs[b] == 0)
+    items = []
+    for r in t.requests()[: int(rng.integers(0, 3))]:  # more of a running prompt
+        n = t.length(r)
+        total = n + int(rng.integers(2, 3 * S))
+        lst = [-1] * (n // S) + ([int(t.tail_block(r))] if n % S else [])  # its tail keeps its entry
+        lst += [next(free) for _ in range(-(-total // S) - len(lst))]
+        items.append((r, lst, total))
+    for _ in range(int(rng.integers(2, 5))):  # new prompts
+        total = int(rng.integers(2, 4 * S))
+        items.append((f"p{rng.integers(1 << 30)}", [next(free) for _ in range(-(-total // S))], total))
+    last = items[-1]
+    if how == "shared":  # a new request whose first blocks are an existing request's full ones
+        donor = next((r for r in t.requests() if t.length(r) >= 2 * S), None)
+        if donor is not None:
+            sl = t.slots(donor)  # its first two entries' blocks
+            items.append(("hit", [int(sl[0]) // S, int(sl[S]) // S, next(free)], 2 * S + 1))
+    elif how == "twice":
+        items.append(("twin", [last[1][0]] + [next(free)], S + 1))
+    elif how == "same":
+        items.append((last[0], last[1] + [next(free)], last[2] + S))
+    elif how == "one":
+        items.append(("single", [next(free)], 1))
+    elif how == "null":
+        items[-1] = (last[0], last[1][:-1] + [0], last[2])
+    elif how == "conflict":
+        held = next((r for r in t.requests() if t.length(r) >= S), None)
+        if held is not None:
+            items[-1] = (last[0], [int(t.block_array(held)[0])] + last[1][1:], last[2])
+    elif how == "unknown":
+        items.insert(1, ([1], [next(free)], 2))
+    elif how == "segment":
+        from vtoken.vllm_adapter.messages import _Segment
+        r, lst, total = items[0]
+        j0 = t.length(r) // S if r in t else 0
+        items[0] = (r, _Segment(j0, lst[j0:]) if j0 else lst, total)
+    return items
+
+
+@pytest.mark.parametrize("device", ["cpu", None])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_prefill_steps_chunks_equal_the_calls_one_by_one(seed, device):
+    """``sync_new_tokens_each`` (a prefill step's prompt chunks in one call, as the replica
+    replays them) leaves the state, the logs and the reads the ``sync_new_tokens`` calls leave,
+    and refuses what they refuse after the chunks before (a prefix hit, a block two chunks
+    name, a request twice, a one-token chunk, a null or held block, a bad id, a segment list)."""
+    rng = np.random.default_rng(seed)
+    S = 4
+    a, b = TokenTable(S, 400), TokenTable(S, 400, device=device)
+    for t in (a, b):
+        t.added, t.reblocked = [], set()
+    hows = ["plain"] * 4 + ["shared", "twice", "same", "one", "null", "conflict", "unknown", "segment"]
+    for rnd in range(10):
+        how = hows[(seed + rnd) % len(hows)]
+        items = _chunks(a, np.random.default_rng([seed, rnd]), how)
+        assert items == _chunks(b, np.random.default_rng([seed, rnd]), how)
+        want = err_a = None
+        try:
+            want = [a.sync_new_tokens(*x) for x in items]
+        except TableError as e:
+            err_a = e
+        if err_a is None:
+            got = b.sync_new_tokens_each(items)
+            assert [x.tolist() for x in got] == [x.tolist() for x in want], how
+        else:
+            with pytest.raises(TableError) as err_b:
+                b.sync_new_tokens_each(items)
+            assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
+        _same(a, b)
+        assert a.take_added() == b.take_added() and a.take_reblocked() == b.take_reblocked(), how
+        for r in a.requests()[:: max(1, len(a.requests()) // 3)]:  # some finish: their blocks come back
+            if rng.random() < 0.3:
+                assert a.free_request(r) == b.free_request(r)
+        for r in a.requests():  # and some tokens die
+            if a.num_live(r) > 1 and rng.random() < 0.3:
+                x = int(rng.choice(a.live_tokens(r)))
+                a.evict_tokens(r, [x]), b.evict_tokens(r, [x])
+    a.flush(), b.flush()
+    for r in a.requests():
+        assert a.slot_mapping(r).tolist() == b.slot_mapping(r).tolist()
+
+
+def test_a_prefill_steps_chunks_take_the_array_path(monkeypatch):
+    """New prompts and more of running ones, each in blocks of its own: one ``_sync_many``
+    over every chunk, never the single calls."""
+    t = TokenTable(4, 200)
+    t.sync_new_tokens("old", [5, 6], 6)
+    calls = []
+    monkeypatch.setattr(TokenTable, "sync_new_tokens", lambda self, *a: calls.append(a))
+    got = t.sync_new_tokens_each([("old", [5, 6, 7], 11), ("n1", [10, 11], 8), ("n2", [12], 3)])
+    assert calls == [] and [len(x) for x in got] == [5, 8, 3]
+    assert t.length("old") == 11 and t.blocks_of("old") == [5, 6, 7] and t.blocks_of("n1") == [10, 11]
+    assert got[0].tolist() == [6 * 4 + 2, 6 * 4 + 3, 7 * 4, 7 * 4 + 1, 7 * 4 + 2]

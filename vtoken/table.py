@@ -721,66 +721,132 @@ class TokenTable:
         return bool(len(gone)) and not self.n_b[gone // self.S].all()  # a block lost its last live token
 
     # ------------------------------------------------------------------ growth
-    def _sync_many(self, req_id, r, block_ids, n: int, total_len: int) -> np.ndarray:
-        """``sync_new_tokens`` for two new tokens or more (a prefill): the per-token checks, vector code."""
-        k = total_len - n
-        S = self.S
-        j0, j1 = n // S, (total_len - 1) // S + 1
-        seg = _index_array(block_ids[j0:j1], f"request {req_id!r}: block_ids[{j0}:{j1}]")
-        pos = np.arange(n, total_len, dtype=np.int64)
-        blk = seg[pos // S - j0]
+    def _sync_many(self, chunks: list, strict: bool = True):
+        """``sync_new_tokens`` for two new tokens or more per chunk (prefills): the per-token
+        checks in one set of array operations over every chunk ``(req_id, r, block_ids, n,
+        total_len)`` (``r`` its request or None, ``n`` its length). ``strict`` (one chunk, the
+        single call): the first bad token's error, nothing changed. Not ``strict`` (several
+        chunks of distinct requests, :meth:`sync_new_tokens_each`): None, nothing changed, when
+        an entry read is not an integer, a token is bad or a block is named twice (the caller
+        runs the chunks one by one, which raise where they would). Returns each chunk's slots."""
+        S, m = self.S, len(chunks)
+        j0s = [n // S for _, _, _, n, _ in chunks]
+        j1s = [(total - 1) // S + 1 for _, _, _, _, total in chunks]
+        if strict:
+            rid, _, block_ids, _, _ = chunks[0]
+            seg = _index_array(block_ids[j0s[0]:j1s[0]], f"request {rid!r}: block_ids[{j0s[0]}:{j1s[0]}]")
+        else:
+            flat = [b for (_, _, block_ids, _, _), j0, j1 in zip(chunks, j0s, j1s) for b in block_ids[j0:j1]]
+            try:
+                seg = _index_array(flat, "sync_new_tokens_each: block ids")
+            except TableError:
+                return None
+        seglist = seg.tolist()
+        if not strict and len(set(seglist)) != len(seglist):  # one block named twice: one by one
+            return None
+        ns = np.array([n for _, _, _, n, _ in chunks], dtype=np.int64)
+        ks = np.array([total for _, _, _, _, total in chunks], dtype=np.int64) - ns
+        lens = np.array(j1s, dtype=np.int64) - j0s
+        if m == 1:  # a prefill chunk: its tokens' positions and entries without the repeats
+            pos = np.arange(int(ns[0]), int(ns[0] + ks[0]), dtype=np.int64)
+            entry = pos // S - j0s[0]
+        else:
+            K = int(ks.sum())
+            first = np.repeat(np.cumsum(ks) - ks, ks)  # each token's chunk's first token, in the batch
+            pos = np.arange(K, dtype=np.int64) - first + np.repeat(ns, ks)
+            entry = pos // S + np.repeat(np.cumsum(lens) - lens - j0s, ks)
+        blk = seg[entry]
         bad_range = (blk < 0) | (blk >= self.num_blocks)
         bad_null = blk == NULL_BLOCK
         slots = np.where(bad_range, 0, blk) * S + pos % S
-        owned = r.blocks if r is not None else ()
-        seglist = seg.tolist()
         # A block another request references is a shared prefix: the slot must already
         # hold this very token. Otherwise the slot must be unused since the block was taken.
         seg_in = (seg >= 0) & (seg < self.num_blocks)
-        mine = np.fromiter((b in owned for b in seglist), dtype=bool, count=len(seglist)) if owned else False
-        others = (seg_in & (self.refs[np.where(seg_in, seg, 0)] - mine > 0))[pos // S - j0]
+        mine = False
+        if any(r is not None and r.blocks for _, r, _, _, _ in chunks):
+            owned = [r.blocks if r is not None else () for _, r, _, _, _ in chunks]
+            mine = np.fromiter((b in o for o, a, c in zip(owned, np.cumsum(lens) - lens, np.cumsum(lens))
+                                for b in seglist[a:c]), dtype=bool, count=len(seglist))
+        others = (seg_in & (self.refs[np.where(seg_in, seg, 0)] - mine > 0))[entry]
         placed = self.placed[slots]
         bad_conf = np.where(others, placed != pos, placed != -1)
         # distinct entries place distinct slots (an entry's tokens have distinct offsets); out of
         # range ones all read block 0, and the first of those is refused before any repeat
-        if len(set(seglist)) != len(seglist) and len(np.unique(slots)) != k:  # a block named at two new positions
-            _, first = np.unique(slots, return_index=True)
-            dup = np.ones(k, dtype=bool)
+        if strict and len(set(seglist)) != len(seglist) and len(np.unique(slots)) != len(slots):
+            _, first = np.unique(slots, return_index=True)  # a block named at two new positions
+            dup = np.ones(len(slots), dtype=bool)
             dup[first] = False
             bad_conf |= dup
         bad = bad_range | bad_null | bad_conf
         if bad.any():
+            if not strict:
+                return None
+            rid = chunks[0][0]
             i = int(np.argmax(bad))
             p, b = int(pos[i]), int(blk[i])
             if bad_range[i]:
-                raise TableError("block_out_of_range", f"request {req_id!r}: token {p} -> block {_fmt(b)} outside [0, {self.num_blocks})")
+                raise TableError("block_out_of_range", f"request {rid!r}: token {p} -> block {_fmt(b)} outside [0, {self.num_blocks})")
             if bad_null[i]:
-                raise TableError("null_block", f"request {req_id!r}: token {p} would land in the null block")
-            raise TableError("slot_conflict", f"request {req_id!r}: token {p} -> block {b} offset {p % S} is held by token {int(placed[i])} or named twice")
+                raise TableError("null_block", f"request {rid!r}: token {p} would land in the null block")
+            raise TableError("slot_conflict", f"request {rid!r}: token {p} -> block {b} offset {p % S} is held by token {int(placed[i])} or named twice")
 
         # ---- apply (nothing below can fail)
-        if r is None:
-            r = self._new_req(req_id)
-            self._changed.add(req_id)
-        self._grow(r, total_len)
-        fresh = [b for b in dict.fromkeys(seglist) if b not in r.blocks]  # in list order: the tail's last
-        if len(fresh) == 1:
-            self._ref_block(r, fresh[0])
-            self._changed.add(req_id)
-        elif fresh:  # a prompt's blocks: the counts in one array operation each
-            self._ref_blocks_each([req_id], [0] * len(fresh), np.full(len(fresh), r.h, dtype=np.int64),
-                                  np.array(fresh, dtype=np.int64))
-        r.slot[n:total_len] = slots
-        r.live[n:total_len] = True
-        r.n, r.n_live = total_len, r.n_live + k
+        rows, idx, fresh = [], [], []
+        at = 0
+        for c, ((rid, r, _, _, total), ln) in enumerate(zip(chunks, lens.tolist())):
+            if r is None:
+                r = self._new_req(rid)
+                self._changed.add(rid)
+            self._grow(r, total)
+            rows.append(r.h)
+            new = [b for b in dict.fromkeys(seglist[at:at + ln]) if b not in r.blocks]  # in list order: the tail's last
+            idx += [c] * len(new)
+            fresh += new
+            at += ln
+        rows = np.array(rows, dtype=np.int64)
+        if fresh:  # the chunks' new blocks, each chunk's in consecutive entries
+            self._ref_blocks_each([c[0] for c in chunks], idx, rows[idx], np.array(fresh, dtype=np.int64))
+        host, pool = self._host, self._pool
+        tok_at = pos + (self._hb.item(rows[0]) if m == 1 else np.repeat(self._hb[rows], ks))  # after the growth
+        host.slot[tok_at] = slots
+        host.live[tok_at] = True
+        self._n[rows] = ns + ks  # requests distinct: plain indexed writes
+        self._nl[rows] += ks
         self.placed[slots] = pos
         self._claim(slots)
-        gidx = np.arange(r.base + n, r.base + total_len, dtype=np.int64)
-        pool = self._pool
+        gidx = pos + (self._db.item(rows[0]) if m == 1 else np.repeat(self._db[rows], ks))
         pool.pend_idx.append(gidx)
         pool.pend_val.append(slots.copy())  # the caller may write into the returned array
         pool.pend_new.append(gidx)
-        return slots
+        return [slots] if m == 1 else np.split(slots, np.cumsum(ks)[:-1])
+
+    def sync_new_tokens_each(self, items) -> list[np.ndarray]:
+        """``sync_new_tokens(req_id, block_ids, total_len)`` for each item in order (a prefill
+        step's chunks): the same checks, state, logs and errors as the calls one by one (a
+        refusal raised after the items before it applied). One set of array operations
+        (``_sync_many``) when every item is a prefill chunk (two new tokens or more, a list of
+        block ids) of its own request, no block is named twice and every token is good;
+        anything else runs the calls. Returns each item's slots. O(new tokens) in array
+        operations, plus O(items + entries) Python work."""
+        items = list(items)
+        if len(items) > 1:
+            chunks = []
+            for item in items:
+                try:
+                    rid, block_ids, total = item
+                    r = self._get(rid)
+                except (TableError, TypeError, ValueError):
+                    break
+                n = r.n if r is not None else 0
+                if type(total) is not int or not isinstance(block_ids, list) or total - n < 2 or \
+                        len(block_ids) * self.S < total:
+                    break
+                chunks.append((rid, r, block_ids, n, total))
+            if len(chunks) == len(items) and len({c[0] for c in chunks}) == len(chunks):
+                out = self._sync_many(chunks, strict=False)
+                if out is not None:
+                    return out
+        return [self.sync_new_tokens(*item) for item in items]
 
     def sync_new_tokens(self, req_id, block_ids: Sequence[int], total_len: int) -> np.ndarray:
         """Register the tokens that grew ``req_id`` to ``total_len`` (creating the request).
@@ -814,7 +880,7 @@ class TokenTable:
             return np.empty(0, dtype=np.int64)
         if k == 1:
             return self._sync_one(req_id, r, block_ids, n)
-        return self._sync_many(req_id, r, block_ids, n, total_len)
+        return self._sync_many([(req_id, r, block_ids, n, total_len)])[0]
 
     def _sync_one(self, req_id, r, block_ids, n) -> np.ndarray:
         """``sync_new_tokens`` for one new token (the decode step): same checks, scalar code."""

@@ -161,7 +161,8 @@ def replay(table: TokenTable, ops: list) -> None:
     A change the replica refuses raises the table's own error: the two tables had diverged.
     Consecutive moves of distinct requests (the plans a report ends, one request each) replay
     in one ``apply_moves_each``: one validation and one application for all of them; consecutive
-    decode growth of the same requests (held-back reports) in one ``sync_steps_each``."""
+    decode growth of the same requests (held-back reports) in one ``sync_steps_each``; consecutive
+    prompt chunks of distinct requests (a prefill step's) in one ``sync_new_tokens_each``."""
     i, n = 0, len(ops)
     while i < n:
         op = ops[i]
@@ -175,9 +176,17 @@ def replay(table: TokenTable, ops: list) -> None:
                 i += 1
             table.apply_moves_each(items)
             continue
-        if kind == "sync":
-            _, _, total, j0, seg = op
-            table.sync_new_tokens(r, _Segment(j0, seg) if j0 else seg, total)
+        if kind == "sync":  # a chunk of a prompt; a prefill step's chunks of distinct requests in one call
+            items, seen = [(r, _Segment(op[3], op[4]) if op[3] else op[4], op[2])], {r}
+            while i < n and ops[i][0] == "sync" and ops[i][1] not in seen:
+                _, r2, total, j0, seg = ops[i]
+                items.append((r2, _Segment(j0, seg) if j0 else seg, total))
+                seen.add(r2)
+                i += 1
+            if len(items) == 1:
+                table.sync_new_tokens(*items[0])
+            else:
+                table.sync_new_tokens_each(items)
         elif kind == "evict":
             table.evict_tokens(r, op[2])
         elif kind == "sync1":  # a decode step's growth, one token each; the held-back steps of
