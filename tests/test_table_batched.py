@@ -593,3 +593,70 @@ def test_a_prefill_steps_chunks_take_the_array_path(monkeypatch):
     assert calls == [] and [len(x) for x in got] == [5, 8, 3]
     assert t.length("old") == 11 and t.blocks_of("old") == [5, 6, 7] and t.blocks_of("n1") == [10, 11]
     assert got[0].tolist() == [6 * 4 + 2, 6 * 4 + 3, 7 * 4, 7 * 4 + 1, 7 * 4 + 2]
+
+
+def _drops(t) -> list:
+    out = sorted(int(b) for x in t.drops for b in np.atleast_1d(x))
+    t.drops = []
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", None])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_requests_a_step_finished_freed_in_one_call_equal_the_calls(seed, device):
+    """``free_requests`` (the requests a step finished, as the replica replays them) leaves the
+    state, the logs (changed, reblocked, drops, lone-dead) and the results the ``free_request``
+    calls leave: on its array path (no block shared) and on what it hands to the calls (a
+    shared prefix, a request twice, an unknown one, which raises after the ones before)."""
+    a, b, lists, rng = _pair(seed, device=device)
+    for t in (a, b):
+        t.reblocked, t.drops = set(), []
+    for r in lists:  # some dead tokens: their slots unclaimed, the counts to give back differ
+        live = a.live_tokens(r)
+        if len(live) > 2:
+            x = [int(v) for v in rng.choice(live, size=2, replace=False)]
+            a.evict_tokens(r, x), b.evict_tokens(r, x)
+    _drops(a), _drops(b)
+    hows = ["alone", "alone", "shared", "twice", "unknown"]
+    for how in (hows[seed % len(hows)], "alone", "any"):
+        present = a.requests()
+        alone = [r for r in present if r not in ("r0", "r5")]  # r0 and r5 share blocks 1, 2
+        if how == "alone":
+            ids = alone[:3]
+        elif how == "shared":
+            ids = [r for r in ("r0", "r5", "r2") if r in present]
+        elif how == "twice":
+            ids = alone[:2] + alone[:1]
+        elif how == "unknown":
+            ids = present[:2] + ["nobody"] + present[2:3]
+        else:
+            ids = list(present)
+        want = err_a = None
+        try:
+            want = [a.free_request(r) for r in ids]
+        except TableError as e:
+            err_a = e
+        if err_a is None:
+            assert b.free_requests(ids) == want, how
+        else:
+            with pytest.raises(TableError) as err_b:
+                b.free_requests(ids)
+            assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
+        _same(a, b)
+        assert a.take_reblocked() == b.take_reblocked() and a.take_lone_dead() == b.take_lone_dead(), how
+        assert _drops(a) == _drops(b), how
+        assert a.num_ref_blocks == b.num_ref_blocks and (a.refs == b.refs).all() and (a.placed == b.placed).all()
+    for i, r in enumerate(["n0", "n1"]):  # the freed rows and blocks are reused alike
+        for t in (a, b):
+            t.sync_new_tokens(r, [70 + 2 * i, 71 + 2 * i], 5)
+    _same(a, b)
+
+
+def test_the_requests_a_step_finished_take_the_array_path(monkeypatch):
+    _, t, lists, _ = _pair(2)
+    calls = []
+    monkeypatch.setattr(TokenTable, "free_request", lambda self, r: calls.append(r))
+    got = t.free_requests(["r1", "r2", "r3"])
+    assert calls == [] and all(got) and all(r not in t for r in ("r1", "r2", "r3"))
+    assert all(t.refs[b] == 0 for bl in got for b in bl) and t.num_ref_blocks == len(set().union(
+        *(t.blocks_of(r) for r in t.requests())))

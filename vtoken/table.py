@@ -789,8 +789,12 @@ class TokenTable:
             if bad_null[i]:
                 raise TableError("null_block", f"request {rid!r}: token {p} would land in the null block")
             raise TableError("slot_conflict", f"request {rid!r}: token {p} -> block {b} offset {p % S} is held by token {int(placed[i])} or named twice")
+        return self._sync_write(chunks, seglist, lens, ns, ks, pos, slots)
 
-        # ---- apply (nothing below can fail)
+    def _sync_write(self, chunks: list, seglist: list, lens, ns, ks, pos, slots) -> list[np.ndarray]:
+        """:meth:`_sync_many`'s writes, every token checked (nothing here can fail): the new
+        requests made, the segments grown, the new blocks referenced, the tokens placed."""
+        m = len(chunks)
         rows, idx, fresh = [], [], []
         at = 0
         for c, ((rid, r, _, _, total), ln) in enumerate(zip(chunks, lens.tolist())):
@@ -1388,6 +1392,56 @@ class TokenTable:
         self._free_rows.append(r.h)
         self._changed.add(req_id)
         return blocks
+
+    def free_requests(self, req_ids) -> list[list[int]]:
+        """``free_request(r)`` for each of ``req_ids`` in order (the requests a step finished):
+        the same state, logs, results and errors as the calls one by one (a refusal raised
+        after the requests before it were freed). One set of array operations when the
+        requests are distinct and each of their blocks is referenced by one of them alone (no
+        prefix shared: every block goes unreferenced, none is left lone-dead); anything else
+        runs the calls. O(their tokens + blocks) in array operations, plus O(requests) Python."""
+        ids = list(req_ids)
+        if len(ids) > 1:
+            try:
+                rs = [self._req(x) for x in ids]
+            except TableError:
+                rs = None
+            if rs is not None and len(set(ids)) == len(ids):
+                out = [sorted(r.blocks) for r in rs]
+                allb = np.fromiter((b for bl in out for b in bl), dtype=np.int64)
+                if not len(allb) or self.refs[allb].max() == 1:  # distinct, each theirs alone
+                    self._free_alone(rs, out, allb)
+                    return out
+        return [self.free_request(x) for x in ids]
+
+    def _free_alone(self, rs: list, out: list, allb: np.ndarray) -> None:
+        """:meth:`free_requests`' array path: ``rs`` distinct requests, ``out`` their blocks
+        sorted, ``allb`` all of those, each referenced once in the table (by its request)."""
+        live = [r.slot[: r.n][r.live[: r.n]] for r in rs]
+        self._unclaim(np.concatenate(live) if live else np.empty(0, dtype=np.int64))
+        for r, bl in zip(rs, out):  # _unref_blocks' per-request part; no block stays referenced
+            self._dead -= r.n - r.n_live
+            if bl and self.reblocked is not None:
+                self.reblocked.add(r.rid)
+            r.blocks = set()
+            r.block_arr = None
+            h = r.h
+            self._last[h] = -1
+            self._nblk[h] -= len(bl)
+            self._bver[h] += len(bl)
+        if len(allb):
+            self.refs[allb] = 0
+            self._ref_blocks -= len(allb)
+            self.placed[(allb[:, None] * self.S + np.arange(self.S)).ravel()] = -1
+        for r in rs:
+            if r.cap:
+                self._pool.release(r.base, r.cap)
+                self._host.release(self._hb.item(r.h), r.cap)
+            del self._reqs[r.rid]
+            del self._row[r.rid]
+            self._row_epoch += 1
+            self._free_rows.append(r.h)
+            self._changed.add(r.rid)
 
     # ------------------------------------------------------------------ queries
     # Costs are stated per method. A per-step caller (planner, adapter, engine) uses only the

@@ -162,7 +162,8 @@ def replay(table: TokenTable, ops: list) -> None:
     Consecutive moves of distinct requests (the plans a report ends, one request each) replay
     in one ``apply_moves_each``: one validation and one application for all of them; consecutive
     decode growth of the same requests (held-back reports) in one ``sync_steps_each``; consecutive
-    prompt chunks of distinct requests (a prefill step's) in one ``sync_new_tokens_each``."""
+    prompt chunks of distinct requests (a prefill step's) in one ``sync_new_tokens_each``;
+    consecutive frees (the requests a step finished) in one ``free_requests``."""
     i, n = 0, len(ops)
     while i < n:
         op = ops[i]
@@ -202,8 +203,15 @@ def replay(table: TokenTable, ops: list) -> None:
             table.evict_one_each(r, op[2])
         elif kind == "release":
             table.release_empty_blocks(r, op[2])
-        elif kind == "free":
-            table.free_request(r)
+        elif kind == "free":  # the requests a step finished, in one call
+            ids = [r]
+            while i < n and ops[i][0] == "free":
+                ids.append(ops[i][1])
+                i += 1
+            if len(ids) == 1:
+                table.free_request(r)
+            else:
+                table.free_requests(ids)
         else:
             raise OrderError("state_mismatch", f"replay: unknown table op {kind!r} (the worker and the scheduler "
                                                f"side run different vtoken versions?)")
