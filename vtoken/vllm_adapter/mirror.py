@@ -92,8 +92,10 @@ class BlockMirror:
     def start(self, r: str, ids: list[int], seq: int) -> None:
         """A new block list for ``r`` (a new request or a resumed one)."""
         self._unindex(r)
-        for b in ids:
-            self.where.setdefault(b, set()).add(r)
+        w = self.where
+        for b in [b for b in ids if b in w]:  # a block another list holds (a prefix hit)
+            w[b].add(r)
+        w.update({b: {r} for b in ids if b not in w})  # a prompt's blocks: one comprehension, not a call each
         self.new_ids += [(r, b) for b in ids]
         self.changed.add(r)
         self.started.add(r)
@@ -112,8 +114,13 @@ class BlockMirror:
             d.pop(r, None)
 
     def _unindex(self, r: str) -> None:
-        for b in self.pos.get(r, {}):
-            self._drop_holder(b, r)
+        w = self.where
+        for b in self.pos.get(r, ()):  # _drop_holder inlined: a finished request's every block
+            holders = w.get(b)
+            if holders is not None:
+                holders.discard(r)
+                if not holders:
+                    del w[b]
 
     def _drop_holder(self, b: int, r: str) -> None:
         """``r``'s list no longer holds ``b`` (the reverse index forgets an empty entry)."""
