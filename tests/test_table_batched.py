@@ -401,6 +401,22 @@ def test_a_refused_batch_of_moves_changes_nothing(case):
         assert t.apply_moves(r1, m1) and t.apply_moves(r2, m2) == []
 
 
+def _batch_or_calls(t, batch, calls) -> list:
+    """How the replica replays a batch (``messages.replay``): ``batch()``, or the ``calls`` one
+    by one when it says None (not one batch). A batch that says None or raises has changed
+    nothing; one that answers did all of it."""
+    before = t.export_state()
+    try:
+        out = batch()
+    except TableError:
+        assert t.export_state() == before, "a refused batch changed the table"
+        raise
+    if out is None:
+        assert t.export_state() == before, "a batch that was not one changed the table"
+        out = [c() for c in calls]
+    return out
+
+
 def _steps(a, lists, rng, reqs, k, how):
     """``k`` decode steps' blocks for ``reqs`` (one int64 array a step), from their positional
     lists, then bent as ``how`` asks: ``foreign`` (a request names another's block at a later
@@ -436,10 +452,11 @@ def _steps(a, lists, rng, reqs, k, how):
 @pytest.mark.parametrize("seed", range(8))  # _pair's seeds (r5's shared prefix needs r0's tokens)
 def test_several_steps_of_growth_equal_the_calls_one_by_one(seed, device):
     """``sync_steps_each`` (the replica's held-back decode steps in one call) leaves the state,
-    the logs and the reads the ``sync_one_each`` calls leave, on its array path and on every
-    case it hands to the calls (a block two requests name, one a request comes back to, two
-    fresh blocks, more steps than S, lists); a refusal raises the calls' error after the steps
-    before it, as the calls do."""
+    the logs and the reads the ``sync_one_each`` calls leave on its array path; every case it
+    does not take as one batch (a block two requests name, one a request comes back to, two
+    fresh blocks, more steps than S, lists, a bad block) it declines with None, changing
+    nothing, and the calls the replica then makes (``messages.replay``) raise where they would
+    (``_batch_or_calls``)."""
     a, b, lists, rng = _pair(seed, device=device)
     for t in (a, b):
         t.added, t.reblocked = [], set()
@@ -462,12 +479,13 @@ def test_several_steps_of_growth_equal_the_calls_one_by_one(seed, device):
             want = [a.sync_one_each(reqs, x) for x in steps]
         except TableError as e:
             err_a = e
+        calls = [lambda x=x: b.sync_one_each(reqs, x) for x in steps]
         if err_a is None:
-            got = b.sync_steps_each(reqs, steps)
+            got = _batch_or_calls(b, lambda: b.sync_steps_each(reqs, steps), calls)
             assert [x.tolist() for x in got] == [x.tolist() for x in want], how
         else:
             with pytest.raises(TableError) as err_b:
-                b.sync_steps_each(reqs, steps)
+                _batch_or_calls(b, lambda: b.sync_steps_each(reqs, steps), calls)
             assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
         _same(a, b)
         assert a.take_added() == b.take_added() and a.take_reblocked() == b.take_reblocked(), how
@@ -543,9 +561,10 @@ def _chunks(t, rng, how: str) -> list:
 @pytest.mark.parametrize("seed", range(8))
 def test_a_prefill_steps_chunks_equal_the_calls_one_by_one(seed, device):
     """``sync_new_tokens_each`` (a prefill step's prompt chunks in one call, as the replica
-    replays them) leaves the state, the logs and the reads the ``sync_new_tokens`` calls leave,
-    and refuses what they refuse after the chunks before (a prefix hit, a block two chunks
-    name, a request twice, a one-token chunk, a null or held block, a bad id, a segment list)."""
+    replays them) leaves the state, the logs and the reads the ``sync_new_tokens`` calls leave;
+    what it does not take as one batch (a prefix hit, a block two chunks name, a request
+    twice, a one-token chunk, a null or held block, a bad id) it declines with None, changing
+    nothing, and the calls then raise where they would (``_batch_or_calls``)."""
     rng = np.random.default_rng(seed)
     S = 4
     a, b = TokenTable(S, 400), TokenTable(S, 400, device=device)
@@ -561,12 +580,13 @@ def test_a_prefill_steps_chunks_equal_the_calls_one_by_one(seed, device):
             want = [a.sync_new_tokens(*x) for x in items]
         except TableError as e:
             err_a = e
+        calls = [lambda x=x: b.sync_new_tokens(*x) for x in items]
         if err_a is None:
-            got = b.sync_new_tokens_each(items)
+            got = _batch_or_calls(b, lambda: b.sync_new_tokens_each(items), calls)
             assert [x.tolist() for x in got] == [x.tolist() for x in want], how
         else:
             with pytest.raises(TableError) as err_b:
-                b.sync_new_tokens_each(items)
+                _batch_or_calls(b, lambda: b.sync_new_tokens_each(items), calls)
             assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
         _same(a, b)
         assert a.take_added() == b.take_added() and a.take_reblocked() == b.take_reblocked(), how
@@ -606,8 +626,9 @@ def _drops(t) -> list:
 def test_the_requests_a_step_finished_freed_in_one_call_equal_the_calls(seed, device):
     """``free_requests`` (the requests a step finished, as the replica replays them) leaves the
     state, the logs (changed, reblocked, drops, lone-dead) and the results the ``free_request``
-    calls leave: on its array path (no block shared) and on what it hands to the calls (a
-    shared prefix, a request twice, an unknown one, which raises after the ones before)."""
+    calls leave on its array path (no block shared); what it does not take as one batch (a
+    shared prefix, a request twice, an unknown one) it declines with None, changing nothing,
+    and the calls then raise where they would (``_batch_or_calls``)."""
     a, b, lists, rng = _pair(seed, device=device)
     for t in (a, b):
         t.reblocked, t.drops = set(), []
@@ -636,11 +657,12 @@ def test_the_requests_a_step_finished_freed_in_one_call_equal_the_calls(seed, de
             want = [a.free_request(r) for r in ids]
         except TableError as e:
             err_a = e
+        calls = [lambda x=x: b.free_request(x) for x in ids]
         if err_a is None:
-            assert b.free_requests(ids) == want, how
+            assert _batch_or_calls(b, lambda: b.free_requests(ids), calls) == want, how
         else:
             with pytest.raises(TableError) as err_b:
-                b.free_requests(ids)
+                _batch_or_calls(b, lambda: b.free_requests(ids), calls)
             assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
         _same(a, b)
         assert a.take_reblocked() == b.take_reblocked() and a.take_lone_dead() == b.take_lone_dead(), how

@@ -10,7 +10,9 @@ its slots and liveness a power-of-two segment of one host pool, so a decode step
 evictions of every request (``sync_one_each``, ``evict_one_each``: what the scheduler side's
 replica replays each step) are array operations, with Python work only for a request whose
 token opens a block or outgrows its segment; the plans a report ends are one
-``apply_moves_each``. Per block:
+``apply_moves_each``, held-back decode steps one ``sync_steps_each``, a prefill step's chunks
+one ``sync_new_tokens_each``, the requests a step finished one ``free_requests`` (each of those
+three says None, changing nothing, for what is not one batch: the caller makes the calls). Per block:
 ``refs[b]`` (requests referencing ``b``) and ``n_b[b]`` (slots of ``b`` holding a live token
 of some request, a shared slot counted once). Per slot: ``claims[s]`` (requests with a live
 token at ``s``) and ``placed[s]`` (the id last placed at ``s`` while its block was
@@ -824,33 +826,32 @@ class TokenTable:
         pool.pend_new.append(gidx)
         return [slots] if m == 1 else np.split(slots, np.cumsum(ks)[:-1])
 
-    def sync_new_tokens_each(self, items) -> list[np.ndarray]:
-        """``sync_new_tokens(req_id, block_ids, total_len)`` for each item in order (a prefill
-        step's chunks): the same checks, state, logs and errors as the calls one by one (a
-        refusal raised after the items before it applied). One set of array operations
-        (``_sync_many``) when every item is a prefill chunk (two new tokens or more, a list of
-        block ids) of its own request, no block is named twice and every token is good;
-        anything else runs the calls. Returns each item's slots. O(new tokens) in array
-        operations, plus O(items + entries) Python work."""
+    def sync_new_tokens_each(self, items) -> list[np.ndarray] | None:
+        """``sync_new_tokens(req_id, block_ids, total_len)`` for each item in order, as one
+        operation: a prefill step's chunks. Returns each item's slots, with the state and logs
+        the calls leave; or None, nothing changed, when the items are not one batch: anything
+        but every item a prefill chunk (two new tokens or more, a list of block ids) of its own
+        request, no block named twice and every token good; then the caller makes the calls,
+        which raise where they would. One item: the call's result or its error. O(new tokens)
+        in array operations (``_sync_many``), plus O(items + entries) Python work."""
         items = list(items)
-        if len(items) > 1:
-            chunks = []
-            for item in items:
-                try:
-                    rid, block_ids, total = item
-                    r = self._get(rid)
-                except (TableError, TypeError, ValueError):
-                    break
-                n = r.n if r is not None else 0
-                if type(total) is not int or not isinstance(block_ids, list) or total - n < 2 or \
-                        len(block_ids) * self.S < total:
-                    break
-                chunks.append((rid, r, block_ids, n, total))
-            if len(chunks) == len(items) and len({c[0] for c in chunks}) == len(chunks):
-                out = self._sync_many(chunks, strict=False)
-                if out is not None:
-                    return out
-        return [self.sync_new_tokens(*item) for item in items]
+        if len(items) < 2:
+            return [self.sync_new_tokens(*item) for item in items]
+        chunks = []
+        for item in items:
+            try:
+                rid, block_ids, total = item
+                r = self._get(rid)
+            except (TableError, TypeError, ValueError):
+                return None
+            n = r.n if r is not None else 0
+            if type(total) is not int or not isinstance(block_ids, list) or total - n < 2 or \
+                    len(block_ids) * self.S < total:
+                return None
+            chunks.append((rid, r, block_ids, n, total))
+        if len({c[0] for c in chunks}) != len(chunks):
+            return None
+        return self._sync_many(chunks, strict=False)
 
     def sync_new_tokens(self, req_id, block_ids: Sequence[int], total_len: int) -> np.ndarray:
         """Register the tokens that grew ``req_id`` to ``total_len`` (creating the request).
@@ -979,39 +980,39 @@ class TokenTable:
             pool.pend_new.append(gidx)
         return s
 
-    def sync_steps_each(self, req_ids: Sequence, steps: Sequence) -> list[np.ndarray]:
-        """``sync_one_each(req_ids, steps[j])`` for ``j = 0, 1, ...`` in order: several decode
-        steps' growth of the same requests (the replica's held-back reports) in one call. The
-        same checks, state and logs as the calls one by one, a refusal included: the steps
-        before the refused one applied, its error raised. Returns each step's slots.
-
-        One set of array operations when the steps need nothing but one-by-one checks against
-        the table as it was: each step an int64 array of one block per request, every block in
-        range and not null, no block named by two requests or by one request after it left it,
-        at most ``S`` steps, each request opening at most one block, and no slot conflict.
-        Anything else runs the calls one by one (which raise where they would). O(steps x
-        requests) in array operations, plus Python work for the requests opening a block."""
+    def sync_steps_each(self, req_ids: Sequence, steps: Sequence) -> list[np.ndarray] | None:
+        """``sync_one_each(req_ids, steps[j])`` for ``j = 0, 1, ...`` in order, as one operation:
+        several decode steps' growth of the same requests (the replica's held-back reports).
+        Returns each step's slots, with the state and logs the calls leave; or None, nothing
+        changed, when the steps are not one batch: anything but each step an int64 array of one
+        block per request, every block in range and not null, no block named by two requests or
+        by one request after it left it, at most ``S`` steps, each request opening at most one
+        block, and every token good; then the caller makes the calls, which raise where they
+        would. One step, or a request list the table refuses: the call's result or its error
+        (nothing changed). O(steps x requests) in array operations, plus Python work for the
+        requests opening a block."""
         k = len(steps)
         hs = self._rows(req_ids, "slot_conflict", "sync_one_each")  # the first call's first check
         R, S = len(hs), self.S
-        if k < 2 or R == 0 or k > S or not all(type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (R,)
-                                                 for x in steps):
+        if k < 2 or R == 0:  # one call: atomic on its own
             return [self.sync_one_each(req_ids, x) for x in steps]
+        if k > S or not all(type(x) is np.ndarray and x.dtype == np.int64 and x.shape == (R,) for x in steps):
+            return None
         B = np.stack(steps)  # k x R: step j, request i
         if not (B.min() > NULL_BLOCK and B.max() < self.num_blocks):
-            return [self.sync_one_each(req_ids, x) for x in steps]
+            return None
         moved = B[1:] != B[:-1]  # a request's token in another block than its previous one
         head = np.vstack([np.ones((1, R), dtype=bool), moved])  # the first token of each run in one block
         heads = B[head]
         if len(set(heads.tolist())) != len(heads):  # a block two requests name, or one a request came back to
-            return [self.sync_one_each(req_ids, x) for x in steps]
+            return None
         held = np.zeros((k, R), dtype=bool)  # each run's block referenced by its request before the call
         held[0] = self._holds(req_ids, hs, B[0], None)
         for j, i in zip(*(x.tolist() for x in np.nonzero(moved))):
             held[j + 1, i] = int(B[j + 1, i]) in self._reqs[req_ids[i]].blocks
         opening = head & ~held
         if (opening.sum(axis=0) > 1).any():  # a request opening two blocks: its refs logged step by step
-            return [self.sync_one_each(req_ids, x) for x in steps]
+            return None
         run = np.maximum.accumulate(np.where(head, np.arange(k)[:, None], 0), axis=0)  # each token's run head
         mine = held[run, np.arange(R)]
         n = self._n[hs]
@@ -1020,7 +1021,7 @@ class TokenTable:
         placed = self.placed[s]
         # no other request names these blocks in the call, so their references are the table's now
         if np.where(self.refs[B] - mine > 0, placed != tok, placed != -1).any():
-            return [self.sync_one_each(req_ids, x) for x in steps]
+            return None
         # ---- apply (nothing below can fail)
         for i in np.flatnonzero(n + k > self._cap[hs]).tolist():  # outgrows its segments (doubling: rare)
             self._grow(self._reqs[req_ids[i]], int(n[i]) + k)
@@ -1393,26 +1394,29 @@ class TokenTable:
         self._changed.add(req_id)
         return blocks
 
-    def free_requests(self, req_ids) -> list[list[int]]:
-        """``free_request(r)`` for each of ``req_ids`` in order (the requests a step finished):
-        the same state, logs, results and errors as the calls one by one (a refusal raised
-        after the requests before it were freed). One set of array operations when the
-        requests are distinct and each of their blocks is referenced by one of them alone (no
-        prefix shared: every block goes unreferenced, none is left lone-dead); anything else
-        runs the calls. O(their tokens + blocks) in array operations, plus O(requests) Python."""
+    def free_requests(self, req_ids) -> list[list[int]] | None:
+        """``free_request(r)`` for each of ``req_ids`` in order, as one operation: the requests a
+        step finished. Returns each one's blocks, with the state and logs the calls leave; or
+        None, nothing changed, when they are not one batch: anything but distinct requests in
+        the table each of whose blocks one of them alone references (no prefix shared: every
+        block goes unreferenced, none is left lone-dead); then the caller makes the calls, which
+        raise where they would. One request: the call's result or its error. O(their tokens +
+        blocks) in array operations, plus O(requests) Python."""
         ids = list(req_ids)
-        if len(ids) > 1:
-            try:
-                rs = [self._req(x) for x in ids]
-            except TableError:
-                rs = None
-            if rs is not None and len(set(ids)) == len(ids):
-                out = [sorted(r.blocks) for r in rs]
-                allb = np.fromiter((b for bl in out for b in bl), dtype=np.int64)
-                if not len(allb) or self.refs[allb].max() == 1:  # distinct, each theirs alone
-                    self._free_alone(rs, out, allb)
-                    return out
-        return [self.free_request(x) for x in ids]
+        if len(ids) < 2:
+            return [self.free_request(x) for x in ids]
+        try:
+            rs = [self._req(x) for x in ids]
+        except TableError:
+            return None
+        if len(set(ids)) != len(ids):
+            return None
+        out = [sorted(r.blocks) for r in rs]
+        allb = np.fromiter((b for bl in out for b in bl), dtype=np.int64)
+        if len(allb) and self.refs[allb].max() != 1:  # a block shared, or referenced twice among them
+            return None
+        self._free_alone(rs, out, allb)
+        return out
 
     def _free_alone(self, rs: list, out: list, allb: np.ndarray) -> None:
         """:meth:`free_requests`' array path: ``rs`` distinct requests, ``out`` their blocks

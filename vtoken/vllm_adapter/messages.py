@@ -184,10 +184,9 @@ def replay(table: TokenTable, ops: list) -> None:
                 items.append((r2, _Segment(j0, seg) if j0 else seg, total))
                 seen.add(r2)
                 i += 1
-            if len(items) == 1:
-                table.sync_new_tokens(*items[0])
-            else:
-                table.sync_new_tokens_each(items)
+            if len(items) == 1 or table.sync_new_tokens_each(items) is None:  # None: not one batch
+                for item in items:
+                    table.sync_new_tokens(*item)
         elif kind == "evict":
             table.evict_tokens(r, op[2])
         elif kind == "sync1":  # a decode step's growth, one token each; the held-back steps of
@@ -195,10 +194,9 @@ def replay(table: TokenTable, ops: list) -> None:
             while i < n and ops[i][0] == "sync1" and ops[i][1] == r:
                 steps.append(ops[i][2])
                 i += 1
-            if len(steps) == 1:
-                table.sync_one_each(r, steps[0])
-            else:
-                table.sync_steps_each(r, steps)
+            if len(steps) == 1 or table.sync_steps_each(r, steps) is None:  # None: not one batch
+                for x in steps:
+                    table.sync_one_each(r, x)
         elif kind == "evict1":  # a decode step's one-token evictions
             table.evict_one_each(r, op[2])
         elif kind == "release":
@@ -208,10 +206,9 @@ def replay(table: TokenTable, ops: list) -> None:
             while i < n and ops[i][0] == "free":
                 ids.append(ops[i][1])
                 i += 1
-            if len(ids) == 1:
-                table.free_request(r)
-            else:
-                table.free_requests(ids)
+            if len(ids) == 1 or table.free_requests(ids) is None:  # None: not one batch
+                for x in ids:
+                    table.free_request(x)
         else:
             raise OrderError("state_mismatch", f"replay: unknown table op {kind!r} (the worker and the scheduler "
                                                f"side run different vtoken versions?)")
