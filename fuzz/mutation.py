@@ -105,8 +105,8 @@ EQUIVALENT: list[dict] = [
          "segment; the live entries are copied over"),
     dict(file="vtoken/table.py", original="if len(idx) > 1:  # the last write to an index wins (index_put order is unspecified)",
          descs=("> -> >=", "1 -> 0"), reason="deduplicating a single index (or none) is the identity"),
-    dict(file="vtoken/table.py", original="others = np.array([(self.refs[b] - (b in owned)) > 0 if 0 <= b < self.num_blocks else False",
-         descs=("<= -> <",), reason="only changes `others` for block 0, which is reported as null_block first "
+    dict(file="vtoken/table.py", original="seg_in = (seg >= 0) & (seg < self.num_blocks)",
+         descs=(">= -> >", "0 -> 1"), reason="only changes `others` for block 0, which is reported as null_block first "
          "(checked before slot_conflict at the same token, and the first bad token wins)"),
     dict(file="vtoken/table.py", original="self._grow(r, t + 1)", descs=("1 -> 2",),
          reason="asks for one more token of capacity than needed: capacity only"),
