@@ -731,7 +731,7 @@ class TokenTable:
         chunks of distinct requests, :meth:`sync_new_tokens_each`): None, nothing changed, when
         an entry read is not an integer, a token is bad or a block is named twice (the caller
         runs the chunks one by one, which raise where they would). Returns each chunk's slots."""
-        S, m = self.S, len(chunks)
+        S = self.S
         j0s = [n // S for _, _, _, n, _ in chunks]
         j1s = [(total - 1) // S + 1 for _, _, _, _, total in chunks]
         if strict:
@@ -749,14 +749,9 @@ class TokenTable:
         ns = np.array([n for _, _, _, n, _ in chunks], dtype=np.int64)
         ks = np.array([total for _, _, _, _, total in chunks], dtype=np.int64) - ns
         lens = np.array(j1s, dtype=np.int64) - j0s
-        if m == 1:  # a prefill chunk: its tokens' positions and entries without the repeats
-            pos = np.arange(int(ns[0]), int(ns[0] + ks[0]), dtype=np.int64)
-            entry = pos // S - j0s[0]
-        else:
-            K = int(ks.sum())
-            first = np.repeat(np.cumsum(ks) - ks, ks)  # each token's chunk's first token, in the batch
-            pos = np.arange(K, dtype=np.int64) - first + np.repeat(ns, ks)
-            entry = pos // S + np.repeat(np.cumsum(lens) - lens - j0s, ks)
+        first = np.repeat(np.cumsum(ks) - ks, ks)  # each token's chunk's first token, in the batch
+        pos = np.arange(int(ks.sum()), dtype=np.int64) - first + np.repeat(ns, ks)
+        entry = pos // S + np.repeat(np.cumsum(lens) - lens - j0s, ks)  # its entry in seg
         blk = seg[entry]
         bad_range = (blk < 0) | (blk >= self.num_blocks)
         bad_null = blk == NULL_BLOCK
@@ -796,7 +791,6 @@ class TokenTable:
     def _sync_write(self, chunks: list, seglist: list, lens, ns, ks, pos, slots) -> list[np.ndarray]:
         """:meth:`_sync_many`'s writes, every token checked (nothing here can fail): the new
         requests made, the segments grown, the new blocks referenced, the tokens placed."""
-        m = len(chunks)
         rows, idx, fresh = [], [], []
         at = 0
         for c, ((rid, r, _, _, total), ln) in enumerate(zip(chunks, lens.tolist())):
@@ -812,19 +806,27 @@ class TokenTable:
         rows = np.array(rows, dtype=np.int64)
         if fresh:  # the chunks' new blocks, each chunk's in consecutive entries
             self._ref_blocks_each([c[0] for c in chunks], idx, rows[idx], np.array(fresh, dtype=np.int64))
-        host, pool = self._host, self._pool
-        tok_at = pos + (self._hb.item(rows[0]) if m == 1 else np.repeat(self._hb[rows], ks))  # after the growth
-        host.slot[tok_at] = slots
-        host.live[tok_at] = True
         self._n[rows] = ns + ks  # requests distinct: plain indexed writes
         self._nl[rows] += ks
-        self.placed[slots] = pos
+        self._write_new(np.repeat(rows, ks), pos, slots)
+        return np.split(slots, np.cumsum(ks)[:-1])
+
+    def _write_new(self, rows: np.ndarray, tok: np.ndarray, slots: np.ndarray) -> None:
+        """New tokens placed, every one checked: token ``tok[i]`` of the request in row ``rows[i]``
+        live at ``slots[i]`` (slots distinct; segments grown already): the host segments, ``placed``,
+        the claims (:meth:`_claim`) and the device queue. Lengths and live counts are the caller's."""
+        at = self._hb[rows] + tok  # the host segments as they are now
+        host = self._host
+        host.slot[at] = slots
+        host.live[at] = True
+        self.placed[slots] = tok
         self._claim(slots)
-        gidx = pos + (self._db.item(rows[0]) if m == 1 else np.repeat(self._db[rows], ks))
-        pool.pend_idx.append(gidx)
-        pool.pend_val.append(slots.copy())  # the caller may write into the returned array
-        pool.pend_new.append(gidx)
-        return [slots] if m == 1 else np.split(slots, np.cumsum(ks)[:-1])
+        pool = self._pool
+        if pool.mirrors:  # the device segments as they are now
+            gidx = self._db[rows] + tok
+            pool.pend_idx.append(gidx)
+            pool.pend_val.append(slots.copy())  # the caller may write into the returned array
+            pool.pend_new.append(gidx)
 
     def sync_new_tokens_each(self, items) -> list[np.ndarray] | None:
         """``sync_new_tokens(req_id, block_ids, total_len)`` for each item in order, as one
@@ -1028,27 +1030,10 @@ class TokenTable:
         oj, oi = np.nonzero(opening)  # step by step, in request order: as the calls log them
         if len(oi):
             self._ref_blocks_each(req_ids, oi.tolist(), hs[oi], B[oj, oi])
-        at = self._hb[hs] + tok  # the host segments as they are now (a _grow above may have moved one)
-        host = self._host
-        host.slot[at] = s
-        host.live[at] = True
         self._n[hs] = n + k
         self._nl[hs] += k  # rows distinct: a plain indexed add counts each once
         self._last[hs] = B[-1]
-        flat = s.ravel()
-        self.placed[flat] = tok.ravel()
-        before = self.claims[flat]
-        self.claims[flat] = before + 1
-        fresh_b = flat[before == 0] // S
-        np.add.at(self.n_b, fresh_b, _ONE)  # a block's several new tokens
-        self._live_slots += len(fresh_b)
-        assert len(fresh_b) == 0 or self.n_b[fresh_b].max() <= S, "a block holds more than S live slots"
-        pool = self._pool
-        if pool.mirrors:  # the device segments as they are now
-            gidx = (self._db[hs] + tok).ravel()
-            pool.pend_idx.append(gidx)
-            pool.pend_val.append(flat.copy())
-            pool.pend_new.append(gidx)
+        self._write_new(np.broadcast_to(hs, (k, R)).ravel(), tok.ravel(), s.ravel())  # step by step
         return list(s)
 
     def _refuse_one_each(self, req_ids, b, n, placed, bad, bad_range) -> None:
@@ -1384,15 +1369,20 @@ class TokenTable:
         if blocks:
             arr = np.array(blocks, dtype=np.int64)  # its last sharer left it dead: releasable for the holder
             self._lone_dead.update(arr[(self.refs[arr] == 1) & (self.n_b[arr] == 0)].tolist())
+        self._forget(r)
+        return blocks
+
+    def _forget(self, r: _Req) -> None:
+        """The end of a free: ``r``'s segments and row handed back, its id gone (its tokens and
+        blocks given back already)."""
         if r.cap:
             self._pool.release(r.base, r.cap)
             self._host.release(self._hb.item(r.h), r.cap)
-        del self._reqs[req_id]
-        del self._row[req_id]
+        del self._reqs[r.rid]
+        del self._row[r.rid]
         self._row_epoch += 1
         self._free_rows.append(r.h)
-        self._changed.add(req_id)
-        return blocks
+        self._changed.add(r.rid)
 
     def free_requests(self, req_ids) -> list[list[int]] | None:
         """``free_request(r)`` for each of ``req_ids`` in order, as one operation: the requests a
@@ -1438,14 +1428,7 @@ class TokenTable:
             self._ref_blocks -= len(allb)
             self.placed[(allb[:, None] * self.S + np.arange(self.S)).ravel()] = -1
         for r in rs:
-            if r.cap:
-                self._pool.release(r.base, r.cap)
-                self._host.release(self._hb.item(r.h), r.cap)
-            del self._reqs[r.rid]
-            del self._row[r.rid]
-            self._row_epoch += 1
-            self._free_rows.append(r.h)
-            self._changed.add(r.rid)
+            self._forget(r)
 
     # ------------------------------------------------------------------ queries
     # Costs are stated per method. A per-step caller (planner, adapter, engine) uses only the

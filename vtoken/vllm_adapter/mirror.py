@@ -114,13 +114,8 @@ class BlockMirror:
             d.pop(r, None)
 
     def _unindex(self, r: str) -> None:
-        w = self.where
-        for b in self.pos.get(r, ()):  # _drop_holder inlined: a finished request's every block
-            holders = w.get(b)
-            if holders is not None:
-                holders.discard(r)
-                if not holders:
-                    del w[b]
+        for b in self.pos.get(r, ()):
+            self._drop_holder(b, r)
 
     def _drop_holder(self, b: int, r: str) -> None:
         """``r``'s list no longer holds ``b`` (the reverse index forgets an empty entry)."""
