@@ -417,6 +417,20 @@ def _batch_or_calls(t, batch, calls) -> list:
     return out
 
 
+def _as_the_calls(a, b, batch, calls_on, how, norm=lambda x: x) -> None:
+    """The calls one by one on ``a`` (``calls_on(a)``), the batch as the replica replays it on
+    ``b`` (:func:`_batch_or_calls`): the same results (``norm`` of each), or the same error."""
+    try:
+        want = [c() for c in calls_on(a)]
+    except TableError as err_a:
+        with pytest.raises(TableError) as err_b:
+            _batch_or_calls(b, batch, calls_on(b))
+        assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
+        return
+    got = _batch_or_calls(b, batch, calls_on(b))
+    assert [norm(x) for x in got] == [norm(x) for x in want], how
+
+
 def _steps(a, lists, rng, reqs, k, how):
     """``k`` decode steps' blocks for ``reqs`` (one int64 array a step), from their positional
     lists, then bent as ``how`` asks: ``foreign`` (a request names another's block at a later
@@ -474,19 +488,8 @@ def test_several_steps_of_growth_equal_the_calls_one_by_one(seed, device):
             continue
         how = hows[(seed + rnd) % len(hows)]
         steps = _steps(a, lists, rng, reqs, k, how)
-        want = err_a = None
-        try:
-            want = [a.sync_one_each(reqs, x) for x in steps]
-        except TableError as e:
-            err_a = e
-        calls = [lambda x=x: b.sync_one_each(reqs, x) for x in steps]
-        if err_a is None:
-            got = _batch_or_calls(b, lambda: b.sync_steps_each(reqs, steps), calls)
-            assert [x.tolist() for x in got] == [x.tolist() for x in want], how
-        else:
-            with pytest.raises(TableError) as err_b:
-                _batch_or_calls(b, lambda: b.sync_steps_each(reqs, steps), calls)
-            assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
+        _as_the_calls(a, b, lambda: b.sync_steps_each(reqs, steps),
+                      lambda t: [lambda x=x: t.sync_one_each(reqs, x) for x in steps], how, np.ndarray.tolist)
         _same(a, b)
         assert a.take_added() == b.take_added() and a.take_reblocked() == b.take_reblocked(), how
     a.flush(), b.flush()
@@ -575,19 +578,8 @@ def test_a_prefill_steps_chunks_equal_the_calls_one_by_one(seed, device):
         how = hows[(seed + rnd) % len(hows)]
         items = _chunks(a, np.random.default_rng([seed, rnd]), how)
         assert items == _chunks(b, np.random.default_rng([seed, rnd]), how)
-        want = err_a = None
-        try:
-            want = [a.sync_new_tokens(*x) for x in items]
-        except TableError as e:
-            err_a = e
-        calls = [lambda x=x: b.sync_new_tokens(*x) for x in items]
-        if err_a is None:
-            got = _batch_or_calls(b, lambda: b.sync_new_tokens_each(items), calls)
-            assert [x.tolist() for x in got] == [x.tolist() for x in want], how
-        else:
-            with pytest.raises(TableError) as err_b:
-                _batch_or_calls(b, lambda: b.sync_new_tokens_each(items), calls)
-            assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
+        _as_the_calls(a, b, lambda: b.sync_new_tokens_each(items),
+                      lambda t: [lambda x=x: t.sync_new_tokens(*x) for x in items], how, np.ndarray.tolist)
         _same(a, b)
         assert a.take_added() == b.take_added() and a.take_reblocked() == b.take_reblocked(), how
         for r in a.requests()[:: max(1, len(a.requests()) // 3)]:  # some finish: their blocks come back
@@ -652,18 +644,7 @@ def test_the_requests_a_step_finished_freed_in_one_call_equal_the_calls(seed, de
             ids = present[:2] + ["nobody"] + present[2:3]
         else:
             ids = list(present)
-        want = err_a = None
-        try:
-            want = [a.free_request(r) for r in ids]
-        except TableError as e:
-            err_a = e
-        calls = [lambda x=x: b.free_request(x) for x in ids]
-        if err_a is None:
-            assert _batch_or_calls(b, lambda: b.free_requests(ids), calls) == want, how
-        else:
-            with pytest.raises(TableError) as err_b:
-                _batch_or_calls(b, lambda: b.free_requests(ids), calls)
-            assert (err_b.value.code, str(err_b.value)) == (err_a.code, str(err_a)), how
+        _as_the_calls(a, b, lambda: b.free_requests(ids), lambda t: [lambda x=x: t.free_request(x) for x in ids], how)
         _same(a, b)
         assert a.take_reblocked() == b.take_reblocked() and a.take_lone_dead() == b.take_lone_dead(), how
         assert _drops(a) == _drops(b), how
