@@ -27,7 +27,10 @@ jump between the modes, while the mean is what the engine thread pays over the w
 ``ratio_run`` is the same from each run's total scheduler time over the whole run, its every
 step (``run_steps``) from the first ``schedule()`` to the last request's end: the prefill steps
 (a prompt's tokens entered in the table and its replica) and the steps where requests finish
-(their tables freed), which a window of decode steps leaves out. The
+(their tables freed), which a window of decode steps leaves out. ``ratio_parts`` splits that
+total into the run's three parts (``RUN_PARTS``, their steps in ``parts_steps``): ``prefill``
+(until every request decodes), ``decode`` (until a request first finishes) and ``ends`` (from
+there on), each variant's time in a part over plain's in the same steps. The
 last stdout line is one JSON object.
 
 ``--against REF`` (:func:`bench_against`) compares this tree's adapter with commit REF's in
@@ -52,6 +55,7 @@ import numpy as np
 VARIANTS = ("plain", "off", "defaults", "evict50", "off_nochecks", "defaults_nochecks", "evict50_nochecks")
 AGAINST_ONLY = ("evict50_keepoff", "evict50_noplan")  # selectable with --against --variants, not run by the bench itself
 AGAINST_VARIANTS = VARIANTS[1:] + AGAINST_ONLY  # what --against --variants may name (never plain)
+RUN_PARTS = ("prefill", "decode", "ends")  # the whole run's parts (``ratio_parts``)
 
 
 def _model(pkg: str = "vtoken"):
@@ -104,6 +108,9 @@ class _Run:
         self.times: list[float] = []  # the measured window's steps
         self.run_times: list[float] = []  # every step, from the first schedule() on
         self.done = False  # a step scheduled nothing: every request has finished
+        self.R = R
+        self.decode_at = None  # index in run_times of the first step with every request decoding (_whole_runs)
+        self.ends_at = None  # index in run_times of the first step in which a request finished
         self.window: dict = {}  # work() over the window, taken at its end (window_end)
 
     def step(self, measure: bool) -> bool:
@@ -118,6 +125,8 @@ class _Run:
         if measure:
             self.times.append(self.run_times[-1])
         self.done = sched_out.total_num_scheduled_tokens == 0
+        if self.ends_at is None and self.decode_at is not None and len(self.sched.running) < self.R:
+            self.ends_at = len(self.run_times) - 1  # vLLM took a finished request out of running in this step
         return not self.done
 
     def window_end(self, steps: int) -> None:
@@ -153,7 +162,17 @@ class _Run:
         return {"median_ms": med * 1e3, "mean_ms": statistics.fmean(self.times) * 1e3,
                 "p25_ms": self.times[n // 4] * 1e3, "p75_ms": self.times[(3 * n) // 4] * 1e3,
                 "spread": (self.times[(3 * n) // 4] - self.times[n // 4]) / med if med else 0.0, "steps": n,
-                "run_ms": sum(self.run_times) * 1e3, "run_steps": len(self.run_times)}
+                "run_ms": sum(self.run_times) * 1e3, "run_steps": len(self.run_times), **self.parts()}
+
+    def parts(self) -> dict:
+        """The whole run's time in each of ``RUN_PARTS`` (``parts_ms``) and where each starts
+        (``parts_steps``: the first decode step, the first step a request finished in, the run's
+        steps); empty unless the run was driven by :func:`_whole_runs` to its end."""
+        d, e, rt = self.decode_at, self.ends_at, self.run_times
+        if d is None or e is None or not self.done:
+            return {}
+        return {"parts_ms": dict(zip(RUN_PARTS, (sum(rt[:d]) * 1e3, sum(rt[d:e]) * 1e3, sum(rt[e:]) * 1e3))),
+                "parts_steps": [d, e, len(rt)]}
 
 
 def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int = 50, profile_evict: bool = False,
@@ -169,7 +188,8 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
     model = _model()
     if quick:
         Rs, steps = (8,), 10
-    out = {"ratio": {}, "ratio_mean": {}, "ratio_run": {}, "run_steps": {}, "spread": {}, "median_ms": {}, "ratio_runs": {},
+    out = {"ratio": {}, "ratio_mean": {}, "ratio_run": {}, "run_steps": {}, "ratio_parts": {}, "parts_steps": {},
+           "spread": {}, "median_ms": {}, "ratio_runs": {},
            "R": list(Rs), "steps": steps,
            "repeats": int(repeats), "variants": list(VARIANTS)}
     for R in Rs:
@@ -191,6 +211,10 @@ def bench_adapter(seed: int = 0, quick: bool = False, Rs=(64, 256), steps: int =
         out["ratio_mean"][key] = {v: statistics.median(x) for v, x in _ratio_runs(reps, "mean_ms").items()}
         out["ratio_run"][key] = {v: statistics.median(x) for v, x in _ratio_runs(reps, "run_ms").items()}
         out["run_steps"][key] = {v: reps[0][v]["run_steps"] for v in VARIANTS}
+        out["parts_steps"][key] = {v: reps[0][v]["parts_steps"] for v in VARIANTS}
+        out["ratio_parts"][key] = {v: {p: statistics.median(st[v]["parts_ms"][p] / st["plain"]["parts_ms"][p]
+                                                            for st in reps) for p in RUN_PARTS}
+                                   for v in VARIANTS if v != "plain"}
         out["median_ms"][key] = {v: statistics.median(st[v]["median_ms"] for st in reps) for v in VARIANTS}
         out["spread"][key] = {v: statistics.median(st[v]["spread"] for st in reps) for v in VARIANTS}
     return out
@@ -200,6 +224,14 @@ def _ratio_runs(reps: list, stat: str) -> dict:
     """Per adapter variant, each repeat's ``stat`` (``median_ms``, ``mean_ms`` or ``run_ms``)
     over plain's."""
     return {v: [st[v][stat] / st["plain"][stat] for st in reps] for v in VARIANTS if v != "plain"}
+
+
+def parts_text(res: dict, R: str) -> str:
+    """``res["ratio_parts"]`` at ``R`` as one line: plain's steps in each part, then each
+    variant's ratios in the parts' order (``off x1.60/x1.18/x1.67, ...``)."""
+    d, e, n = res["parts_steps"][R]["plain"]
+    return (f"R={R}, by part of the whole run (prefill steps 0-{d - 1}, decode {d}-{e - 1}, ends {e}-{n - 1}): "
+            + ", ".join(f"{v} " + "/".join(f"x{x[p]:.2f}" for p in RUN_PARTS) for v, x in res["ratio_parts"][R].items()))
 
 
 def ratio_text(res: dict, R: str, key: str = "ratio") -> str:
@@ -230,6 +262,8 @@ def _whole_runs(runs: list, R: int, steps: int, flip: bool = False) -> None:
             break
         for run in todo:
             run.step(False)
+    for run in runs:
+        run.decode_at = len(run.run_times)
     _rounds(runs, steps, flip)
     for run in runs:
         run.window_end(steps)

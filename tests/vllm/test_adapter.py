@@ -755,7 +755,7 @@ def test_the_adapter_bench_breaks_the_step_down_into_its_parts():
     """``vtoken bench adapter --breakdown``: every part of an adapter step timed in a pass of
     its own: the replica's replay, the plan step (none with reclamation off), the checks and
     the rest of the hooks, each a non-negative share; the measured ratios are there as ever."""
-    from vtoken.reports.bench_adapter import PHASES, bench_adapter, breakdown_text
+    from vtoken.reports.bench_adapter import PHASES, RUN_PARTS, bench_adapter, breakdown_text, parts_text
 
     res = bench_adapter(quick=True, breakdown=True)
     b = res["breakdown_ms"]["8"]
@@ -770,6 +770,45 @@ def test_the_adapter_bench_breaks_the_step_down_into_its_parts():
     steps = res["run_steps"]["8"]
     assert len(set(steps.values())) == 1 and steps["plain"] > res["steps"] + 48, steps
     assert set(res["ratio_run"]["8"]) == set(res["ratio"]["8"]) and min(res["ratio_run"]["8"].values()) > 0
+    # its three parts: the same steps in every variant, each part non-empty, a ratio for each
+    d, e, n = res["parts_steps"]["8"]["plain"]
+    assert 0 < d < e < n == steps["plain"] and all(x == [d, e, n] for x in res["parts_steps"]["8"].values()), res
+    assert set(res["ratio_parts"]["8"]) == set(res["ratio"]["8"]), res["ratio_parts"]
+    assert all(set(x) == set(RUN_PARTS) and min(x.values()) > 0 for x in res["ratio_parts"]["8"].values())
+    assert f"(prefill steps 0-{d - 1}, decode {d}-{e - 1}, ends {e}-{n - 1}): off x" in parts_text(res, "8")
+
+
+def test_the_adapter_benchs_parts_split_each_runs_total():
+    """``_Run.parts``: the prefill ends where every request decodes, the decode part where a
+    request first finishes (before it every request runs, from it on fewer), and the parts'
+    times add up to the run's total; a run not driven to its end has no parts."""
+    from vtoken.reports.bench_adapter import RUN_PARTS, _model, _prompts, _Run, _whole_runs
+
+    R, model = 8, _model()
+    prompts = _prompts(0, R, True)
+    runs = [_Run(v, R, prompts, 12, 0, model) for v in ("plain", "off")]
+    assert runs[0].parts() == {}
+    runs[0].step(False)
+    assert runs[0].parts() == {}  # not at its end
+    runs = [_Run(v, R, prompts, 12, 0, model) for v in ("plain", "off")]
+    counts = {id(run): [] for run in runs}
+    for run in runs:  # the running count after each step
+        step = run.step
+
+        def counted(measure, run=run, step=step):
+            more = step(measure)
+            counts[id(run)].append(len(run.sched.running))
+            return more
+
+        run.step = counted
+    _whole_runs(runs, R, 4)
+    for run in runs:
+        p, running = run.parts(), counts[id(run)]
+        d, e, n = p["parts_steps"]
+        assert n == len(run.run_times) == len(running) and 0 < d < e < n, p
+        assert min(running[d:e]) == R > running[e], (d, e, running)
+        assert set(p["parts_ms"]) == set(RUN_PARTS)
+        assert sum(p["parts_ms"].values()) == pytest.approx(sum(run.run_times) * 1e3)
 
 
 def test_the_adapter_bench_compares_two_trees_in_one_process():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from ..reports.bench_adapter import (AGAINST_VARIANTS, against_text, bench_adapter, bench_against, breakdown_text,
-                                     ratio_text)
+                                     parts_text, ratio_text)
 from ..reports import bench_adapter as _measurement
 
 
@@ -74,6 +74,7 @@ def main(argv=None) -> int:
         print(f"R={R}, from mean step costs: " + ratio_text(res, R, "ratio_mean"))
         print(f"R={R}, over the whole run ({res['run_steps'][R]['plain']} steps, prefill and ends included): "
               + ratio_text(res, R, "ratio_run"))
+        print(parts_text(res, R))
         if a.breakdown:
             print(breakdown_text(res, R))
     for line in res.get("profile_top10", []):
