@@ -32,7 +32,7 @@ AD = "vtoken/vllm_adapter/adapter.py"
 WC = "vtoken/vllm_adapter/worker_core.py"
 MI, PH = "vtoken/vllm_adapter/mirror.py", "vtoken/vllm_adapter/prefix_hash.py"
 HR, PL = "vtoken/vllm_adapter/headroom.py", "vtoken/vllm_adapter/plans.py"
-PO = "vtoken/vllm_adapter/port.py"
+PO, MS = "vtoken/vllm_adapter/port.py", "vtoken/vllm_adapter/messages.py"
 EK, EW = "vtoken/vllm_engine/kv.py", "vtoken/vllm_engine/worker.py"  # vLLM's real engine (detector "engine")
 EA, ES = "vtoken/vllm_engine/attention.py", "vtoken/vllm_engine/scheduler.py"
 
@@ -302,6 +302,13 @@ CATALOGUE: list[Fault] = [
               "                m = plan.moves[0]\n"
               "                self.kv.flat[:, :, int(sl[-1])] = self.kv.flat[:, :, int(m[1]) * self.S + int(m[2])]\n"
               "                break\n"),)),
+    Fault("worker_emptied_word_false", "a release held back on the worker's false word (a lagging replica)",
+          "the worker's table says of every eviction that it emptied no block, so the scheduler side's replica "
+          "holds back reports whose evictions left a block with no live token (its release waits)", "adapter",
+          (_p(MS, "LoggedTable.evict_one_each", "np.array(token_ids, dtype=np.int64), self.emptied_count != c))",
+              "np.array(token_ids, dtype=np.int64), False))"),
+           _p(MS, "LoggedTable.evict_tokens", "                         self.emptied_count != c))\n",
+              "                         False))\n"))),
     # issue 40: windows no test drove (a block read by a step scheduled before its free; a check one hook late)
     Fault("adapter_orphan_frees_at_plan_fence", "8 block freed before the step that reads it (a request that left "
           "while its plan flew)",

@@ -8,9 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-from vtoken.errors import TableError
+from vtoken.errors import OrderError, TableError
 from vtoken.table import TokenTable
-from vtoken.vllm_adapter.messages import LoggedTable, StepMeta, WorkerReport, plan_order, replay
+from vtoken.vllm_adapter.messages import LoggedTable, Replica, StepMeta, WorkerReport, plan_order, replay
 
 
 def _drive(t: TokenTable, rng: np.random.Generator, state: dict, steps: int = 300) -> None:
@@ -98,8 +98,9 @@ def test_a_logged_sync_carries_only_the_entries_it_read():
     w.sync_new_tokens("a", blocks, 150)
     w.take_ops()
     w.sync_new_tokens("a", blocks, 151)
-    (op,) = w.take_ops()
+    op, totals = w.take_ops()  # the log ends with the table's totals
     assert op[0] == "sync" and op[3] == 37 and op[4] == [38]
+    assert totals == ("totals", w.num_live_slots, w.num_ref_blocks) == ("totals", 151, 38)
     rep = LoggedTable(4, 64)
     rep.sync_new_tokens("a", blocks, 150)
     replay(rep, [op])
@@ -220,3 +221,74 @@ def test_a_held_back_change_the_replica_refuses_raises_at_its_replay():
     assert rep.held == [bad]
     with pytest.raises(TableError, match="slot_conflict|named twice"):
         rep.catch_up()
+
+
+def test_a_logged_eviction_says_whether_it_emptied_a_block_and_the_replay_checks_it():
+    """Each logged eviction carries ``emptied`` (it left a block of the worker's table with no
+    live token: ``TokenTable.emptied_count`` moved), the log ends with the table's totals, and
+    the replay checks both on the replica: a word false either way, or false totals, is
+    ``state_mismatch``; the true log replays to the worker's table."""
+    w = LoggedTable(4, 16)
+    w.sync_new_tokens("a", [1, 2], 6)
+    w.sync_new_tokens("b", [3], 2)
+    first = w.take_ops()
+    w.evict_tokens("a", [0, 1, 2])  # block 1 keeps token 3: none emptied
+    w.evict_one_each(["a", "b"], [3, 0])  # a's block 1 empties; b's block 3 keeps token 1
+    ops = w.take_ops()
+    assert [op[0] for op in ops] == ["evict", "evict1", "totals"]
+    assert ops[0][3] is False and ops[1][3] is True
+    assert ops[2] == ("totals", w.num_live_slots, w.num_ref_blocks) == ("totals", 3, 3)  # emptied, still referenced
+
+    def replica():
+        t = TokenTable(4, 16)
+        replay(t, first)
+        return t
+
+    for k, said in ((0, True), (1, False)):  # each word turned round
+        bad = list(ops)
+        bad[k] = bad[k][:3] + (said,)
+        with pytest.raises(OrderError, match="state_mismatch.*emptied"):
+            replay(replica(), bad)
+    with pytest.raises(OrderError, match="state_mismatch.*diverged"):
+        replay(replica(), ops[:2] + [("totals", 3, 4)])
+    t = replica()
+    replay(t, ops)
+    assert t.export_state() == w.export_state() and t.emptied_count == w.emptied_count == 1
+
+
+def test_the_replica_holds_back_evictions_that_emptied_no_block_when_asked():
+    """``Replica.feed(ops, hold, evictions)``: a report of growth and evictions that emptied no
+    block is held back only with ``evictions``; one whose eviction emptied a block is replayed at
+    once, with what was held before it, in order; ``catch_up`` checks the worker's totals of the
+    last report held (a false one raises there)."""
+    w = LoggedTable(4, 32)
+    reps = {ev: Replica(TokenTable(4, 32), max_lag=4) for ev in (False, True)}
+
+    def feed(ops):
+        for ev, rp in reps.items():
+            rp.feed(ops, hold=True, evictions=ev)
+
+    w.sync_new_tokens("a", [1, 2, 3], 7)
+    w.sync_new_tokens("b", [4, 5], 5)
+    feed(w.take_ops())  # new requests: replayed
+    w.sync_one_each(["a", "b"], [2, 5])  # a's token 7 at block 2 offset 3, b's token 5 at block 5 offset 1
+    w.evict_one_each(["b"], [0])  # block 4 keeps tokens 1-3
+    step = w.take_ops()
+    assert step[1][3] is False
+    feed(step)
+    assert not reps[False].held and reps[False].table.export_state() == w.export_state()
+    assert len(reps[True].held) == 1 and reps[True].held_evictions == 1 and reps[True].totals == step[-1][1:]
+    assert reps[True].table.export_state() != w.export_state()
+    w.evict_tokens("a", [0, 1, 2, 3])  # block 1 empties: never held
+    step = w.take_ops()
+    assert step[0][3] is True
+    feed(step)
+    for rp in reps.values():
+        assert not rp.held and rp.table.export_state() == w.export_state()
+    w.sync_one_each(["a", "b"], [3, 5])  # growth only: held by both
+    step = w.take_ops()
+    feed(step[:-1] + [("totals", step[-1][1] + 1, step[-1][2])])  # a worker's false total
+    for rp in reps.values():
+        assert len(rp.held) == 1
+        with pytest.raises(OrderError, match="state_mismatch"):
+            rp.catch_up()

@@ -32,7 +32,7 @@ from .fields import need_bool, need_int, need_number
 from .lifecycle import ABORTED, APPLIED, COMPLETED, COPYING, PLANNED, AllocatorPort, Copies, Lifecycle, Outcome, Plan  # noqa: F401
 from .placement import holes, place
 from .snapshot import SCHEMA, request_state
-from .table import OWN_TAIL, TokenTable
+from .table import OWN_TAIL, TokenTable, waste_ratio_of
 
 
 # ====================================================================== the planner, as pure functions
@@ -455,9 +455,12 @@ class PlannerConfig:
             setattr(self, name, need_bool(own, name, getattr(self, name)))
 
 
-def trigger_inputs(table: TokenTable, free_blocks: int) -> dict:
-    """The trigger's inputs, read off a table (O(requests)) and the pool's free-block count."""
-    return dict(waste_ratio=table.waste_ratio(), free_blocks=int(free_blocks), ref_blocks=table.num_ref_blocks,
+def trigger_inputs(table: TokenTable, free_blocks: int, totals: Optional[tuple] = None) -> dict:
+    """The trigger's inputs, read off a table (O(requests)) and the pool's free-block count.
+    ``totals``: ``(live slots, referenced blocks)`` to use instead of the table's (a table a
+    few growth and eviction steps ahead of it: its request set the same)."""
+    live, ref = (table.num_live_slots, table.num_ref_blocks) if totals is None else (int(totals[0]), int(totals[1]))
+    return dict(waste_ratio=waste_ratio_of(live, ref, table.S), free_blocks=int(free_blocks), ref_blocks=ref,
                 num_requests=len(table.requests()), block_size=table.S)
 
 

@@ -151,6 +151,14 @@ def _index_array(xs, what: str, code: str = "not_integer") -> np.ndarray:
     return _objects_to_int64(xs, what, code)
 
 
+def waste_ratio_of(live_slots: int, ref_blocks: int, block_size: int) -> float:
+    """Eq. 1 from a table's totals (:meth:`TokenTable.waste_ratio`'s formula, for totals a
+    table reported rather than the table itself): 0 when no block is referenced. O(1)."""
+    if ref_blocks == 0:
+        return 0.0
+    return 1.0 - live_slots / (ref_blocks * block_size)
+
+
 def _repeats(x: np.ndarray) -> np.ndarray:
     """True where an entry of ``x`` repeats an earlier one. A set decides the usual case (no
     repeat) in one pass; np.unique's sort runs only when there is one. O(len(x))."""
@@ -486,6 +494,10 @@ class TokenTable:
         # Requests an eviction left a block without a live token in (since take_emptied()):
         # the only requests that can have a new releasable block without a list change
         self._emptied: set = set()
+        # The same events counted, never reset (O(1) to read): a call emptied a block iff it
+        # moved; the worker says so of each logged eviction and the replica checks its own
+        # (vllm_adapter.messages).
+        self.emptied_count = 0
         self._lone_dead: set = set()  # dead blocks whose other sharers were freed (one holder left)
         # Opt-in (None: nothing kept): a list that each fall of a block's live count appends to
         # (its block ids, repeated per live slot lost): what a reader keeping per-block
@@ -1120,6 +1132,7 @@ class TokenTable:
         self._dead += len(ids)
         if self._unclaim(r.slot[ids]):
             self._emptied.add(req_id)
+            self.emptied_count += 1
         self._pool.pend_dead.append(ids + r.base)
         r.map_dirty = True
         self._changed.add(req_id)
@@ -1178,6 +1191,7 @@ class TokenTable:
         self._dropped(gb)
         for i in last[self.n_b[slots[last] // self.S] == 0].tolist():
             self._emptied.add(req_ids[i])
+            self.emptied_count += 1
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
         """``evict_tokens`` of one id, ``t`` a Python int (any size): same checks, scalar code."""
@@ -1198,6 +1212,7 @@ class TokenTable:
             self._dropped(s // self.S)
             if self.n_b[s // self.S] == 0:
                 self._emptied.add(req_id)
+                self.emptied_count += 1
         self._pool.pend_dead.append(r.base + t)
         r.map_dirty = True
         self._changed.add(req_id)
@@ -1650,9 +1665,7 @@ class TokenTable:
 
     def waste_ratio(self) -> float:
         """Eq. 1 over referenced blocks: 1 - sum(n_b) / (N * S); 0 when nothing is allocated. O(1)."""
-        if self._ref_blocks == 0:
-            return 0.0
-        return 1.0 - self._live_slots / (self._ref_blocks * self.S)
+        return waste_ratio_of(self._live_slots, self._ref_blocks, self.S)
 
     @property
     def num_ref_blocks(self) -> int:

@@ -94,8 +94,9 @@ def test_table_in_step_new_grow_preempt_finish(model, async_):
             if r not in so.num_scheduled_tokens:
                 assert r not in w.table, f"preempted {r} still in the table"
         ad.update_from_output(so, out)
-        # the scheduler side's replica replayed the worker's changes: the two tables are equal
-        assert t is not w.table and t.export_state() == w.table.export_state()
+        # the scheduler side's replica replayed the worker's changes (what it held back too,
+        # read through ad.table): the two tables are equal
+        assert ad.table is t and t is not w.table and t.export_state() == w.table.export_state()
         ad.check_all()  # table_in_step, null substitution, reservation, fence, ownership
         if not d.in_flight:  # nothing ahead: the table equals what the scheduler computed
             for req in sched.running:

@@ -226,19 +226,19 @@ def test_with_reclamation_off_the_replica_lags_by_growth_only_and_catches_up(mod
         ad.close()
 
 
-def test_with_reclamation_on_growth_lags_only_while_no_token_is_dead(model):
-    """Reclamation on (the shipped defaults): while no request holds a dead token nothing can
-    plan or release, so decode growth lags as with reclamation off (``MAX_LAG`` reports held);
-    from the first report that evicts (eviction switched on mid-run, at a ratio that evicts
-    every few steps: reports of growth only come between) no report is held while a request
-    holds a dead token; and the plans and releases, step by step, are those of a replica
-    that never lags (``paranoid_checks``: no lag)."""
+def test_with_reclamation_on_held_back_reports_change_no_plan_or_release(model):
+    """Reclamation on (the shipped defaults): reports of decode growth, and from the first
+    report that evicts (eviction switched on mid-run, at a ratio that evicts every few steps)
+    of growth and evictions that emptied no block, are held back (``MAX_LAG`` at most); never
+    one whose eviction emptied a block (a release would wait); and the plans and releases, step
+    by step, are those of a replica that never lags (``paranoid_checks``: no lag)."""
     from vtoken.vllm_adapter.messages import MAX_LAG
 
     logs = {}
     for paranoid in (False, True):
         ad, d = _run(model, reclaim=True, headroom=None, paranoid=paranoid, max_tokens=60)
         log, schedule, rp = [], ad.schedule, ad.replica
+        feed = rp.feed
 
         def spy():
             so = schedule()
@@ -247,15 +247,21 @@ def test_with_reclamation_on_growth_lags_only_while_no_token_is_dead(model):
                                 for p in m.plans], {r: list(b) for r, b in m.releases.items()}))
             return so
 
-        ad.schedule = spy
+        def fed(ops, hold=True, evictions=False):
+            n = len(rp.held)
+            feed(ops, hold, evictions)
+            if len(rp.held) > n:  # held back: growth, and evictions that emptied no block
+                assert all(op[0] in ("sync1", "totals") or (op[0] in ("evict", "evict1") and not op[3]) for op in ops), ops
+
+        ad.schedule, rp.feed = spy, fed
         while ad.has_work():
             if d.steps == 12:
                 d.worker.core.evict_ratio = 0.3  # keeps ceil(0.7 n): one eviction every few steps
             d.step()
-            assert not (rp.held and rp.evicted), "growth held back while a request holds a dead token"
         d.drain()
         assert ad.table.export_state() == d.worker.table.export_state() and not rp.held
         assert rp.held_max == (0 if paranoid else MAX_LAG) and ad.stats["applied"] > 0
+        assert (rp.held_evictions == 0) == paranoid, rp.held_evictions  # evictions were held back
         assert any(plans for _, plans, _ in log)
         logs[paranoid] = log
         ad.close()
@@ -276,7 +282,7 @@ def test_a_divergence_in_held_back_growth_is_caught_within_the_lag(model):
     def lying(so):  # one report: request q0's growth lands in the null block
         out = execute(so)
         ops = out.vtoken_report.ops
-        if not state["done"] and ops and all(op[0] == "sync1" for op in ops):
+        if not state["done"] and ops and all(op[0] in ("sync1", "totals") for op in ops):
             reqs, blocks = ops[0][1], list(ops[0][2])
             blocks[reqs.index("q0")] = 0
             ops[0] = ("sync1", reqs, blocks)
@@ -300,7 +306,8 @@ def test_a_table_that_takes_a_block_its_list_does_not_hold_is_caught_on_that_hoo
     from vtoken.vllm_adapter.assumptions import AdapterAssumptionError
 
     ad, d = _run(model, reclaim=True, max_tokens=40)
-    d.worker.evict_tokens("q0", [0])  # a dead token: the replica replays each report at once (no lag)
+    d.worker.evict_tokens("q0", [0])  # a dead token (the plan gate reads the table)
+    ad.replica.max_lag = 0  # each report replayed at once: the lie reaches the table on that hook
     execute = d.worker.execute
     state = {"done": False}
 
@@ -318,6 +325,8 @@ def test_a_table_that_takes_a_block_its_list_does_not_hold_is_caught_on_that_hoo
                 blocks = np.array(op[2]).copy()
                 blocks[i] = stray
                 ops[k] = ("sync1", op[1], blocks)
+                # the totals of a worker table that took the stray block (else they give the lie away first)
+                ops[-1] = ("totals", ops[-1][1], ops[-1][2] + 1)
                 state["done"] = True
         return out
 

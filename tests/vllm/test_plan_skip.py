@@ -29,16 +29,20 @@ def _estimates_hold(book) -> None:
 
 def _decode(model, monkeypatch, skip: bool, S: int = 4, ratio: float = 0.5, policy: str = "random",
             H: int = 0, keep: bool = True, lag: int = 0, seed: int = 0, n: int = 6, soft: int = 0,
-            defer: bool = True) -> dict:
+            defer: bool = True, held: bool = True) -> dict:
     """``H``: the planner's reservation; ``soft``: the adapter's soft one (``keep_headroom``, with
     ``keep`` and ``H`` 0); both 0: no destination at all. ``defer`` False: a record woken by
     the headroom's growth is tested at once, as before deferral (``PlanBook._still_skipped``).
     ``records``: the skip records made; ``found_none``: proposals that found no plan,
-    ``failed_again`` those of them for a request whose last proposal found none too."""
+    ``failed_again`` those of them for a request whose last proposal found none too. ``held``
+    False: the replica holds no report back (``max_lag`` 0); ``held_evictions``: the reports it
+    held back with an eviction in them."""
     import vtoken.vllm_adapter.plans as plans
 
     ad, w, d = make(model, S=S, N=max(200, 1600 // S), H=H, ratio=ratio, caching=True, keep=keep, policy=policy,
                     lag=lag, seed=seed, soft=soft)
+    if not held:
+        ad.replica.max_lag = 0
     calls = {"propose": 0, "skipped_max": 0, "records": 0, "found_none": 0, "failed_again": 0}
     real = plans.propose
     failed: set = set()  # requests whose last proposal found nothing
@@ -84,7 +88,27 @@ def _decode(model, monkeypatch, skip: bool, S: int = 4, ratio: float = 0.5, poli
     ad.close()
     assert not ad.book.no_plan and len(ad.book.gates.free) == len(ad.book.gates.a)
     assert w.hash_failures == 0
-    return dict(calls, launched=launched, outputs={f"q{i}": ad.output_tokens(f"q{i}") for i in range(n)})
+    return dict(calls, launched=launched, outputs={f"q{i}": ad.output_tokens(f"q{i}") for i in range(n)},
+                held_evictions=ad.replica.held_evictions, released=ad.stats["released_empty"],
+                retained=list(ad.retained))
+
+
+@pytest.mark.parametrize("S, ratio, policy, H, soft, lag", [(4, 0.5, "random", 0, 0, 0), (16, 0.6, "random", 0, 0, 0),
+                                                            (4, 0.4, "h2o", 0, 0, 0), (4, 0.5, "random", 6, 0, 0),
+                                                            (4, 0.5, "random", 0, 32, 0), (8, 0.5, "h2o", 0, 4, 2)])
+def test_reports_held_back_change_no_plan_release_or_output(model, monkeypatch, S, ratio, policy, H, soft, lag):
+    """The replica holds back reports of growth and of evictions that emptied no block
+    (``messages.Replica``), and the plan step decides its gate on the worker's totals, catching
+    up when it opens: the same plans at the same steps, the same releases, the same blocks
+    retained at each step and the same outputs as a replica that replays every report at once."""
+    with monkeypatch.context() as m:
+        eager = _decode(model, m, skip=True, S=S, ratio=ratio, policy=policy, H=H, soft=soft, lag=lag, held=False)
+    with monkeypatch.context() as m:
+        held = _decode(model, m, skip=True, S=S, ratio=ratio, policy=policy, H=H, soft=soft, lag=lag)
+    assert eager["held_evictions"] == 0 < held["held_evictions"], (eager["held_evictions"], held["held_evictions"])
+    assert held["launched"] and held["launched"] == eager["launched"]
+    assert held["released"] == eager["released"] and held["retained"] == eager["retained"]
+    assert held["outputs"] == eager["outputs"]
 
 
 @pytest.mark.parametrize("S, ratio, policy, H, soft", [(4, 0.5, "random", 0, 0), (16, 0.6, "random", 0, 0),

@@ -99,7 +99,7 @@ from dataclasses import replace
 from typing import Any, Iterable
 
 from . import harness as _harness  # noqa: F401 - sets the CPU environment before vLLM
-from ..errors import ConfigError, TableError
+from ..errors import ConfigError, OrderError, TableError
 from ..fields import need_instance
 from .assumptions import ASSUMPTIONS, AdapterAssumptionError, check_supported_vllm
 from .checks import RuntimeChecks
@@ -575,8 +575,10 @@ class VTokenAdapter:
             self.reserve.starved = False
         self.hashes.evict_unfaithful_grown(self.req_to_blocks)  # only requests that evicted have unfaithful blocks
         self._release_empty(meta)
-        if self.reclaim:
-            self.book.plan(meta, self.steps)
+        if self.reclaim:  # with reports held back the gate is decided on the worker's totals, caught up if it opens
+            held = bool(self.replica.held)
+            self.book.plan(meta, self.steps, totals=self.replica.totals if held else None,
+                           catch_up=self._caught_up if held else None)
         sched_out.vtoken = meta
         if self.checks:
             self.checker.after_hook(f"after scheduling step {seq}")
@@ -648,12 +650,15 @@ class VTokenAdapter:
 
     def _replay(self, rep) -> None:
         """The worker's table changes, on the replica (``messages.Replica``); a change the
-        replica refuses means the two tables diverged (``table_in_step``). A report of pure
-        decode growth may be held back and replayed with the next while nothing decides on
-        the table: reclamation off, or no token dead (``TokenTable.num_dead_tokens``: then
-        every block but a tail is full, so no plan, release or gate can differ; the adapter's
-        default with no eviction acting lags as reclamation off does)."""
-        self._caught(self.replica.feed, rep.ops, not self.reclaim or not self._t.num_dead_tokens)
+        replica refuses means the two tables diverged (``table_in_step``). A report of decode
+        growth, and of evictions that (the worker says, and the replay checks) left no block
+        without a live token, may be held back and replayed with a later one, unless a request
+        waits for its all-dead tail to move (``tail_wait``: a held growth could move it) or the
+        report ends plans (their outcomes read the table). What else reads the table each step
+        sees no difference: its all-dead blocks are the same, and the plan step decides its gate
+        on the worker's totals and catches up when it opens (``PlanBook.plan``)."""
+        free = not self.tail_wait and not rep.plans
+        self._caught(self.replica.feed, rep.ops, free or not self.reclaim or not self._t.num_dead_tokens, free)
         self.worker_stats = dict(rep.stats)
 
     def _catch_up(self) -> None:
@@ -661,11 +666,19 @@ class VTokenAdapter:
         if self.replica.held:
             self._caught(self.replica.catch_up)
 
+    def _caught_up(self) -> None:
+        """Catch up for the plan step, then fold in what the replayed reports changed (the
+        requests whose bounds are stale, their skip records' versions), as the hook before it did."""
+        self._catch_up()
+        self._take_changes()
+
     @staticmethod
     def _caught(f, *args) -> None:
         try:
             f(*args)
-        except TableError as e:
+        except (TableError, OrderError) as e:  # a refused change; a worker's word or total the replica contradicts
+            if isinstance(e, OrderError) and e.code != "state_mismatch":
+                raise
             raise AdapterAssumptionError("table_in_step", f"the worker's table change does not replay on the "
                                                           f"scheduler side's replica: {e}") from e
 

@@ -77,17 +77,24 @@ class WorkerReport:
 class LoggedTable(TokenTable):
     """The worker's token table: a ``TokenTable`` that appends each change it made to
     ``ops`` (only changes that succeeded: a refused call changes nothing and logs nothing).
-    ``take_ops()`` hands the log over and starts a new one. The entries are plain tuples:
-    ``("sync", req, total_len, j0, [block ids j0..])``, ``("evict", req, ids)``,
-    ``("sync1", [req], blocks)`` and ``("evict1", [req], tokens)`` (a decode step's one token
-    each; int64 arrays), ``("apply", req, moves)``, ``("release", req, ids)``, ``("free", req)``."""
+    ``take_ops()`` hands the log over and starts a new one, ending it with the table's totals
+    then. The entries are plain tuples: ``("sync", req, total_len, j0, [block ids j0..])``,
+    ``("evict", req, ids, emptied)``, ``("sync1", [req], blocks)`` and ``("evict1", [req],
+    tokens, emptied)`` (a decode step's one token each; int64 arrays; ``emptied``: the eviction
+    left a block of this table without a live token, ``TokenTable.emptied_count``), ``("apply",
+    req, moves)``, ``("release", req, ids)``, ``("free", req)``, and last ``("totals",
+    live slots, referenced blocks)``. The replay checks each ``emptied`` and the totals on the
+    replica's own (:func:`replay`)."""
 
     def __init__(self, block_size: int, num_blocks: int, device="cpu"):
         super().__init__(block_size, num_blocks, device=device)
         self.ops: list = []
 
     def take_ops(self) -> list:
+        """The changes since the last call, then ``("totals", ...)`` (none when nothing changed)."""
         out, self.ops = self.ops, []
+        if out:
+            out.append(("totals", self.num_live_slots, self.num_ref_blocks))
         return out
 
     def sync_new_tokens(self, req_id, block_ids, total_len):
@@ -109,16 +116,19 @@ class LoggedTable(TokenTable):
         return slots
 
     def evict_one_each(self, req_ids, token_ids):
+        c = self.emptied_count
         super().evict_one_each(req_ids, token_ids)
-        self.ops.append(("evict1", list(req_ids), np.array(token_ids, dtype=np.int64)))
+        self.ops.append(("evict1", list(req_ids), np.array(token_ids, dtype=np.int64), self.emptied_count != c))
 
     def evict_token(self, req_id, token_id):
         self.evict_tokens(req_id, [token_id])
 
     def evict_tokens(self, req_id, token_ids):
+        c = self.emptied_count
         super().evict_tokens(req_id, token_ids)
         # a list of Python ints: one evicted token (the decode step) replays on the table's scalar path
-        self.ops.append(("evict", req_id, np.asarray(token_ids, dtype=np.int64).reshape(-1).tolist()))
+        self.ops.append(("evict", req_id, np.asarray(token_ids, dtype=np.int64).reshape(-1).tolist(),
+                         self.emptied_count != c))
 
     def apply_moves(self, req_id, moves):
         emptied = super().apply_moves(req_id, moves)
@@ -155,11 +165,23 @@ class _Segment(list):
         return self.seg[i - self.j0]
 
 
+def _check_emptied(table: TokenTable, before: int, op: tuple) -> None:
+    """An eviction replayed: did it empty a block on the replica exactly when the worker said it
+    did on its table (``op``'s last field; an op without one says nothing)? A report is held back
+    on the worker's word that it emptied none (:class:`Replica`): a false word would hold a
+    release back, so it ends the run here."""
+    if len(op) > 3 and (table.emptied_count != before) != bool(op[3]):
+        raise OrderError("state_mismatch", f"replay: the worker says its eviction {op[:2]!r} "
+                                           f"{'emptied a block' if op[3] else 'emptied no block'}; on the replica it "
+                                           f"{'did not' if op[3] else 'did'} (the tables diverged)")
+
+
 def replay(table: TokenTable, ops: list) -> None:
     """Run the worker's logged changes on ``table`` (the scheduler side's replica), in order,
     then flush its read-side mirror (so what it queues stays bounded by one step's changes).
     A change the replica refuses raises the table's own error: the two tables had diverged.
-    Consecutive moves of distinct requests (the plans a report ends, one request each) replay
+    Each eviction's ``emptied`` and each ``totals`` entry are checked against the replica's own
+    (``OrderError`` ``state_mismatch`` if they differ). Consecutive moves of distinct requests (the plans a report ends, one request each) replay
     in one ``apply_moves_each``: one validation and one application for all of them; consecutive
     decode growth of the same requests (held-back reports) in one ``sync_steps_each``; consecutive
     prompt chunks of distinct requests (a prefill step's) in one ``sync_new_tokens_each``;
@@ -188,7 +210,9 @@ def replay(table: TokenTable, ops: list) -> None:
                 for item in items:
                     table.sync_new_tokens(*item)
         elif kind == "evict":
+            c = table.emptied_count
             table.evict_tokens(r, op[2])
+            _check_emptied(table, c, op)
         elif kind == "sync1":  # a decode step's growth, one token each; the held-back steps of
             steps = [op[2]]  # the same requests (consecutive reports) in one call
             while i < n and ops[i][0] == "sync1" and ops[i][1] == r:
@@ -198,9 +222,16 @@ def replay(table: TokenTable, ops: list) -> None:
                 for x in steps:
                     table.sync_one_each(r, x)
         elif kind == "evict1":  # a decode step's one-token evictions
+            c = table.emptied_count
             table.evict_one_each(r, op[2])
+            _check_emptied(table, c, op)
         elif kind == "release":
             table.release_empty_blocks(r, op[2])
+        elif kind == "totals":  # the worker's table's totals after the report before it
+            if (table.num_live_slots, table.num_ref_blocks) != (op[1], op[2]):
+                raise OrderError("state_mismatch", f"replay: the worker's table has {op[1]} live slots in {op[2]} "
+                                                   f"blocks, the replica {table.num_live_slots} in "
+                                                   f"{table.num_ref_blocks} (the tables diverged)")
         elif kind == "free":  # the requests a step finished, in one call
             ids = [r]
             while i < n and ops[i][0] == "free":
@@ -219,37 +250,46 @@ class Replica:
     """The scheduler side's replica of the worker's token table (``table``, owned here), fed
     each report's ``ops`` in order.
 
-    ``feed(ops, hold=True)``: a report of pure decode growth (every op ``sync1``: each running
-    request's next token, in a block its list holds) may be held back instead of replayed,
-    at most ``max_lag`` of them; any other report (an eviction, a move, a release, a new or
-    freed request), a full batch, or ``catch_up()`` replays what is held first, in the order
-    the worker made the changes. So the table is behind the worker's by decode growth
-    only, never by a change of which blocks hold live tokens elsewhere: the blocks it
-    references stay a subset of what the scheduler side holds for each request (the
-    checks' ``table_in_step`` holds on it), and what a reader that decides (a plan, a
-    release) needs is replayed before it reads (its owner calls ``catch_up``). A change
-    the table refuses raises its ``TableError`` at the replay that runs it (up to
-    ``max_lag`` steps after the worker made it); the held reports are dropped then (the
-    tables diverged: the run is over). ``max_lag`` 0: every report is replayed at once.
+    ``feed(ops, hold=True, evictions=False)``: a report of pure decode growth (every op
+    ``sync1``: each running request's next token, in a block its list holds) may be held back
+    instead of replayed, at most ``max_lag`` of them; with ``evictions`` a report may hold
+    evictions too (``evict1`` / ``evict``), each of which, the worker says, left no block
+    without a live token. Any other report (a move, a release, a new or freed request, an
+    eviction that emptied a block), a full batch, or ``catch_up()`` replays what is held
+    first, in the order the worker made the changes. So the table is behind the worker's by
+    growth and by evictions that empty no block, never by a change of which blocks hold live
+    tokens elsewhere: the blocks it references stay a subset of what the scheduler side holds
+    for each request (the checks' ``table_in_step`` holds on it), its all-dead blocks are the
+    worker's but for a tail the growth would move on from, and what a reader that decides (a
+    plan) needs is replayed before it reads (its owner calls ``catch_up``). ``totals``: the
+    worker's ``(live slots, referenced blocks)`` after the last report fed, held or not, for a
+    decision that needs only those (the plan gate). A change the table refuses raises its
+    ``TableError``, a false word or total ``OrderError`` ``state_mismatch``, at the replay that
+    runs it (up to ``max_lag`` steps after the worker made it); the held reports are dropped
+    then (the tables diverged: the run is over). ``max_lag`` 0: every report is replayed at once.
 
     ``evicted``: the requests holding a dead token, read off the table (``dead_counts``; its
     O(1) total ``num_dead_tokens`` is what a per-step rule asks): while there is none no block
     holds a hole but a tail, so no plan and no release can exist, and a planner may read a
-    table that lags by growth (the adapter's rule, ``VTokenAdapter._replay``). A report with
-    an eviction is never held, so the lagging table's dead tokens are the worker's.
+    table that lags by growth (the adapter's rule, ``VTokenAdapter._replay``).
     Costs: a held report O(1); a replay O(its ops) (``replay``)."""
 
     def __init__(self, table: TokenTable, max_lag: int = MAX_LAG):
         self.table = table
         self.max_lag = int(max_lag)
-        self.held: list = []  # the ops lists held back, oldest first
+        self.held: list = []  # the ops lists held back, oldest first (each without its totals)
         self.held_max = 0  # the most reports held back at once (tests)
+        self.held_evictions = 0  # reports held back with an eviction in them (tests, benches)
+        self.totals: tuple | None = None  # the worker's (live slots, referenced blocks) at its last report
 
-    def feed(self, ops: list, hold: bool = True) -> None:
+    def feed(self, ops: list, hold: bool = True, evictions: bool = False) -> None:
         """Replay ``ops`` (one report's), or hold them back (see the class docstring)."""
-        if hold and ops and len(self.held) < self.max_lag and all(op[0] == "sync1" for op in ops):
-            self.held.append(ops)
+        if ops and ops[-1][0] == "totals":
+            self.totals = ops[-1][1:]
+        if hold and ops and len(self.held) < self.max_lag and all(map(_holdable_with if evictions else _holdable, ops)):
+            self.held.append(ops[:-1] if ops[-1][0] == "totals" else ops)  # replayed with the next report's totals
             self.held_max = max(self.held_max, len(self.held))
+            self.held_evictions += evictions and any(op[0] != "sync1" for op in self.held[-1])
             return
         replay(self.table, self._take_held() + ops)  # one replay, one flush
 
@@ -261,11 +301,25 @@ class Replica:
         return {r for r, d in zip(reqs, t.dead_counts(reqs).tolist()) if d} if reqs else set()
 
     def catch_up(self) -> None:
-        """Replay every held report, oldest first (nothing held: nothing done)."""
+        """Replay every held report, oldest first, then check the worker's totals at the last
+        (nothing held: nothing done)."""
         if self.held:
-            replay(self.table, self._take_held())
+            ops = self._take_held()
+            if self.totals is not None:
+                ops.append(("totals",) + tuple(self.totals))
+            replay(self.table, ops)
 
     def _take_held(self) -> list:
         """The held reports' ops, oldest first, as one list; nothing is held after."""
         held, self.held = self.held, []
         return [op for ops in held for op in ops]
+
+
+def _holdable(op: tuple) -> bool:
+    """May a report with ``op`` be held back (growth only)? ``totals`` ends every report."""
+    return op[0] == "sync1" or op[0] == "totals"
+
+
+def _holdable_with(op: tuple) -> bool:
+    """:func:`_holdable`, or an eviction that emptied no block on the worker's table."""
+    return op[0] == "sync1" or op[0] == "totals" or (op[0] in ("evict1", "evict") and len(op) > 3 and not op[3])

@@ -216,22 +216,31 @@ class PlanBook:
         """Request -> the ids of its plans in flight (one at most here: a busy request is not planned, I4)."""
         return self.lifecycle.busy
 
-    def plan(self, meta: StepMeta, steps: int) -> None:
+    def plan(self, meta: StepMeta, steps: int, totals: Optional[tuple] = None, catch_up=None) -> None:
         """Stages 1-3: eligibility (``should_reclaim`` every ``check_every`` steps), requests
         by their reclaimable-block bound (recomputed only for requests whose table changed,
         cached while positive), then one plan per request (``propose``), with the blocks vLLM
         shares or the scheduler side does not hold for the request excluded. A proposal's
         destinations are the headroom's blocks, then what the soft reservation may still draw
         (:meth:`_destinations`), drawn from vLLM's pool only for a plan that uses them. ``steps``:
-        the adapter's non-empty steps so far (the ``check_every`` clock)."""
+        the adapter's non-empty steps so far (the ``check_every`` clock). ``totals`` and
+        ``catch_up``: the table lags the worker's (``messages.Replica``): the gate is decided
+        on the worker's totals, and only if it opens is the table caught up (``catch_up()``)
+        and read; the skip records' drops wait for it (each is a count that only falls
+        while no plan is made, so taken later they come to the same)."""
         t, cfg = self.table, self.cfg
+        need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed
+        if totals is not None:
+            if t.drops is None:
+                t.drops = []  # the drops count from the first plan check on, as below
+            if self._closed(steps, need_head, totals):
+                return
+            catch_up()
         self._take_drops()
         if self.hashes.changed:  # full-context lengths changed (kept with reclamation): their gates are tested
             self.events |= self.hashes.changed & self.no_plan.keys()
             self.hashes.changed.clear()
-        need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed
-        if (need_head and not self.reserve) or steps % cfg.check_every or \
-                not should_reclaim(cfg, **trigger_inputs(t, self.harness.pool.get_num_free_blocks())):
+        if self._closed(steps, need_head):
             return
         bound, no_plan = self.bound, self.no_plan
         self._refresh_bounds(steps)
@@ -278,6 +287,12 @@ class PlanBook:
                     raise AdapterAssumptionError("plan_contract", f"step {meta.seq}: {e}") from e
             self.launch(meta, r, p, tail, head)
         self.head_seen = self._head_size()
+
+    def _closed(self, steps: int, need_head: bool, totals: Optional[tuple] = None) -> bool:
+        """Is the gate closed this step: no headroom an out-of-place plan needs, not a
+        ``check_every`` step, or ``should_reclaim`` says no (on the table, or on ``totals``)? O(1)."""
+        return (need_head and not self.reserve) or bool(steps % self.cfg.check_every) or not should_reclaim(
+            self.cfg, **trigger_inputs(self.table, self.harness.pool.get_num_free_blocks(), totals))
 
     def _refresh_bounds(self, steps: int) -> None:
         """Stage 2 for the requests whose bound is stale (their table changed, or their skip
