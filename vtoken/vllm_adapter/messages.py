@@ -11,12 +11,14 @@ the same records (the driver round-trips them through pickle).
   (nothing is scheduled and plans fly: host-wait every copy now).
 - :class:`WorkerReport` on ``ModelRunnerOutput.vtoken_report``: how each finished plan ended
   (``vtoken.lifecycle.Outcome``), each request's full-context length, the worker's counters,
-  and ``ops``: every change the worker made to its token table this step, in order. The
-  scheduler side keeps a replica of the worker's table and replays ``ops`` on it
-  (:func:`replay`), so both tables run the same operations in the same order.
-- :class:`Replica`: that replica, which may hold back up to ``MAX_LAG`` reports of pure decode
-  growth (``sync1`` only) and replay them together, when its owner allows it (the adapter's rule
-  asks whether any token is dead: ``TokenTable.num_dead_tokens``).
+  and ``ops``: every change the worker made to its token table this step, in order, each
+  eviction with the worker's word on whether it emptied a block, and last the table's totals.
+  The scheduler side keeps a replica of the worker's table and replays ``ops`` on it
+  (:func:`replay`), so both tables run the same operations in the same order; the replay
+  checks each word and the totals on the replica.
+- :class:`Replica`: that replica, which may hold back up to ``MAX_LAG`` reports of decode
+  growth, and of evictions that emptied no block, and replay them together, when its owner
+  allows it (the adapter's rule: ``VTokenAdapter._replay``).
 
 Owns: the records, :class:`LoggedTable` (a ``TokenTable`` that logs its own changes),
 :func:`replay` and the :class:`Replica` (the scheduler side's table and its held-back reports).
@@ -36,9 +38,9 @@ from ..table import TokenTable
 
 __all__ = ["plan_order", "StepMeta", "WorkerReport", "LoggedTable", "replay", "Replica", "MAX_LAG"]
 
-# The most reports of pure decode growth the replica may hold back (``Replica``): replayed
-# together, the cold-cache price of the replay's array code is paid once per batch instead
-# of once per step (docs/ARCHITECTURE.md, "What the adapter's step costs").
+# The most reports of decode growth (and evictions that emptied no block) the replica may hold
+# back (``Replica``): replayed together, the cold-cache price of the replay's array code is paid
+# once per batch instead of once per step (docs/ARCHITECTURE.md, "What the adapter's step costs").
 MAX_LAG = 8
 
 
@@ -270,8 +272,8 @@ class Replica:
 
     ``evicted``: the requests holding a dead token, read off the table (``dead_counts``; its
     O(1) total ``num_dead_tokens`` is what a per-step rule asks): while there is none no block
-    holds a hole but a tail, so no plan and no release can exist, and a planner may read a
-    table that lags by growth (the adapter's rule, ``VTokenAdapter._replay``).
+    holds a hole but a tail, so no plan and no release can exist (one of the adapter's rules,
+    ``VTokenAdapter._replay``).
     Costs: a held report O(1); a replay O(its ops) (``replay``)."""
 
     def __init__(self, table: TokenTable, max_lag: int = MAX_LAG):
