@@ -223,11 +223,10 @@ class PlanBook:
         shares or the scheduler side does not hold for the request excluded. A proposal's
         destinations are the headroom's blocks, then what the soft reservation may still draw
         (:meth:`_destinations`), drawn from vLLM's pool only for a plan that uses them. ``steps``:
-        the adapter's non-empty steps so far (the ``check_every`` clock). ``totals`` and
-        ``catch_up``: the table lags the worker's (``messages.Replica``): the gate is decided
-        on the worker's totals, and only if it opens is the table caught up (``catch_up()``)
-        and read; the skip records' drops wait for it (each is a count that only falls
-        while no plan is made, so taken later they come to the same)."""
+        the adapter's non-empty steps so far (the ``check_every`` clock). ``totals``: the table
+        lags the worker's (``messages.Replica``): the gate is decided on these totals of the
+        worker's, and only if it opens is the table caught up (``catch_up()``) and read; the
+        skip records' drops wait (counts that only fall while no plan is made: the same later)."""
         t, cfg = self.table, self.cfg
         need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed
         if totals is not None:
