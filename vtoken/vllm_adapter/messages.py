@@ -183,11 +183,12 @@ def replay(table: TokenTable, ops: list) -> None:
     then flush its read-side mirror (so what it queues stays bounded by one step's changes).
     A change the replica refuses raises the table's own error: the two tables had diverged.
     Each eviction's ``emptied`` and each ``totals`` entry are checked against the replica's own
-    (``OrderError`` ``state_mismatch`` if they differ). Consecutive moves of distinct requests (the plans a report ends, one request each) replay
-    in one ``apply_moves_each``: one validation and one application for all of them; consecutive
-    decode growth of the same requests (held-back reports) in one ``sync_steps_each``; consecutive
-    prompt chunks of distinct requests (a prefill step's) in one ``sync_new_tokens_each``;
-    consecutive frees (the requests a step finished) in one ``free_requests``."""
+    (``OrderError`` ``state_mismatch`` if they differ). Consecutive moves of distinct requests
+    (the plans a report ends, one request each) replay in one ``apply_moves_each``: one
+    validation and one application for all of them; consecutive decode growth of the same
+    requests (held-back reports) in one ``sync_steps_each``; consecutive prompt chunks of
+    distinct requests (a prefill step's) in one ``sync_new_tokens_each``; consecutive frees
+    (the requests a step finished) in one ``free_requests``."""
     i, n = 0, len(ops)
     while i < n:
         op = ops[i]
