@@ -1131,8 +1131,7 @@ class TokenTable:
         r.n_live -= len(ids)
         self._dead += len(ids)
         if self._unclaim(r.slot[ids]):
-            self._emptied.add(req_id)
-            self.emptied_count += 1
+            self._mark_emptied(req_id)
         self._pool.pend_dead.append(ids + r.base)
         r.map_dirty = True
         self._changed.add(req_id)
@@ -1190,8 +1189,13 @@ class TokenTable:
         self._live_slots -= len(gone)
         self._dropped(gb)
         for i in last[self.n_b[slots[last] // self.S] == 0].tolist():
-            self._emptied.add(req_ids[i])
-            self.emptied_count += 1
+            self._mark_emptied(req_ids[i])
+
+    def _mark_emptied(self, req_id) -> None:
+        """An eviction of ``req_id``'s left one of its blocks with no live token: recorded for
+        :meth:`take_emptied` and counted (``emptied_count``). O(1)."""
+        self._emptied.add(req_id)
+        self.emptied_count += 1
 
     def _evict_one(self, req_id, r: _Req, t: int) -> None:
         """``evict_tokens`` of one id, ``t`` a Python int (any size): same checks, scalar code."""
@@ -1211,8 +1215,7 @@ class TokenTable:
             self._live_slots -= 1
             self._dropped(s // self.S)
             if self.n_b[s // self.S] == 0:
-                self._emptied.add(req_id)
-                self.emptied_count += 1
+                self._mark_emptied(req_id)
         self._pool.pend_dead.append(r.base + t)
         r.map_dirty = True
         self._changed.add(req_id)

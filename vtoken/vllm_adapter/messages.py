@@ -212,9 +212,9 @@ def replay(table: TokenTable, ops: list) -> None:
             if len(items) == 1 or table.sync_new_tokens_each(items) is None:  # None: not one batch
                 for item in items:
                     table.sync_new_tokens(*item)
-        elif kind == "evict":
+        elif kind == "evict" or kind == "evict1":  # a request's evictions; a decode step's one-token ones
             c = table.emptied_count
-            table.evict_tokens(r, op[2])
+            (table.evict_tokens if kind == "evict" else table.evict_one_each)(r, op[2])
             _check_emptied(table, c, op)
         elif kind == "sync1":  # a decode step's growth, one token each; the held-back steps of
             steps = [op[2]]  # the same requests (consecutive reports) in one call
@@ -224,10 +224,6 @@ def replay(table: TokenTable, ops: list) -> None:
             if len(steps) == 1 or table.sync_steps_each(r, steps) is None:  # None: not one batch
                 for x in steps:
                     table.sync_one_each(r, x)
-        elif kind == "evict1":  # a decode step's one-token evictions
-            c = table.emptied_count
-            table.evict_one_each(r, op[2])
-            _check_emptied(table, c, op)
         elif kind == "release":
             table.release_empty_blocks(r, op[2])
         elif kind == "totals":  # the worker's table's totals after the report before it
@@ -325,4 +321,4 @@ def _holdable(op: tuple) -> bool:
 
 def _holdable_with(op: tuple) -> bool:
     """:func:`_holdable`, or an eviction that emptied no block on the worker's table."""
-    return op[0] == "sync1" or op[0] == "totals" or (op[0] in ("evict1", "evict") and len(op) > 3 and not op[3])
+    return _holdable(op) or (op[0] in ("evict1", "evict") and len(op) > 3 and not op[3])
