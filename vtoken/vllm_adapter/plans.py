@@ -225,22 +225,20 @@ class PlanBook:
         (:meth:`_destinations`), drawn from vLLM's pool only for a plan that uses them. ``steps``:
         the adapter's non-empty steps so far (the ``check_every`` clock). ``totals``: the table
         lags the worker's (``messages.Replica``): the gate is decided on these totals of the
-        worker's, and only if it opens is the table caught up (``catch_up()``) and read; the
-        skip records' drops wait (counts that only fall while no plan is made: the same later)."""
+        worker's, and only if it opens is the table caught up (``catch_up()``) and read."""
         t, cfg = self.table, self.cfg
-        need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed
+        self._take_drops()
         if totals is not None:
-            if t.drops is None:
-                t.drops = []  # the drops count from the first plan check on, as below
-            if self._closed(steps, need_head, totals):
+            if self._closed(steps, totals):
                 return
             catch_up()
-        self._take_drops()
+            self._take_drops()  # the caught-up reports' drops
         if self.hashes.changed:  # full-context lengths changed (kept with reclamation): their gates are tested
             self.events |= self.hashes.changed & self.no_plan.keys()
             self.hashes.changed.clear()
-        if self._closed(steps, need_head):
+        if self._closed(steps):
             return
+        need_head = not cfg.in_place  # in-place plans fill the request's own holes: no headroom needed
         bound, no_plan = self.bound, self.no_plan
         self._refresh_bounds(steps)
         busy, current, running = self.busy, self.requests.current, self.requests.running
@@ -287,11 +285,12 @@ class PlanBook:
             self.launch(meta, r, p, tail, head)
         self.head_seen = self._head_size()
 
-    def _closed(self, steps: int, need_head: bool, totals: Optional[tuple] = None) -> bool:
+    def _closed(self, steps: int, totals: Optional[tuple] = None) -> bool:
         """Is the gate closed this step: no headroom an out-of-place plan needs, not a
         ``check_every`` step, or ``should_reclaim`` says no (on the table, or on ``totals``)? O(1)."""
-        return (need_head and not self.reserve) or bool(steps % self.cfg.check_every) or not should_reclaim(
-            self.cfg, **trigger_inputs(self.table, self.harness.pool.get_num_free_blocks(), totals))
+        cfg = self.cfg
+        return (not cfg.in_place and not self.reserve) or bool(steps % cfg.check_every) or not should_reclaim(
+            cfg, **trigger_inputs(self.table, self.harness.pool.get_num_free_blocks(), totals))
 
     def _refresh_bounds(self, steps: int) -> None:
         """Stage 2 for the requests whose bound is stale (their table changed, or their skip
