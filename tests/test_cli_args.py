@@ -149,6 +149,11 @@ ROWS = [
     (["audit", "--only", ""], "--only"),
     (["audit", "--only", "check"], "--only"),  # a part of every check's name
     (["audit", "--only", "waste", "waste"], "--only"),
+    (["audit", "--only", "waste,tabel"], "--only"),  # comma-separated: each name must select a check
+    (["audit", "--only", "waste,"], "--only"),
+    (["audit", "--only", "waste,check"], "--only"),
+    (["audit", "--only", "waste,waste"], "--only"),
+    (["audit", "--only", "waste", "table,waste"], "--only"),
     (["audit", "--vllm", "0.33.0", "--matrix", "0.33.0"], "--matrix"),
     (["audit", "--matrix", "0.33.0", "--compare", "{audit_ok}"], "--compare"),
     (["audit", "--rebuild-env"], "--rebuild-env"),
@@ -418,6 +423,26 @@ def test_audit_ctrl_c_reports_partial_results_and_exits_130(how, tmp_path, monke
     assert "INTERRUPTED" in (folder / "audit.md").read_text()
     last = std.out.strip().splitlines()[-1]
     assert "INTERRUPTED in second" in last and "first PASS" in last and f"{folder}/audit.md" in last
+
+
+class _Picked(Exception):
+    pass
+
+
+@pytest.mark.parametrize("names", [["vllm-prefix-equality,vllm-decode"], ["vllm-prefix-equality", "vllm-decode"]])
+def test_audit_only_takes_names_space_or_comma_separated(names, tmp_path, monkeypatch):
+    """``--only a,b`` (issue 38's acceptance command) selects what ``--only a b`` does: the run
+    gets one flat list of names (a bad or empty name in a list is refused: the bad rows above)."""
+    def run_audit(out, quick, seed, examples, compare, only):
+        raise _Picked(only)
+
+    monkeypatch.setattr(audit, "run_audit", run_audit)
+    with pytest.raises(_Picked) as e:
+        main(["audit", "--out", str(tmp_path), "--only", *names])
+    (only,) = e.value.args
+    assert only == ["vllm-prefix-equality", "vllm-decode"]
+    assert [audit.CHECK_NAMES[c] for c in audit.CHECKS if audit._selected(c, only)] == ["vllm-decode",
+                                                                                       "vllm-prefix-equality"]
 
 
 # ---------------------------------------------------------------------------- what --compare accepts, compare() reads
