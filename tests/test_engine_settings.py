@@ -23,6 +23,18 @@ def test_defaults_and_the_engine_arguments():
     assert back.planner_config().headroom == 8 and not back.planner_config().in_place
 
 
+def test_the_engine_defaults_are_the_adapters():
+    """The settings vtoken takes inside vLLM's engine and the adapter's own config name the same
+    knobs: their defaults agree, so the engine runs what the adapter's tests and benches measured
+    (a default changed in one of them alone would not be)."""
+    from vtoken.vllm_adapter.config import AdapterConfig
+
+    s, a = EngineSettings(), AdapterConfig()
+    shared = ("reclaim", "checks", "max_plans_per_step", "check_full_every", "paranoid_checks", "keep_prefix_bytes",
+              "keep_headroom", "headroom_pool_fraction")
+    assert {k: getattr(s, k) for k in shared} == {k: getattr(a, k) for k in shared}
+
+
 def test_a_budget_instead_of_a_ratio():
     s = EngineSettings.of({"budget": 64})
     assert s.budget == 64 and s.evict_ratio == 0.0

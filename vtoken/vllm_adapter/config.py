@@ -138,7 +138,7 @@ class AdapterConfig:
             whole prefix chain for a later request repeating it).
         keep_headroom: with ``keep_prefix_bytes``, in-place plans and no reservation of the planner's
             (``planner_config.headroom`` 0), the destinations those plans may take for hashed
-            blocks' tokens, up to this many a step (default 32; 0: none): a soft reservation, drawn
+            blocks' tokens, up to this many a step (default 64; 0: none): a soft reservation, drawn
             from vLLM's free blocks when a plan launches (never held between steps: no idle block
             is taken from vLLM), only while some request holds an evicted token (no plan can need
             one otherwise: vLLM's own tests, where nothing is evicted, never see it), only from free
@@ -146,7 +146,11 @@ class AdapterConfig:
             hold an admission back (``headroom.Headroom``). Without it each plan empties one hashed block at a time
             into the other blocks' holes: on the bench's workload (prompts of 256-1024 tokens,
             50% random eviction, R = 64 / 256) 283 / 563 plans kept 2763 / 11226 blocks, with 32
-            destinations 107 / 385 plans kept 1918 / 8173 (docs/ARCHITECTURE.md).
+            destinations 107 / 385 plans kept 1918 / 8173 (docs/ARCHITECTURE.md). 64 is twice the
+            planner's ``max_sources`` (32): room for two plans of that many hashed sources a step.
+            With 32 the step's first plans often took every destination and its other proposals
+            found none, so a request needed two or three plans (over the bench's whole run, R = 64
+            / 256: 99 / 377 plans at 32, 64 / 252 at 64, the same plans at 96-256).
         evict_unfaithful_hashes: drop the prefix-cache hash of blocks computed after the
             request's first eviction (``prefix_hash``).
         headroom_pool_fraction: the headroom is at most 1/this of the live pool (default 16:
@@ -174,7 +178,7 @@ class AdapterConfig:
     table_device: Optional[str] = None
     evict_unfaithful_hashes: bool = True
     keep_prefix_bytes: bool = True
-    keep_headroom: int = 32
+    keep_headroom: int = 64
     check_full_every: int = 64
     paranoid_checks: bool = False
     headroom_pool_fraction: int = 16

@@ -58,7 +58,7 @@ class EngineSettings:
     check_full_every: int = 64
     paranoid_checks: bool = False
     keep_prefix_bytes: bool = True
-    keep_headroom: int = 32
+    keep_headroom: int = 64
     headroom_pool_fraction: int = 16
     stats_path: Optional[str] = None
     snapshot_dir: Optional[str] = None
