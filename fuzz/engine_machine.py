@@ -6,7 +6,8 @@ Two of vLLM's engines (``vllm.LLMEngine``, one process each, ``VLLM_ENABLE_V1_MU
 machine adds requests (random prompts, some repeating an earlier one: prefix-cache hits), aborts
 running ones and steps both engines in lock step. The settings are drawn per example (policy,
 evict ratio, copy lag, prefix caching); the engines of each combination are built once per
-process and reused (a built engine costs about a second).
+process and reused (a built engine costs about a second), with their prefix caches emptied at
+each example's start (``_fresh_caches``: an example replays as it first ran).
 
 After every step of the vtoken engine: the adapter's runtime checks and its ownership ledger
 (``check_all``), no hash-and-compare failure in the worker, and the worker's block-table rows in
