@@ -75,6 +75,16 @@ def _scheduler(engine):
     return engine.engine_core.engine_core.scheduler
 
 
+def _settle(engine) -> None:
+    """Step ``engine``'s core until its scheduler has nothing left: the vtoken engine's plans in
+    flight end on steps with nothing scheduled (vLLM's engine stops stepping without requests)."""
+    core = engine.engine_core.engine_core
+    for _ in range(100):
+        if not core.scheduler.has_requests():
+            break
+        core.step()
+
+
 def _runner(engine):
     return engine.engine_core.engine_core.model_executor.driver_worker.worker.vtoken.runner
 
@@ -118,11 +128,7 @@ class EngineMachine(SwarmRules):
                 if not e.has_unfinished_requests():
                     break
                 e.step()
-            core = e.engine_core.engine_core
-            for _ in range(100):  # the vtoken engine's plans in flight end on steps with nothing scheduled
-                if not core.scheduler.has_requests():
-                    break
-                core.step()
+            _settle(e)
             assert e.reset_prefix_cache(), "the engine's prefix cache did not reset between examples"
 
     # ---------------------------------------------------------------- operations
@@ -237,11 +243,7 @@ class EngineMachine(SwarmRules):
         """Both engines idle: the vtoken engine's last steps taken (plans in flight end), then
         nothing left for requests that left."""
         for e in (self.vt, self.ne):
-            core = e.engine_core.engine_core
-            for _ in range(100):
-                if not core.scheduler.has_requests():
-                    break
-                core.step()
+            _settle(e)
         ad = self.ad
         ad.check_all()
         assert not ad.plans, f"plans still in flight at idle: {sorted(ad.plans)}"
