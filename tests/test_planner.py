@@ -472,6 +472,53 @@ def test_reclaim_bounds_equal_the_single_bound_and_refuse_an_unknown_request():
     assert e.value.code == "unknown_request"
 
 
+class _Counted(tuple):
+    """A rank key that counts its comparisons (the ranking's work, not its time)."""
+    compared = 0
+
+    def __lt__(self, other):
+        _Counted.compared += 1
+        return tuple.__lt__(self, other)
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=60, unique_by=lambda x: x[1] * 100 + x[0]))
+def test_ranked_is_stage_threes_sorted_order_and_survives_changes_to_its_source(pairs):
+    """``ranked`` yields the requests in the order of their sorted keys (the largest bound
+    first, arrival breaking ties), and a driver may change the dict it read the keys from
+    while it reads (the adapter drops a skipped request's bound mid-loop)."""
+    from vtoken.planner import rank_key, ranked
+
+    bound = {f"r{i}": rank_key(g, a, f"r{i}") for i, (g, a) in enumerate(pairs)}
+    want = [k[2] for k in sorted(bound.values())]
+    got = []
+    for r in ranked(bound.values()):
+        got.append(r)
+        del bound[r]
+    assert got == want and not bound
+
+
+def test_ranking_a_step_pays_for_the_requests_read_not_a_sort_of_every_key():
+    """A driver stops after ``max_plans_per_step`` plans: reading the first few of k keys costs
+    O(k + read x log k) comparisons (a heap), not the k log k of a sort. k = 4096 requests, 4
+    read: at most 3k + 4 x 2 log2 k comparisons (heapify's bound and four pops), where a sort
+    of random keys makes about k log2 k (49k)."""
+    from vtoken.planner import rank_key, ranked
+
+    rng = np.random.default_rng(5)
+    k = 4096
+    keys = [_Counted(rank_key(int(g), i, f"r{i}")) for i, g in enumerate(rng.integers(1, 64, size=k))]
+    want = [x[2] for x in sorted(keys)[:4]]
+    _Counted.compared = 0
+    it = ranked(keys)
+    first = [next(it) for _ in range(4)]
+    read_cost = _Counted.compared
+    assert first == want
+    _Counted.compared = 0
+    sorted(keys)
+    assert read_cost <= 3 * k + 4 * 2 * 12, read_cost
+    assert _Counted.compared > 8 * k  # the sort it replaced (the bound above would catch a sort)
+
+
 # ---------------------------------------------------------------- in place (the default)
 def test_in_place_plan_fills_holes_without_headroom_and_checks_against_the_contract():
     """Blocks 1..4 keep offsets 1 and 3 (S = 4), the tail is full: 8 holes free 2 blocks.

@@ -20,8 +20,9 @@ Costs: trigger O(1); ``step`` polls O(plans in flight), a round scores O(request
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -349,10 +350,22 @@ def rank_key(gain: int, arrival, req_id) -> tuple:
     return (-int(gain), arrival, req_id)
 
 
-def ranked(keys: Iterable[tuple]) -> list:
+def ranked(keys: Iterable[tuple]) -> Iterator:
     """The requests of ``keys`` (:func:`rank_key` tuples) in stage 3's order, the one ranking
-    every driver plans in. O(k log k) for k keys; changes nothing."""
-    return [k[2] for k in sorted(keys)]
+    every driver plans in, yielded as the caller reads them: the keys are copied into a heap
+    now (the caller may change what it took them from while it reads), and each request read
+    costs one pop. A driver stops after a few plans a step, so a step pays O(k + read x log k)
+    for k keys, not a sort of every key. Changes nothing."""
+    heap = list(keys)
+    heapq.heapify(heap)
+    return _popped(heap)
+
+
+def _popped(heap: list) -> Iterator:
+    """The requests of a heap of :func:`rank_key` tuples, smallest key first (keys are distinct:
+    each names its request)."""
+    while heap:
+        yield heapq.heappop(heap)[2]
 
 
 def in_flight_payload(plans: Iterable[Plan]) -> list[dict]:
