@@ -346,7 +346,7 @@ class TableMachine(SwarmRules):
         ``evict_one_each``. The reference makes the same changes one request at a time: it
         decides which are valid (a refused one leaves it unchanged and stays out of the batch),
         and the batch must succeed with the same slots."""
-        grown, slots, blocks = [], [], []
+        grown, slots, blocks, alone = [], [], [], []
         for rid in self.rids():
             n = self.impl.length(rid)
             if -(-(n + 1) // self.S) > len(self.pos[rid]):
@@ -356,8 +356,8 @@ class TableMachine(SwarmRules):
                 self.pos[rid] += new
                 self.held[rid] += new
             block = self.pos[rid][n // self.S]
-            if block in blocks:  # the batch names each block once: this one grows on its own, on both
-                self._sync(rid, n + 1)
+            if block in blocks:  # the batch names each block once: this one grows on its own, on both,
+                alone.append(rid)  # after the batch (the reference has the batch's growth already)
                 continue
             try:
                 got = self.spec.sync_new_tokens(rid, self.pos[rid], n + 1)
@@ -368,6 +368,8 @@ class TableMachine(SwarmRules):
             blocks.append(block)
         TableMachine.ops += 1
         assert list(self.impl.sync_one_each(grown, blocks)) == slots, "batched growth placed tokens elsewhere"
+        for rid in alone:
+            self._sync(rid, self.impl.length(rid) + 1)
         pairs = []
         for rid in grown:
             live = self.spec.live_tokens(rid)
