@@ -224,6 +224,16 @@ class TableMachine(SwarmRules):
     @initialize(S=st.sampled_from([1, 2, 3, 4, 16]), nb=st.integers(4, 14), data=st.data())
     def setup(self, S, nb, data):
         nb += 6 if S == 16 else 0
+        self.start(S, nb)
+        note(f"S={S} num_blocks={nb}")
+        # a request or two to start from: an example whose draws leave the table empty spends
+        # its steps on the few rules that need no request
+        for _ in range(integer(data, 1, 2, "initial_requests")):
+            self.add_request(integer(data, 1, 3, "nblocks"), data)
+
+    def start(self, S: int, nb: int) -> None:
+        """Both tables (S, ``nb`` blocks) and the allocator, with no request: ``setup``'s state,
+        which a test driving the rules by hand starts from too."""
         self.S = S
         self.impl = Touching(self.make_impl(S, nb))
         self.spec = SpecTokenTable(S, nb)
@@ -233,11 +243,6 @@ class TableMachine(SwarmRules):
         self.next_id = 0
         self._checked = None  # the table's mutating calls at the last comparison
         self._checks = 0
-        note(f"S={S} num_blocks={nb}")
-        # a request or two to start from: an example whose draws leave the table empty spends
-        # its steps on the few rules that need no request
-        for _ in range(integer(data, 1, 2, "initial_requests")):
-            self.add_request(integer(data, 1, 3, "nblocks"), data)
 
     # ------------------------------------------------------------------ helpers
     def _alloc(self, n):

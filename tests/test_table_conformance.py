@@ -31,18 +31,6 @@ class _NoEvictions:
         return False
 
 
-def _machine(S: int, nb: int) -> TableMachine:
-    """A table machine set up as its ``setup`` does, with no request (driven by hand)."""
-    from vtoken.allocator import BlockAllocator
-    from vtoken.fuzz.table_machine import Touching
-    from vtoken.spec import SpecTokenTable
-
-    m = TableMachine()
-    m.S, m.impl, m.spec, m.alloc = S, Touching(TableMachine.make_impl(S, nb)), SpecTokenTable(S, nb), BlockAllocator(nb)
-    m.pos, m.held, m.next_id, m._checked, m._checks = {}, {}, 0, None, 0
-    return m
-
-
 def test_a_batched_decode_step_compares_two_requests_growing_into_one_block_in_the_same_order():
     """Found by a nightly campaign (seed 17003): a parent wrote 48 tokens in blocks A, B, C;
     child X shares the three and has 33 tokens, child Y shares them and has 32; the parent
@@ -52,7 +40,8 @@ def test_a_batched_decode_step_compares_two_requests_growing_into_one_block_in_t
     the parent's and both accept it. Grown at once, before the batch reached the
     implementation (the reference had Y's growth already), X met an unshared C holding a token
     on one side only: a slot_conflict on the implementation alone."""
-    m = _machine(16, 12)
+    m = TableMachine()
+    m.start(16, 12)
     blocks = m.alloc.allocate(3)
     for rid, total in ((0, 48), (1, 32), (2, 33)):  # Y = 1 grows first (the machine's order)
         if rid:
