@@ -74,9 +74,23 @@ MACHINE_TESTS = {"vtoken/table.py": "tests/test_table_conformance.py",
 # planner tests never import them; their own directed scenarios over the real vLLM scheduler
 # do (a plan's blocks handed over mid-copy, a corruption at each hook, the full scan's
 # timeliness, the stop window), first the fast ones. ``--files vtoken/vllm_adapter/checks.py``
+# The fence's ledger and clock and the port: their unit tests first (the scenarios reach them only
+# through a correct adapter: a ledger that stopped recording survived every scenario), then the
+# scenarios that free, fence and preempt over vLLM's scheduler. The prefix-hash rules: their
+# directed tests, then the adapter machine.
+_FREE_SCENARIOS = ("tests/vllm/test_races_visible.py", "tests/vllm/test_adapter_checks.py",
+                   "tests/vllm/test_prefix_hash_absorb.py", "tests/test_adapter_machine.py",
+                   "tests/vllm/test_adapter_paths.py", "tests/vllm/test_adapter_windows.py")
 ADAPTER_TESTS = {"vtoken/vllm_adapter/checks.py": ("tests/vllm/test_races_visible.py",
                                                    "tests/vllm/test_adapter_windows.py",
-                                                   "tests/vllm/test_adapter_checks.py")}
+                                                   "tests/vllm/test_adapter_checks.py"),
+                 "vtoken/vllm_adapter/fence.py": ("tests/vllm/test_fence.py",) + _FREE_SCENARIOS,
+                 "vtoken/vllm_adapter/port.py": ("tests/vllm/test_port.py", "tests/vllm/test_fence.py") + _FREE_SCENARIOS,
+                 "vtoken/vllm_adapter/prefix_hash.py": ("tests/vllm/test_prefix_hash_absorb.py",
+                                                        "tests/vllm/test_hash_parking.py",
+                                                        "tests/vllm/test_same_step_prefix_hit.py",
+                                                        "tests/vllm/test_races_visible.py", "tests/test_adapter_machine.py",
+                                                        "tests/vllm/test_prefix_equality.py")}
 # pyproject's package-dir mapping: repository folder -> its place in the shadow package
 GUARD_PLUGIN = "_vtoken_mutation_guard"
 
@@ -142,6 +156,16 @@ EQUIVALENT: list[dict] = [
          reason="only names the first violation once the (unmutated) fast comparison found one; a block the adapter "
          "holds has no other holder (others 0) in every reachable state, and where it has one (a deferred free or "
          "a list) the violation is the same block either way"),
+    # ---- vtoken/vllm_adapter/fence.py (the fence's clock and ledger)
+    dict(file="vtoken/vllm_adapter/fence.py", original="return self.last.get(request.request_id, 0) <= self._processed",
+         descs=("0 -> -1",), reason="a request never scheduled is settled either way: the processed count is never "
+         "below 0"),
+    dict(file="vtoken/vllm_adapter/fence.py", original="self.closed: deque = deque(maxlen=4096)  # handed back, not yet "
+         "checked (kept for reports)", ops=("const",), reason="the bound only keeps an adapter without checks from "
+         "growing the deque: with checks on it is emptied at every hook, and no hook closes 4095 plans"),
+    # ---- vtoken/vllm_adapter/port.py
+    dict(file="vtoken/vllm_adapter/port.py", original="return [b.block_id for b in self.harness.pool.get_new_blocks(int(n))] "
+         "if n > 0 else []", descs=("> -> >=",), reason="vLLM's get_new_blocks(0) takes nothing and returns []"),
 ]
 # ====================================================================== mutant generation
 def snapshot(repo: Path, dest: Path) -> Path:
