@@ -60,3 +60,52 @@ def test_without_reclamation_no_change_is_kept(model):
     assert seen > 0  # requests evicted: their full-context lengths were reported
     d.drain()
     ad.close()
+
+
+class _Pool:
+    """Records what the rules drop and park (vLLM's ``evict_blocks`` / ``_remove_cached_block_hashes``)."""
+
+    def __init__(self):
+        self.evicted: list[set] = []
+
+    def evict_blocks(self, ids):
+        self.evicted.append(set(ids))
+
+    def _remove_cached_block_hashes(self, blk):
+        return [blk.block_hash]
+
+
+def _blk(b, hashed=True):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(block_id=b, block_hash=f"h{b}" if hashed else None, block_hash_num_tokens=4)
+
+
+def test_a_block_is_faithful_only_below_the_full_context_length():
+    """The second guard behind ``evict_unfaithful`` (a release or a plan's source keeps its hash
+    only if faithful): the scenarios never reach it with an unfaithful hashed block, because the
+    first guard dropped that hash already; fed directly, it must draw the line at the first
+    block holding a token computed after the eviction (a mutation campaign: an off-by-one
+    there, and f * S for f // S, survived every scenario)."""
+    rules = _rules()
+    rules.absorb({"a": 9}, {"a": 1}, processed=1)  # 9 tokens with full context, S = 4: blocks 0 and 1
+    assert rules.faithful_blocks("a") == 2 and rules.faithful_blocks("never_evicted") == float("inf")
+    assert [rules.is_faithful("a", i) for i in (-1, 0, 1, 2, 3)] == [False, True, True, False, False]
+    assert rules.is_faithful("never_evicted", 10**6) and not rules.is_faithful("never_evicted", -1)
+
+
+def test_a_release_or_a_source_keeps_its_hash_only_if_faithful():
+    from vtoken.vllm_adapter.prefix_hash import PrefixHashRules
+
+    pool, stats = _Pool(), dict(hashes_kept=0, hashes_evicted=0, source_hashes_dropped=0)
+    rules = PrefixHashRules(pool=pool, manager=None, block_size=4, stats=stats, changes=True)
+    rules.absorb({"a": 9}, {"a": 1}, processed=1)
+    rules.on_release("a", _blk(10), 1)
+    rules.on_release("a", _blk(11), 2)
+    rules.on_release("a", _blk(12, hashed=False), 3)  # no hash: nothing to keep or drop
+    assert rules.kept == [(10, "released empty, bytes untouched, full context")] and pool.evicted == [{11}]
+    assert (stats["hashes_kept"], stats["hashes_evicted"]) == (1, 1)
+    pool.evicted.clear()
+    parked = rules.park(7, "a", [_blk(20), _blk(21), _blk(22)], fills=[_blk(23)], list_index={20: 0, 21: 2})
+    assert parked == [20] and pool.evicted == [{21, 22, 23}]  # 21 unfaithful, 22 not in the list, 23 a fill
+    assert rules.parked == {7: [(20, ["h20"], 4)]} and stats["source_hashes_dropped"] == 3
