@@ -165,7 +165,8 @@ EQUIVALENT: list[dict] = [
          "growing the deque: with checks on it is emptied at every hook, and no hook closes 4095 plans"),
     # ---- vtoken/vllm_adapter/port.py
     dict(file="vtoken/vllm_adapter/port.py", original="return [b.block_id for b in self.harness.pool.get_new_blocks(int(n))] "
-         "if n > 0 else []", descs=("> -> >=",), reason="vLLM's get_new_blocks(0) takes nothing and returns []"),
+         "if n > 0 else []", descs=("> -> >=", "0 -> -1"), reason="vLLM's get_new_blocks(0) takes nothing and returns "
+         "[]: n >= 0 and n > -1 differ from n > 0 only there"),
 ]
 # ====================================================================== mutant generation
 def snapshot(repo: Path, dest: Path) -> Path:
