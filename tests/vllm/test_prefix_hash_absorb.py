@@ -109,3 +109,28 @@ def test_a_release_or_a_source_keeps_its_hash_only_if_faithful():
     parked = rules.park(7, "a", [_blk(20), _blk(21), _blk(22)], fills=[_blk(23)], list_index={20: 0, 21: 2})
     assert parked == [20] and pool.evicted == [{21, 22, 23}]  # 21 unfaithful, 22 not in the list, 23 a fill
     assert rules.parked == {7: [(20, ["h20"], 4)]} and stats["source_hashes_dropped"] == 3
+
+
+def test_forget_and_restart_clear_exactly_what_they_own():
+    """``forget``: the request's length and scan go, and it is reported changed only if it had a
+    length (the plan book re-tests what is reported); ``restart``: its scan starts over. The
+    adapter calls both around a preemption, so each hid the other's loss from the scenarios."""
+    rules = _rules()
+    rules.absorb({"a": 8}, {"a": 1, "b": 1}, processed=1)
+    rules.scanned.update(a=3, b=2)
+    rules.changed.clear()
+    rules.forget("b")  # no length reported: nothing changed for the plan book
+    assert rules.changed == set() and "b" not in rules.scanned
+    rules.forget("a")
+    assert rules.changed == {"a"} and rules.faithful == {} and rules.scanned == {}
+    rules.scanned["c"] = 5
+    rules.restart("c")
+    assert "c" not in rules.scanned
+
+
+def test_a_length_is_not_absorbed_for_a_request_with_no_current_list():
+    """The worker still reports a request the scheduler side has let go (finished or preempted
+    in this very update): no list, no length (it would never be forgotten again)."""
+    rules = _rules()
+    rules.absorb({"gone": 8, "a": 4}, {"a": 1}, processed=3)
+    assert rules.faithful == {"a": 4} and rules.changed == {"a"}
