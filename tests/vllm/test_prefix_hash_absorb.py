@@ -134,3 +134,32 @@ def test_a_length_is_not_absorbed_for_a_request_with_no_current_list():
     rules = _rules()
     rules.absorb({"gone": 8, "a": 4}, {"a": 1}, processed=3)
     assert rules.faithful == {"a": 4} and rules.changed == {"a"}
+
+
+def test_the_first_guard_drops_each_unfaithful_hash_as_vllm_caches_its_block():
+    """``evict_unfaithful_grown``: a block of a request that evicted loses its hash as soon as
+    vLLM caches it (its cached count passes what was scanned) if it lies at or past the
+    full-context length; faithful, shared and null blocks keep theirs; the rest of the list
+    at the request's end (``upto``)."""
+    from types import SimpleNamespace
+
+    from vtoken.vllm_adapter.prefix_hash import PrefixHashRules
+
+    def blk(b, ref_cnt=1):
+        return SimpleNamespace(block_id=b, block_hash=f"h{b}", ref_cnt=ref_cnt, is_null=False)
+
+    pool, manager = _Pool(), SimpleNamespace(num_cached_block={})
+    stats = dict(unfaithful_hashes_evicted=0)
+    rules = PrefixHashRules(pool=pool, manager=manager, block_size=4, stats=stats, changes=True)
+    lists = {"a": [blk(0), blk(1), blk(2), blk(3, ref_cnt=2), blk(4), blk(5)], "b": [blk(9)]}
+    rules.absorb({"a": 9, "b": 3}, {"a": 1, "b": 1}, processed=1)  # a: blocks 0-1 faithful; b: none
+    manager.num_cached_block.update(a=3, b=1)
+    rules.evict_unfaithful_grown(lists)
+    assert pool.evicted == [{2}, {9}]  # a's block 2 (cached, past 9 // 4); b's first block, cached once
+    manager.num_cached_block["a"] = 5
+    rules.evict_unfaithful_grown(lists)
+    assert pool.evicted[2:] == [{4}]  # block 3 is shared (another request's prefix hit): not ours to drop
+    rules.evict_unfaithful_grown(lists)
+    assert len(pool.evicted) == 3  # nothing new cached: nothing scanned again
+    rules.evict_unfaithful("a", lists["a"], upto=1 << 30)  # the request ends: the rest of its list
+    assert pool.evicted[3:] == [{5}] and stats["unfaithful_hashes_evicted"] == 4
