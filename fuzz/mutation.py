@@ -163,6 +163,22 @@ EQUIVALENT: list[dict] = [
     dict(file="vtoken/vllm_adapter/fence.py", original="self.closed: deque = deque(maxlen=4096)  # handed back, not yet "
          "checked (kept for reports)", ops=("const",), reason="the bound only keeps an adapter without checks from "
          "growing the deque: with checks on it is emptied at every hook, and no hook closes 4095 plans"),
+    # ---- vtoken/vllm_adapter/prefix_hash.py (the prefix-hash rules)
+    dict(file="vtoken/vllm_adapter/prefix_hash.py", original="def __init__(self, pool, manager, block_size: int, "
+         "stats: dict, enabled: bool = True, changes: bool = False):", ops=("const",),
+         reason="defaults only: the adapter, the one caller outside the tests, passes both"),
+    dict(file="vtoken/vllm_adapter/prefix_hash.py", original="late = 1 << 62", descs=("1 -> 2", "62 -> 63", "62 -> 61"),
+         reason="any value above every step count: a request with no current list is never shown (0 is not: "
+         "test_a_length_is_not_absorbed_for_a_request_with_no_current_list)"),
+    dict(file="vtoken/vllm_adapter/prefix_hash.py", original="self._absorbed = dict(reported) if len(new) == "
+         "len(reported) else None", ops=("delete",), reason="the equal-report shortcut only: without it every "
+         "report is absorbed in full, to the same lengths"),
+    dict(file="vtoken/vllm_adapter/prefix_hash.py", original="if cached.get(r, 0) > scanned.get(r, 0):",
+         descs=("> -> >=", "0 -> 1", "0 -> -1"), reason="a scan with nothing newly cached drops nothing (its "
+         "window [max(scanned, f // S), cached) is empty), and the mark it leaves, max(scanned, f // S), is where "
+         "the next scan would start anyway; "
+         "'0 -> 1' on the scanned side is not equivalent (a request cached once would wait a block) and is "
+         "killed by test_the_first_guard_drops_each_unfaithful_hash_as_vllm_caches_its_block"),
     # ---- vtoken/vllm_adapter/port.py
     dict(file="vtoken/vllm_adapter/port.py", original="return [b.block_id for b in self.harness.pool.get_new_blocks(int(n))] "
          "if n > 0 else []", descs=("> -> >=", "0 -> -1"), reason="vLLM's get_new_blocks(0) takes nothing and returns "
