@@ -179,6 +179,13 @@ EQUIVALENT: list[dict] = [
          "the next scan would start anyway; "
          "'0 -> 1' on the scanned side is not equivalent (a request cached once would wait a block) and is "
          "killed by test_the_first_guard_drops_each_unfaithful_hash_as_vllm_caches_its_block"),
+    dict(file="vtoken/vllm_adapter/prefix_hash.py", original="end = min(end, self.manager.num_cached_block.get(r, 0))",
+         descs=("0 -> 1", "0 -> -1"), reason="reached only without upto, from evict_unfaithful_grown, which calls it "
+         "only for a request vLLM counts cached blocks for (cached.get(r, 0) > scanned): the default is never read"),
+    dict(file="vtoken/vllm_adapter/prefix_hash.py", original="start = max(self.scanned.get(r, 0), f // self.S)",
+         descs=("0 -> -1",), reason="f // S >= 0 bounds the start from below either way"),
+    dict(file="vtoken/vllm_adapter/prefix_hash.py", original="if not self.is_faithful(r, list_index.get(blk.block_id, -1)):",
+         descs=("1 -> 2",), reason="any negative index is outside the list: is_faithful is False for -1 and -2 alike"),
     # ---- vtoken/vllm_adapter/port.py
     dict(file="vtoken/vllm_adapter/port.py", original="return [b.block_id for b in self.harness.pool.get_new_blocks(int(n))] "
          "if n > 0 else []", descs=("> -> >=", "0 -> -1"), reason="vLLM's get_new_blocks(0) takes nothing and returns "

@@ -67,12 +67,17 @@ class _Pool:
 
     def __init__(self):
         self.evicted: list[set] = []
+        self.inserted: list[tuple] = []  # (hash, block id, num_tokens) put back
+        self.blocks: dict = {}  # block id -> block, for restore
 
     def evict_blocks(self, ids):
         self.evicted.append(set(ids))
 
     def _remove_cached_block_hashes(self, blk):
         return [blk.block_hash]
+
+    def _insert_block_hash(self, h, blk, n):
+        self.inserted.append((h, blk.block_id, n))
 
 
 def _blk(b, hashed=True):
@@ -109,6 +114,17 @@ def test_a_release_or_a_source_keeps_its_hash_only_if_faithful():
     parked = rules.park(7, "a", [_blk(20), _blk(21), _blk(22)], fills=[_blk(23)], list_index={20: 0, 21: 2})
     assert parked == [20] and pool.evicted == [{21, 22, 23}]  # 21 unfaithful, 22 not in the list, 23 a fill
     assert rules.parked == {7: [(20, ["h20"], 4)]} and stats["source_hashes_dropped"] == 3
+    assert stats["source_hashes_parked"] == 1
+    pool.blocks[20] = _blk(20, hashed=False)  # out of vLLM's map while it flew
+    rules.restore(7)  # the plan ended, the source goes back to the pool: its hash with it
+    assert pool.inserted == [("h20", 20, 4)] and rules.parked == {} and stats["source_hashes_restored"] == 1
+    rules.park(8, "a", [_blk(30)], fills=[], list_index={30: 0})
+    rules.unpark(8)  # an aborted copy: the source stays with its request, held, hashless
+    rules.restore(8)
+    assert rules.parked == {} and pool.inserted == [("h20", 20, 4)]
+    rules.park(9, "a", [_blk(31)], fills=[], list_index={31: 1})
+    rules.unpark_all()  # vLLM reset its prefix cache: nothing parked goes back
+    assert rules.parked == {}
 
 
 def test_forget_and_restart_clear_exactly_what_they_own():
