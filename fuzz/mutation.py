@@ -174,11 +174,11 @@ EQUIVALENT: list[dict] = [
          "len(reported) else None", ops=("delete",), reason="the equal-report shortcut only: without it every "
          "report is absorbed in full, to the same lengths"),
     dict(file="vtoken/vllm_adapter/prefix_hash.py", original="if cached.get(r, 0) > scanned.get(r, 0):",
-         descs=("> -> >=", "0 -> 1", "0 -> -1"), reason="a scan with nothing newly cached drops nothing (its "
+         descs=("> -> >=", "0 -> -1"), reason="a scan with nothing newly cached drops nothing (its "
          "window [max(scanned, f // S), cached) is empty), and the mark it leaves, max(scanned, f // S), is where "
-         "the next scan would start anyway; "
-         "'0 -> 1' on the scanned side is not equivalent (a request cached once would wait a block) and is "
-         "killed by test_the_first_guard_drops_each_unfaithful_hash_as_vllm_caches_its_block"),
+         "the next scan would start anyway. Not '0 -> 1': on the cached side it is equivalent too, but the match "
+         "cannot tell it from the scanned side's, which is not (a request cached once would wait a block; "
+         "test_the_first_guard_drops_each_unfaithful_hash_as_vllm_caches_its_block kills it), so it stays listed"),
     dict(file="vtoken/vllm_adapter/prefix_hash.py", original="end = min(end, self.manager.num_cached_block.get(r, 0))",
          descs=("0 -> 1", "0 -> -1"), reason="reached only without upto, from evict_unfaithful_grown, which calls it "
          "only for a request vLLM counts cached blocks for (cached.get(r, 0) > scanned): the default is never read"),
