@@ -63,7 +63,8 @@ def test_without_reclamation_no_change_is_kept(model):
 
 
 class _Pool:
-    """Records what the rules drop and park (vLLM's ``evict_blocks`` / ``_remove_cached_block_hashes``)."""
+    """Records what the rules drop, park and put back (vLLM's ``evict_blocks``,
+    ``_remove_cached_block_hashes``, ``_insert_block_hash``)."""
 
     def __init__(self):
         self.evicted: list[set] = []
@@ -155,7 +156,7 @@ def test_a_length_is_not_absorbed_for_a_request_with_no_current_list():
 def test_the_first_guard_drops_each_unfaithful_hash_as_vllm_caches_its_block():
     """``evict_unfaithful_grown``: a block of a request that evicted loses its hash as soon as
     vLLM caches it (its cached count passes what was scanned) if it lies at or past the
-    full-context length; faithful, shared and null blocks keep theirs; the rest of the list
+    full-context length; faithful and shared blocks keep theirs; the rest of the list
     at the request's end (``upto``)."""
     from types import SimpleNamespace
 
