@@ -70,10 +70,6 @@ EXAMPLE_TESTS = ("tests/test_table.py", "tests/test_planner.py", "tests/test_mut
 MACHINE_TESTS = {"vtoken/table.py": "tests/test_table_conformance.py",
                  "vtoken/planner.py": "tests/test_planner_conformance.py",
                  "vtoken/lifecycle.py": "tests/test_planner_conformance.py"}
-# the adapter's runtime checks and the copy side's refusals (issue 40 item 7): the table and
-# planner tests never import them; their own directed scenarios over the real vLLM scheduler
-# do (a plan's blocks handed over mid-copy, a corruption at each hook, the full scan's
-# timeliness, the stop window), first the fast ones. ``--files vtoken/vllm_adapter/checks.py``
 # The fence's ledger and clock and the port: their unit tests first (the scenarios reach them only
 # through a correct adapter: a ledger that stopped recording survived every scenario), then the
 # scenarios that free, fence and preempt over vLLM's scheduler. The prefix-hash rules: their
@@ -81,6 +77,10 @@ MACHINE_TESTS = {"vtoken/table.py": "tests/test_table_conformance.py",
 _FREE_SCENARIOS = ("tests/vllm/test_races_visible.py", "tests/vllm/test_adapter_checks.py",
                    "tests/vllm/test_prefix_hash_absorb.py", "tests/test_adapter_machine.py",
                    "tests/vllm/test_adapter_paths.py", "tests/vllm/test_adapter_windows.py")
+# the adapter's runtime checks and the copy side's refusals (issue 40 item 7): the table and
+# planner tests never import them; their own directed scenarios over the real vLLM scheduler
+# do (a plan's blocks handed over mid-copy, a corruption at each hook, the full scan's
+# timeliness, the stop window), first the fast ones. ``--files vtoken/vllm_adapter/checks.py``
 ADAPTER_TESTS = {"vtoken/vllm_adapter/checks.py": ("tests/vllm/test_races_visible.py",
                                                    "tests/vllm/test_adapter_windows.py",
                                                    "tests/vllm/test_adapter_checks.py"),

@@ -7,6 +7,8 @@ failure by the adapter's held blocks) not at all. Imports no vLLM."""
 from collections import Counter
 from types import SimpleNamespace
 
+from test_fence import _harness, _step  # the fence tests' stand-ins (same folder)
+
 from vtoken.vllm_adapter.fence import StepClock
 from vtoken.vllm_adapter.port import VllmPort
 
@@ -31,9 +33,9 @@ class _Pool:
 
 def _port(own: bool = True):
     cow = []
-    sched = SimpleNamespace(defer_block_free=not own, sched_step_seq=0, processed_step_seq=0,
-                            _free_cow_retained_blocks=lambda blocks, fence: cow.append(([b.block_id for b in blocks], fence)))
-    h = SimpleNamespace(scheduler=sched, pool=_Pool())
+    h = _harness(defer=not own, sched_step_seq=0, processed_step_seq=0,
+                 _free_cow_retained_blocks=lambda blocks, fence: cow.append(([b.block_id for b in blocks], fence)))
+    h.pool = _Pool()
     clock = StepClock(h)
     stats = dict(deferred_free_calls=0)
     return VllmPort(h, clock, stats), h, clock, stats, cow
@@ -41,9 +43,8 @@ def _port(own: bool = True):
 
 def _advance(clock, steps: int) -> None:
     for _ in range(steps):
-        out = SimpleNamespace(total_num_scheduled_tokens=1, num_scheduled_tokens={"a": 1})
-        clock.scheduled(out)
-        clock.processing(out)
+        clock.scheduled(_step("a"))
+        clock.processing(_step("a"))
 
 
 def test_a_fenced_free_is_at_once_when_its_step_was_processed_else_at_the_drain_that_reaches_it():

@@ -10,10 +10,11 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 
-def _rules():
+def _rules(pool=None, manager=None, stats=None):
     from vtoken.vllm_adapter.prefix_hash import PrefixHashRules
 
-    return PrefixHashRules(pool=None, manager=None, block_size=4, stats={}, changes=True)  # a reader keeps them
+    return PrefixHashRules(pool=pool, manager=manager, block_size=4, stats={} if stats is None else stats,
+                           changes=True)  # a reader keeps them
 
 
 def test_an_equal_report_changes_nothing_and_a_restart_is_seen():
@@ -81,10 +82,11 @@ class _Pool:
         self.inserted.append((h, blk.block_id, n))
 
 
-def _blk(b, hashed=True):
+def _blk(b, hashed=True, ref_cnt=1):
     from types import SimpleNamespace
 
-    return SimpleNamespace(block_id=b, block_hash=f"h{b}" if hashed else None, block_hash_num_tokens=4)
+    return SimpleNamespace(block_id=b, block_hash=f"h{b}" if hashed else None, block_hash_num_tokens=4,
+                           ref_cnt=ref_cnt, is_null=False)
 
 
 def test_a_block_is_faithful_only_below_the_full_context_length():
@@ -101,10 +103,8 @@ def test_a_block_is_faithful_only_below_the_full_context_length():
 
 
 def test_a_release_or_a_source_keeps_its_hash_only_if_faithful():
-    from vtoken.vllm_adapter.prefix_hash import PrefixHashRules
-
     pool, stats = _Pool(), dict(hashes_kept=0, hashes_evicted=0, source_hashes_dropped=0)
-    rules = PrefixHashRules(pool=pool, manager=None, block_size=4, stats=stats, changes=True)
+    rules = _rules(pool, stats=stats)
     rules.absorb({"a": 9}, {"a": 1}, processed=1)
     rules.on_release("a", _blk(10), 1)
     rules.on_release("a", _blk(11), 2)
@@ -160,15 +160,10 @@ def test_the_first_guard_drops_each_unfaithful_hash_as_vllm_caches_its_block():
     at the request's end (``upto``)."""
     from types import SimpleNamespace
 
-    from vtoken.vllm_adapter.prefix_hash import PrefixHashRules
-
-    def blk(b, ref_cnt=1):
-        return SimpleNamespace(block_id=b, block_hash=f"h{b}", ref_cnt=ref_cnt, is_null=False)
-
     pool, manager = _Pool(), SimpleNamespace(num_cached_block={})
     stats = dict(unfaithful_hashes_evicted=0)
-    rules = PrefixHashRules(pool=pool, manager=manager, block_size=4, stats=stats, changes=True)
-    lists = {"a": [blk(0), blk(1), blk(2), blk(3, ref_cnt=2), blk(4), blk(5)], "b": [blk(9)]}
+    rules = _rules(pool, manager, stats)
+    lists = {"a": [_blk(0), _blk(1), _blk(2), _blk(3, ref_cnt=2), _blk(4), _blk(5)], "b": [_blk(9)]}
     rules.absorb({"a": 9, "b": 3}, {"a": 1, "b": 1}, processed=1)  # a: blocks 0-1 faithful; b: none
     manager.num_cached_block.update(a=3, b=1)
     rules.evict_unfaithful_grown(lists)
